@@ -1,0 +1,131 @@
+// Python bindings of the scheduler core: numpy arrays in and out, no per-request
+// Python objects. Step arrays are C++ vectors handed to numpy without a copy.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include "block_allocator.hpp"
+#include "scheduler.hpp"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace tokenspeed {
+namespace {
+
+template <typename T>
+using InArray1D = nb::ndarray<const T, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+
+// Moves the vector onto the heap; the numpy array's capsule deletes it.
+template <typename T>
+nb::object to_numpy(std::vector<T>&& values, size_t rows, size_t cols = 0) {
+  auto* owned = new std::vector<T>(std::move(values));
+  if (owned->empty()) owned->reserve(1);  // a non-null data pointer even for [0]
+  nb::capsule owner(owned, [](void* p) noexcept { delete static_cast<std::vector<T>*>(p); });
+  if (cols == 0) return nb::cast(nb::ndarray<nb::numpy, T, nb::ndim<1>>(owned->data(), {rows}, owner));
+  return nb::cast(nb::ndarray<nb::numpy, T, nb::ndim<2>>(owned->data(), {rows, cols}, owner));
+}
+
+void add_request(Scheduler& self, int64_t req_id, InArray1D<int64_t> prompt, int32_t max_new_tokens,
+                 InArray1D<int64_t> stop_token_ids) {
+  self.add_request(req_id, prompt.data(), prompt.shape(0), max_new_tokens, stop_token_ids.data(),
+                   stop_token_ids.shape(0));
+}
+
+// None when nothing runs; otherwise the SchedulePlan fields in declaration order.
+nb::object schedule(Scheduler& self) {
+  StepPlan plan = self.schedule();
+  const size_t rows = plan.req_ids.size();
+  if (rows == 0) return nb::none();
+  const size_t tokens = plan.input_ids.size();
+  const size_t samples = plan.sample_rows.size();
+  return nb::make_tuple(to_numpy(std::move(plan.req_ids), rows),
+                        to_numpy(std::move(plan.query_lens), rows),
+                        to_numpy(std::move(plan.context_lens), rows),
+                        to_numpy(std::move(plan.input_ids), tokens),
+                        to_numpy(std::move(plan.positions), tokens),
+                        to_numpy(std::move(plan.slot_mapping), tokens),
+                        to_numpy(std::move(plan.block_tables), rows, plan.block_table_width),
+                        to_numpy(std::move(plan.sample_rows), samples));
+}
+
+nb::tuple advance(Scheduler& self, InArray1D<int64_t> sampled) {
+  StepOutcome outcome = self.advance(sampled.data(), sampled.shape(0));
+  const size_t finished = outcome.finished_req_ids.size();
+  return nb::make_tuple(to_numpy(std::move(outcome.finished_req_ids), finished),
+                        to_numpy(std::move(outcome.finish_reasons), finished));
+}
+
+template <typename F>
+auto known(const Scheduler& self, int64_t req_id, F&& query) {
+  if (!self.contains(req_id)) throw nb::key_error(("unknown request " + std::to_string(req_id)).c_str());
+  return query();
+}
+
+}  // namespace
+}  // namespace tokenspeed
+
+NB_MODULE(_scheduler_core, m) {
+  using namespace tokenspeed;
+  m.doc() = "Native scheduler core of tokenspeed-worker (request states, chunked prefill, "
+            "paged KV block allocator, preemption by recompute).";
+
+  nb::class_<Scheduler>(m, "SchedulerCore")
+      .def(
+          "__init__",
+          [](Scheduler* self, int32_t num_blocks, int32_t block_size, int32_t max_num_seqs,
+             int32_t max_model_len, int32_t token_budget, bool chunked_prefill,
+             int32_t max_prefill_tokens) {
+            new (self) Scheduler(SchedulerConfig{num_blocks, block_size, max_num_seqs, max_model_len,
+                                                 token_budget, chunked_prefill, max_prefill_tokens});
+          },
+          "num_blocks"_a, "block_size"_a, "max_num_seqs"_a, "max_model_len"_a, "token_budget"_a,
+          "chunked_prefill"_a, "max_prefill_tokens"_a)
+      .def("add_request", &add_request, "req_id"_a, "prompt_ids"_a, "max_new_tokens"_a, "stop_token_ids"_a)
+      .def("schedule", &schedule)
+      .def("advance", &advance, "sampled"_a)
+      .def("abort", &Scheduler::abort, "req_id"_a)
+      .def_prop_ro("num_waiting", &Scheduler::num_waiting)
+      .def_prop_ro("num_running", &Scheduler::num_running)
+      .def_prop_ro("num_free_blocks", &Scheduler::num_free_blocks)
+      .def_prop_ro("num_total_blocks", &Scheduler::num_total_blocks)
+      .def_prop_ro("num_used_tokens", &Scheduler::num_used_tokens)
+      .def_prop_ro("num_preemptions", &Scheduler::num_preemptions)
+      .def_prop_ro("waiting_tokens", &Scheduler::waiting_tokens)
+      .def_prop_ro("plan_outstanding", &Scheduler::plan_outstanding)
+      .def("has_work", &Scheduler::has_work)
+      .def("contains", &Scheduler::contains, "req_id"_a)
+      .def("output_len", [](const Scheduler& self, int64_t req_id) {
+        return known(self, req_id, [&] { return self.output_len(req_id); });
+      })
+      .def("token_ids", [](const Scheduler& self, int64_t req_id) {
+        return known(self, req_id, [&] {
+          std::vector<int64_t> tokens = self.token_ids(req_id);
+          const size_t n = tokens.size();
+          return to_numpy(std::move(tokens), n);
+        });
+      })
+      .def("block_ids", [](const Scheduler& self, int64_t req_id) {
+        return known(self, req_id, [&] {
+          std::vector<BlockId> blocks = self.block_ids(req_id);
+          const size_t n = blocks.size();
+          return to_numpy(std::move(blocks), n);
+        });
+      });
+
+  // The bare pool, exposed so tests can prove its misuse checks.
+  nb::class_<BlockAllocator>(m, "BlockAllocator")
+      .def(nb::init<int32_t>(), "num_blocks"_a)
+      .def_prop_ro("num_blocks", &BlockAllocator::num_blocks)
+      .def_prop_ro("num_free", &BlockAllocator::num_free)
+      .def("allocate", &BlockAllocator::allocate)
+      .def("share", &BlockAllocator::share, "block"_a)
+      .def("release", &BlockAllocator::release, "block"_a)
+      .def("ref_count", &BlockAllocator::ref_count, "block"_a);
+
+  m.attr("FINISH_STOP") = static_cast<int32_t>(FinishReason::kStop);
+  m.attr("FINISH_LENGTH") = static_cast<int32_t>(FinishReason::kLength);
+}

@@ -1,0 +1,261 @@
+// Continuous batching over a paged KV cache; see scheduler.hpp for the step order.
+#include "scheduler.hpp"
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+namespace tokenspeed {
+
+namespace {
+void require(bool ok, const std::string& message) {
+  if (!ok) throw std::invalid_argument(message);
+}
+}  // namespace
+
+Scheduler::Scheduler(const SchedulerConfig& config)
+    : config_(config), allocator_(std::max(config.num_blocks, 1)) {
+  require(config.num_blocks >= 1, "num_blocks must be >= 1");
+  require(config.block_size >= 1, "block_size must be >= 1");
+  require(config.max_num_seqs >= 1, "max_num_seqs must be >= 1");
+  require(config.max_model_len >= 2, "max_model_len must be >= 2");
+  require(config.token_budget >= 1, "token_budget must be >= 1");
+  require(config.chunked_prefill || config.max_prefill_tokens >= 1,
+          "max_prefill_tokens must be >= 1 when chunked prefill is disabled");
+}
+
+void Scheduler::add_request(int64_t req_id, const int64_t* prompt, size_t prompt_len,
+                            int32_t max_new_tokens, const int64_t* stop_token_ids,
+                            size_t num_stop) {
+  const std::string name = "request " + std::to_string(req_id) + ": ";
+  require(!contains(req_id), name + "duplicate request id");
+  require(prompt_len >= 1, name + "empty prompt");
+  require(max_new_tokens >= 1, name + "max_new_tokens must be >= 1, got " + std::to_string(max_new_tokens));
+  const int64_t total = static_cast<int64_t>(prompt_len) + max_new_tokens;
+  require(total <= config_.max_model_len,
+          name + "prompt (" + std::to_string(prompt_len) + " tokens) + max_new_tokens (" +
+              std::to_string(max_new_tokens) + ") exceeds max_model_len " +
+              std::to_string(config_.max_model_len));
+  require(blocks_for(total) <= allocator_.num_blocks(),
+          name + "prompt + max_new_tokens = " + std::to_string(total) + " tokens need " +
+              std::to_string(blocks_for(total)) + " blocks, more than the whole KV pool (" +
+              std::to_string(allocator_.num_blocks()) + " blocks of " +
+              std::to_string(config_.block_size) + ")");
+  auto request = std::make_unique<Request>(
+      req_id, std::vector<int64_t>(prompt, prompt + prompt_len), max_new_tokens,
+      std::vector<int64_t>(stop_token_ids, stop_token_ids + num_stop));
+  waiting_.push_back(request.get());
+  requests_.emplace(req_id, std::move(request));
+}
+
+StepPlan Scheduler::schedule() {
+  if (plan_outstanding_)
+    throw std::runtime_error("schedule() called again before advance() consumed the last plan");
+  std::vector<ScheduledRow> rows;
+  rows.reserve(running_.size() + 8);
+  const int64_t preemptions_before = num_preemptions_;
+  schedule_decodes(rows);
+  // Decode rows are never starved: they may use up (even exceed) the budget.
+  int32_t budget = config_.token_budget - static_cast<int32_t>(rows.size());
+  budget = schedule_prefill_continuations(rows, budget);
+  // After a preemption the pool is short: admitting now would only thrash.
+  if (num_preemptions_ == preemptions_before) schedule_admissions(rows, budget);
+
+  StepPlan plan = build_plan(rows);
+  in_flight_ = std::move(rows);
+  plan_outstanding_ = !in_flight_.empty();
+  advance_allowed_ = true;
+  return plan;
+}
+
+void Scheduler::schedule_decodes(std::vector<ScheduledRow>& rows) {
+  // Victims come from the back (newest), so indices before i are never disturbed.
+  for (size_t i = 0; i < running_.size(); ++i) {
+    Request* request = running_[i];
+    if (!request->is_decoding()) continue;
+    const int32_t needed = blocks_for(request->num_tokens());
+    bool preempted_self = false;
+    while (request->blocks()->size() + allocator_.num_free() < needed) {
+      preempted_self = running_.back() == request;
+      preempt_newest();
+      if (preempted_self) break;
+    }
+    if (preempted_self) break;  // it was the newest: nothing after it remains
+    request->blocks()->grow_to(needed);
+    rows.push_back({request, 1, true});
+  }
+}
+
+int32_t Scheduler::schedule_prefill_continuations(std::vector<ScheduledRow>& rows, int32_t budget) {
+  for (size_t i = 0; i < running_.size() && budget > 0; ++i) {
+    Request* request = running_[i];
+    if (!request->is_prefilling()) continue;
+    const int32_t context = request->num_computed();
+    const int32_t block_size = config_.block_size;
+    auto capacity = [&] {
+      return (request->blocks()->size() + allocator_.num_free()) * block_size - context;
+    };
+    // Out of blocks: preempt newer requests that are not in this plan yet (newer
+    // prefills). A decoding request at the back is already scheduled; then wait.
+    while (capacity() <= 0 && running_.back() != request && running_.back()->is_prefilling())
+      preempt_newest();
+    int32_t chunk = std::min({request->num_uncomputed(), budget, capacity()});
+    if (!config_.chunked_prefill && chunk < request->num_uncomputed()) chunk = 0;
+    if (chunk <= 0) continue;
+    request->blocks()->grow_to(blocks_for(context + chunk));
+    rows.push_back({request, chunk, chunk == request->num_uncomputed()});
+    budget -= chunk;
+  }
+  return budget;
+}
+
+void Scheduler::schedule_admissions(std::vector<ScheduledRow>& rows, int32_t budget) {
+  int64_t prefill_tokens = 0;  // admitted this step (whole prompts when not chunking)
+  while (!waiting_.empty() && num_running() < config_.max_num_seqs) {
+    Request* request = waiting_.front();
+    const int32_t uncomputed = request->num_uncomputed();
+    int32_t chunk;
+    if (config_.chunked_prefill) {
+      if (budget <= 0) break;
+      chunk = std::min(uncomputed, budget);
+    } else {
+      // Whole prompts up to max_prefill_tokens; a larger one still goes alone.
+      if (prefill_tokens > 0 && prefill_tokens + uncomputed > config_.max_prefill_tokens) break;
+      chunk = uncomputed;
+    }
+    const int32_t needed = blocks_for(chunk);
+    if (needed > allocator_.num_free()) break;
+    BlockTable blocks(allocator_);
+    blocks.grow_to(needed);
+    waiting_.pop_front();
+    request->admit(std::move(blocks));
+    running_.push_back(request);
+    rows.push_back({request, chunk, chunk == uncomputed});
+    budget -= chunk;
+    prefill_tokens += chunk;
+  }
+}
+
+void Scheduler::preempt_newest() {
+  Request* victim = running_.back();
+  running_.pop_back();
+  victim->preempt();
+  waiting_.push_front(victim);
+  ++num_preemptions_;
+}
+
+StepPlan Scheduler::build_plan(const std::vector<ScheduledRow>& rows) const {
+  StepPlan plan;
+  const size_t num_rows = rows.size();
+  size_t num_tokens = 0;
+  int32_t width = 1;
+  for (const ScheduledRow& row : rows) {
+    num_tokens += row.query_len;
+    width = std::max(width, row.request->blocks()->size());
+  }
+  plan.req_ids.reserve(num_rows);
+  plan.query_lens.reserve(num_rows);
+  plan.context_lens.reserve(num_rows);
+  plan.input_ids.reserve(num_tokens);
+  plan.positions.reserve(num_tokens);
+  plan.slot_mapping.reserve(num_tokens);
+  plan.block_tables.assign(num_rows * width, 0);
+  plan.block_table_width = width;
+
+  const int64_t block_size = config_.block_size;
+  for (size_t b = 0; b < num_rows; ++b) {
+    const Request& request = *rows[b].request;
+    const std::vector<BlockId>& blocks = request.blocks()->ids();
+    const int32_t context = request.num_computed();
+    plan.req_ids.push_back(request.id());
+    plan.query_lens.push_back(rows[b].query_len);
+    plan.context_lens.push_back(context);
+    for (int32_t pos = context; pos < context + rows[b].query_len; ++pos) {
+      plan.input_ids.push_back(request.tokens()[pos]);
+      plan.positions.push_back(pos);
+      plan.slot_mapping.push_back(blocks[pos / block_size] * block_size + pos % block_size);
+    }
+    std::copy(blocks.begin(), blocks.end(), plan.block_tables.begin() + b * width);
+    if (rows[b].samples) plan.sample_rows.push_back(static_cast<int32_t>(b));
+  }
+  return plan;
+}
+
+StepOutcome Scheduler::advance(const int64_t* sampled, size_t num_sampled) {
+  size_t num_sampling = 0;
+  for (const ScheduledRow& row : in_flight_) num_sampling += row.samples;
+  if (!advance_allowed_)
+    throw std::runtime_error("advance() called without a plan to consume; call schedule() first");
+  if (num_sampled != num_sampling)
+    throw std::invalid_argument("advance() got " + std::to_string(num_sampled) +
+                                " sampled tokens, the plan has " + std::to_string(num_sampling) +
+                                " sample rows");
+  StepOutcome outcome;
+  size_t next_sample = 0;
+  for (const ScheduledRow& row : in_flight_) {
+    const int64_t token = row.samples ? sampled[next_sample++] : 0;
+    Request* request = row.request;
+    if (request == nullptr) continue;  // aborted after schedule(): its token is dropped
+    request->record_computed(row.query_len);
+    if (!row.samples) continue;
+    const FinishReason reason = request->append_sampled(token);
+    if (reason == FinishReason::kNone) continue;
+    outcome.finished_req_ids.push_back(request->id());
+    outcome.finish_reasons.push_back(static_cast<int32_t>(reason));
+    remove_running(request);
+    requests_.erase(request->id());
+  }
+  in_flight_.clear();
+  plan_outstanding_ = false;
+  advance_allowed_ = false;
+  return outcome;
+}
+
+bool Scheduler::abort(int64_t req_id) {
+  auto it = requests_.find(req_id);
+  if (it == requests_.end()) return false;
+  Request* request = it->second.get();
+  for (ScheduledRow& row : in_flight_) {
+    if (row.request == request) row.request = nullptr;
+  }
+  if (request->is_waiting()) {
+    waiting_.erase(std::find(waiting_.begin(), waiting_.end(), request));
+  } else {
+    remove_running(request);
+  }
+  requests_.erase(it);  // destroys the request, and with it its blocks
+  return true;
+}
+
+void Scheduler::remove_running(Request* request) {
+  running_.erase(std::find(running_.begin(), running_.end(), request));
+}
+
+int64_t Scheduler::num_used_tokens() const {
+  int64_t used = 0;
+  for (const Request* request : running_) used += request->num_computed();
+  return used;
+}
+
+int64_t Scheduler::waiting_tokens() const {
+  int64_t tokens = 0;
+  for (const Request* request : waiting_) tokens += request->num_uncomputed();
+  return tokens;
+}
+
+const Request& Scheduler::find(int64_t req_id) const {
+  auto it = requests_.find(req_id);
+  if (it == requests_.end()) throw std::out_of_range("unknown request " + std::to_string(req_id));
+  return *it->second;
+}
+
+int32_t Scheduler::output_len(int64_t req_id) const { return find(req_id).output_len(); }
+
+const std::vector<int64_t>& Scheduler::token_ids(int64_t req_id) const { return find(req_id).tokens(); }
+
+std::vector<BlockId> Scheduler::block_ids(int64_t req_id) const {
+  const BlockTable* blocks = find(req_id).blocks();
+  return blocks ? blocks->ids() : std::vector<BlockId>{};
+}
+
+}  // namespace tokenspeed

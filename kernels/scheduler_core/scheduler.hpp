@@ -1,0 +1,109 @@
+// Continuous batching over a paged KV cache: which requests compute which tokens in
+// the next step, and into which slots their K/V go.
+//
+// One step fills in this order:
+//   1. every decoding request gets one token (preempting the newest running request,
+//      by recompute, when a block boundary needs a block the pool does not have);
+//   2. requests mid-prefill continue with their next chunk;
+//   3. waiting requests are admitted in FIFO order (no skipping ahead) while there is
+//      room in max_num_seqs, the token budget and the pool.
+// schedule() hands out a StepPlan; advance() takes the tokens sampled for it.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <unordered_map>
+#include <vector>
+
+#include "block_allocator.hpp"
+#include "request.hpp"
+
+namespace tokenspeed {
+
+struct SchedulerConfig {
+  int32_t num_blocks;
+  int32_t block_size;
+  int32_t max_num_seqs;        // most running (admitted) requests
+  int32_t max_model_len;       // prompt + output tokens of one request
+  int32_t token_budget;        // tokens computed per step when chunking (--chunked-prefill-size)
+  bool chunked_prefill;        // false: prompts are never split
+  int32_t max_prefill_tokens;  // prefill tokens per step when not chunking
+};
+
+// Flat arrays of one step; B rows, T tokens, row-major block tables [B, width].
+struct StepPlan {
+  std::vector<int64_t> req_ids;
+  std::vector<int32_t> query_lens;
+  std::vector<int32_t> context_lens;
+  std::vector<int64_t> input_ids;
+  std::vector<int64_t> positions;
+  std::vector<int64_t> slot_mapping;
+  std::vector<int32_t> block_tables;
+  int32_t block_table_width = 0;
+  std::vector<int32_t> sample_rows;
+};
+
+struct StepOutcome {
+  std::vector<int64_t> finished_req_ids;
+  std::vector<int32_t> finish_reasons;
+};
+
+class Scheduler {
+ public:
+  explicit Scheduler(const SchedulerConfig& config);
+
+  // Throws std::invalid_argument (ValueError) for a request that can never run.
+  void add_request(int64_t req_id, const int64_t* prompt, size_t prompt_len,
+                   int32_t max_new_tokens, const int64_t* stop_token_ids, size_t num_stop);
+  StepPlan schedule();
+  StepOutcome advance(const int64_t* sampled, size_t num_sampled);
+  bool abort(int64_t req_id);
+
+  int32_t num_waiting() const { return static_cast<int32_t>(waiting_.size()); }
+  int32_t num_running() const { return static_cast<int32_t>(running_.size()); }
+  int32_t num_free_blocks() const { return allocator_.num_free(); }
+  int32_t num_total_blocks() const { return allocator_.num_blocks(); }
+  int64_t num_used_tokens() const;
+  int64_t num_preemptions() const { return num_preemptions_; }
+  int64_t waiting_tokens() const;
+  bool has_work() const { return !waiting_.empty() || !running_.empty(); }
+  bool contains(int64_t req_id) const { return requests_.count(req_id) != 0; }
+  bool plan_outstanding() const { return plan_outstanding_; }
+  // Per-request queries; throw std::out_of_range for an unknown id.
+  int32_t output_len(int64_t req_id) const;
+  const std::vector<int64_t>& token_ids(int64_t req_id) const;
+  std::vector<BlockId> block_ids(int64_t req_id) const;
+  const SchedulerConfig& config() const { return config_; }
+
+ private:
+  struct ScheduledRow {
+    Request* request;  // null once aborted between schedule() and advance()
+    int32_t query_len;
+    bool samples;
+  };
+
+  int32_t blocks_for(int64_t num_tokens) const {
+    return static_cast<int32_t>((num_tokens + config_.block_size - 1) / config_.block_size);
+  }
+  const Request& find(int64_t req_id) const;
+  void schedule_decodes(std::vector<ScheduledRow>& rows);
+  int32_t schedule_prefill_continuations(std::vector<ScheduledRow>& rows, int32_t budget);
+  void schedule_admissions(std::vector<ScheduledRow>& rows, int32_t budget);
+  void preempt_newest();
+  StepPlan build_plan(const std::vector<ScheduledRow>& rows) const;
+  void remove_running(Request* request);
+
+  SchedulerConfig config_;
+  // Declared first so it is destroyed last, after every request returned its blocks.
+  BlockAllocator allocator_;
+  std::unordered_map<int64_t, std::unique_ptr<Request>> requests_;
+  std::deque<Request*> waiting_;
+  std::vector<Request*> running_;  // in admission order: the back is the newest
+  std::vector<ScheduledRow> in_flight_;
+  bool plan_outstanding_ = false;  // a non-empty plan awaits advance()
+  bool advance_allowed_ = false;   // schedule() ran and advance() has not consumed it
+  int64_t num_preemptions_ = 0;
+};
+
+}  // namespace tokenspeed

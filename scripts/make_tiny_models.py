@@ -1,0 +1,183 @@
+"""Make tiny random-weight Hugging Face models (with real BPE tokenizers) for tests.
+
+Each model is a plain folder as `save_pretrained` writes it: config.json,
+safetensors weights, generation_config.json, tokenizer.json and
+tokenizer_config.json (bos/eos and a small chat template). Weights and the
+tokenizer come from fixed seeds and fixed local text, so every run makes the
+same models. Making them is idempotent: a finished folder is left alone.
+
+    python scripts/make_tiny_models.py [out_dir]      # default: .cache/tiny_models
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import shutil
+import sys
+import sysconfig
+import tempfile
+from pathlib import Path
+
+VOCAB_SIZE = 512
+MAX_POSITIONS = 512
+BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+COMMON = dict(
+    vocab_size=VOCAB_SIZE,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=MAX_POSITIONS,
+    rms_norm_eps=1e-6,
+    bos_token_id=0,
+    eos_token_id=1,
+    pad_token_id=2,
+)
+
+# name -> (architecture, extra config, save_pretrained kwargs)
+SPECS: dict[str, tuple[str, dict, dict]] = {
+    "llama-gqa-tied": (
+        "LlamaForCausalLM",
+        dict(
+            tie_word_embeddings=True,
+            # original_max_position_embeddings is small so llama3 scaling touches
+            # low, medium and high frequencies of a 16-wide head.
+            rope_parameters=dict(
+                rope_type="llama3",
+                rope_theta=10000.0,
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=64,
+            ),
+        ),
+        {},
+    ),
+    "qwen2-bias": ("Qwen2ForCausalLM", dict(tie_word_embeddings=False), {}),
+    "qwen3-qknorm": ("Qwen3ForCausalLM", dict(tie_word_embeddings=False, head_dim=32), {}),
+    # Same architecture as qwen3-qknorm, saved in many shards with an index file.
+    "qwen3-sharded": ("Qwen3ForCausalLM", dict(tie_word_embeddings=False, head_dim=32), dict(max_shard_size="100KB")),
+}
+SEEDS = {"llama-gqa-tied": 1, "qwen2-bias": 2, "qwen3-qknorm": 3, "qwen3-sharded": 3}
+
+
+def _training_text(max_bytes: int = 2_000_000) -> list[str]:
+    """Python source from the standard library: local, fixed, plenty of text."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    texts, total = [], 0
+    for path in sorted(glob.glob(str(stdlib / "*.py"))):
+        text = Path(path).read_text(encoding="utf-8", errors="ignore")
+        texts.append(text)
+        total += len(text)
+        if total >= max_bytes:
+            break
+    return texts
+
+
+def make_tokenizer():
+    """A byte-level BPE with exactly VOCAB_SIZE tokens, wrapped for save_pretrained."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=[BOS, EOS, PAD, IM_START, IM_END],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_training_text(), trainer=trainer)
+    assert tokenizer.get_vocab_size() == VOCAB_SIZE, tokenizer.get_vocab_size()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token=BOS, eos_token=EOS, pad_token=PAD, model_max_length=MAX_POSITIONS
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def make_model(name: str, out: Path, tokenizer) -> None:
+    import torch
+    import transformers
+    from transformers import GenerationConfig
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+    arch, extra, save_kwargs = SPECS[name]
+    config_cls = {
+        "LlamaForCausalLM": transformers.LlamaConfig,
+        "Qwen2ForCausalLM": transformers.Qwen2Config,
+        "Qwen3ForCausalLM": transformers.Qwen3Config,
+    }[arch]
+    config = config_cls(**COMMON, **extra)
+    config.architectures = [arch]
+    torch.manual_seed(SEEDS[name])
+    model = getattr(transformers, arch)(config).to(torch.float32)
+    # Random init gives zero biases and unit norms; perturb them so tests see them.
+    with torch.no_grad():
+        for pname, param in model.named_parameters():
+            if pname.endswith(".bias") or "norm" in pname:
+                param.add_(torch.randn_like(param) * 0.1)
+    model.config.dtype = "float32"
+    model.save_pretrained(out, safe_serialization=True, **save_kwargs)
+    GenerationConfig(bos_token_id=0, eos_token_id=1, pad_token_id=2, do_sample=False).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    # transformers 5 writes the template to chat_template.jinja; other readers
+    # (the gateway among them) look for it in tokenizer_config.json, so put it there too.
+    tok_config_path = out / "tokenizer_config.json"
+    tok_config = json.loads(tok_config_path.read_text())
+    tok_config["chat_template"] = CHAT_TEMPLATE
+    tok_config_path.write_text(json.dumps(tok_config, indent=2) + "\n")
+
+
+def _is_complete(path: Path) -> bool:
+    has_weights = (path / "model.safetensors").exists() or (path / "model.safetensors.index.json").exists()
+    return has_weights and (path / "config.json").exists() and (path / "tokenizer.json").exists()
+
+
+def make_all(out_dir: str | os.PathLike) -> dict[str, Path]:
+    """Make every tiny model under out_dir (skipping finished ones); name -> folder."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {name: out_dir / name for name in SPECS}
+    missing = [name for name, path in paths.items() if not _is_complete(path)]
+    if missing:
+        tokenizer = make_tokenizer()
+        for name in missing:
+            # Build in a temporary folder and rename, so a crash or a concurrent
+            # maker never leaves a half-written model that looks finished.
+            tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=out_dir))
+            make_model(name, tmp, tokenizer)
+            try:
+                os.rename(tmp, paths[name])
+            except OSError:  # someone else finished it first
+                shutil.rmtree(tmp, ignore_errors=True)
+    return paths
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    default = Path(__file__).resolve().parent.parent / ".cache" / "tiny_models"
+    parser.add_argument("out_dir", nargs="?", default=str(default), help=f"where to put the models (default {default})")
+    args = parser.parse_args(argv)
+    for name, path in make_all(args.out_dir).items():
+        print(f"{name}: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

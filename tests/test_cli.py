@@ -1,0 +1,496 @@
+"""Command line and --config of tokenspeed-worker: parsing, validation, the not-supported-yet
+table, `--help`, and docs/parameters.md kept in sync with `ServerArgs`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import textwrap
+import time
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tokenspeed_worker import cli, config
+from tokenspeed_worker.config import OPTIONS, OPTIONS_BY_DEST, ServerArgs, Status
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DOCS = REPO_ROOT / "docs" / "parameters.md"
+
+
+@pytest.fixture(autouse=True)
+def no_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Resolve `--device auto` as on a CPU-only machine, without importing torch."""
+    monkeypatch.setattr(config, "_cuda_available", lambda: False)
+
+
+def parse(*argv: str) -> ServerArgs:
+    return config.parse_args(list(argv))
+
+
+def parse_error(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    """The error line of a parse that must exit with status 2."""
+    with pytest.raises(SystemExit) as exc_info:
+        config.parse_args(list(argv))
+    assert exc_info.value.code == 2
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def write_yaml(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "worker.yaml"
+    path.write_text(textwrap.dedent(text))
+    return str(path)
+
+
+# --------------------------------------------------------------------------- model and port
+
+
+def test_positional_model_and_model_flag_are_equivalent() -> None:
+    assert parse("/models/a").model == "/models/a"
+    assert parse("--model", "/models/a").model == "/models/a"
+    assert parse("--model-path", "/models/a").model == "/models/a"
+    assert parse("/models/a", "--model", "/models/a").model == "/models/a"
+
+
+def test_positional_and_model_flag_that_differ_are_an_error(capsys: pytest.CaptureFixture[str]) -> None:
+    line = parse_error(capsys, "/models/a", "--model", "/models/b")
+    assert "--model" in line and "differ" in line
+
+
+def test_missing_model_is_an_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert "a model is required" in parse_error(capsys, "--grpc-port", "50052")
+
+
+def test_tokenizer_and_served_model_name_default_to_the_model_path() -> None:
+    args = parse("/models/a")
+    assert args.tokenizer == "/models/a"
+    assert args.served_model_name == "/models/a"
+    args = parse("/models/a", "--tokenizer", "/tok", "--served-model-name", "qwen")
+    assert (args.tokenizer, args.served_model_name) == ("/tok", "qwen")
+
+
+def test_port_is_an_alias_of_grpc_port() -> None:
+    assert parse("/m").grpc_port == 50051
+    assert parse("/m", "--port", "6000").grpc_port == 6000
+    assert parse("/m", "--grpc-port", "6001").grpc_port == 6001
+
+
+@pytest.mark.parametrize("port", ["0", "70000", "http"])
+def test_invalid_port_names_the_flag(capsys: pytest.CaptureFixture[str], port: str) -> None:
+    assert "argument --grpc-port/--port" in parse_error(capsys, "/m", "--port", port)
+
+
+def test_host_defaults_to_loopback() -> None:
+    assert parse("/m").host == "127.0.0.1"
+    assert parse("/m", "--host", "0.0.0.0").host == "0.0.0.0"
+
+
+# --------------------------------------------------------------------------- working flags
+
+
+@pytest.mark.parametrize(
+    ("given", "canonical"),
+    [
+        ("auto", "auto"),
+        ("bfloat16", "bfloat16"),
+        ("bf16", "bfloat16"),
+        ("float16", "float16"),
+        ("half", "float16"),
+        ("float32", "float32"),
+        ("float", "float32"),
+        ("BF16", "bfloat16"),
+    ],
+)
+def test_dtype_aliases_resolve_to_torch_names(given: str, canonical: str) -> None:
+    assert parse("/m", "--dtype", given).dtype == canonical
+
+
+def test_bad_dtype_names_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    line = parse_error(capsys, "/m", "--dtype", "int8")
+    assert line.startswith("tokenspeed-worker: error: argument --dtype:")
+    assert "'int8'" in line
+
+
+def test_working_flags_parse_into_server_args() -> None:
+    args = parse(
+        "/m",
+        "--device", "cpu",
+        "--max-model-len", "4096",
+        "--max-num-seqs", "8",
+        "--max-total-tokens", "65536",
+        "--block-size", "32",
+        "--chunked-prefill-size", "-1",
+        "--max-prefill-tokens", "2048",
+        "--load-format", "dummy",
+        "--attention-backend", "torch",
+        "--log-level", "DEBUG",
+        "--gpu-memory-utilization", "0.5",
+        "--seed", "7",
+    )  # fmt: skip
+    assert args.device == "cpu"
+    assert args.max_model_len == 4096
+    assert args.max_num_seqs == 8
+    assert args.max_total_tokens == 65536
+    assert args.block_size == 32
+    assert args.chunked_prefill_size == -1
+    assert args.max_prefill_tokens == 2048
+    assert args.load_format == "dummy"
+    assert args.attention_backend == "torch"
+    assert args.log_level == "debug"
+    assert args.gpu_memory_utilization == 0.5
+    assert args.seed == 7
+    config.check_supported(args)
+
+
+def test_defaults_match_the_documented_values() -> None:
+    args = parse("/m")
+    assert args.dtype == "auto"
+    assert args.max_model_len is None  # the engine takes it from the model config
+    assert args.max_num_seqs == 256
+    assert args.max_total_tokens is None  # sized automatically
+    assert args.block_size == 16
+    assert args.chunked_prefill_size == 8192
+    assert args.max_prefill_tokens == 8192
+    assert args.load_format == "auto"
+    assert args.log_level == "info"
+    assert args.gpu_memory_utilization == 0.9
+    assert args.enable_prefix_caching is True
+    assert args.seed == 0
+
+
+def test_aliases_from_peer_engines() -> None:
+    assert parse("/m", "--context-length", "2048").max_model_len == 2048
+    assert parse("/m", "--random-seed", "3").seed == 3
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["--max-num-seqs", "0"], "--max-num-seqs"),
+        (["--block-size", "-4"], "--block-size"),
+        (["--max-model-len", "x"], "--max-model-len"),
+        (["--max-total-tokens", "0"], "--max-total-tokens"),
+        (["--chunked-prefill-size", "0"], "--chunked-prefill-size"),
+        (["--max-prefill-tokens", "0"], "--max-prefill-tokens"),
+        (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
+        (["--log-level", "loud"], "--log-level"),
+        (["--device", "tpu"], "--device"),
+        (["--load-format", "gguf"], "--load-format"),
+        (["--seed", "-1"], "--seed"),
+    ],
+)
+def test_invalid_values_name_the_flag(capsys: pytest.CaptureFixture[str], argv: list[str], flag: str) -> None:
+    line = parse_error(capsys, "/m", *argv)
+    assert line.startswith("tokenspeed-worker: error: argument " + flag)
+
+
+def test_device_auto_resolves_to_cpu_without_cuda() -> None:
+    assert parse("/m").device == "cpu"
+
+
+def test_device_auto_resolves_to_cuda_when_available(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(config, "_cuda_available", lambda: True)
+    assert parse("/m").device == "cuda"
+
+
+def test_device_cuda_without_cuda_is_an_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert "--device" in parse_error(capsys, "/m", "--device", "cuda")
+
+
+def test_attention_backend_defaults_to_torch() -> None:
+    assert parse("/m").attention_backend == "torch"
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--load-format", "pt"), ("--load-format", "npcache"),
+                                             ("--load-format", "extensible"), ("--attention-backend", "triton"),
+                                             ("--attention-backend", "flashinfer")])  # fmt: skip
+def test_parsed_but_unimplemented_values_are_rejected(
+    capsys: pytest.CaptureFixture[str], flag: str, value: str
+) -> None:
+    stderr = run_main_expecting_exit(capsys, "/m", flag, value)
+    assert len(stderr) == 1
+    assert stderr[0].startswith(f"tokenspeed-worker: error: {flag} {value} is not supported yet (supported: ")
+
+
+# --------------------------------------------------------------------------- --config
+
+
+def test_config_file_with_command_line_override(tmp_path: Path) -> None:
+    path = write_yaml(
+        tmp_path,
+        """
+        model: /models/from-file
+        port: 6000
+        dtype: bf16
+        max_num_seqs: 128
+        max-model-len: 1024
+        enable-prefix-caching: false
+        host: 0.0.0.0
+        """,
+    )
+    args = parse("--config", path, "--max-num-seqs", "64", "--grpc-port", "7000")
+    assert args.model == "/models/from-file"
+    assert args.max_num_seqs == 64  # command line wins
+    assert args.grpc_port == 7000  # command line wins, through the other alias
+    assert args.dtype == "bfloat16"  # validated and normalised like the flag
+    assert args.max_model_len == 1024
+    assert args.enable_prefix_caching is False
+    assert args.host == "0.0.0.0"
+    assert args.config == path
+    config.check_supported(args)
+
+
+def test_positional_model_wins_over_config_model(tmp_path: Path) -> None:
+    path = write_yaml(tmp_path, "model: /models/from-file\n")
+    assert parse("/models/cli", "--config", path).model == "/models/cli"
+    assert parse("--config", path, "--model", "/models/cli").model == "/models/cli"
+
+
+def test_config_lists_and_mappings(tmp_path: Path) -> None:
+    path = write_yaml(
+        tmp_path,
+        """
+        model: /m
+        cudagraph-capture-sizes: [1, 2, 4]
+        hf_overrides: {}
+        """,
+    )
+    args = parse("--config", path)
+    assert args.cudagraph_capture_sizes == [1, 2, 4]
+    assert args.hf_overrides == "{}"
+
+
+def test_config_false_for_a_plain_flag_keeps_it_off(tmp_path: Path) -> None:
+    path = write_yaml(tmp_path, "model: /m\nenforce_eager: false\n")
+    assert parse("--config", path).enforce_eager is False
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        ("model: /m\nmax-seqs: 3\n", "unknown key 'max-seqs'"),
+        ("model: /m\nenforce-eager: 1\n", "'enforce-eager' must be a YAML boolean"),
+        ("model: /m\ncudagraph-capture-sizes: 4\n", "'cudagraph-capture-sizes' must be a non-empty YAML list"),
+        ("model: /m\nmax-num-seqs: true\n", "'max-num-seqs' takes a int"),
+        ("model: /m\ndtype: int8\n", "argument --dtype: invalid choice: 'int8'"),
+        ("model: /m\nport: 1\ngrpc_port: 2\n", "sets --grpc-port a second time"),
+        ("model: /m\nconfig: other.yaml\n", "cannot name another config file"),
+        ("- model\n", "expected a mapping"),
+        ("model: [unclosed\n", "invalid YAML"),
+    ],
+)
+def test_bad_config_files_are_errors(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, body: str, expected: str
+) -> None:
+    path = write_yaml(tmp_path, body)
+    line = parse_error(capsys, "--config", path)
+    assert line.startswith(f"tokenspeed-worker: error: --config {path}")
+    assert expected in line
+
+
+def test_missing_config_file_is_an_error(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    assert "cannot read" in parse_error(capsys, "--config", str(tmp_path / "missing.yaml"))
+
+
+def test_unsupported_value_from_config_is_rejected(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    path = write_yaml(tmp_path, "model: /m\ntp: 2\n")
+    stderr = run_main_expecting_exit(capsys, "--config", path)
+    assert stderr == ["tokenspeed-worker: error: --tensor-parallel-size is not supported yet"]
+
+
+# --------------------------------------------------------------------------- the not-supported table
+
+
+def run_main_expecting_exit(capsys: pytest.CaptureFixture[str], *argv: str) -> list[str]:
+    """stderr lines of `cli.main` that must exit with status 2 before serving."""
+    with pytest.raises(SystemExit) as exc_info:
+        cli.main(list(argv))
+    assert exc_info.value.code == 2
+    return capsys.readouterr().err.strip().splitlines()
+
+
+def non_default_argv(option: config.Option) -> list[str] | None:
+    """Command-line tokens giving `option` a value that is neither its default nor harmless."""
+    default, spec = option.default, option.spec
+    if option.kind is bool:
+        value = not default
+        if value in spec.harmless:
+            return None
+        return [option.flag] if value else ["--no-" + option.flag[2:]]
+    candidates: list[Any]
+    if spec.choices:
+        candidates = list(spec.choices)
+    elif option.kind is int or (option.kind is list and option.item_parse is not str):
+        candidates = [2, 3, 4096] if default is None else [default + 1]
+    elif option.kind is float:
+        candidates = [0.5, 1.5]
+    else:
+        candidates = ["x.json", "debug"]
+    for value in candidates:
+        try:
+            option.item_parse(str(value))
+        except argparse.ArgumentTypeError:
+            continue  # not a valid value of this flag at all
+        if value != default and value not in spec.harmless:
+            return [option.flag, str(value)]
+    return None
+
+
+NOT_SUPPORTED = [o for o in OPTIONS if o.spec.status is not Status.SUPPORTED]
+
+
+def test_table_has_the_reference_parameters() -> None:
+    for dest in ("enforce_eager", "tensor_parallel_size", "speculative_config", "kv_events_config",
+                 "api_key", "stream_interval", "sampling_backend", "enable_metrics", "quantization"):  # fmt: skip
+        assert OPTIONS_BY_DEST[dest].spec.status is Status.NOT_YET
+    for dest in ("chat_template", "reasoning_parser", "tool_call_parser"):
+        assert OPTIONS_BY_DEST[dest].spec.status is Status.GATEWAY
+    assert OPTIONS_BY_DEST["gpu_memory_utilization"].spec.status is Status.SUPPORTED
+
+
+# Flags for which every value is accepted (turning off what we don't do is harmless) have no
+# refusing value; they are covered by test_unsupported_flag_given_its_default_is_accepted.
+REFUSABLE = [o for o in NOT_SUPPORTED if non_default_argv(o) is not None]
+
+
+@pytest.mark.parametrize("option", REFUSABLE, ids=lambda o: o.flag)
+def test_unsupported_flag_with_non_default_value_exits_2_with_one_line(
+    capsys: pytest.CaptureFixture[str], option: config.Option
+) -> None:
+    argv = non_default_argv(option)
+    stderr = run_main_expecting_exit(capsys, "/m", *argv)
+    if option.spec.status is Status.GATEWAY:
+        expected = f"tokenspeed-worker: error: {option.flag} is not supported: handled by the smg gateway"
+        assert len(stderr) == 1 and stderr[0].startswith(expected)
+    else:
+        assert stderr == [f"tokenspeed-worker: error: {option.flag} is not supported yet"]
+
+
+@pytest.mark.parametrize("option", NOT_SUPPORTED, ids=lambda o: o.flag)
+def test_unsupported_flag_given_its_default_is_accepted(option: config.Option) -> None:
+    argv = ["/m"]
+    if option.kind is bool:
+        if option.default:
+            argv.append(option.flag)
+    elif option.default is not None:
+        argv += [option.flag, *map(str, option.default if option.kind is list else [option.default])]
+    config.check_supported(parse(*argv))
+
+
+def test_turning_off_prefix_caching_is_accepted() -> None:
+    args = parse("/m", "--no-enable-prefix-caching")
+    assert args.enable_prefix_caching is False
+    config.check_supported(args)
+
+
+def test_several_unsupported_flags_are_reported_on_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    stderr = run_main_expecting_exit(capsys, "/m", "--enforce-eager", "--tp", "2")
+    assert stderr == [
+        "tokenspeed-worker: error: --enforce-eager is not supported yet; --tensor-parallel-size is not supported yet"
+    ]
+
+
+def test_every_dataclass_field_is_in_the_table() -> None:
+    import dataclasses
+
+    assert [f.name for f in dataclasses.fields(ServerArgs)] == [o.dest for o in OPTIONS]
+
+
+# --------------------------------------------------------------------------- main
+
+
+def test_defaults_start_the_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    received: list[ServerArgs] = []
+
+    def run_server(args: ServerArgs) -> int:
+        received.append(args)
+        return 0
+
+    fake = types.ModuleType("tokenspeed_worker.server.launch")
+    fake.run_server = run_server  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "tokenspeed_worker.server.launch", fake)
+    with pytest.raises(SystemExit) as exc_info:
+        cli.main(["/m", "--seed", "5"])
+    assert exc_info.value.code == 0
+    assert len(received) == 1 and received[0].model == "/m" and received[0].seed == 5
+
+
+def test_run_server_exit_code_is_the_process_exit_code(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = types.ModuleType("tokenspeed_worker.server.launch")
+    fake.run_server = lambda args: 3  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "tokenspeed_worker.server.launch", fake)
+    with pytest.raises(SystemExit) as exc_info:
+        cli.main(["/m"])
+    assert exc_info.value.code == 3
+
+
+def subprocess_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    return env
+
+
+def test_help_is_fast_and_grouped_like_the_reference() -> None:
+    start = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "tokenspeed_worker", "--help"],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        env=subprocess_env(),
+        timeout=30,
+    )
+    elapsed = time.monotonic() - start
+    assert result.returncode == 0, result.stderr
+    assert elapsed < 3.0
+    positions = [result.stdout.index(f"\n{group}:\n") for group in config.GROUPS]
+    assert positions == sorted(positions)
+    assert "--grpc-port GRPC_PORT, --port GRPC_PORT" in result.stdout
+
+
+def test_parsing_does_not_import_torch() -> None:
+    code = (
+        "import sys; from tokenspeed_worker import config; "
+        "config.parse_args(['/m', '--device', 'cpu']); "
+        "print('torch' in sys.modules)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT, env=subprocess_env(), timeout=30
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"
+
+
+# --------------------------------------------------------------------------- docs
+
+
+def all_parser_flags() -> set[str]:
+    parser = config.build_parser()
+    flags = {flag for action in parser._actions for flag in action.option_strings}
+    return flags - {"-h", "--help"}
+
+
+def test_docs_list_every_flag() -> None:
+    docs = DOCS.read_text()
+    missing = sorted(flag for flag in all_parser_flags() if f"`{flag}`" not in docs)
+    assert not missing, f"docs/parameters.md does not list {missing}"
+
+
+def test_docs_tables_match_server_args() -> None:
+    docs = DOCS.read_text()
+    begin, end = "<!-- BEGIN GENERATED PARAMETERS -->\n", "<!-- END GENERATED PARAMETERS -->"
+    generated = docs[docs.index(begin) + len(begin) : docs.index(end)]
+    assert generated == config.render_markdown(), (
+        "docs/parameters.md is stale: regenerate its tables with `python -m tokenspeed_worker.config`"
+    )
+
+
+def test_every_flag_is_a_known_option() -> None:
+    known = {flag for o in OPTIONS for flag in o.flags}
+    known |= {"--no-" + o.flag[2:] for o in OPTIONS if o.kind is bool and o.spec.negatable}
+    assert all_parser_flags() == known
+    assert isinstance(config.build_parser(), argparse.ArgumentParser)

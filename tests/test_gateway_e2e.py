@@ -1,0 +1,137 @@
+"""End to end: the real smg gateway in front of a real worker serving SmolLM2-135M-Instruct."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from tokenspeed_worker.proto import tokenspeed_scheduler_pb2 as pb
+from worker_harness import Gateway, Worker, hf_greedy, smollm2_dir
+
+pytestmark = pytest.mark.e2e
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    return smollm2_dir()
+
+
+@pytest.fixture(scope="module")
+def stack(model_dir):
+    worker = Worker(model_dir, "--served-model-name", "smollm2", "--max-model-len", "2048")
+    try:
+        gateway = Gateway(model_dir, [worker.address])
+    except Exception:
+        worker.stop()
+        raise
+    yield worker, gateway
+    gateway.stop()
+    assert worker.stop() == 0, worker.log()
+
+
+def post(gateway, path, body, timeout=120):
+    req = urllib.request.Request(gateway.url + path, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def stream_events(gateway, path, body, timeout=120):
+    req = urllib.request.Request(gateway.url + path, data=json.dumps(dict(body, stream=True)).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                return
+            yield json.loads(data)
+
+
+@pytest.fixture(scope="module")
+def reference_answer(model_dir):
+    """transformers' greedy answer to the same chat, decoded the way the gateway decodes."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    ids = tok.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    out = hf_greedy(model_dir, list(ids), MAX_TOKENS, eos_ids=[tok.eos_token_id])
+    return tok.decode(out, skip_special_tokens=True)
+
+
+def test_models_lists_the_served_model(stack):
+    _, gateway = stack
+    with urllib.request.urlopen(gateway.url + "/v1/models", timeout=10) as r:
+        models = json.loads(r.read())
+    assert "smollm2" in [m["id"] for m in models["data"]]
+
+
+def test_chat_completion_equals_transformers(stack, reference_answer):
+    _, gateway = stack
+    r = post(gateway, "/v1/chat/completions",
+             {"model": "smollm2", "messages": QUESTION, "max_tokens": MAX_TOKENS, "temperature": 0})
+    content = r["choices"][0]["message"]["content"]
+    assert content.strip() == reference_answer.strip()
+    assert "Paris" in content
+    assert r["usage"]["completion_tokens"] <= MAX_TOKENS
+    assert r["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_streaming_chat_equals_non_streaming(stack, reference_answer):
+    _, gateway = stack
+    events = list(stream_events(gateway, "/v1/chat/completions",
+                                {"model": "smollm2", "messages": QUESTION, "max_tokens": MAX_TOKENS,
+                                 "temperature": 0}))
+    text = "".join((e["choices"][0].get("delta") or {}).get("content") or "" for e in events if e.get("choices"))
+    assert text.strip() == reference_answer.strip()
+    finishes = [e["choices"][0].get("finish_reason") for e in events if e.get("choices")]
+    assert finishes[-1] in ("stop", "length") or any(finishes)
+
+
+def test_completions(stack, model_dir):
+    _, gateway = stack
+    r = post(gateway, "/v1/completions",
+             {"model": "smollm2", "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0})
+    assert "Paris" in r["choices"][0]["text"]
+
+
+def test_client_dropping_a_stream_frees_its_request(stack):
+    worker, gateway = stack
+    req = urllib.request.Request(
+        gateway.url + "/v1/chat/completions",
+        data=json.dumps({"model": "smollm2", "messages": QUESTION, "max_tokens": 1500, "temperature": 1.0,
+                         "ignore_eos": True, "stream": True}).encode(),
+        headers={"Content-Type": "application/json"})
+    r = urllib.request.urlopen(req, timeout=60)
+    for _ in range(3):
+        r.readline()
+    load = worker.stub.GetLoads(pb.GetLoadsRequest()).loads[0]
+    assert load.num_running_reqs == 1 and load.num_used_tokens > 0
+    r.close()  # the client goes away mid-stream
+    deadline = time.monotonic() + 15
+    while True:
+        load = worker.stub.GetLoads(pb.GetLoadsRequest()).loads[0]
+        if load.num_running_reqs == 0 and load.num_waiting_reqs == 0 and load.num_used_tokens == 0:
+            break
+        assert time.monotonic() < deadline, f"request still held after the client left: {load}"
+        time.sleep(0.2)
+
+
+def test_worker_errors_reach_the_client_as_http_400(stack):
+    _, gateway = stack
+    with pytest.raises(urllib.error.HTTPError) as e:
+        post(gateway, "/v1/chat/completions",
+             {"model": "smollm2", "messages": QUESTION, "max_tokens": 4, "stop": ["Paris"]})
+    assert e.value.code == 400
+    assert "stop" in e.value.read().decode()

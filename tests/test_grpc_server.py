@@ -1,0 +1,318 @@
+"""Every RPC of the worker, over real gRPC, against a real worker process on a tiny model."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import io
+import json
+import time
+import zipfile
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tokenspeed_worker.proto import common_pb2, tokenspeed_scheduler_pb2 as pb
+from worker_harness import Worker, hf_greedy, tiny_models
+
+MAX_MODEL_LEN = 96
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    return tiny_models()["llama-gqa-tied"]
+
+
+@pytest.fixture(scope="module")
+def worker(model_dir):
+    w = Worker(model_dir, "--max-model-len", str(MAX_MODEL_LEN), "--max-total-tokens", "2048",
+               "--block-size", "8", "--chunked-prefill-size", "64", "--served-model-name", "tiny-llama")
+    yield w
+    assert w.stop() == 0, w.log()
+
+
+@pytest.fixture(scope="module")
+def long_worker(model_dir):
+    """A worker whose requests can run long enough to be cancelled mid-flight."""
+    w = Worker(model_dir, "--max-model-len", "4096", "--max-total-tokens", "16384")
+    yield w
+    assert w.stop() == 0, w.log()
+
+
+def gen(prompt, *, max_new_tokens=8, stream=False, rid=None, **sampling):
+    sp = pb.SamplingParams(**sampling)
+    if max_new_tokens is not None:
+        sp.max_new_tokens = max_new_tokens
+    return pb.GenerateRequest(
+        request_id=rid or f"test-{time.monotonic_ns()}",
+        tokenized=pb.TokenizedInput(input_ids=prompt),
+        sampling_params=sp,
+        stream=stream,
+    )
+
+
+def run(worker, request, timeout=60):
+    return list(worker.stub.Generate(request, timeout=timeout))
+
+
+def wait_idle(worker, timeout=10.0):
+    """Until the engine holds no request and no KV block."""
+    deadline = time.monotonic() + timeout
+    while True:
+        load = worker.stub.GetLoads(pb.GetLoadsRequest(include=["all"]), timeout=5).loads[0]
+        if load.num_running_reqs == 0 and load.num_waiting_reqs == 0 and load.num_used_tokens == 0:
+            return load
+        if time.monotonic() > deadline:
+            raise AssertionError(f"worker not idle: {load}")
+        time.sleep(0.1)
+
+
+PROMPT = [5, 17, 42, 99, 7, 3, 250, 11]
+
+
+# ---- health, facts -------------------------------------------------------------
+
+
+def test_both_health_surfaces_serve(worker):
+    health = health_pb2_grpc.HealthStub(worker.channel)
+    for service in ("", "tokenspeed.grpc.scheduler.TokenSpeedScheduler"):
+        assert health.Check(health_pb2.HealthCheckRequest(service=service)).status == \
+            health_pb2.HealthCheckResponse.SERVING
+    t0 = time.monotonic()
+    r = worker.stub.HealthCheck(pb.HealthCheckRequest(), timeout=5)
+    assert r.healthy, r.message
+    assert time.monotonic() - t0 < 2.0
+
+
+def test_reflection_lists_the_service(worker):
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    stub = reflection_pb2_grpc.ServerReflectionStub(worker.channel)
+    responses = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+    names = {s.name for r in responses for s in r.list_services_response.service}
+    assert "tokenspeed.grpc.scheduler.TokenSpeedScheduler" in names
+    assert "grpc.health.v1.Health" in names
+
+
+def test_get_model_info_reports_real_values(worker, model_dir):
+    config = json.loads((model_dir / "config.json").read_text())
+    info = worker.stub.GetModelInfo(pb.GetModelInfoRequest())
+    assert info.served_model_name == "tiny-llama"
+    assert info.model_path == str(model_dir.resolve())
+    assert info.tokenizer_path == str(model_dir.resolve())
+    assert info.max_context_length == MAX_MODEL_LEN
+    assert info.vocab_size == config["vocab_size"]
+    assert list(info.architectures) == config["architectures"]
+    assert info.model_type == config["model_type"]
+    eos = config["eos_token_id"]
+    assert set([eos] if isinstance(eos, int) else eos) <= set(info.eos_token_ids)
+    assert info.model_dtype == "float32"  # auto on CPU
+
+
+def test_get_server_info(worker):
+    info = worker.stub.GetServerInfo(pb.GetServerInfoRequest())
+    assert info.server_args["context_length"] == MAX_MODEL_LEN
+    assert info.server_args["block_size"] == 8
+    assert info.max_total_num_tokens == 2048
+    assert info.tokenspeed_version
+    assert info.uptime_seconds > 0
+    assert info.start_time.seconds > 0
+    assert info.scheduler_info["num_blocks"] == 256
+
+
+def test_get_loads_sections(worker):
+    r = worker.stub.GetLoads(pb.GetLoadsRequest(include=["core", "memory", "queues"]))
+    assert r.dp_rank_count == 1 and len(r.loads) == 1
+    load = r.loads[0]
+    assert load.max_total_num_tokens == 2048
+    assert load.HasField("memory") and load.memory.token_capacity == 2048 and load.memory.weight_gb > 0
+    assert load.HasField("queues")
+    core_only = worker.stub.GetLoads(pb.GetLoadsRequest()).loads[0]
+    assert not core_only.HasField("memory")
+    with pytest.raises(grpc.RpcError) as e:
+        worker.stub.GetLoads(pb.GetLoadsRequest(include=["bogus"]))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "include" in e.value.details()
+
+
+def test_get_tokenizer_streams_a_verified_zip(worker):
+    chunks = list(worker.stub.GetTokenizer(common_pb2.GetTokenizerRequest()))
+    data = b"".join(c.data for c in chunks)
+    assert chunks[-1].sha256 == hashlib.sha256(data).hexdigest()
+    assert all(not c.sha256 for c in chunks[:-1])
+    names = zipfile.ZipFile(io.BytesIO(data)).namelist()
+    assert "tokenizer.json" in names and "tokenizer_config.json" in names
+
+
+def test_flush_cache(worker):
+    r = worker.stub.FlushCache(common_pb2.FlushCacheRequest())
+    assert r.success
+
+
+def test_profile_and_kv_events_are_unimplemented(worker):
+    for call in (lambda: worker.stub.StartProfile(common_pb2.StartProfileRequest()),
+                 lambda: list(worker.stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest()))):
+        with pytest.raises(grpc.RpcError) as e:
+            call()
+        assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+# ---- Generate ---------------------------------------------------------------------
+
+
+def test_greedy_non_streaming_equals_transformers(worker, model_dir):
+    out = run(worker, gen(PROMPT, max_new_tokens=12, temperature=0.0, ignore_eos=True))
+    assert len(out) == 1 and out[0].HasField("complete")
+    c = out[0].complete
+    assert list(c.output_ids) == hf_greedy(model_dir, PROMPT, 12)
+    assert c.finish_reason == "length"
+    assert c.prompt_tokens == len(PROMPT) and c.completion_tokens == 12
+
+
+def test_streaming_chunks_then_one_complete(worker):
+    expected = run(worker, gen(PROMPT, max_new_tokens=10, temperature=0.0, ignore_eos=True))[0].complete
+    out = run(worker, gen(PROMPT, max_new_tokens=10, temperature=0.0, ignore_eos=True, stream=True))
+    assert all(r.HasField("chunk") for r in out[:-1]) and out[-1].HasField("complete")
+    streamed = [t for r in out[:-1] for t in r.chunk.token_ids]
+    assert streamed == list(expected.output_ids)
+    counts = [r.chunk.completion_tokens for r in out[:-1]]
+    assert counts == sorted(counts) and counts[-1] == 10
+    assert out[-1].complete.finish_reason == "length" and out[-1].complete.completion_tokens == 10
+
+
+def test_stop_token_id_ends_with_stop_and_matched_token(worker):
+    free = run(worker, gen(PROMPT, max_new_tokens=10, temperature=0.0, ignore_eos=True))[0].complete.output_ids
+    stop = free[4]
+    first = list(free).index(stop)
+    c = run(worker, gen(PROMPT, max_new_tokens=10, temperature=0.0, ignore_eos=True, stop_token_ids=[stop]))[0].complete
+    assert c.finish_reason == "stop"
+    assert c.matched_token_id == stop
+    assert list(c.output_ids) == list(free[:first])  # the matched stop token is trimmed
+    assert c.completion_tokens == first + 1
+
+
+def test_unset_max_new_tokens_runs_to_the_context_limit(worker):
+    c = run(worker, gen(PROMPT, max_new_tokens=None, temperature=0.0, ignore_eos=True))[0].complete
+    assert c.finish_reason == "length"
+    assert c.prompt_tokens + c.completion_tokens == MAX_MODEL_LEN
+
+
+def test_max_new_tokens_past_the_context_is_clamped(worker):
+    c = run(worker, gen(PROMPT, max_new_tokens=100000, temperature=0.0, ignore_eos=True))[0].complete
+    assert c.finish_reason == "length"
+    assert c.prompt_tokens + c.completion_tokens == MAX_MODEL_LEN
+
+
+def test_seeded_sampling_is_reproducible(worker):
+    def sample(seed):
+        r = gen(PROMPT, max_new_tokens=12, temperature=1.0, top_p=0.95, top_k=50, min_p=0.01,
+                ignore_eos=True, sampling_seed=seed)
+        return list(run(worker, r)[0].complete.output_ids)
+
+    a, b, c = sample(1234), sample(1234), sample(99)
+    assert a == b
+    assert a != c  # 12 tokens from a random model: a collision is practically impossible
+
+
+def test_concurrent_requests_each_get_their_own_greedy_answer(worker, model_dir):
+    prompts = [PROMPT[: 2 + i] * (1 + i % 3) for i in range(6)]
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        futures = [pool.submit(run, worker, gen(p, max_new_tokens=6, temperature=0.0, ignore_eos=True,
+                                                  stream=bool(i % 2))) for i, p in enumerate(prompts)]
+        results = [f.result() for f in futures]
+    for p, out in zip(prompts, results):
+        tokens = [t for r in out if r.HasField("chunk") for t in r.chunk.token_ids] + \
+            list(out[-1].complete.output_ids)
+        assert tokens == hf_greedy(model_dir, p, 6)
+    wait_idle(worker)
+
+
+# ---- bad input -------------------------------------------------------------------------
+
+BAD = [
+    ("missing tokenized", lambda: pb.GenerateRequest(request_id="b1"), "INVALID_ARGUMENT", "tokenized"),
+    ("empty input_ids", lambda: gen([]), "INVALID_ARGUMENT", "tokenized.input_ids"),
+    ("token id >= vocab", lambda: gen([1, 10**6]), "INVALID_ARGUMENT", "tokenized.input_ids"),
+    ("prompt at the context limit", lambda: gen([1] * MAX_MODEL_LEN), "INVALID_ARGUMENT", "tokenized.input_ids"),
+    ("negative temperature", lambda: gen(PROMPT, temperature=-0.5), "INVALID_ARGUMENT", "temperature"),
+    ("top_p zero", lambda: gen(PROMPT, top_p=0.0), "INVALID_ARGUMENT", "top_p"),
+    ("top_p above one", lambda: gen(PROMPT, top_p=1.5), "INVALID_ARGUMENT", "top_p"),
+    ("top_k zero", lambda: gen(PROMPT, top_k=0), "INVALID_ARGUMENT", "top_k"),
+    ("top_k below -1", lambda: gen(PROMPT, top_k=-2), "INVALID_ARGUMENT", "top_k"),
+    ("min_p above one", lambda: gen(PROMPT, min_p=1.5), "INVALID_ARGUMENT", "min_p"),
+    ("max_new_tokens zero", lambda: gen(PROMPT, max_new_tokens=0), "INVALID_ARGUMENT", "max_new_tokens"),
+    ("stop token out of vocab", lambda: gen(PROMPT, stop_token_ids=[10**6]), "INVALID_ARGUMENT", "stop_token_ids"),
+    ("stop strings", lambda: gen(PROMPT, stop=["x"]), "INVALID_ARGUMENT", "stop"),
+    ("frequency penalty", lambda: gen(PROMPT, frequency_penalty=0.5), "INVALID_ARGUMENT", "frequency_penalty"),
+    ("repetition penalty", lambda: gen(PROMPT, repetition_penalty=1.2), "INVALID_ARGUMENT", "repetition_penalty"),
+    ("logit bias", lambda: gen(PROMPT, logit_bias={"5": 1.0}), "INVALID_ARGUMENT", "logit_bias"),
+    ("n > 1", lambda: gen(PROMPT, n=2), "INVALID_ARGUMENT", "n"),
+    ("json schema", lambda: gen(PROMPT, json_schema="{}"), "UNIMPLEMENTED", "json_schema"),
+    ("logprobs", lambda: pb.GenerateRequest(request_id="b2", tokenized=pb.TokenizedInput(input_ids=PROMPT),
+                                              return_logprob=True), "INVALID_ARGUMENT", "return_logprob"),
+    ("multimodal", lambda: pb.GenerateRequest(request_id="b3", tokenized=pb.TokenizedInput(input_ids=PROMPT),
+                                                mm_inputs=pb.MultimodalInputs()), "UNIMPLEMENTED", "mm_inputs"),
+    ("pd disaggregation", lambda: pb.GenerateRequest(
+        request_id="b4", tokenized=pb.TokenizedInput(input_ids=PROMPT),
+        kv_bootstrap_info=pb.KvBootstrapInfo(bootstrap_host="h")), "UNIMPLEMENTED", "kv_bootstrap_info"),
+    ("empty request id", lambda: pb.GenerateRequest(tokenized=pb.TokenizedInput(input_ids=PROMPT)),
+     "INVALID_ARGUMENT", "request_id"),
+]
+
+
+@pytest.mark.parametrize("case", BAD, ids=[c[0] for c in BAD])
+def test_bad_input_gets_a_status_naming_the_field(worker, case):
+    _, make, code, field_name = case
+    request = make()
+    if not request.request_id and field_name != "request_id":
+        request.request_id = f"bad-{time.monotonic_ns()}"
+    with pytest.raises(grpc.RpcError) as e:
+        run(worker, request)
+    assert e.value.code() == getattr(grpc.StatusCode, code)
+    assert field_name in e.value.details()
+    assert worker.stub.HealthCheck(pb.HealthCheckRequest(), timeout=5).healthy
+
+
+def test_duplicate_in_flight_request_id_is_rejected(long_worker):
+    rid = f"dup-{time.monotonic_ns()}"
+    stream = long_worker.stub.Generate(gen(PROMPT, max_new_tokens=None, ignore_eos=True, stream=True, rid=rid))
+    next(stream)  # in flight now
+    with pytest.raises(grpc.RpcError) as e:
+        run(long_worker, gen(PROMPT, rid=rid))
+    assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS and "request_id" in e.value.details()
+    assert long_worker.stub.Abort(pb.AbortRequest(request_id=rid)).success
+    stream.cancel()
+    wait_idle(long_worker)
+
+
+# ---- cancellation frees blocks ------------------------------------------------------------
+
+
+def test_abort_of_a_stream_ends_it_with_abort_and_frees_blocks(long_worker):
+    rid = f"abort-{time.monotonic_ns()}"
+    stream = long_worker.stub.Generate(gen(PROMPT, max_new_tokens=None, ignore_eos=True, stream=True, rid=rid))
+    first = next(stream)
+    assert first.HasField("chunk")
+    load = long_worker.stub.GetLoads(pb.GetLoadsRequest()).loads[0]
+    assert load.num_used_tokens > 0
+    r = long_worker.stub.Abort(pb.AbortRequest(request_id=rid, reason="Stream dropped"))
+    assert r.success
+    rest = list(stream)
+    assert rest[-1].HasField("complete") and rest[-1].complete.finish_reason == "abort"
+    assert sum(1 for x in rest if x.HasField("complete")) == 1
+    wait_idle(long_worker)
+
+
+def test_abort_of_an_unknown_request_fails(worker):
+    r = worker.stub.Abort(pb.AbortRequest(request_id="never-seen"))
+    assert not r.success and "not found" in r.message
+
+
+def test_cancelled_non_streaming_call_frees_blocks(long_worker):
+    call = long_worker.stub.Generate(gen(PROMPT, max_new_tokens=None, ignore_eos=True))
+    time.sleep(0.5)
+    load = long_worker.stub.GetLoads(pb.GetLoadsRequest()).loads[0]
+    assert load.num_running_reqs + load.num_waiting_reqs == 1
+    call.cancel()
+    wait_idle(long_worker)
+    assert long_worker.stub.HealthCheck(pb.HealthCheckRequest(), timeout=5).healthy

@@ -1,0 +1,326 @@
+"""ModelRunner against Hugging Face transformers on the tiny models (same weights, same sequences).
+
+Plans are built by hand the way a scheduler would: prompts split into chunks under a
+token budget, decodes one token at a time, requests arriving at different steps, and
+blocks handed out in shuffled order so every request's KV is scattered over the pool.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+import torch
+
+from tokenspeed_worker.model_executor.model_runner import ModelRunner
+from tokenspeed_worker.scheduler.plan import SchedulePlan
+
+MODELS = ["llama-gqa-tied", "qwen2-bias", "qwen3-qknorm"]
+BLOCK_SIZE = 4
+NUM_BLOCKS = 128
+ATOL, RTOL = 2e-5, 1e-4
+
+
+# -- a hand-driven scheduler ---------------------------------------------------------------
+
+
+@dataclass
+class Sequence:
+    req_id: int
+    tokens: list[int]  # the whole sequence, known ahead (teacher forcing)
+    num_computed: int = 0
+    blocks: list[int] = field(default_factory=list)
+    logits: list[torch.Tensor] = field(default_factory=list)  # one [V] row per computed token
+
+    @property
+    def num_left(self) -> int:
+        return len(self.tokens) - self.num_computed
+
+
+class PlanBuilder:
+    """Allocates blocks in shuffled order and turns (sequence, num_tokens) work lists into plans."""
+
+    def __init__(self, num_blocks: int = NUM_BLOCKS, block_size: int = BLOCK_SIZE, seed: int = 0) -> None:
+        self.block_size = block_size
+        self.free_blocks = np.random.default_rng(seed).permutation(num_blocks).tolist()
+
+    def plan(self, work: list[tuple[Sequence, int]]) -> SchedulePlan:
+        bs = self.block_size
+        for seq, n in work:
+            while len(seq.blocks) < math.ceil((seq.num_computed + n) / bs):
+                seq.blocks.append(self.free_blocks.pop())
+        width = max(len(seq.blocks) for seq, _ in work)
+        block_tables = np.zeros((len(work), width), dtype=np.int32)
+        ids, positions, slots = [], [], []
+        for row, (seq, n) in enumerate(work):
+            block_tables[row, : len(seq.blocks)] = seq.blocks
+            pos = np.arange(seq.num_computed, seq.num_computed + n)
+            positions.append(pos)
+            ids.append(np.asarray(seq.tokens[seq.num_computed : seq.num_computed + n]))
+            slots.append(np.asarray(seq.blocks)[pos // bs] * bs + pos % bs)
+        return SchedulePlan(
+            req_ids=np.array([seq.req_id for seq, _ in work], dtype=np.int64),
+            query_lens=np.array([n for _, n in work], dtype=np.int32),
+            context_lens=np.array([seq.num_computed for seq, _ in work], dtype=np.int32),
+            input_ids=np.concatenate(ids).astype(np.int64),
+            positions=np.concatenate(positions).astype(np.int64),
+            slot_mapping=np.concatenate(slots).astype(np.int64),
+            block_tables=block_tables,
+            sample_rows=np.arange(len(work), dtype=np.int32),
+        )
+
+    def run(self, runner: ModelRunner, work: list[tuple[Sequence, int]]) -> torch.Tensor:
+        """One step; records every token's logits on its sequence. Returns the sampling rows' logits."""
+        plan = self.plan(work)
+        all_logits = runner.forward_all_logits(plan)
+        sampled = runner.forward(plan)
+        starts = plan.cu_query_lens
+        for row, (seq, n) in enumerate(work):
+            seq.logits.extend(all_logits[starts[row] : starts[row] + n])
+            seq.num_computed += n
+        torch.testing.assert_close(sampled, all_logits[plan.sample_token_index], atol=1e-5, rtol=1e-5)
+        return sampled
+
+
+def budgeted_steps(builder: PlanBuilder, runner: ModelRunner, seqs: list[Sequence], budget: int) -> int:
+    """Chunked prefill: each step fills `budget` tokens from the sequences in order until all are done."""
+    steps = 0
+    while any(s.num_left for s in seqs):
+        work, left = [], budget
+        for seq in seqs:
+            if seq.num_left and left:
+                n = min(seq.num_left, left)
+                work.append((seq, n))
+                left -= n
+        builder.run(runner, work)
+        steps += 1
+    return steps
+
+
+# -- references ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hf_models(tiny_model_paths):
+    from transformers import AutoModelForCausalLM
+
+    return {
+        name: AutoModelForCausalLM.from_pretrained(
+            tiny_model_paths[name], dtype=torch.float32, attn_implementation="eager"
+        ).eval()
+        for name in MODELS
+    }
+
+
+@pytest.fixture(scope="module")
+def runners(tiny_model_paths):
+    out = {}
+    for name in MODELS:
+        runner = ModelRunner(str(tiny_model_paths[name]), dtype="float32", block_size=BLOCK_SIZE)
+        runner.allocate_kv_cache(NUM_BLOCKS)
+        out[name] = runner
+    return out
+
+
+@torch.no_grad()
+def hf_logits(hf_model, tokens: list[int]) -> torch.Tensor:
+    return hf_model(torch.tensor([tokens])).logits[0].float()
+
+
+def assert_matches_hf(hf_model, seqs: list[Sequence]) -> None:
+    for seq in seqs:
+        assert seq.num_left == 0
+        torch.testing.assert_close(torch.stack(seq.logits), hf_logits(hf_model, seq.tokens), atol=ATOL, rtol=RTOL)
+
+
+def random_sequences(lengths: list[int], vocab: int = 512, seed: int = 0) -> list[Sequence]:
+    rng = np.random.default_rng(seed)
+    return [Sequence(i + 1, rng.integers(3, vocab, size=n).tolist()) for i, n in enumerate(lengths)]
+
+
+# -- equality with transformers ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_whole_prompt_prefill_batch_matches_hf(name, runners, hf_models):
+    seqs = random_sequences([5, 23, 40, 1])
+    PlanBuilder().run(runners[name], [(s, len(s.tokens)) for s in seqs])
+    assert_matches_hf(hf_models[name], seqs)
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("budget", [16, 33])
+def test_chunked_prefill_matches_hf(name, budget, runners, hf_models):
+    seqs = random_sequences([20, 50, 37, 3], seed=budget)
+    steps = budgeted_steps(PlanBuilder(seed=budget), runners[name], seqs, budget)
+    assert steps == math.ceil(110 / budget)
+    assert_matches_hf(hf_models[name], seqs)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_decode_steps_after_prefill_match_hf(name, runners, hf_models):
+    prompt_lens, num_decodes = [7, 12, 4], 9
+    seqs = random_sequences([n + num_decodes for n in prompt_lens], seed=3)
+    builder = PlanBuilder(seed=3)
+    builder.run(runners[name], [(s, n) for s, n in zip(seqs, prompt_lens)])
+    for _ in range(num_decodes):
+        builder.run(runners[name], [(s, 1) for s in seqs])
+    assert_matches_hf(hf_models[name], seqs)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_mixed_batches_with_staggered_arrivals_match_hf(name, runners, hf_models):
+    """Requests arrive at different steps; prefill chunks and decodes share steps, in shuffled row order."""
+    seqs = random_sequences([30, 45, 9, 26, 14], seed=11)
+    prompt_lens = [22, 37, 5, 20, 2]
+    arrive_at = [0, 1, 1, 3, 6]
+    budget = 24
+    builder = PlanBuilder(seed=11)
+    rng = np.random.default_rng(5)
+    saw_mixed = False
+    for step in range(100):
+        active = [s for s, t in zip(seqs, arrive_at) if t <= step and s.num_left]
+        if not active and step > max(arrive_at):
+            break
+        work, left = [], budget
+        for seq in active:  # decodes first, then prefill chunks under the budget
+            prompt_left = prompt_lens[seq.req_id - 1] - seq.num_computed
+            n = 1 if prompt_left <= 0 else min(prompt_left, left)
+            if n and left >= n:
+                work.append((seq, n))
+                left -= n
+        if not work:
+            continue
+        saw_mixed |= any(n == 1 for _, n in work) and any(n > 1 for _, n in work)
+        order = rng.permutation(len(work))
+        builder.run(runners[name], [work[i] for i in order])
+    assert saw_mixed
+    assert_matches_hf(hf_models[name], seqs)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_greedy_continuation_equals_hf_generate(name, runners, hf_models):
+    runner, hf = runners[name], hf_models[name]
+    prompts = [s.tokens for s in random_sequences([6, 19], seed=21)]
+    max_new = 8
+    seqs = [Sequence(i + 1, list(p)) for i, p in enumerate(prompts)]
+    builder = PlanBuilder(seed=21)
+    logits = builder.run(runner, [(s, len(s.tokens)) for s in seqs])
+    for step in range(max_new):
+        for seq, token in zip(seqs, logits.argmax(-1).tolist()):
+            seq.tokens.append(token)
+        if step < max_new - 1:
+            logits = builder.run(runner, [(s, 1) for s in seqs])
+    for prompt, seq in zip(prompts, seqs):
+        with torch.no_grad():
+            out = hf.generate(
+                torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new, min_new_tokens=max_new,
+                pad_token_id=hf.config.pad_token_id,
+            )
+        assert seq.tokens == out[0].tolist()
+
+
+# -- dtypes, formats, errors ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_bfloat16_runs_and_mostly_agrees(name, tiny_model_paths, hf_models):
+    runner = ModelRunner(str(tiny_model_paths[name]), dtype="bfloat16", block_size=BLOCK_SIZE)
+    runner.allocate_kv_cache(NUM_BLOCKS)
+    assert runner.dtype == torch.bfloat16 and runner.kv_cache.dtype == torch.bfloat16
+    seqs = random_sequences([40, 25], seed=4)
+    budgeted_steps(PlanBuilder(seed=4), runner, seqs, budget=16)
+    for seq in seqs:
+        ours = torch.stack(seq.logits)
+        ref = hf_logits(hf_models[name], seq.tokens)
+        assert ours.dtype == torch.float32 and torch.isfinite(ours).all()
+        assert (ours - ref).abs().max() < 0.05 * ref.abs().max() + 0.05
+        assert (ours.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.8
+
+
+def test_sharded_checkpoint_loads_same_weights(tiny_model_paths, runners):
+    path = tiny_model_paths["qwen3-sharded"]
+    assert (path / "model.safetensors.index.json").exists() and len(list(path.glob("*.safetensors"))) > 1
+    sharded = ModelRunner(str(path), block_size=BLOCK_SIZE)
+    sharded.allocate_kv_cache(NUM_BLOCKS)
+    seq_a, seq_b = random_sequences([30], seed=8), random_sequences([30], seed=8)
+    budgeted_steps(PlanBuilder(), sharded, seq_a, budget=16)
+    budgeted_steps(PlanBuilder(), runners["qwen3-qknorm"], seq_b, budget=16)
+    torch.testing.assert_close(torch.stack(seq_a[0].logits), torch.stack(seq_b[0].logits), atol=0, rtol=0)
+
+
+def test_dummy_load_format_needs_only_config(tiny_model_paths, tmp_path):
+    shutil.copy(tiny_model_paths["qwen2-bias"] / "config.json", tmp_path / "config.json")
+    runs = []
+    for seed in (0, 0, 1):
+        runner = ModelRunner(str(tmp_path), load_format="dummy", seed=seed, block_size=BLOCK_SIZE)
+        assert runner.load_format == "dummy"
+        runner.allocate_kv_cache(16)
+        seqs = random_sequences([10])
+        runs.append(PlanBuilder(num_blocks=16).run(runner, [(seqs[0], 10)]))
+        assert runs[-1].shape == (1, runner.vocab_size) and torch.isfinite(runs[-1]).all()
+    torch.testing.assert_close(runs[0], runs[1], atol=0, rtol=0)
+    assert not torch.equal(runs[0], runs[2])
+    with pytest.raises(ValueError, match="dummy"):
+        ModelRunner(str(tmp_path))  # auto finds no weights and says how to go without
+
+
+def test_sizes_and_attributes(runners):
+    runner = runners["llama-gqa-tied"]
+    config = runner.hf_config
+    head_dim = config.hidden_size // config.num_attention_heads
+    assert runner.kv_bytes_per_token() == 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 4
+    assert runner.num_layers == config.num_hidden_layers and runner.vocab_size == config.vocab_size
+    assert runner.device == torch.device("cpu") and runner.dtype == torch.float32
+    # Tied embeddings count once.
+    assert runner.weight_bytes() == 4 * sum(p.numel() for p in runner.model.parameters())
+    assert runner.model.lm_head.weight is runner.model.model.embed_tokens.weight
+    assert runner.kv_cache.shape == (2, config.num_hidden_layers, NUM_BLOCKS, BLOCK_SIZE, 2, head_dim)
+
+
+def test_clear_errors(tiny_model_paths, tmp_path):
+    path = str(tiny_model_paths["llama-gqa-tied"])
+    with pytest.raises(ValueError, match="dtype"):
+        ModelRunner(path, dtype="int8")
+    with pytest.raises(ValueError, match="not supported yet"):
+        ModelRunner(path, attention_backend="triton")
+    with pytest.raises(ValueError, match="not supported"):
+        ModelRunner(path, device="mps")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA"):
+            ModelRunner(path, device="cuda")
+    with pytest.raises(ValueError, match="load_format"):
+        ModelRunner(path, load_format="pt")
+    config = (tiny_model_paths["llama-gqa-tied"] / "config.json").read_text()
+    (tmp_path / "config.json").write_text(config.replace("LlamaForCausalLM", "GPT2LMHeadModel"))
+    with pytest.raises(ValueError, match="LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"):
+        ModelRunner(str(tmp_path), load_format="dummy")
+    runner = ModelRunner(path)
+    with pytest.raises(RuntimeError, match="allocate_kv_cache"):
+        runner.forward(PlanBuilder().plan([(Sequence(1, [3, 4]), 2)]))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", MODELS)
+def test_cuda_matches_hf(name, tiny_model_paths, hf_models):
+    runner = ModelRunner(str(tiny_model_paths[name]), dtype="float32", device="cuda", block_size=BLOCK_SIZE)
+    runner.allocate_kv_cache(NUM_BLOCKS)
+    num_decodes = 5
+    seqs = random_sequences([20 + num_decodes, 50 + num_decodes, 3 + num_decodes], seed=2)
+    builder = PlanBuilder(seed=2)
+    for seq in seqs:  # hold the decode tokens back from the chunked prefill
+        seq.tokens, held = seq.tokens[:-num_decodes], seq.tokens[-num_decodes:]
+        seq.held = held
+    budgeted_steps(builder, runner, seqs, budget=33)
+    for step in range(num_decodes):
+        for seq in seqs:
+            seq.tokens.append(seq.held[step])
+        builder.run(runner, [(s, 1) for s in seqs])
+    for seq in seqs:
+        torch.testing.assert_close(
+            torch.stack(seq.logits).cpu(), hf_logits(hf_models[name], seq.tokens), atol=1e-4, rtol=1e-3
+        )

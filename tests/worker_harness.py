@@ -1,0 +1,167 @@
+"""Start a real `tokenspeed-worker` process (and the real smg gateway) for tests.
+
+Nothing here is mocked: the worker runs as users run it, on a free loopback
+port, and is stopped with SIGTERM like a supervisor would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+
+REPO = Path(__file__).resolve().parent.parent
+CACHE = Path(os.environ.get("TOKENSPEED_TEST_CACHE", REPO / ".cache"))
+
+
+def _load_script(name: str):
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def tiny_models() -> dict[str, Path]:
+    return _load_script("make_tiny_models").make_all(CACHE / "tiny_models")
+
+
+def smollm2_dir() -> Path:
+    return Path(_load_script("prepare_smollm2").prepare())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Worker:
+    """A worker subprocess; `stub` talks TokenSpeedScheduler to it."""
+
+    def __init__(self, model: Path | str, *extra: str, startup_timeout: float = 240.0) -> None:
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.log_path = CACHE / "logs" / f"worker-{self.port}.log"
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "wb")
+        cmd = [sys.executable, "-m", "tokenspeed_worker", str(model), "--host", "127.0.0.1",
+               "--grpc-port", str(self.port), *extra]
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO)
+        self.channel = grpc.insecure_channel(self.address)
+        from tokenspeed_worker.proto import tokenspeed_scheduler_pb2_grpc as pb_grpc
+
+        self.stub = pb_grpc.TokenSpeedSchedulerStub(self.channel)
+        self._wait_ready(startup_timeout)
+
+    def _wait_ready(self, timeout: float) -> None:
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        health = health_pb2_grpc.HealthStub(self.channel)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"worker exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                r = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+                if r.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise TimeoutError(f"worker not ready after {timeout}s:\n{self.log()}")
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")[-6000:]
+
+    def stop(self, timeout: float = 20.0) -> int:
+        self.channel.close()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+
+class Gateway:
+    """The real smg gateway in front of one or more workers, on loopback."""
+
+    def __init__(self, model_dir: Path, worker_addresses: list[str], startup_timeout: float = 90.0) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = CACHE / "logs" / f"gateway-{self.port}.log"
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "wb")
+        smg = Path(sys.executable).with_name("smg")
+        cmd = [str(smg) if smg.exists() else "smg", "launch", "--host", "127.0.0.1", "--port", str(self.port),
+               "--worker-urls", *[f"grpc://{a}" for a in worker_addresses], "--model-path", str(model_dir),
+               "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+               "--worker-startup-timeout-secs", "60", "--worker-startup-check-interval", "1"]
+        env = dict(os.environ, HF_HUB_OFFLINE="1", NO_PROXY="127.0.0.1,localhost", no_proxy="127.0.0.1,localhost")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+        self._wait_ready(startup_timeout)
+
+    def _wait_ready(self, timeout: float) -> None:
+        import urllib.request
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"gateway exited with {self.proc.returncode}:\n{self.log()}")
+            with contextlib.suppress(OSError):
+                with urllib.request.urlopen(f"{self.url}/readiness", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            time.sleep(0.3)
+        self.stop()
+        raise TimeoutError(f"gateway not ready after {timeout}s:\n{self.log()}")
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")[-6000:]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._log.close()
+
+
+_HF_CACHE: dict[str, object] = {}
+
+
+def hf_greedy(model_dir: Path | str, prompt_ids: list[int], max_new_tokens: int, eos_ids=()) -> list[int]:
+    """Hugging Face transformers' greedy continuation in float32: the reference."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    key = str(model_dir)
+    if key not in _HF_CACHE:
+        _HF_CACHE[key] = AutoModelForCausalLM.from_pretrained(key, dtype=torch.float32).eval()
+    model = _HF_CACHE[key]
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
+            eos_token_id=list(eos_ids) or None, pad_token_id=0,
+        )
+    return out[0, len(prompt_ids):].tolist()

@@ -1,0 +1,807 @@
+"""Worker configuration: the `ServerArgs` dataclass, its command line and its --config YAML.
+
+Every parameter TokenSpeed documents (docs/configuration/server.md, mirrored in
+docs/parameters.md) is a field of `ServerArgs`; its field metadata is the one table that
+drives the argparse parser, the --config loader, `check_supported` and the generated
+parameter reference. A parameter the worker does not implement yet is still accepted with
+its documented default, so recipes written for TokenSpeed parse, but any other value stops
+startup with `--<flag> is not supported yet` instead of being silently ignored.
+
+This module imports only the standard library (PyYAML only when --config is given, torch
+only to resolve `--device auto`), so `tokenspeed-worker --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import enum
+import json
+import typing
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+PROG = "tokenspeed-worker"
+
+
+class Status(enum.Enum):
+    """Whether the worker implements a parameter."""
+
+    SUPPORTED = "supported"
+    NOT_YET = "not supported yet"
+    GATEWAY = "handled by the smg gateway"
+
+
+# Argument groups, in the order of TokenSpeed's server parameter reference.
+MODEL_LOADING = "Model Loading"
+PRECISION = "Precision And Quantization"
+API_SURFACE = "API Surface"
+SCHEDULER = "Scheduler And Memory"
+PARALLELISM = "Parallelism"
+BACKENDS = "Backend Selection"
+REASONING = "Reasoning And Tool Calling"
+SPECULATIVE = "Speculative Decoding"
+OBSERVABILITY = "Observability"
+TOKENSPEED_SPECIFIC = "TokenSpeed-Specific"
+WORKER = "Worker"  # parameters tokenspeed-worker adds to TokenSpeed's set
+
+GROUPS: tuple[str, ...] = (
+    MODEL_LOADING,
+    PRECISION,
+    API_SURFACE,
+    SCHEDULER,
+    PARALLELISM,
+    BACKENDS,
+    REASONING,
+    SPECULATIVE,
+    OBSERVABILITY,
+    TOKENSPEED_SPECIFIC,
+    WORKER,
+)
+
+GROUP_DESCRIPTIONS: dict[str, str] = {
+    TOKENSPEED_SPECIFIC: "Runtime knobs specific to TokenSpeed (KV store, disaggregation, fusion).",
+    WORKER: "Parameters tokenspeed-worker adds to TokenSpeed's set.",
+}
+
+# Values of --dtype, with the aliases other engines accept, mapped to the torch dtype name.
+DTYPE_ALIASES: dict[str, str] = {
+    "auto": "auto",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "half": "float16",
+    "fp16": "float16",
+    "float32": "float32",
+    "float": "float32",
+    "fp32": "float32",
+}
+LOG_LEVELS: tuple[str, ...] = ("debug", "info", "warning", "error", "critical")
+LOAD_FORMATS: tuple[str, ...] = ("auto", "pt", "safetensors", "npcache", "dummy", "extensible")
+ATTENTION_BACKENDS: tuple[str, ...] = (
+    "torch",
+    "mha",
+    "mla",
+    "fa3",
+    "fa4",
+    "triton",
+    "flashinfer",
+    "trtllm",
+    "trtllm_mla",
+    "flashmla",
+    "tokenspeed_mla",
+    "hybrid_linear_attn",
+)
+
+
+# --------------------------------------------------------------------------- value parsers
+# Each raises ArgumentTypeError, which argparse reports as "argument --flag: <message>".
+
+
+def _positive_int(text: str) -> int:
+    value = _int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = _int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
+    return value
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+
+
+def _port(text: str) -> int:
+    value = _int(text)
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port in 1..65535, got {text!r}")
+    return value
+
+
+def _chunk_size(text: str) -> int:
+    value = _int(text)
+    if value != -1 and value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer or -1 (no chunking), got {text!r}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text!r}")
+    return value
+
+
+def _dtype(text: str) -> str:
+    canonical = DTYPE_ALIASES.get(text.lower())
+    if canonical is None:
+        raise argparse.ArgumentTypeError(
+            f"invalid choice: {text!r} (choose from {', '.join(DTYPE_ALIASES)})"
+        )
+    return canonical
+
+
+def _log_level(text: str) -> str:
+    level = text.lower()
+    if level not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from {', '.join(LOG_LEVELS)})")
+    return level
+
+
+# --------------------------------------------------------------------------- the table
+
+
+@dataclass(frozen=True)
+class OptionSpec:
+    """How one `ServerArgs` field appears on the command line, in --config and in the docs."""
+
+    group: str
+    help: str
+    status: Status = Status.SUPPORTED
+    aliases: tuple[str, ...] = ()  # extra flags for the same field, e.g. --port for --grpc-port
+    parse: Callable[[str], Any] | None = None  # argparse `type`; derived from the annotation if None
+    choices: tuple[Any, ...] | None = None
+    negatable: bool = False  # bool with a --no-<flag> form
+    # Values that differ from the default yet are accepted by a not-yet-supported option
+    # because they change nothing today (turning off a feature the worker lacks).
+    harmless: tuple[Any, ...] = ()
+    # Values of a supported option that the parser accepts but the worker does not implement.
+    unsupported_values: tuple[Any, ...] = ()
+    default_doc: str | None = None  # how the default reads in --help and the docs
+    metavar: str | None = None
+
+
+def _option(default: Any, group: str, help: str, **spec: Any) -> Any:
+    return field(default=default, metadata={"option": OptionSpec(group=group, help=help, **spec)})
+
+
+def _not_yet(default: Any, group: str, help: str, **spec: Any) -> Any:
+    return _option(default, group, help, status=Status.NOT_YET, **spec)
+
+
+def _gateway(default: Any, group: str, help: str, **spec: Any) -> Any:
+    return _option(default, group, help, status=Status.GATEWAY, **spec)
+
+
+@dataclass
+class ServerArgs:
+    """Everything the worker is configured with. Attribute names are the flag names with
+    dashes turned into underscores. After `parse_args`, `tokenizer`, `served_model_name`,
+    `device` and `attention_backend` hold resolved values (never None or "auto")."""
+
+    # ---- Model Loading
+    model: str = _option(
+        "",
+        MODEL_LOADING,
+        "Model path (a local folder with config.json and weights). "
+        "Give it as the positional argument or with --model; they are equivalent.",
+        aliases=("--model-path",),
+        default_doc="none (required)",
+    )
+    tokenizer: str | None = _option(
+        None, MODEL_LOADING, "Tokenizer path when it differs from the model path.", default_doc="the model path"
+    )
+    tokenizer_mode: str = _not_yet(
+        "auto",
+        MODEL_LOADING,
+        "Tokenizer behavior: 'auto' uses the fast tokenizer, 'slow' the slow one.",
+        choices=("auto", "slow", "deepseek_v4"),
+    )
+    skip_tokenizer_init: bool = _not_yet(
+        False, MODEL_LOADING, "Skip tokenizer initialization (input-ID-only serving).", negatable=True
+    )
+    load_format: str = _option(
+        "auto",
+        MODEL_LOADING,
+        "Weight format: 'auto' (safetensors), 'safetensors', or 'dummy' (random weights, for "
+        "profiling). 'pt', 'npcache' and 'extensible' are accepted but not supported yet.",
+        choices=LOAD_FORMATS,
+        unsupported_values=("pt", "npcache", "extensible"),
+    )
+    trust_remote_code: bool = _not_yet(
+        False, MODEL_LOADING, "Allow custom model code from the model repository.", negatable=True
+    )
+    revision: str | None = _not_yet(None, MODEL_LOADING, "Model branch, tag, or commit.")
+    download_dir: str | None = _not_yet(None, MODEL_LOADING, "Hugging Face download/cache directory.")
+    hf_overrides: str | None = _not_yet(
+        None, MODEL_LOADING, "JSON overrides for model configuration values.", harmless=("{}",)
+    )
+
+    # ---- Precision And Quantization
+    dtype: str = _option(
+        "auto",
+        PRECISION,
+        "Weight and activation dtype: auto (follow the model's torch_dtype), bfloat16/bf16, "
+        "float16/half/fp16, float32/float/fp32.",
+        parse=_dtype,
+    )
+    kv_cache_dtype: str = _not_yet(
+        "auto", PRECISION, "KV cache dtype; 'auto' uses the model dtype.", choices=("auto", "fp8", "fp8_e4m3")
+    )
+    kv_cache_quant_method: str = _not_yet(
+        "none", PRECISION, "KV cache quantization method.", choices=("none", "per_token_head")
+    )
+    quantization: str | None = _not_yet(
+        None,
+        PRECISION,
+        "Weight quantization mode.",
+        choices=("fp8", "mxfp4", "nvfp4", "w8a8_fp8", "compressed-tensors"),
+    )
+    quantization_param_path: str | None = _not_yet(
+        None, PRECISION, "JSON file with KV cache scaling factors (for an FP8 KV cache)."
+    )
+
+    # ---- API Surface
+    host: str = _option(
+        "127.0.0.1",
+        API_SURFACE,
+        "gRPC bind address. Loopback by default, as in TokenSpeed and SGLang; use 0.0.0.0 "
+        "(or [::]) when the gateway runs on another host.",
+    )
+    grpc_port: int = _option(50051, API_SURFACE, "gRPC bind port.", aliases=("--port",), parse=_port)
+    served_model_name: str | None = _option(
+        None,
+        API_SURFACE,
+        "Model name reported to the gateway (the id clients use).",
+        default_doc="the model path",
+    )
+    api_key: str | None = _not_yet(None, API_SURFACE, "API key required by the server.")
+    chat_template: str | None = _gateway(None, API_SURFACE, "Chat template name or file.")
+    stream_interval: int = _not_yet(
+        1, API_SURFACE, "Streaming buffer interval in generated tokens.", parse=_positive_int
+    )
+    stream_output: bool = _not_yet(False, API_SURFACE, "Return generated text as disjoint streaming segments.")
+
+    # ---- Scheduler And Memory
+    max_model_len: int | None = _option(
+        None,
+        SCHEDULER,
+        "Maximum sequence length (prompt + output).",
+        aliases=("--context-length",),
+        parse=_positive_int,
+        default_doc="from the model config",
+    )
+    gpu_memory_utilization: float = _option(
+        0.9,
+        SCHEDULER,
+        "GPU only: fraction of GPU memory for weights and KV cache; sizes the KV pool.",
+        parse=_fraction,
+    )
+    max_num_seqs: int = _option(
+        256, SCHEDULER, "Maximum number of sequences running concurrently.", parse=_positive_int
+    )
+    chunked_prefill_size: int = _option(
+        8192,
+        SCHEDULER,
+        "Token budget the scheduler may issue in one iteration; -1 disables chunked prefill.",
+        parse=_chunk_size,
+    )
+    max_prefill_tokens: int = _option(
+        8192, SCHEDULER, "Prefill token budget used when chunked prefill is disabled.", parse=_positive_int
+    )
+    max_total_tokens: int | None = _option(
+        None,
+        SCHEDULER,
+        "Size of the KV token pool, overriding the automatic sizing.",
+        parse=_positive_int,
+        default_doc="sized automatically",
+    )
+    block_size: int = _option(16, SCHEDULER, "KV cache block size in tokens.", parse=_positive_int)
+    enable_prefix_caching: bool = _not_yet(
+        True,
+        SCHEDULER,
+        "Prefix cache reuse. Not implemented yet; --no-enable-prefix-caching is accepted (no effect).",
+        negatable=True,
+        harmless=(False,),
+    )
+    enforce_eager: bool = _not_yet(False, SCHEDULER, "Disable CUDA graph execution.")
+    max_cudagraph_capture_size: int | None = _not_yet(
+        None, SCHEDULER, "Largest batch size captured with CUDA graphs.", parse=_positive_int
+    )
+    cudagraph_capture_sizes: list[int] | None = _not_yet(
+        None, SCHEDULER, "Explicit CUDA graph capture sizes.", parse=_positive_int
+    )
+
+    # ---- Parallelism
+    tensor_parallel_size: int = _not_yet(
+        1, PARALLELISM, "Tensor parallel size (sets the attention TP size).", aliases=("--tp",), parse=_positive_int
+    )
+    attn_tp_size: int | None = _not_yet(None, PARALLELISM, "Tensor parallel size for attention.", parse=_positive_int)
+    dense_tp_size: int | None = _not_yet(None, PARALLELISM, "Tensor parallel size for dense layers.", parse=_positive_int)
+    moe_tp_size: int | None = _not_yet(None, PARALLELISM, "Tensor parallel size for MoE layers.", parse=_positive_int)
+    data_parallel_size: int = _not_yet(1, PARALLELISM, "Number of data-parallel replicas.", parse=_positive_int)
+    enable_expert_parallel: bool = _not_yet(False, PARALLELISM, "Expert parallelism across the world size.")
+    expert_parallel_size: int = _not_yet(
+        1, PARALLELISM, "Explicit expert parallel size.", aliases=("--ep-size",), parse=_positive_int
+    )
+    world_size: int | None = _not_yet(None, PARALLELISM, "Total worker process count across all nodes.", parse=_positive_int)
+    nprocs_per_node: int | None = _not_yet(None, PARALLELISM, "Worker process count per node.", parse=_positive_int)
+    nnodes: int = _not_yet(1, PARALLELISM, "Number of nodes.", parse=_positive_int)
+    node_rank: int = _not_yet(0, PARALLELISM, "Rank of the current node.", parse=_non_negative_int)
+    dist_init_addr: str | None = _not_yet(None, PARALLELISM, "Distributed initialization address (host:port).")
+
+    # ---- Backend Selection
+    attention_backend: str | None = _option(
+        None,
+        BACKENDS,
+        "Attention kernel backend. Only 'torch' (the reference backend, CPU and GPU) is "
+        "implemented yet; the GPU default becomes 'triton' when it lands.",
+        choices=ATTENTION_BACKENDS,
+        unsupported_values=tuple(name for name in ATTENTION_BACKENDS if name != "torch"),
+        default_doc="torch",
+    )
+    drafter_attention_backend: str | None = _not_yet(
+        None, BACKENDS, "Attention backend of the speculative decoding drafter.", choices=ATTENTION_BACKENDS
+    )
+    moe_backend: str = _not_yet("auto", BACKENDS, "MoE backend.")
+    draft_moe_backend: str | None = _not_yet(None, BACKENDS, "MoE backend of the speculative decoding draft model.")
+    all2all_backend: str = _not_yet("none", BACKENDS, "MoE all-to-all backend.")
+    deepep_mode: str = _not_yet("auto", BACKENDS, "DeepEP mode.", choices=("auto", "normal", "low_latency"))
+    sampling_backend: str | None = _not_yet(
+        None,
+        BACKENDS,
+        "Sampling backend.",
+        choices=("greedy", "flashinfer", "flashinfer_full", "triton", "triton_full"),
+    )
+
+    # ---- Reasoning And Tool Calling
+    reasoning_parser: str | None = _gateway(None, REASONING, "Reasoning content parser.")
+    tool_call_parser: str | None = _gateway(None, REASONING, "Tool-call payload parser.")
+    enable_custom_logit_processor: bool = _not_yet(False, REASONING, "Allow custom logit processors.")
+
+    # ---- Speculative Decoding
+    speculative_config: str | None = _not_yet(None, SPECULATIVE, "JSON speculative decoding configuration.")
+    speculative_algorithm: str | None = _not_yet(
+        None, SPECULATIVE, "Speculative algorithm.", choices=("EAGLE3", "MTP", "DFLASH", "DSPARK")
+    )
+    speculative_draft_model_path: str | None = _not_yet(None, SPECULATIVE, "Draft model path.")
+    speculative_draft_model_quantization: str = _not_yet("unquant", SPECULATIVE, "Draft model quantization.")
+    speculative_num_steps: int = _not_yet(3, SPECULATIVE, "Number of draft model steps.", parse=_positive_int)
+    speculative_num_draft_tokens: int | None = _not_yet(
+        None,
+        SPECULATIVE,
+        "Number of draft tokens.",
+        parse=_positive_int,
+        default_doc="--speculative-num-steps + 1",
+    )
+    speculative_eagle_topk: int = _not_yet(1, SPECULATIVE, "EAGLE top-k.", parse=_positive_int)
+    eagle3_layers_to_capture: str | None = _not_yet(None, SPECULATIVE, "EAGLE3 layers to capture.")
+
+    # ---- Observability
+    log_level: str = _option("info", OBSERVABILITY, "Log level: " + ", ".join(LOG_LEVELS) + ".", parse=_log_level)
+    log_level_http: str | None = _not_yet(
+        None, OBSERVABILITY, "HTTP server log level.", parse=_log_level, default_doc="--log-level"
+    )
+    enable_log_requests: bool = _not_yet(False, OBSERVABILITY, "Log request metadata and payloads.", negatable=True)
+    log_requests_level: int = _not_yet(0, OBSERVABILITY, "Request logging verbosity.", choices=(0, 1, 2))
+    enable_log_request_stats: bool = _not_yet(
+        False, OBSERVABILITY, "Log a one-line performance summary per finished request.", negatable=True
+    )
+    enable_metrics: bool = _not_yet(False, OBSERVABILITY, "Enable metrics reporting.")
+    metrics_reporters: list[str] | None = _not_yet(None, OBSERVABILITY, "Metrics reporters.", choices=("prometheus",))
+    decode_log_interval: int = _not_yet(40, OBSERVABILITY, "Decode batch log interval.", parse=_positive_int)
+    enable_cache_report: bool = _not_yet(False, OBSERVABILITY, "Report cached-token counts in usage details.")
+    kv_events_config: str | None = _not_yet(None, OBSERVABILITY, "JSON config for KV cache mutation events.")
+
+    # ---- TokenSpeed-Specific (the ones not already listed in the sections above)
+    disable_kvstore: bool = _not_yet(
+        False, TOKENSPEED_SPECIFIC, "Disable the host KV store (the worker has none: accepted, no effect).", harmless=(True,)
+    )
+    kvstore_ratio: float = _not_yet(2.0, TOKENSPEED_SPECIFIC, "Host KV store size relative to the device pool.")
+    kvstore_size: int = _not_yet(0, TOKENSPEED_SPECIFIC, "Host KV store size in GB (overrides --kvstore-ratio).")
+    kvstore_io_backend: str = _not_yet(
+        "kernel", TOKENSPEED_SPECIFIC, "Host KV store IO backend.", choices=("direct", "kernel")
+    )
+    kvstore_mem_layout: str = _not_yet(
+        "layer_first",
+        TOKENSPEED_SPECIFIC,
+        "Host KV store memory layout.",
+        choices=("layer_first", "page_first", "page_head"),
+    )
+    kvstore_storage_backend: str | None = _not_yet(
+        None, TOKENSPEED_SPECIFIC, "KV store L3 storage backend.", choices=("mooncake",)
+    )
+    kvstore_storage_backend_extra_config: str | None = _not_yet(
+        None, TOKENSPEED_SPECIFIC, "JSON extra configuration for the KV store storage backend."
+    )
+    enable_mla_l1_5_cache: bool = _not_yet(False, TOKENSPEED_SPECIFIC, "MLA L1.5 cache in disaggregation paths.")
+    mla_chunk_multiplier: int = _not_yet(
+        4, TOKENSPEED_SPECIFIC, "MLA chunked-prefill capacity multiplier.", parse=_positive_int
+    )
+    disaggregation_mode: str = _not_yet(
+        "null", TOKENSPEED_SPECIFIC, "Prefill/decode disaggregation role.", choices=("null", "prefill", "decode")
+    )
+    disaggregation_bootstrap_port: int = _not_yet(
+        8998, TOKENSPEED_SPECIFIC, "Bootstrap server port on the prefill server.", parse=_port
+    )
+    disaggregation_transfer_backend: str = _not_yet(
+        "mooncake", TOKENSPEED_SPECIFIC, "Disaggregation KV transfer backend.", choices=("mooncake", "mooncake_async")
+    )
+    disaggregation_ib_device: str | None = _not_yet(
+        None, TOKENSPEED_SPECIFIC, "InfiniBand device(s) for disaggregation transfer."
+    )
+    disaggregation_layerwise_interval: int = _not_yet(
+        1, TOKENSPEED_SPECIFIC, "Layerwise transfer interval for disaggregation.", parse=_positive_int
+    )
+    comm_fusion_max_num_tokens: int = _not_yet(
+        2048, TOKENSPEED_SPECIFIC, "Max tokens of the communication fusion workspace.", parse=_int
+    )
+    enable_allreduce_fusion: bool = _not_yet(False, TOKENSPEED_SPECIFIC, "All-reduce + norm fusion.")
+
+    # ---- Worker (our additions)
+    device: str = _option(
+        "auto", WORKER, "Device: auto (cuda when available, else cpu), cpu, or cuda.", choices=("auto", "cpu", "cuda")
+    )
+    seed: int = _option(
+        0, WORKER, "Random seed for sampling and dummy weights.", aliases=("--random-seed",), parse=_non_negative_int
+    )
+    config: str | None = _option(
+        None,
+        WORKER,
+        "YAML file of parameters; keys are flag names (dashes or underscores). "
+        "The command line wins over the file.",
+        metavar="FILE.yaml",
+    )
+
+
+# --------------------------------------------------------------------------- table access
+
+
+@dataclass(frozen=True)
+class Option:
+    """One row of the table: a `ServerArgs` field with its resolved flag names and kind."""
+
+    dest: str
+    default: Any
+    kind: type  # bool, int, float, str, or list (for a list[...] field)
+    item_parse: Callable[[str], Any]  # parses one command-line token
+    spec: OptionSpec
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.dest.replace("_", "-")
+
+    @property
+    def flags(self) -> tuple[str, ...]:
+        return (self.flag, *self.spec.aliases)
+
+    def is_offending(self, value: Any) -> bool:
+        """True when `value` asks for something the worker does not do."""
+        if self.spec.status is Status.SUPPORTED:
+            return value in self.spec.unsupported_values
+        return value != self.default and value not in self.spec.harmless
+
+    def unsupported_message(self, value: Any) -> str:
+        if self.spec.status is Status.GATEWAY:
+            return f"{self.flag} is not supported: handled by the smg gateway (set it on `smg launch`)"
+        if self.spec.status is Status.NOT_YET:
+            return f"{self.flag} is not supported yet"
+        supported = [str(c) for c in self.spec.choices or () if c not in self.spec.unsupported_values]
+        return f"{self.flag} {value} is not supported yet (supported: {', '.join(supported)})"
+
+    def default_text(self) -> str:
+        if self.spec.default_doc is not None:
+            return self.spec.default_doc
+        if self.default is None:
+            return "unset"
+        if isinstance(self.default, bool):
+            return "true" if self.default else "false"
+        return str(self.default)
+
+
+def _kind_of(hint: Any) -> tuple[type, type]:
+    """(kind, item type) of a field annotation such as `int | None` or `list[int] | None`."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    base = args[0] if args else hint
+    if typing.get_origin(base) is list:
+        return list, typing.get_args(base)[0]
+    return base, base
+
+
+def _build_options() -> tuple[Option, ...]:
+    hints = typing.get_type_hints(ServerArgs)
+    options = []
+    for f in dataclasses.fields(ServerArgs):
+        spec: OptionSpec = f.metadata["option"]
+        kind, item = _kind_of(hints[f.name])
+        options.append(Option(f.name, f.default, kind, spec.parse or item, spec))
+    return tuple(options)
+
+
+OPTIONS: tuple[Option, ...] = _build_options()
+OPTIONS_BY_DEST: dict[str, Option] = {o.dest: o for o in OPTIONS}
+
+
+# --------------------------------------------------------------------------- parser
+
+
+class _ParseError(Exception):
+    """A parser error raised instead of exiting (used while reading --config)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    raise_errors = False
+
+    def error(self, message: str) -> typing.NoReturn:
+        if self.raise_errors:
+            raise _ParseError(message)
+        super().error(message)
+
+
+def _help_text(option: Option) -> str:
+    text = f"{option.spec.help} (default: {option.default_text()})"
+    if option.spec.status is Status.NOT_YET:
+        text += " [not supported yet]"
+    elif option.spec.status is Status.GATEWAY:
+        text += " [handled by the smg gateway]"
+    return text.replace("%", "%%")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The worker's argument parser, grouped like TokenSpeed's parameter reference."""
+    parser = _Parser(
+        prog=PROG,
+        usage="%(prog)s [model] [--grpc-port PORT] [--host HOST] [--config FILE.yaml] [options]",
+        description="Serve one model over gRPC to the smg gateway.",
+        epilog="Parameters marked [not supported yet] are accepted with their default value only; "
+        "see docs/parameters.md.",
+        allow_abbrev=False,
+    )
+    groups = {name: parser.add_argument_group(name, GROUP_DESCRIPTIONS.get(name)) for name in GROUPS}
+    # Defaults are SUPPRESSed so the namespace holds only what was given; `parse_args`
+    # layers the command line over --config over the dataclass defaults.
+    groups[MODEL_LOADING].add_argument(
+        "positional_model", nargs="?", metavar="model", default=argparse.SUPPRESS, help="Model path (same as --model)."
+    )
+    for option in OPTIONS:
+        group = groups[option.spec.group]
+        common: dict[str, Any] = dict(dest=option.dest, default=argparse.SUPPRESS, help=_help_text(option))
+        if option.kind is bool:
+            action = argparse.BooleanOptionalAction if option.spec.negatable else "store_true"
+            group.add_argument(*option.flags, action=action, **common)
+            continue
+        if option.kind is list:
+            common["nargs"] = "+"
+        group.add_argument(
+            *option.flags,
+            type=option.item_parse,
+            choices=option.spec.choices,
+            metavar=option.spec.metavar,
+            **common,
+        )
+    return parser
+
+
+# --------------------------------------------------------------------------- --config
+
+
+def _config_tokens(key: str, option: Option, value: Any) -> list[str]:
+    """Command-line tokens equivalent to one --config entry (so it is validated the same way)."""
+    if option.kind is bool:
+        if not isinstance(value, bool):
+            raise _ParseError(f"key {key!r} must be a YAML boolean (true/false), got {value!r}")
+        if value:
+            return [option.flag]
+        return ["--no-" + option.flag[2:]] if option.spec.negatable else []
+    if isinstance(value, bool):
+        raise _ParseError(f"key {key!r} takes a {option.kind.__name__}, got the boolean {value!r}")
+    if option.kind is list:
+        if not isinstance(value, list) or not value:
+            raise _ParseError(f"key {key!r} must be a non-empty YAML list, got {value!r}")
+        return [option.flag, *(str(item) for item in value)]
+    if isinstance(value, dict | list):
+        if option.kind is not str:
+            raise _ParseError(f"key {key!r} takes a {option.kind.__name__}, got {value!r}")
+        value = json.dumps(value)  # JSON-valued options may be written as YAML mappings
+    return [f"{option.flag}={value}"]
+
+
+def _config_keys() -> dict[str, Option]:
+    keys: dict[str, Option] = {}
+    for option in OPTIONS:
+        for flag in option.flags:
+            keys[flag[2:].replace("_", "-")] = option
+    return keys
+
+
+def load_config_file(path: str) -> dict[str, Any]:
+    """Values of a --config YAML file, keyed by `ServerArgs` attribute, validated like flags.
+
+    Raises `ValueError` naming the file and the offending key."""
+    import yaml  # only needed when --config is used
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except OSError as exc:
+        raise ValueError(f"--config: cannot read {path}: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        raise ValueError(f"--config {path}: invalid YAML: {' '.join(str(exc).split())}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"--config {path}: expected a mapping of parameter names to values")
+
+    keys = _config_keys()
+    parser = build_parser()
+    assert isinstance(parser, _Parser)
+    parser.raise_errors = True
+    values: dict[str, Any] = {}
+    for raw_key, value in data.items():
+        key = str(raw_key).replace("_", "-")
+        option = keys.get(key)
+        try:
+            if option is None:
+                raise _ParseError(f"unknown key {raw_key!r}")
+            if option.dest == "config":
+                raise _ParseError("a config file cannot name another config file")
+            if option.dest in values:
+                raise _ParseError(f"key {raw_key!r} sets {option.flag} a second time")
+            if value is None:  # `key: null` (or an empty value) keeps the default
+                values[option.dest] = option.default
+                continue
+            namespace = parser.parse_args(_config_tokens(str(raw_key), option, value))
+            values[option.dest] = getattr(namespace, option.dest, option.default)
+        except _ParseError as exc:
+            raise ValueError(f"--config {path}: {exc}") from None
+    return values
+
+
+# --------------------------------------------------------------------------- parse_args
+
+
+def _cuda_available() -> bool:
+    import torch  # deferred: torch takes seconds to import
+
+    return torch.cuda.is_available()
+
+
+def _resolve(args: ServerArgs) -> None:
+    """Fill the defaults that depend on other values or on the machine."""
+    if args.tokenizer is None:
+        args.tokenizer = args.model
+    if args.served_model_name is None:
+        args.served_model_name = args.model
+    if args.device == "auto":
+        args.device = "cuda" if _cuda_available() else "cpu"
+    elif args.device == "cuda" and not _cuda_available():
+        raise ValueError("argument --device: cuda was requested but no CUDA device is available")
+    if args.attention_backend is None:
+        # The torch reference backend runs on both devices; on GPU the default becomes
+        # "triton" once that backend exists.
+        args.attention_backend = "torch"
+
+
+def parse_args(argv: Sequence[str] | None = None, parser: argparse.ArgumentParser | None = None) -> ServerArgs:
+    """Parse the command line (and its --config file) into resolved `ServerArgs`.
+
+    Errors exit with status 2 and a message naming the flag, as argparse does. Values the
+    worker does not implement are left in place: call `check_supported` to reject them."""
+    parser = parser or build_parser()
+    given = vars(parser.parse_args(argv))
+    positional = given.pop("positional_model", None)
+
+    from_file: dict[str, Any] = {}
+    if given.get("config"):
+        try:
+            from_file = load_config_file(given["config"])
+        except ValueError as exc:
+            parser.error(str(exc))
+
+    cli_model = given.pop("model", None)
+    if positional is not None and cli_model is not None and positional != cli_model:
+        parser.error(f"the positional model {positional!r} and --model {cli_model!r} differ; give only one")
+    model = positional or cli_model or from_file.get("model")
+    if not model:
+        parser.error("a model is required: give it as the positional argument or with --model")
+
+    values = {**from_file, **given, "model": model}
+    args = ServerArgs(**values)
+    try:
+        _resolve(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    return args
+
+
+# --------------------------------------------------------------------------- support check
+
+
+class UnsupportedOptionError(ValueError):
+    """A parameter was given a value the worker does not implement."""
+
+
+def unsupported_settings(args: ServerArgs) -> list[str]:
+    """One message per parameter whose value the worker does not implement, in table order."""
+    return [
+        option.unsupported_message(getattr(args, option.dest))
+        for option in OPTIONS
+        if option.is_offending(getattr(args, option.dest))
+    ]
+
+
+def check_supported(args: ServerArgs) -> None:
+    """Raise `UnsupportedOptionError` (one line naming every offending flag) if any."""
+    messages = unsupported_settings(args)
+    if messages:
+        raise UnsupportedOptionError("; ".join(messages))
+
+
+# --------------------------------------------------------------------------- docs
+
+
+def _md_flags(option: Option) -> str:
+    flags = ", ".join(f"`{flag}`" for flag in option.flags)
+    if option.kind is bool and option.spec.negatable:
+        flags += f" / `--no-{option.flag[2:]}`"
+    if option.dest == "model":
+        flags = "positional `model`, " + flags
+    return flags
+
+
+def _md_status(option: Option) -> str:
+    status = option.spec.status.value
+    if option.spec.unsupported_values:
+        shown = ", ".join(f"`{v}`" for v in option.spec.unsupported_values)
+        status += f"; not supported yet: {shown}"
+    if option.spec.harmless:
+        shown = ", ".join(f"`{json.dumps(v)}`" for v in option.spec.harmless)
+        status += f"; also accepted (no effect): {shown}"
+    return status
+
+
+def render_markdown() -> str:
+    """The parameter tables of docs/parameters.md, generated from `ServerArgs`."""
+    lines: list[str] = []
+    for group in GROUPS:
+        lines += [f"### {group}", ""]
+        if group in GROUP_DESCRIPTIONS:
+            lines += [GROUP_DESCRIPTIONS[group], ""]
+        lines += ["| Parameter | Default | Status | Meaning |", "| --- | --- | --- | --- |"]
+        for option in OPTIONS:
+            if option.spec.group != group:
+                continue
+            meaning = option.spec.help
+            if option.spec.choices:
+                meaning += " Choices: " + ", ".join(f"`{c}`" for c in option.spec.choices) + "."
+            meaning = meaning.replace("|", "\\|")
+            lines.append(f"| {_md_flags(option)} | {option.default_text()} | {_md_status(option)} | {meaning} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    # `python -m tokenspeed_worker.config` prints the generated tables of docs/parameters.md.
+    print(render_markdown(), end="")

@@ -1,0 +1,271 @@
+"""The engine core: scheduler + model runner + sampler, stepped in one process.
+
+`EngineCore` is the in-process heart (tests drive it directly); `process.py`
+wraps it in the busy loop of the engine process. One `step()` is
+schedule -> forward -> sample -> advance, and returns one `StepOutput` for
+every request that produced a token in it.
+
+Requests are known to the native scheduler by a *row*: a small integer that
+indexes this class's per-request parameter arrays, so gathering sampling
+parameters for a batch is one numpy fancy-index, not a per-request loop.
+Rows are recycled after a request ends; the server's own ids never are.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tokenspeed_worker.engine.messages import AddRequest, EngineReady, Loads, StepOutput
+
+logger = logging.getLogger(__name__)
+
+_GIB = 1 << 30
+
+
+@dataclass
+class EngineConfig:
+    model_path: str
+    dtype: str = "auto"
+    device: str = "cpu"
+    load_format: str = "auto"
+    attention_backend: str = "torch"
+    block_size: int = 16
+    max_model_len: int = 2048
+    max_num_seqs: int = 256
+    max_total_tokens: int | None = None
+    chunked_prefill_size: int = 8192
+    max_prefill_tokens: int = 8192
+    gpu_memory_utilization: float = 0.9
+    seed: int = 0
+
+
+def size_kv_pool_tokens(cfg: EngineConfig, kv_bytes_per_token: int, device: torch.device) -> int:
+    """How many tokens the paged KV pool holds when --max-total-tokens is not given."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        used = total - free
+        # Headroom for activations of the largest step and the logits of a full batch;
+        # a profiling forward replaces this estimate in the GPU issue.
+        reserve = max(2 * _GIB, int(0.05 * total))
+        budget = int(total * cfg.gpu_memory_utilization) - used - reserve
+        if budget <= kv_bytes_per_token * cfg.block_size:
+            raise RuntimeError(
+                f"no GPU memory left for the KV cache (total {total / _GIB:.1f} GiB, "
+                f"used {used / _GIB:.1f} GiB, --gpu-memory-utilization {cfg.gpu_memory_utilization})"
+            )
+        return budget // kv_bytes_per_token
+    # CPU: a fixed share of physical memory, at most 4 GiB, and never more than
+    # every sequence at full length needs.
+    try:
+        phys = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        phys = 16 * _GIB
+    budget = min(4 * _GIB, phys // 8)
+    tokens = budget // kv_bytes_per_token
+    return int(max(cfg.max_model_len, min(tokens, cfg.max_model_len * cfg.max_num_seqs)))
+
+
+class EngineCore:
+    def __init__(self, cfg: EngineConfig) -> None:
+        from tokenspeed_worker.layers.sampler import Sampler
+        from tokenspeed_worker.model_executor.model_runner import ModelRunner
+        from tokenspeed_worker.scheduler.core import Scheduler
+
+        self.cfg = cfg
+        torch.manual_seed(cfg.seed)
+        self.runner = ModelRunner(
+            cfg.model_path,
+            dtype=cfg.dtype,
+            device=cfg.device,
+            load_format=cfg.load_format,
+            attention_backend=cfg.attention_backend,
+            block_size=cfg.block_size,
+            seed=cfg.seed,
+        )
+        self.device = torch.device(self.runner.device)
+        kv_bytes = self.runner.kv_bytes_per_token()
+        if cfg.max_total_tokens:
+            pool_tokens = int(cfg.max_total_tokens)
+        else:
+            pool_tokens = size_kv_pool_tokens(cfg, kv_bytes, self.device)
+        self.num_blocks = max(1, pool_tokens // cfg.block_size)
+        self.runner.allocate_kv_cache(self.num_blocks)
+        self.kv_cache_bytes = self.num_blocks * cfg.block_size * kv_bytes
+
+        chunked = cfg.chunked_prefill_size is not None and cfg.chunked_prefill_size > 0
+        self.scheduler = Scheduler(
+            num_blocks=self.num_blocks,
+            block_size=cfg.block_size,
+            max_num_seqs=cfg.max_num_seqs,
+            max_model_len=cfg.max_model_len,
+            token_budget=cfg.chunked_prefill_size if chunked else cfg.max_prefill_tokens,
+            chunked_prefill=chunked,
+            max_prefill_tokens=cfg.max_prefill_tokens,
+        )
+        self.sampler = Sampler()
+
+        # Per-row request state (see module docstring).
+        cap = 64
+        self._server_id = np.full(cap, -1, dtype=np.int64)
+        self._temperature = np.zeros(cap, dtype=np.float32)
+        self._top_k = np.full(cap, -1, dtype=np.int64)
+        self._top_p = np.ones(cap, dtype=np.float32)
+        self._min_p = np.zeros(cap, dtype=np.float32)
+        self._seed = np.zeros(cap, dtype=np.int64)
+        self._out_len = np.zeros(cap, dtype=np.int64)
+        self._free_rows: list[int] = list(range(cap - 1, -1, -1))
+        self._row_of: dict[int, int] = {}
+
+        self._tokens_window: list[tuple[float, int]] = []
+        logger.info(
+            "engine ready: %s on %s (%s), KV pool %d blocks x %d tokens (%.2f GiB), weights %.2f GiB",
+            cfg.model_path,
+            self.device,
+            self.runner.dtype,
+            self.num_blocks,
+            cfg.block_size,
+            self.kv_cache_bytes / _GIB,
+            self.runner.weight_bytes() / _GIB,
+        )
+
+    # ---- facts ------------------------------------------------------------
+
+    def ready_message(self) -> EngineReady:
+        return EngineReady(
+            num_blocks=self.num_blocks,
+            block_size=self.cfg.block_size,
+            max_total_tokens=self.num_blocks * self.cfg.block_size,
+            max_model_len=self.cfg.max_model_len,
+            max_num_seqs=self.cfg.max_num_seqs,
+            kv_cache_bytes=self.kv_cache_bytes,
+            weight_bytes=self.runner.weight_bytes(),
+            device=str(self.device),
+            dtype=str(self.runner.dtype).replace("torch.", ""),
+        )
+
+    def loads(self) -> Loads:
+        s = self.scheduler
+        now = time.monotonic()
+        window = [(t, n) for t, n in self._tokens_window if now - t < 10.0]
+        self._tokens_window = window
+        span = (now - window[0][0]) if len(window) > 1 else 0.0
+        throughput = (sum(n for _, n in window) / span) if span > 0 else 0.0
+        return Loads(
+            num_running=s.num_running,
+            num_waiting=s.num_waiting,
+            num_used_tokens=s.num_used_tokens,
+            num_free_blocks=s.num_free_blocks,
+            num_total_blocks=s.num_total_blocks,
+            block_size=self.cfg.block_size,
+            waiting_tokens=s.waiting_tokens,
+            num_preemptions=s.num_preemptions,
+            gen_throughput=throughput,
+        )
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._row_of)
+
+    # ---- requests ---------------------------------------------------------
+
+    def _grow(self) -> None:
+        old = self._server_id.shape[0]
+        new = old * 2
+        for name in ("_server_id", "_temperature", "_top_k", "_top_p", "_min_p", "_seed", "_out_len"):
+            arr = getattr(self, name)
+            grown = np.empty(new, dtype=arr.dtype)
+            grown[:old] = arr
+            setattr(self, name, grown)
+        self._free_rows.extend(range(new - 1, old - 1, -1))
+
+    def add_request(self, req: AddRequest) -> None:
+        """Queue a request. Raises ValueError (message names the problem) if it can't be served."""
+        if req.req_id in self._row_of:
+            raise ValueError(f"request {req.req_id} is already in flight")
+        if not self._free_rows:
+            self._grow()
+        row = self._free_rows.pop()
+        try:
+            self.scheduler.add_request(
+                row, np.asarray(req.prompt_ids, dtype=np.int32), int(req.max_new_tokens), list(req.stop_token_ids)
+            )
+        except Exception:
+            self._free_rows.append(row)
+            raise
+        self._row_of[req.req_id] = row
+        self._server_id[row] = req.req_id
+        self._temperature[row] = req.temperature
+        self._top_k[row] = req.top_k
+        self._top_p[row] = req.top_p
+        self._min_p[row] = req.min_p
+        self._seed[row] = req.seed
+        self._out_len[row] = 0
+
+    def _release(self, row: int) -> None:
+        sid = int(self._server_id[row])
+        self._row_of.pop(sid, None)
+        self._server_id[row] = -1
+        self._free_rows.append(row)
+
+    def abort(self, req_id: int) -> bool:
+        row = self._row_of.get(req_id)
+        if row is None:
+            return False
+        self.scheduler.abort(row)
+        self._release(row)
+        return True
+
+    # ---- the step ---------------------------------------------------------
+
+    def step(self) -> StepOutput | None:
+        t0 = time.perf_counter()
+        plan = self.scheduler.schedule()
+        if plan.num_reqs == 0:
+            return None
+        rows = plan.req_ids[plan.sample_rows]
+        if rows.shape[0] > 0:
+            logits = self.runner.forward(plan)
+            sampled = self._sample(logits, rows)
+        else:
+            self.runner.forward(plan)
+            sampled = np.zeros(0, dtype=np.int64)
+        finished_rows, reasons = self.scheduler.advance(sampled)
+        self._out_len[rows] += 1
+        out = StepOutput(
+            req_ids=self._server_id[rows].copy(),
+            tokens=sampled,
+            finished_ids=self._server_id[finished_rows].copy(),
+            finish_reasons=np.asarray(reasons, dtype=np.int32),
+            step_seconds=time.perf_counter() - t0,
+        )
+        for row in finished_rows.tolist():
+            self._release(row)
+        if rows.shape[0]:
+            self._tokens_window.append((time.monotonic(), int(rows.shape[0])))
+            if len(self._tokens_window) > 4096:
+                del self._tokens_window[:2048]
+        return out
+
+    def _sample(self, logits: torch.Tensor, rows: np.ndarray) -> np.ndarray:
+        from tokenspeed_worker.layers.sampler import SamplingTensors
+
+        params = SamplingTensors.from_lists(
+            self._temperature[rows],
+            self._top_k[rows],
+            self._top_p[rows],
+            self._min_p[rows],
+            self._seed[rows],
+            self._out_len[rows],
+            device=logits.device,
+        )
+        tokens = self.sampler.sample(logits, params)
+        return tokens.to("cpu", non_blocking=False).numpy().astype(np.int64, copy=False)

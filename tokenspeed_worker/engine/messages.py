@@ -1,0 +1,122 @@
+"""Typed messages between the gRPC server process and the engine core process.
+
+They travel pickled over a multiprocessing pipe. The engine sends exactly one
+`StepOutput` per scheduler step (never one message per token); per-request data
+in it is flat numpy arrays keyed by the integer ids the server assigned.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+# Finish reasons as the native scheduler reports them (kept in one place).
+FINISH_NONE = 0
+FINISH_STOP = 1  # a stop token id (EOS unless ignore_eos, or stop_token_ids)
+FINISH_LENGTH = 2  # max_new_tokens or the context limit
+FINISH_ABORT = 3
+
+
+# ---- server -> engine -------------------------------------------------------
+
+
+@dataclass
+class AddRequest:
+    req_id: int  # engine id, assigned by the server, never reused
+    prompt_ids: np.ndarray  # int32 [P]
+    max_new_tokens: int  # already clamped to the context limit
+    stop_token_ids: list[int]
+    temperature: float
+    top_k: int  # -1 = off
+    top_p: float
+    min_p: float
+    seed: int  # the request's sampling seed (random when the client set none)
+
+
+@dataclass
+class AbortRequests:
+    req_ids: list[int]
+
+
+@dataclass
+class Probe:
+    """Answered between two steps: proves the loop is alive; carries loads back."""
+
+    nonce: int
+
+
+@dataclass
+class FlushCache:
+    nonce: int
+
+
+@dataclass
+class Shutdown:
+    pass
+
+
+# ---- engine -> server -------------------------------------------------------
+
+
+@dataclass
+class EngineReady:
+    num_blocks: int
+    block_size: int
+    max_total_tokens: int
+    max_model_len: int
+    max_num_seqs: int
+    kv_cache_bytes: int
+    weight_bytes: int
+    device: str
+    dtype: str
+
+
+@dataclass
+class StepOutput:
+    """Everything one step produced. Rows of the arrays are sampling requests."""
+
+    req_ids: np.ndarray  # int64 [S]
+    tokens: np.ndarray  # int64 [S]
+    finished_ids: np.ndarray  # int64 [F]
+    finish_reasons: np.ndarray  # int32 [F]
+    step_seconds: float = 0.0
+
+
+@dataclass
+class RequestFailed:
+    req_id: int
+    code: str  # a grpc.StatusCode name, e.g. "INVALID_ARGUMENT"
+    message: str
+
+
+@dataclass
+class Loads:
+    num_running: int
+    num_waiting: int
+    num_used_tokens: int
+    num_free_blocks: int
+    num_total_blocks: int
+    block_size: int
+    waiting_tokens: int
+    num_preemptions: int
+    gen_throughput: float  # output tokens / s over the last window
+
+
+@dataclass
+class ProbeReply:
+    nonce: int
+    loads: Loads
+
+
+@dataclass
+class FlushReply:
+    nonce: int
+    success: bool
+    message: str
+
+
+@dataclass
+class EngineDead:
+    message: str
+    failed_ids: list[int] = field(default_factory=list)

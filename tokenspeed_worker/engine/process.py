@@ -1,0 +1,102 @@
+"""The engine process: a busy loop around `EngineCore`, talking to the server over a pipe.
+
+Between two steps it takes every pending message (new requests, aborts, probes);
+when idle it blocks on the pipe. Each step sends one `StepOutput`. If a step
+raises, it reports `EngineDead` and exits non-zero so the server fails every
+in-flight request instead of leaving it hanging.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import traceback
+from multiprocessing.connection import Connection
+
+from tokenspeed_worker.engine.messages import (
+    AbortRequests,
+    AddRequest,
+    EngineDead,
+    FlushCache,
+    FlushReply,
+    Probe,
+    ProbeReply,
+    RequestFailed,
+    Shutdown,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s [engine] %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def engine_main(cfg, conn: Connection, log_level: str = "info") -> None:
+    """Entry point of the engine process (spawned by the server)."""
+    _setup_logging(log_level)
+    try:
+        from tokenspeed_worker.engine.core import EngineCore
+
+        core = EngineCore(cfg)
+    except Exception as exc:  # startup failure: say why, in one line, and exit
+        logger.error("engine failed to start: %s", exc)
+        logger.debug("%s", traceback.format_exc())
+        try:
+            conn.send(EngineDead(f"engine failed to start: {exc}"))
+        finally:
+            os._exit(1)
+    conn.send(core.ready_message())
+    try:
+        _loop(core, conn)
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        logger.info("server went away; engine exiting")
+        os._exit(0)
+    except Exception as exc:
+        logger.error("engine step failed: %s\n%s", exc, traceback.format_exc())
+        try:
+            conn.send(EngineDead(f"engine failed: {type(exc).__name__}: {exc}"))
+        except Exception:
+            pass
+        os._exit(1)
+
+
+def _handle(core, conn: Connection, msg) -> bool:
+    """Apply one message; False means shut down."""
+    if isinstance(msg, AddRequest):
+        try:
+            core.add_request(msg)
+        except ValueError as exc:
+            conn.send(RequestFailed(msg.req_id, "INVALID_ARGUMENT", str(exc)))
+    elif isinstance(msg, AbortRequests):
+        for req_id in msg.req_ids:
+            core.abort(req_id)
+    elif isinstance(msg, Probe):
+        conn.send(ProbeReply(msg.nonce, core.loads()))
+    elif isinstance(msg, FlushCache):
+        # No prefix cache exists in this build, so there is nothing cached beyond
+        # the blocks live requests hold: flushing is a successful no-op.
+        conn.send(FlushReply(msg.nonce, True, "nothing cached: prefix caching is not enabled in this build"))
+    elif isinstance(msg, Shutdown):
+        return False
+    else:
+        logger.warning("engine ignoring unknown message %r", type(msg).__name__)
+    return True
+
+
+def _loop(core, conn: Connection) -> None:
+    while True:
+        # Take everything pending; block only when there is nothing to compute.
+        if not core.has_work():
+            conn.poll(None)
+        while conn.poll(0):
+            if not _handle(core, conn, conn.recv()):
+                return
+        out = core.step()
+        if out is not None:
+            conn.send(out)

@@ -1,0 +1,53 @@
+"""The one interface every attention backend implements.
+
+Per step the runner calls `build_metadata` once (index math shared by all layers);
+per layer, `Attention` calls `forward`, which writes the step's K/V into the paged
+cache at the slot mapping and attends each request's query tokens over its whole
+sequence (context + query) through its block table.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from tokenspeed_worker.scheduler.plan import SchedulePlan
+
+
+@dataclass
+class AttentionInputs:
+    """A step's attention inputs: the host plan, and its arrays already on the device."""
+
+    plan: SchedulePlan  # host arrays, for backends that plan on the host (and for max lengths)
+    query_lens: torch.Tensor  # int32 [B]
+    context_lens: torch.Tensor  # int32 [B]
+    slot_mapping: torch.Tensor  # int64 [T]
+    block_tables: torch.Tensor  # int32 [B, W]
+    block_size: int
+
+
+class AttentionBackend(ABC):
+    name: str
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        """Shape of one layer's K cache (and of its V cache)."""
+        return (num_blocks, block_size, num_kv_heads, head_dim)
+
+    @abstractmethod
+    def build_metadata(self, inputs: AttentionInputs) -> object:
+        """Everything the step's attention calls share; called once per step."""
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, num_heads, head_dim]
+        k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: object,
+        scale: float,
+    ) -> torch.Tensor:
+        """Store k, v at the step's slots, then return attention output [T, num_heads, head_dim]."""

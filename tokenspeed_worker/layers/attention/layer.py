@@ -1,0 +1,39 @@
+"""The attention module the models hold: one per layer, bound to its KV cache and the backend by the runner."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tokenspeed_worker.layers.attention.backend import AttentionBackend
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        # Plain attributes, not buffers: the cache is not part of the weights.
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+        self.backend: AttentionBackend | None = None
+
+    def bind_kv_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor, backend: AttentionBackend) -> None:
+        self.k_cache, self.v_cache, self.backend = k_cache, v_cache, backend
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_metadata: object) -> torch.Tensor:
+        """q: [T, H * D], k/v: [T, Hkv * D] -> [T, H * D]."""
+        if self.backend is None:
+            raise RuntimeError("the KV cache is not allocated: call ModelRunner.allocate_kv_cache first")
+        out = self.backend.forward(
+            q.view(-1, self.num_heads, self.head_dim),
+            k.view(-1, self.num_kv_heads, self.head_dim),
+            v.view(-1, self.num_kv_heads, self.head_dim),
+            self.k_cache,
+            self.v_cache,
+            attn_metadata,
+            self.scale,
+        )
+        return out.view(-1, self.num_heads * self.head_dim)

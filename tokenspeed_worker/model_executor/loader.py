@@ -1,0 +1,77 @@
+"""Fill a model's parameters: from safetensors (one file or an indexed set of shards) or at random (dummy).
+
+`dummy` needs only config.json: random weights at the real shapes, for speed work
+where values do not matter. It is deterministic for a given seed and device.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+DUMMY_STD = 0.02
+
+
+def safetensors_files(model_path: str | Path) -> list[Path]:
+    """The checkpoint's safetensors files: those the index names, else every *.safetensors in the folder."""
+    model_path = Path(model_path)
+    index = model_path / SAFETENSORS_INDEX
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [model_path / name for name in sorted(set(weight_map.values()))]
+    return sorted(model_path.glob("*.safetensors"))
+
+
+def resolve_load_format(model_path: str | Path, load_format: str) -> str:
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format {load_format!r} is not supported (supported: {', '.join(LOAD_FORMATS)})")
+    if load_format == "auto":
+        if not safetensors_files(model_path):
+            raise ValueError(
+                f"no safetensors weights in {model_path}; only safetensors checkpoints load "
+                "(or use load_format='dummy' for random weights)"
+            )
+        return "safetensors"
+    return load_format
+
+
+def iter_safetensors(model_path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    files = safetensors_files(model_path)
+    if not files:
+        raise ValueError(f"no safetensors weights in {model_path}")
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+@torch.no_grad()
+def init_dummy_weights(model: nn.Module, seed: int) -> None:
+    """Norm weights 1, biases 0, everything else N(0, DUMMY_STD^2): activations stay in a sane range."""
+    for index, (name, param) in enumerate(model.named_parameters()):
+        if "norm" in name:
+            param.fill_(1.0)
+        elif name.endswith(".bias"):
+            param.zero_()
+        else:
+            generator = torch.Generator(device=param.device).manual_seed(seed + index)
+            param.normal_(0.0, DUMMY_STD, generator=generator)
+
+
+@torch.no_grad()
+def load_model_weights(model: nn.Module, model_path: str | Path, load_format: str = "auto", seed: int = 0) -> str:
+    """Fill the model's weights; returns the format used ("safetensors" or "dummy")."""
+    load_format = resolve_load_format(model_path, load_format)
+    if load_format == "dummy":
+        init_dummy_weights(model, seed)
+    else:
+        model.load_weights(iter_safetensors(model_path))
+    return load_format

@@ -1,0 +1,168 @@
+"""Llama (and the decoder Qwen2 and Qwen3 share with it): pre-norm, GQA attention with rotary, SiLU-gated MLP.
+
+Parameter names follow Hugging Face checkpoints, except that q/k/v and gate/up are
+fused into `qkv_proj` and `gate_up_proj`; `load_weights` maps the checkpoint's
+separate matrices into them (`stacked_params_mapping`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from tokenspeed_worker.layers.activation import SiluAndMul
+from tokenspeed_worker.layers.attention import Attention
+from tokenspeed_worker.layers.layernorm import RMSNorm
+from tokenspeed_worker.layers.linear import Linear, MergedLinear, QKVLinear, default_weight_loader
+from tokenspeed_worker.layers.rotary import RotaryEmbedding, get_rope
+
+
+def head_dim_of(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def check_full_attention(config) -> None:
+    layer_types = getattr(config, "layer_types", None) or []
+    if getattr(config, "use_sliding_window", False) and any(t != "full_attention" for t in layer_types):
+        raise ValueError("sliding-window attention layers are not supported")
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self, config, rotary_emb: RotaryEmbedding, qkv_bias: bool, o_bias: bool, qk_norm: bool
+    ) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = head_dim_of(config)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = QKVLinear(config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, bias=qkv_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=o_bias)
+        self.rotary_emb = rotary_emb
+        self.qk_norm = qk_norm
+        if qk_norm:  # Qwen3: RMSNorm over each head of q and k, before rotary
+            self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, scale=self.head_dim**-0.5)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, attn_metadata: object) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, attn_metadata))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config, bias: bool = False) -> None:
+        super().__init__()
+        if config.hidden_act != "silu":
+            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (supported: silu)")
+        size = config.intermediate_size
+        self.gate_up_proj = MergedLinear(config.hidden_size, [size, size], bias=bias)
+        self.down_proj = Linear(size, config.hidden_size, bias=bias)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config, rotary_emb: RotaryEmbedding, qkv_bias: bool, o_bias: bool, mlp_bias: bool, qk_norm: bool):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, rotary_emb, qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=qk_norm)
+        self.mlp = LlamaMLP(config, bias=mlp_bias)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None, attn_metadata: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # The residual add of the previous sublayer is fused into the next norm.
+        if residual is None:
+            residual, hidden_states = hidden_states, self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states, attn_metadata)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config, qkv_bias: bool, o_bias: bool, mlp_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        rotary_emb = get_rope(config, head_dim_of(config))  # one cos/sin table shared by all layers
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, rotary_emb, qkv_bias, o_bias, mlp_bias, qk_norm)
+            for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: object) -> torch.Tensor:
+        hidden_states, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual, attn_metadata)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class LlamaForCausalLM(nn.Module):
+    # (fused parameter, checkpoint name, shard id)
+    stacked_params_mapping = [
+        ("qkv_proj", "q_proj", "q"),
+        ("qkv_proj", "k_proj", "k"),
+        ("qkv_proj", "v_proj", "v"),
+        ("gate_up_proj", "gate_proj", 0),
+        ("gate_up_proj", "up_proj", 1),
+    ]
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, **self.layer_options(config))
+        self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @staticmethod
+    def layer_options(config) -> dict:
+        bias = bool(getattr(config, "attention_bias", False))
+        return dict(qkv_bias=bias, o_bias=bias, mlp_bias=bool(getattr(config, "mlp_bias", False)), qk_norm=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: object) -> torch.Tensor:
+        """Final hidden states [T, hidden]; the LM head runs only on the rows that sample (compute_logits)."""
+        return self.model(input_ids, positions, attn_metadata)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden_states)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named checkpoint tensors into the parameters; every parameter must be filled exactly once."""
+        params = dict(self.named_parameters())  # a tied lm_head appears only as embed_tokens
+        loaded_numel = dict.fromkeys(params, 0)
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name == "lm_head.weight"):
+                continue
+            for fused, shard_name, shard_id in self.stacked_params_mapping:
+                if f".{shard_name}." in name:
+                    param_name = name.replace(f".{shard_name}.", f".{fused}.")
+                    if param_name not in params:
+                        raise ValueError(f"checkpoint weight {name!r} has no parameter in {type(self).__name__}")
+                    params[param_name].weight_loader(params[param_name], tensor, shard_id)
+                    break
+            else:
+                param_name = name
+                if param_name not in params:
+                    raise ValueError(f"checkpoint weight {name!r} has no parameter in {type(self).__name__}")
+                default_weight_loader(params[param_name], tensor)
+            loaded_numel[param_name] += tensor.numel()
+        incomplete = [name for name, param in params.items() if loaded_numel[name] != param.numel()]
+        if incomplete:
+            raise ValueError(f"checkpoint is missing (or repeats) weights for: {', '.join(incomplete)}")

@@ -1,0 +1,15 @@
+"""Qwen2: the Llama decoder with a bias on the q/k/v projections (none on o_proj or the MLP)."""
+
+from __future__ import annotations
+
+from tokenspeed_worker.models.llama import LlamaForCausalLM, check_full_attention
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    def __init__(self, config) -> None:
+        check_full_attention(config)
+        super().__init__(config)
+
+    @staticmethod
+    def layer_options(config) -> dict:
+        return dict(qkv_bias=True, o_bias=False, mlp_bias=False, qk_norm=False)

@@ -1,0 +1,31 @@
+"""Model classes by the Hugging Face `architectures` name in config.json."""
+
+from __future__ import annotations
+
+import importlib
+
+from torch import nn
+
+# architecture -> (module under tokenspeed_worker.models, class name)
+_MODELS: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("qwen2", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def get_model_class(config) -> type[nn.Module]:
+    architectures = list(getattr(config, "architectures", None) or [])
+    for arch in architectures:
+        if arch in _MODELS:
+            module_name, class_name = _MODELS[arch]
+            module = importlib.import_module(f"tokenspeed_worker.models.{module_name}")
+            return getattr(module, class_name)
+    raise ValueError(
+        f"model architecture {architectures or '(none in config.json)'} is not supported; "
+        f"supported: {', '.join(supported_architectures())}"
+    )

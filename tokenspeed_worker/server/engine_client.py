@@ -1,0 +1,257 @@
+"""The server's handle on the engine process: start it, send to it, route what it sends back.
+
+The pipe is served by two threads so the asyncio loop never blocks on it: a
+writer drains an outbound queue (a long prompt can exceed the pipe buffer while
+the engine is mid-step), a reader hands every inbound message to the loop.
+Each request in flight has a `RequestState` the Generate handler waits on; one
+`StepOutput` from the engine touches many states but wakes each handler once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing as mp
+import queue
+import threading
+from dataclasses import dataclass, field
+
+from tokenspeed_worker.engine.messages import (
+    AbortRequests,
+    AddRequest,
+    EngineDead,
+    EngineReady,
+    FINISH_ABORT,
+    FlushCache,
+    FlushReply,
+    Loads,
+    Probe,
+    ProbeReply,
+    RequestFailed,
+    Shutdown,
+    StepOutput,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class EngineUnavailable(RuntimeError):
+    pass
+
+
+@dataclass(eq=False)
+class RequestState:
+    """One request as the server sees it while the engine works on it."""
+
+    engine_id: int
+    request_id: str
+    prompt_len: int
+    new_tokens: list[int] = field(default_factory=list)
+    finish_reason: int | None = None  # a FINISH_* code once finished
+    error: tuple[str, str] | None = None  # (grpc status code name, message)
+    num_output_tokens: int = 0
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+
+class EngineClient:
+    def __init__(self, engine_cfg, log_level: str = "info") -> None:
+        self._cfg = engine_cfg
+        self._log_level = log_level
+        self._ids = itertools.count(1)
+        self._nonces = itertools.count(1)
+        self.requests: dict[int, RequestState] = {}
+        self.by_request_id: dict[str, RequestState] = {}
+        self._waiters: dict[int, asyncio.Future] = {}
+        self._outbox: queue.Queue = queue.Queue()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.ready: EngineReady | None = None
+        self.dead_message: str | None = None
+        self._proc = None
+        self._conn = None
+        self.on_dead = None  # optional callback(message) run on the loop
+
+    # ---- lifecycle ---------------------------------------------------------
+
+    def start(self, timeout: float | None = None) -> EngineReady:
+        """Spawn the engine process and block until it reports ready (or failed)."""
+        from tokenspeed_worker.engine.process import engine_main
+
+        ctx = mp.get_context("spawn")
+        parent, child = ctx.Pipe(duplex=True)
+        self._proc = ctx.Process(
+            target=engine_main, args=(self._cfg, child, self._log_level), name="tokenspeed-engine", daemon=True
+        )
+        self._proc.start()
+        child.close()
+        self._conn = parent
+        while True:
+            if not parent.poll(timeout if timeout is not None else 1.0):
+                if timeout is not None or not self._proc.is_alive():
+                    self._proc.kill()
+                    raise EngineUnavailable("engine process did not become ready")
+                continue
+            try:
+                msg = parent.recv()
+            except EOFError:
+                raise EngineUnavailable(f"engine process exited during startup (code {self._proc.exitcode})")
+            if isinstance(msg, EngineDead):
+                self._proc.join(5)
+                raise EngineUnavailable(msg.message)
+            if isinstance(msg, EngineReady):
+                self.ready = msg
+                return msg
+
+    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Start the pipe threads; messages are delivered on `loop` from now on."""
+        self._loop = loop
+        threading.Thread(target=self._writer, name="engine-writer", daemon=True).start()
+        threading.Thread(target=self._reader, name="engine-reader", daemon=True).start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        if self._proc is None:
+            return
+        if self._proc.is_alive():
+            self._outbox.put(Shutdown())
+            self._proc.join(timeout)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(5)
+        self._outbox.put(None)
+
+    @property
+    def alive(self) -> bool:
+        return self.dead_message is None and self._proc is not None and self._proc.is_alive()
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    # ---- pipe threads -------------------------------------------------------
+
+    def _writer(self) -> None:
+        while True:
+            msg = self._outbox.get()
+            if msg is None:
+                return
+            try:
+                self._conn.send(msg)
+            except (OSError, ValueError):
+                return
+
+    def _reader(self) -> None:
+        while True:
+            try:
+                msg = self._conn.recv()
+            except (EOFError, OSError):
+                code = self._proc.exitcode if self._proc else None
+                msg = EngineDead(f"engine process exited unexpectedly (exit code {code})")
+                self._loop.call_soon_threadsafe(self._on_message, msg)
+                return
+            self._loop.call_soon_threadsafe(self._on_message, msg)
+            if isinstance(msg, EngineDead):
+                return
+
+    # ---- inbound (runs on the event loop) -----------------------------------
+
+    def _on_message(self, msg) -> None:
+        if isinstance(msg, StepOutput):
+            touched = []
+            requests = self.requests
+            for engine_id, token in zip(msg.req_ids.tolist(), msg.tokens.tolist()):
+                st = requests.get(engine_id)
+                if st is not None:
+                    st.new_tokens.append(token)
+                    st.num_output_tokens += 1
+                    touched.append(st)
+            for engine_id, reason in zip(msg.finished_ids.tolist(), msg.finish_reasons.tolist()):
+                st = requests.get(engine_id)
+                if st is not None and st.finish_reason is None:
+                    st.finish_reason = int(reason)
+                    self._forget(st)
+            for st in touched:
+                st.event.set()
+        elif isinstance(msg, RequestFailed):
+            st = self.requests.get(msg.req_id)
+            if st is not None and not st.done:
+                st.error = (msg.code, msg.message)
+                self._forget(st)
+                st.event.set()
+        elif isinstance(msg, (ProbeReply, FlushReply)):
+            fut = self._waiters.pop(msg.nonce, None)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+        elif isinstance(msg, EngineDead):
+            self._fail_everything(msg.message)
+
+    def _fail_everything(self, message: str) -> None:
+        if self.dead_message is not None:
+            return
+        self.dead_message = message
+        logger.error("engine is dead: %s; failing %d request(s)", message, len(self.requests))
+        for st in list(self.requests.values()):
+            st.error = ("INTERNAL", f"engine failed: {message}")
+            st.event.set()
+        self.requests.clear()
+        self.by_request_id.clear()
+        for fut in self._waiters.values():
+            if not fut.done():
+                fut.set_exception(EngineUnavailable(message))
+        self._waiters.clear()
+        if self.on_dead is not None:
+            self.on_dead(message)
+
+    def _forget(self, st: RequestState) -> None:
+        self.requests.pop(st.engine_id, None)
+        if self.by_request_id.get(st.request_id) is st:
+            del self.by_request_id[st.request_id]
+
+    # ---- outbound -----------------------------------------------------------
+
+    def submit(self, request_id: str, add: AddRequest) -> RequestState:
+        """Register and send a request. `add.req_id` is filled in here."""
+        if self.dead_message is not None:
+            raise EngineUnavailable(self.dead_message)
+        add.req_id = next(self._ids)
+        st = RequestState(engine_id=add.req_id, request_id=request_id, prompt_len=int(len(add.prompt_ids)))
+        self.requests[st.engine_id] = st
+        self.by_request_id[request_id] = st
+        self._outbox.put(add)
+        return st
+
+    def in_flight(self, request_id: str) -> bool:
+        return request_id in self.by_request_id
+
+    def abort(self, st: RequestState) -> bool:
+        """End a request with finish reason abort and free it in the engine. False if already done."""
+        if st.done:
+            return False
+        st.finish_reason = FINISH_ABORT
+        self._forget(st)
+        self._outbox.put(AbortRequests([st.engine_id]))
+        st.event.set()
+        return True
+
+    async def _ask(self, make, timeout: float):
+        if self.dead_message is not None:
+            raise EngineUnavailable(self.dead_message)
+        nonce = next(self._nonces)
+        fut = asyncio.get_running_loop().create_future()
+        self._waiters[nonce] = fut
+        self._outbox.put(make(nonce))
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        finally:
+            self._waiters.pop(nonce, None)
+
+    async def probe(self, timeout: float) -> Loads:
+        """Round trip through the engine loop; proves it is stepping. Returns its loads."""
+        reply = await self._ask(Probe, timeout)
+        return reply.loads
+
+    async def flush_cache(self, timeout: float) -> FlushReply:
+        return await self._ask(FlushCache, timeout)

@@ -1,0 +1,183 @@
+"""Start the worker: engine process first, warm-up, then the gRPC port.
+
+Order matters to the gateway and to probes: the port opens only once the model
+is loaded and one generation went through the whole path, so nothing ever sees a
+half-started worker; both health surfaces say SERVING from then on, and
+NOT_SERVING again as soon as shutdown starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from tokenspeed_worker.engine.core import EngineConfig
+from tokenspeed_worker.engine.messages import AddRequest
+from tokenspeed_worker.proto import tokenspeed_scheduler_pb2 as pb, tokenspeed_scheduler_pb2_grpc as pb_grpc
+from tokenspeed_worker.server.engine_client import EngineClient, EngineUnavailable
+from tokenspeed_worker.server.model_info import load_model_facts
+from tokenspeed_worker.server.servicer import SERVICE_NAME, TokenSpeedSchedulerServicer
+
+logger = logging.getLogger("tokenspeed_worker")
+
+WARMUP_TIMEOUT_S = 300.0
+# Streams can last minutes and the gateway keeps connections for days.
+GRPC_OPTIONS = [
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+]
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def resolve_dtype(dtype: str, device: str, model_path: str) -> str:
+    """'auto' follows the model's config on a GPU; on a CPU it picks float32, which is
+    faster there than bf16 without native bf16 matrix units and matches references exactly."""
+    aliases = {"half": "float16", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+    dtype = aliases.get(dtype, dtype)
+    if dtype != "auto":
+        return dtype
+    if device == "cpu":
+        return "float32"
+    try:
+        with open(os.path.join(model_path, "config.json"), encoding="utf-8") as f:
+            cfg = json.load(f)
+        found = cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"
+    except OSError:
+        found = "bfloat16"
+    return found if found in ("bfloat16", "float16", "float32") else "bfloat16"
+
+
+def engine_config_from_args(args, max_model_len: int, device: str, dtype: str) -> EngineConfig:
+    return EngineConfig(
+        model_path=args.model,
+        dtype=dtype,
+        device=device,
+        load_format=args.load_format,
+        attention_backend=args.attention_backend or "torch",
+        block_size=args.block_size,
+        max_model_len=max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_total_tokens=args.max_total_tokens,
+        chunked_prefill_size=args.chunked_prefill_size,
+        max_prefill_tokens=args.max_prefill_tokens,
+        gpu_memory_utilization=getattr(args, "gpu_memory_utilization", 0.9),
+        seed=getattr(args, "seed", 0) or 0,
+    )
+
+
+async def _warm_up(engine: EngineClient, facts) -> None:
+    """One short greedy generation through the whole engine path."""
+    prompt = [facts.bos_token_id if facts.bos_token_id < facts.vocab_size else 0] * 4
+    import numpy as np
+
+    add = AddRequest(0, np.asarray(prompt, dtype=np.int32), 2, [], 0.0, -1, 1.0, 0.0, 0)
+    st = engine.submit("__warmup__", add)
+    while not st.done:
+        await asyncio.wait_for(st.event.wait(), WARMUP_TIMEOUT_S)
+        st.event.clear()
+    if st.error is not None:
+        raise EngineUnavailable(f"warm-up generation failed: {st.error[1]}")
+
+
+async def serve(args, facts, engine: EngineClient) -> int:
+    loop = asyncio.get_running_loop()
+    engine.attach(loop)
+    stop = asyncio.Event()
+    exit_code = 0
+
+    def on_dead(message: str) -> None:
+        nonlocal exit_code
+        exit_code = 1
+        stop.set()
+
+    engine.on_dead = on_dead
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):
+            pass
+
+    await _warm_up(engine, facts)
+    logger.info("warm-up generation passed")
+
+    server = grpc.aio.server(options=GRPC_OPTIONS)
+    servicer = TokenSpeedSchedulerServicer(engine, facts, args)
+    pb_grpc.add_TokenSpeedSchedulerServicer_to_server(servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
+    )
+    address = f"{args.host}:{args.grpc_port}"
+    if ":" in args.host and not args.host.startswith("["):
+        address = f"[{args.host}]:{args.grpc_port}"
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError as e:
+        logger.error("cannot listen on %s: %s", address, e)
+        return 1
+    await server.start()
+    servicer.serving = True
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    logger.info("tokenspeed-worker serving %s on %s (port %d)", facts.served_model_name, address, port)
+
+    await stop.wait()
+    logger.info("shutting down")
+    servicer.serving = False
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await server.stop(grace=5.0)
+    return exit_code
+
+
+def run_server(args) -> int:
+    """Run the worker until SIGTERM/SIGINT (exit 0) or an engine failure (exit 1)."""
+    if not os.path.isdir(args.model):
+        logger.error("model %r is not a local folder (this worker never downloads weights)", args.model)
+        return 2
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device, args.model)
+    try:
+        facts = load_model_facts(args.model, args.tokenizer, args.served_model_name, args.max_model_len, dtype)
+    except (OSError, KeyError, ValueError) as e:
+        logger.error("cannot read the model at %s: %s", args.model, e)
+        return 2
+    engine = EngineClient(engine_config_from_args(args, facts.max_context_length, device, dtype), args.log_level)
+    try:
+        ready = engine.start()
+    except EngineUnavailable as e:
+        logger.error("%s", e)
+        return 1
+    facts.dtype = ready.dtype
+    try:
+        uvloop = __import__("uvloop")
+        runner = uvloop.run
+    except ImportError:
+        runner = asyncio.run
+    try:
+        return runner(serve(args, facts, engine))
+    except EngineUnavailable as e:
+        logger.error("%s", e)
+        return 1
+    finally:
+        engine.shutdown()

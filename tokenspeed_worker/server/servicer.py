@@ -1,0 +1,296 @@
+"""`tokenspeed.grpc.scheduler.TokenSpeedScheduler` over the engine process.
+
+Every Generate ends with exactly one terminal message (a GenerateComplete) or
+one error status; whichever way it ends, the engine is told to free the
+request (Abort RPC, cancelled call, or a handler torn down mid-stream).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from datetime import datetime, timezone
+
+import grpc
+from google.protobuf.struct_pb2 import Struct
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from tokenspeed_worker import __version__
+from tokenspeed_worker.engine.messages import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP
+from tokenspeed_worker.proto import common_pb2, tokenspeed_scheduler_pb2 as pb, tokenspeed_scheduler_pb2_grpc as pb_grpc
+from tokenspeed_worker.server.engine_client import EngineClient, EngineUnavailable
+from tokenspeed_worker.server.model_info import ModelFacts
+from tokenspeed_worker.server.validation import RequestError, validate_generate
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = "tokenspeed.grpc.scheduler.TokenSpeedScheduler"
+# The gateway's HealthCheck timeout is 5 s; answer well inside it.
+HEALTH_PROBE_TIMEOUT_S = 3.0
+LOADS_TIMEOUT_S = 5.0
+
+_FINISH_NAMES = {FINISH_STOP: "stop", FINISH_LENGTH: "length", FINISH_ABORT: "abort"}
+
+
+def _json_safe(obj):
+    if obj is None or isinstance(obj, (str, bool, int, float)):
+        return obj
+    if isinstance(obj, (list, tuple, set)):
+        return [_json_safe(x) for x in obj]
+    if isinstance(obj, dict):
+        return {str(k): _json_safe(v) for k, v in obj.items()}
+    return str(obj)
+
+
+class TokenSpeedSchedulerServicer(pb_grpc.TokenSpeedSchedulerServicer):
+    def __init__(self, engine: EngineClient, facts: ModelFacts, server_args) -> None:
+        self.engine = engine
+        self.facts = facts
+        self.server_args = server_args
+        self.start_time = time.time()
+        self.serving = False  # True once warm; False again while shutting down
+
+    # ---- Generate -------------------------------------------------------------
+
+    async def Generate(self, request, context):
+        try:
+            v = validate_generate(request, self.facts)
+        except RequestError as e:
+            await context.abort(e.code, e.message)
+        rid = request.request_id
+        if not self.serving:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is not serving (starting up or shutting down)")
+        if self.engine.in_flight(rid):
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {rid!r} is already in flight")
+        try:
+            st = self.engine.submit(rid, v.add)
+        except EngineUnavailable as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"engine unavailable: {e}")
+
+        prompt_tokens = st.prompt_len
+        output_ids: list[int] = []
+        try:
+            while True:
+                await st.event.wait()
+                st.event.clear()
+                tokens, st.new_tokens = st.new_tokens, []
+                if st.error is not None:
+                    code, message = st.error
+                    await context.abort(getattr(grpc.StatusCode, code, grpc.StatusCode.INTERNAL), message)
+                reason = st.finish_reason
+                matched = None
+                if reason == FINISH_STOP and tokens:
+                    matched = tokens[-1]
+                    if not v.no_stop_trim:
+                        tokens = tokens[:-1]
+                if v.stream:
+                    if tokens:
+                        yield pb.GenerateResponse(
+                            request_id=rid,
+                            chunk=pb.GenerateStreamChunk(
+                                token_ids=tokens,
+                                prompt_tokens=prompt_tokens,
+                                completion_tokens=st.num_output_tokens,
+                                cached_tokens=0,
+                                index=0,
+                            ),
+                        )
+                else:
+                    output_ids.extend(tokens)
+                if reason is not None:
+                    complete = pb.GenerateComplete(
+                        # Streaming: every token already went out in chunks.
+                        output_ids=[] if v.stream else output_ids,
+                        finish_reason=_FINISH_NAMES[reason],
+                        prompt_tokens=prompt_tokens,
+                        completion_tokens=st.num_output_tokens,
+                        cached_tokens=0,
+                        index=0,
+                    )
+                    if matched is not None:
+                        complete.matched_token_id = matched
+                    yield pb.GenerateResponse(request_id=rid, complete=complete)
+                    return
+        finally:
+            # Cancelled call, a dropped stream, or an error above: free it in the engine.
+            if not st.done:
+                self.engine.abort(st)
+
+    # ---- Abort ------------------------------------------------------------------
+
+    async def Abort(self, request, context):
+        st = self.engine.by_request_id.get(request.request_id)
+        if st is None or not self.engine.abort(st):
+            return pb.AbortResponse(success=False, message=f"request {request.request_id!r} not found")
+        logger.info("aborted %s (%s)", request.request_id, request.reason or "no reason given")
+        return pb.AbortResponse(success=True, message=f"aborted {request.request_id}")
+
+    # ---- health and facts --------------------------------------------------------------
+
+    async def HealthCheck(self, request, context):
+        if not self.serving:
+            return pb.HealthCheckResponse(healthy=False, message="not serving (starting up or shutting down)")
+        try:
+            await self.engine.probe(HEALTH_PROBE_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            return pb.HealthCheckResponse(
+                healthy=False, message=f"engine loop did not answer within {HEALTH_PROBE_TIMEOUT_S:.0f}s"
+            )
+        except EngineUnavailable as e:
+            return pb.HealthCheckResponse(healthy=False, message=f"engine unavailable: {e}")
+        return pb.HealthCheckResponse(healthy=True, message="ok")
+
+    async def GetModelInfo(self, request, context):
+        f = self.facts
+        return pb.GetModelInfoResponse(
+            model_path=f.model_path,
+            tokenizer_path=f.tokenizer_path,
+            served_model_name=f.served_model_name,
+            model_type=f.model_type,
+            architectures=f.architectures,
+            max_context_length=f.max_context_length,
+            max_req_input_len=f.max_context_length - 1,
+            vocab_size=f.vocab_size,
+            eos_token_ids=f.eos_token_ids,
+            pad_token_id=f.pad_token_id,
+            bos_token_id=f.bos_token_id,
+            default_sampling_params_json=f.default_sampling_params_json,
+            supports_vision=False,
+            supports_multimodal=False,
+            model_dtype=f.dtype,
+        )
+
+    def _scheduler_info(self) -> dict:
+        r = self.engine.ready
+        return {
+            "num_blocks": r.num_blocks,
+            "block_size": r.block_size,
+            "max_total_num_tokens": r.max_total_tokens,
+            "max_num_seqs": r.max_num_seqs,
+            "max_model_len": r.max_model_len,
+            "device": r.device,
+            "dtype": r.dtype,
+            "kv_cache_bytes": r.kv_cache_bytes,
+            "weight_bytes": r.weight_bytes,
+        }
+
+    async def GetServerInfo(self, request, context):
+        args = dataclasses.asdict(self.server_args) if dataclasses.is_dataclass(self.server_args) else dict(
+            vars(self.server_args)
+        )
+        args.pop("api_key", None)
+        args["context_length"] = self.facts.max_context_length
+        args["served_model_name"] = self.facts.served_model_name
+        server_args = Struct()
+        server_args.update(_json_safe(args))
+        scheduler_info = Struct()
+        scheduler_info.update(_json_safe(self._scheduler_info()))
+        start = Timestamp()
+        start.FromSeconds(int(self.start_time))
+        return pb.GetServerInfoResponse(
+            server_args=server_args,
+            scheduler_info=scheduler_info,
+            active_requests=len(self.engine.requests),
+            is_paused=False,
+            uptime_seconds=time.time() - self.start_time,
+            max_total_num_tokens=self.engine.ready.max_total_tokens,
+            tokenspeed_version=__version__,
+            start_time=start,
+            constrained_decoding="",
+        )
+
+    async def GetLoads(self, request, context):
+        if request.HasField("dp_rank") and request.dp_rank != 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"dp_rank: {request.dp_rank} does not exist")
+        sections = {s.lower() for s in request.include} or {"core"}
+        unknown = sections - {"core", "memory", "queues", "disagg", "all"}
+        if unknown:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"include: unknown section(s) {sorted(unknown)}; use core, memory, queues or all",
+            )
+        try:
+            loads = await self.engine.probe(LOADS_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "engine did not report its loads in time")
+        except EngineUnavailable as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"engine unavailable: {e}")
+        r = self.engine.ready
+        capacity = loads.num_total_blocks * loads.block_size
+        usage = loads.num_used_tokens / capacity if capacity else 0.0
+        load = pb.SchedulerLoad(
+            dp_rank=0,
+            num_running_reqs=loads.num_running,
+            num_waiting_reqs=loads.num_waiting,
+            num_total_reqs=loads.num_running + loads.num_waiting,
+            num_used_tokens=loads.num_used_tokens,
+            max_total_num_tokens=capacity,
+            max_running_requests=r.max_num_seqs,
+            num_waiting_uncached_tokens=loads.waiting_tokens,
+            token_usage=usage,
+            active_token_usage=usage,
+            gen_throughput=loads.gen_throughput,
+            cache_hit_rate=0.0,
+            utilization=loads.num_running / r.max_num_seqs if r.max_num_seqs else 0.0,
+        )
+        if sections & {"memory", "all"}:
+            load.memory.CopyFrom(
+                pb.MemoryMetrics(
+                    weight_gb=r.weight_bytes / 1e9,
+                    kv_cache_gb=r.kv_cache_bytes / 1e9,
+                    graph_gb=0.0,
+                    token_capacity=capacity,
+                )
+            )
+        if sections & {"queues", "all"}:
+            load.queues.CopyFrom(pb.QueueMetrics(waiting=loads.num_waiting, grammar=0, paused=0, retracted=0))
+        return pb.GetLoadsResponse(
+            timestamp=datetime.now(timezone.utc).isoformat(),
+            version=__version__,
+            dp_rank_count=1,
+            loads=[load],
+            aggregate=pb.AggregateMetrics(
+                total_running_reqs=loads.num_running,
+                total_waiting_reqs=loads.num_waiting,
+                total_reqs=loads.num_running + loads.num_waiting,
+                avg_token_usage=usage,
+                avg_throughput=loads.gen_throughput,
+                avg_utilization=load.utilization,
+            ),
+        )
+
+    # ---- admin --------------------------------------------------------------------
+
+    async def FlushCache(self, request, context):
+        timeout = max(5.0, float(request.timeout_s) + 5.0)
+        try:
+            reply = await self.engine.flush_cache(timeout)
+        except asyncio.TimeoutError:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"flush did not finish within {timeout:.0f}s")
+        except EngineUnavailable as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"engine unavailable: {e}")
+        return common_pb2.FlushCacheResponse(success=reply.success, message=reply.message)
+
+    async def GetTokenizer(self, request, context):
+        from tokenspeed_worker.server.tokenizer_bundle import iter_tokenizer_chunks
+
+        loop = asyncio.get_running_loop()
+        try:
+            chunks = await loop.run_in_executor(None, lambda: list(iter_tokenizer_chunks(self.facts.tokenizer_path)))
+        except FileNotFoundError as e:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"tokenizer files not found: {e}")
+        for data, sha256 in chunks:
+            yield common_pb2.GetTokenizerChunk(data=data, sha256=sha256)
+
+    async def StartProfile(self, request, context):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "StartProfile: profiling is not supported yet")
+
+    async def StopProfile(self, request, context):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "StopProfile: profiling is not supported yet")
+
+    async def SubscribeKvEvents(self, request, context):
+        # UNIMPLEMENTED makes the gateway fall back to polling GetLoads.
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "SubscribeKvEvents: KV cache events are not supported yet")
+        yield  # pragma: no cover  (makes this an async generator)
