@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib.resources
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -274,7 +275,7 @@ def _pip_target(name: str, requirement: str) -> Path:
     try:
         staging.rename(target)
     except OSError:  # a concurrent run won the race; use its copy
-        subprocess.run(["rm", "-rf", str(staging)], check=False)
+        shutil.rmtree(staging, ignore_errors=True)
     return target
 
 

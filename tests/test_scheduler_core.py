@@ -444,7 +444,7 @@ operation = st.one_of(
 )
 
 
-@settings(max_examples=3000, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=1500, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     num_blocks=st.integers(3, 10),
     block_size=st.integers(1, 4),

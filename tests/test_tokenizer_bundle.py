@@ -165,6 +165,7 @@ def test_chunk_size_must_be_positive(tokenizer_dir):
         iter_tokenizer_chunks(tokenizer_dir, chunk_size=0)
 
 
+@pytest.mark.slow
 def test_gateway_side_tokenizer_loads_from_the_extracted_bundle(tmp_path):
     """A real BPE tokenizer saved by transformers survives the round trip."""
     tokenizers = pytest.importorskip("tokenizers")

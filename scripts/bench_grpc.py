@@ -1,0 +1,129 @@
+"""Serving benchmark over gRPC: output tokens/s, time to first token and inter-token latency
+for C concurrent streams, against a worker this script starts (or one at --address).
+
+    python scripts/bench_grpc.py --model DIR --concurrency 1 16 --prompt-len 128 --output-len 64
+
+Every request uses ignore_eos so lengths are exact. Prints progress and a JSON result
+(also written to --out). On a GPU, pass the worker's flags after `--`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))
+
+from tokenspeed_worker.proto import tokenspeed_scheduler_pb2 as pb  # noqa: E402
+
+
+def one_stream(stub, rid, prompt, output_len, results):
+    req = pb.GenerateRequest(
+        request_id=rid, tokenized=pb.TokenizedInput(input_ids=prompt), stream=True,
+        sampling_params=pb.SamplingParams(temperature=0.0, max_new_tokens=output_len, ignore_eos=True))
+    t0 = time.perf_counter()
+    stamps = []
+    n = 0
+    for r in stub.Generate(req, timeout=3600):
+        if r.HasField("chunk"):
+            now = time.perf_counter()
+            stamps.extend([now] * len(r.chunk.token_ids))
+            n += len(r.chunk.token_ids)
+    results.append({"ttft": stamps[0] - t0, "e2e": time.perf_counter() - t0, "tokens": n,
+                    "itl": list(np.diff(stamps)) if len(stamps) > 1 else []})
+
+
+def run_level(stub, concurrency, prompt_len, output_len, rounds, vocab, seed):
+    rng = np.random.default_rng(seed)
+    results: list[dict] = []
+    total = concurrency * rounds
+    t0 = time.perf_counter()
+    for r in range(rounds):
+        threads = [threading.Thread(target=one_stream, args=(
+            stub, f"bench-{concurrency}-{r}-{i}", rng.integers(10, vocab - 10, prompt_len).tolist(), output_len,
+            results)) for i in range(concurrency)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        print(f"  concurrency {concurrency}: {len(results)}/{total} requests done", flush=True)
+    wall = time.perf_counter() - t0
+    tokens = sum(x["tokens"] for x in results)
+    itl = [v for x in results for v in x["itl"]]
+    return {
+        "concurrency": concurrency, "requests": len(results), "prompt_len": prompt_len, "output_len": output_len,
+        "wall_s": wall, "output_tok_s": tokens / wall,
+        "per_stream_tok_s": statistics.mean(x["tokens"] / x["e2e"] for x in results),
+        "ttft_ms_median": 1000 * statistics.median(x["ttft"] for x in results),
+        "itl_ms_median": 1000 * statistics.median(itl) if itl else None,
+        "itl_ms_p99": 1000 * float(np.percentile(itl, 99)) if itl else None,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="model folder (default: SmolLM2-135M-Instruct, prepared if needed)")
+    ap.add_argument("--address", help="use a running worker instead of starting one")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=2, help="waves of C requests per level")
+    ap.add_argument("--out", default=str(REPO / ".cache" / "bench_grpc.json"))
+    ap.add_argument("worker_args", nargs="*", help="extra worker flags (after --)")
+    args = ap.parse_args()
+
+    worker = None
+    if args.address:
+        address = args.address
+    else:
+        from worker_harness import Worker, smollm2_dir
+
+        model = args.model or str(smollm2_dir())
+        print(f"starting worker for {model}", flush=True)
+        worker = Worker(model, "--max-model-len", str(max(2048, args.prompt_len + args.output_len + 8)),
+                        *args.worker_args)
+        address = worker.address
+    channel = grpc.insecure_channel(address)
+    stub = __import__("tokenspeed_worker.proto.tokenspeed_scheduler_pb2_grpc", fromlist=["x"]).TokenSpeedSchedulerStub(
+        channel)
+    info = stub.GetModelInfo(pb.GetModelInfoRequest())
+    server = stub.GetServerInfo(pb.GetServerInfoRequest())
+    try:
+        # Warm once so the first level does not pay one-time costs.
+        run_level(stub, 1, args.prompt_len, 4, 1, info.vocab_size, 0)
+        levels = [run_level(stub, c, args.prompt_len, args.output_len, args.rounds, info.vocab_size, 1)
+                  for c in args.concurrency]
+    finally:
+        channel.close()
+        if worker:
+            worker.stop()
+    result = {
+        "model": info.served_model_name, "device": server.scheduler_info["device"],
+        "dtype": server.scheduler_info["dtype"], "machine": f"{platform.node()} {os.cpu_count()} cpus",
+        "date": time.strftime("%Y-%m-%d"), "levels": levels,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    for lv in levels:
+        print(f"C={lv['concurrency']:>3}: {lv['output_tok_s']:8.1f} output tok/s, "
+              f"{lv['per_stream_tok_s']:6.1f} tok/s per stream, TTFT {lv['ttft_ms_median']:.0f} ms, "
+              f"ITL median {lv['itl_ms_median']:.1f} ms p99 {lv['itl_ms_p99']:.1f} ms")
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
