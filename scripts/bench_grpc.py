@@ -73,6 +73,40 @@ def run_level(stub, concurrency, prompt_len, output_len, rounds, vocab, seed):
     }
 
 
+def measure_copy_bandwidth(device: str = "cpu", nbytes: int = 1 << 30) -> float:
+    """Bytes moved per second (read + write) by a large tensor copy: the memory roofline."""
+    import torch
+
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(1.0)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(5):
+        if device != "cpu":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        if device != "cpu":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * nbytes / best
+
+
+def hf_baseline(model: str, prompt_len: int, output_len: int, batch: int) -> float:
+    """transformers generate (greedy, same lengths) output tok/s: the peer measured in the same run."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    ids = torch.randint(10, m.config.vocab_size - 10, (batch, prompt_len))
+    with torch.inference_mode():
+        m.generate(ids[:, :8], max_new_tokens=2, do_sample=False, pad_token_id=0)
+        t0 = time.perf_counter()
+        out = m.generate(ids, max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False,
+                         pad_token_id=0)
+        wall = time.perf_counter() - t0
+    return batch * (out.shape[1] - prompt_len) / wall
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="model folder (default: SmolLM2-135M-Instruct, prepared if needed)")
@@ -82,6 +116,8 @@ def main() -> int:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2, help="waves of C requests per level")
     ap.add_argument("--out", default=str(REPO / ".cache" / "bench_grpc.json"))
+    ap.add_argument("--hf-baseline", action="store_true",
+                    help="also time transformers generate at the same lengths (batch 1 and the largest C)")
     ap.add_argument("worker_args", nargs="*", help="extra worker flags (after --)")
     args = ap.parse_args()
 
@@ -110,7 +146,24 @@ def main() -> int:
         channel.close()
         if worker:
             worker.stop()
+    weight_bytes = float(server.scheduler_info["weight_bytes"])
+    device = server.scheduler_info["device"]
+    bandwidth = measure_copy_bandwidth("cuda" if device.startswith("cuda") else "cpu")
+    roofline_tok_s = bandwidth / weight_bytes  # batch-1 decode reads every weight once per token
+    for lv in levels:
+        if lv["concurrency"] == 1 and lv["itl_ms_median"]:
+            lv["batch1_decode_tok_s"] = 1000.0 / lv["itl_ms_median"]
+            lv["fraction_of_bandwidth_roofline"] = lv["batch1_decode_tok_s"] / roofline_tok_s
+    if args.hf_baseline:
+        model_path = info.model_path
+        for lv in levels:
+            print(f"  transformers generate at batch {lv['concurrency']}...", flush=True)
+            lv["transformers_output_tok_s"] = hf_baseline(model_path, args.prompt_len, args.output_len,
+                                                          lv["concurrency"])
+            lv["ratio_to_transformers"] = lv["output_tok_s"] / lv["transformers_output_tok_s"]
     result = {
+        "measured_copy_bandwidth_gb_s": bandwidth / 1e9, "weight_bytes": weight_bytes,
+        "batch1_roofline_tok_s": roofline_tok_s,
         "model": info.served_model_name, "device": server.scheduler_info["device"],
         "dtype": server.scheduler_info["dtype"], "machine": f"{platform.node()} {os.cpu_count()} cpus",
         "date": time.strftime("%Y-%m-%d"), "levels": levels,
@@ -118,9 +171,14 @@ def main() -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     for lv in levels:
+        extra = ""
+        if "fraction_of_bandwidth_roofline" in lv:
+            extra += f", {100 * lv['fraction_of_bandwidth_roofline']:.0f}% of the bandwidth roofline"
+        if "ratio_to_transformers" in lv:
+            extra += f", {lv['ratio_to_transformers']:.2f}x transformers"
         print(f"C={lv['concurrency']:>3}: {lv['output_tok_s']:8.1f} output tok/s, "
               f"{lv['per_stream_tok_s']:6.1f} tok/s per stream, TTFT {lv['ttft_ms_median']:.0f} ms, "
-              f"ITL median {lv['itl_ms_median']:.1f} ms p99 {lv['itl_ms_p99']:.1f} ms")
+              f"ITL median {lv['itl_ms_median']:.1f} ms p99 {lv['itl_ms_p99']:.1f} ms{extra}")
     print(json.dumps(result))
     return 0
 

@@ -7,12 +7,17 @@ transformers generates for it alone.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
 from tokenspeed_worker.engine.core import EngineConfig, EngineCore
 from tokenspeed_worker.engine.messages import AddRequest
 from worker_harness import hf_greedy, smollm2_dir, tiny_models
+
+# The GPU machine runs this same file with TOKENSPEED_TEST_DEVICE=cuda (scripts/gpu_check.sh).
+DEVICE = os.environ.get("TOKENSPEED_TEST_DEVICE", "cpu")
 
 
 def greedy(req_id, prompt, max_new):
@@ -42,7 +47,7 @@ def run_staggered(core: EngineCore, requests: list[AddRequest], arrive_at: list[
 @pytest.mark.parametrize("budget", [16, 33])
 def test_staggered_mixed_batches_equal_transformers(name, budget):
     model = tiny_models()[name]
-    core = EngineCore(EngineConfig(model_path=str(model), dtype="float32", block_size=4, max_model_len=256,
+    core = EngineCore(EngineConfig(model_path=str(model), dtype="float32", device=DEVICE, block_size=4, max_model_len=256,
                                    max_num_seqs=8, max_total_tokens=4096, chunked_prefill_size=budget))
     rng = np.random.default_rng(7)
     vocab = core.runner.vocab_size
@@ -56,7 +61,7 @@ def test_staggered_mixed_batches_equal_transformers(name, budget):
 
 def test_smollm2_greedy_equals_transformers():
     model = smollm2_dir()
-    core = EngineCore(EngineConfig(model_path=str(model), dtype="float32", max_model_len=512,
+    core = EngineCore(EngineConfig(model_path=str(model), dtype="float32", device=DEVICE, max_model_len=512,
                                    max_total_tokens=2048))
     from transformers import AutoTokenizer
 

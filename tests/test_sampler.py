@@ -95,6 +95,18 @@ def test_seed_and_position_both_change_the_draw():
     assert len({draw(s, 0) for s in range(8)}) > 4
 
 
+def test_from_lists_accepts_numpy_arrays_and_big_seeds():
+    from_numpy = SamplingTensors.from_lists(
+        np.array([0.0, 0.7], np.float32), np.array([-1, 5]), np.array([1.0, 0.9], np.float32),
+        np.zeros(2, np.float32), np.array([3, 2**63 - 1]), np.array([0, 4]),
+    )
+    from_lists = SamplingTensors.from_lists([0.0, 0.7], [0, 5], [1.0, 0.9], [0.0, 0.0], [3, 2**64 - 1], [0, 4])
+    assert torch.equal(from_numpy.top_ks, torch.tensor([0, 5])) and from_numpy.any_top_k and not from_numpy.any_min_p
+    assert not from_numpy.all_greedy and from_lists.seeds.dtype == torch.int64
+    logits = torch.randn(2, 100)
+    assert torch.equal(Sampler().sample(logits, from_numpy), Sampler().sample(logits, from_lists))
+
+
 def test_unseeded_rows_get_random_seeds():
     logits = torch.zeros(1, 10_000)
     draws = {Sampler().sample(logits, params(1, seeds=[None])).item() for _ in range(8)}

@@ -396,23 +396,31 @@ def run_with_fake_model(
 
 
 def random_requests(rng: np.random.Generator, n: int) -> list[tuple[int, np.ndarray, int, list[int]]]:
-    return [
-        (i, rng.integers(0, VOCAB, rng.integers(1, 30)), int(rng.integers(1, 20)), [int(rng.integers(0, VOCAB))])
-        for i in range(n)
-    ]
+    """n requests: (id, prompt of 1..29 tokens, max_new_tokens 1..19, one stop token)."""
+    requests = []
+    for req_id in range(n):
+        prompt_ids = rng.integers(0, VOCAB, rng.integers(1, 30))
+        requests.append((req_id, prompt_ids, int(rng.integers(1, 20)), [int(rng.integers(0, VOCAB))]))
+    return requests
 
 
 @pytest.mark.parametrize("seed", range(6))
 def test_outputs_under_preemption_and_chunking_match_reference(seed):
     rng = np.random.default_rng(seed)
     requests = random_requests(rng, 24)
-    reference = make(num_blocks=10_000, block_size=4, max_num_seqs=64, token_budget=4096, chunked_prefill=False,
-                     max_prefill_tokens=100_000)
+    # Huge pool, every request admitted at once, prompts never split.
+    reference = make(
+        num_blocks=10_000, block_size=4, max_num_seqs=64, token_budget=4096,
+        chunked_prefill=False, max_prefill_tokens=100_000,
+    )
     expected, expected_reasons = run_with_fake_model(reference, requests)
-    for budget, block_size, num_blocks, chunked in [(16, 4, 13, True), (33, 2, 25, True), (5, 3, 17, True),
-                                                    (16, 4, 13, False)]:
-        tight = make(num_blocks=num_blocks, block_size=block_size, max_num_seqs=6, token_budget=budget,
-                     chunked_prefill=chunked)
+    # Pools just big enough for the largest request (48 tokens): preemption guaranteed.
+    tight_configs = [(16, 4, 13, True), (33, 2, 25, True), (5, 3, 17, True), (16, 4, 13, False)]
+    for budget, block_size, num_blocks, chunked in tight_configs:
+        tight = make(
+            num_blocks=num_blocks, block_size=block_size, max_num_seqs=6, token_budget=budget,
+            chunked_prefill=chunked,
+        )
         got, got_reasons = run_with_fake_model(tight, requests)
         assert got == expected
         assert got_reasons == expected_reasons
@@ -453,10 +461,13 @@ operation = st.one_of(
     chunked=st.booleans(),
     ops=st.lists(operation, min_size=4, max_size=50),
 )
-def test_random_operations_keep_block_ownership_sound(num_blocks, block_size, max_num_seqs, token_budget,
-                                                      chunked, ops):
-    sched = make(num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs, max_model_len=64,
-                 token_budget=token_budget, chunked_prefill=chunked, max_prefill_tokens=token_budget)
+def test_random_operations_keep_block_ownership_sound(
+    num_blocks, block_size, max_num_seqs, token_budget, chunked, ops
+):
+    sched = make(
+        num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs, max_model_len=64,
+        token_budget=token_budget, chunked_prefill=chunked, max_prefill_tokens=token_budget,
+    )
     live: set[int] = set()
     next_id = 0
 

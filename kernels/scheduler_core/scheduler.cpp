@@ -95,8 +95,11 @@ int32_t Scheduler::schedule_prefill_continuations(std::vector<ScheduledRow>& row
     auto capacity = [&] {
       return (request->blocks()->size() + allocator_.num_free()) * block_size - context;
     };
-    // Out of blocks: preempt newer requests that are not in this plan yet (newer
-    // prefills). A decoding request at the back is already scheduled; then wait.
+    // Out of blocks: preempt newer prefills, which are not in this plan yet; a
+    // decoding request at the back already is, so then wait for decodes to free
+    // blocks (or preempt this one). Today admission stops once a chunk takes the
+    // rest of the budget or of the pool, so a request mid-prefill is the newest and
+    // this never fires; cached-prefix admission (no new blocks) will make it needed.
     while (capacity() <= 0 && running_.back() != request && running_.back()->is_prefilling())
       preempt_newest();
     int32_t chunk = std::min({request->num_uncomputed(), budget, capacity()});

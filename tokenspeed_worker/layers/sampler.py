@@ -17,6 +17,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 _MASK62 = (1 << 62) - 1
@@ -79,28 +80,32 @@ class SamplingTensors:
         output_positions: Sequence[int],
         device: str | torch.device = "cpu",
     ) -> "SamplingTensors":
-        """top_k <= 0 means off; a None seed gets a random one."""
-        n = len(temperatures)
-        if not (len(top_ks) == len(top_ps) == len(min_ps) == len(seeds) == len(output_positions) == n):
+        """Lists or numpy arrays, one entry per row. top_k <= 0 means off; a None seed gets a random one."""
+        temperatures = np.asarray(temperatures, dtype=np.float32)
+        top_ks = np.maximum(np.asarray(top_ks, dtype=np.int64), 0)
+        top_ps = np.asarray(top_ps, dtype=np.float32)
+        min_ps = np.asarray(min_ps, dtype=np.float32)
+        seeds = np.array([(int(s) if s is not None else random.getrandbits(62)) & _MASK62 for s in seeds], np.int64)
+        output_positions = np.asarray(output_positions, dtype=np.int64)
+        n = temperatures.shape[0]
+        if not (top_ks.shape == top_ps.shape == min_ps.shape == seeds.shape == output_positions.shape == (n,)):
             raise ValueError("sampling parameter lists must all have one entry per row")
-        top_ks = [k if k > 0 else 0 for k in top_ks]
-        seeds = [(s if s is not None else random.getrandbits(62)) & _MASK62 for s in seeds]
-        greedy = [t <= 0.0 for t in temperatures]
+        sampled = temperatures > 0.0
 
-        def tensor(values, dtype):
-            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+        def tensor(values: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(values).to(device, non_blocking=True)
 
         return cls(
-            temperatures=tensor(temperatures, torch.float32),
-            top_ks=tensor(top_ks, torch.int64),
-            top_ps=tensor(top_ps, torch.float32),
-            min_ps=tensor(min_ps, torch.float32),
-            seeds=tensor(seeds, torch.int64),
-            output_positions=tensor(output_positions, torch.int64),
-            all_greedy=all(greedy),
-            any_top_k=any(k > 0 and not g for k, g in zip(top_ks, greedy)),
-            any_top_p=any(p < 1.0 and not g for p, g in zip(top_ps, greedy)),
-            any_min_p=any(p > 0.0 and not g for p, g in zip(min_ps, greedy)),
+            temperatures=tensor(temperatures),
+            top_ks=tensor(top_ks),
+            top_ps=tensor(top_ps),
+            min_ps=tensor(min_ps),
+            seeds=tensor(seeds),
+            output_positions=tensor(output_positions),
+            all_greedy=not sampled.any(),
+            any_top_k=bool((sampled & (top_ks > 0)).any()),
+            any_top_p=bool((sampled & (top_ps < 1.0)).any()),
+            any_min_p=bool((sampled & (min_ps > 0.0)).any()),
         )
 
 

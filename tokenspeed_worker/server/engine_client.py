@@ -73,6 +73,7 @@ class EngineClient:
         self.dead_message: str | None = None
         self._proc = None
         self._conn = None
+        self._closing = False
         self.on_dead = None  # optional callback(message) run on the loop
 
     # ---- lifecycle ---------------------------------------------------------
@@ -115,6 +116,7 @@ class EngineClient:
     def shutdown(self, timeout: float = 10.0) -> None:
         if self._proc is None:
             return
+        self._closing = True
         if self._proc.is_alive():
             self._outbox.put(Shutdown())
             self._proc.join(timeout)
@@ -148,11 +150,14 @@ class EngineClient:
             try:
                 msg = self._conn.recv()
             except (EOFError, OSError):
-                code = self._proc.exitcode if self._proc else None
-                msg = EngineDead(f"engine process exited unexpectedly (exit code {code})")
+                if self._closing:
+                    return
+                self._proc.join(1.0)
+                msg = EngineDead(f"engine process exited unexpectedly (exit code {self._proc.exitcode})")
+            try:
                 self._loop.call_soon_threadsafe(self._on_message, msg)
+            except RuntimeError:  # the event loop is gone: the server is shutting down
                 return
-            self._loop.call_soon_threadsafe(self._on_message, msg)
             if isinstance(msg, EngineDead):
                 return
 

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# On the GPU machine (device tool): install carried wheels, build the native extension,
+# run the test suite with the torch backend on CUDA, then the benchmarks.
+#   bash scripts/gpu_check.sh [pytest args...]
+# Carry .whl (grpcio-health-checking and grpcio-reflection 1.84.0 for Python 3.12: the machine
+# lacks them). SmolLM2 and the smg gateway cannot travel (size), so tests that need them and the
+# proto-contract test (needs grpcio-tools and registry access) are deselected there.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 TOKENSPEED_TEST_DEVICE=cuda
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch, grpc, google.protobuf as p; print('torch', torch.__version__, 'grpc', grpc.__version__, 'protobuf', p.__version__)"
+t0=$(date +%s)
+python3 -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -5
+echo "native build + install: $(( $(date +%s) - t0 )) s"
+python3 -c "import tokenspeed_worker._scheduler_core as m; print('native core:', m.__file__)" || exit 1
+python3 -m pytest -q -p no:cacheprovider -m "not e2e" -k "not smollm2" \
+  --ignore=tests/test_proto_contract.py "$@" 2>&1 | tee "$OUT/gpu_tests.log"
+exit "${PIPESTATUS[0]}"
