@@ -246,7 +246,7 @@ BAD = [
     ("frequency penalty", lambda: gen(PROMPT, frequency_penalty=0.5), "INVALID_ARGUMENT", "frequency_penalty"),
     ("repetition penalty", lambda: gen(PROMPT, repetition_penalty=1.2), "INVALID_ARGUMENT", "repetition_penalty"),
     ("logit bias", lambda: gen(PROMPT, logit_bias={"5": 1.0}), "INVALID_ARGUMENT", "logit_bias"),
-    ("n > 1", lambda: gen(PROMPT, n=2), "INVALID_ARGUMENT", "n"),
+    ("n too large", lambda: gen(PROMPT, n=1000), "INVALID_ARGUMENT", "sampling_params.n"),
     ("json schema", lambda: gen(PROMPT, json_schema="{}"), "UNIMPLEMENTED", "json_schema"),
     ("logprobs", lambda: pb.GenerateRequest(request_id="b2", tokenized=pb.TokenizedInput(input_ids=PROMPT),
                                               return_logprob=True), "INVALID_ARGUMENT", "return_logprob"),
@@ -316,3 +316,60 @@ def test_cancelled_non_streaming_call_frees_blocks(long_worker):
     call.cancel()
     wait_idle(long_worker)
     assert long_worker.stub.HealthCheck(pb.HealthCheckRequest(), timeout=5).healthy
+
+
+# ---- n samples, prefix cache ---------------------------------------------------------------
+
+LONG_PROMPT = [(7 * i + 3) % 500 + 3 for i in range(41)]
+
+
+def test_n_greedy_samples_one_complete_per_index(worker, model_dir):
+    out = run(worker, gen(LONG_PROMPT, max_new_tokens=6, temperature=0.0, ignore_eos=True, n=4))
+    completes = [r.complete for r in out if r.HasField("complete")]
+    assert sorted(c.index for c in completes) == [0, 1, 2, 3]
+    expected = hf_greedy(model_dir, LONG_PROMPT, 6)
+    assert all(list(c.output_ids) == expected for c in completes)
+    wait_idle(worker)
+
+
+def test_n_streaming_samples_carry_their_index(worker):
+    out = run(worker, gen(LONG_PROMPT, max_new_tokens=5, temperature=1.0, ignore_eos=True, n=3, stream=True,
+                          sampling_seed=7))
+    per_index: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    for r in out:
+        if r.HasField("chunk"):
+            per_index[r.chunk.index].extend(r.chunk.token_ids)
+    completes = [r.complete for r in out if r.HasField("complete")]
+    assert sorted(c.index for c in completes) == [0, 1, 2]
+    assert all(len(t) == 5 for t in per_index.values())
+    again = run(worker, gen(LONG_PROMPT, max_new_tokens=5, temperature=1.0, ignore_eos=True, n=3, stream=True,
+                            sampling_seed=7))
+    again_per_index: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    for r in again:
+        if r.HasField("chunk"):
+            again_per_index[r.chunk.index].extend(r.chunk.token_ids)
+    assert again_per_index == per_index  # seeded: reproducible per index
+
+
+def test_abort_ends_every_sample(long_worker):
+    rid = f"abort-n-{time.monotonic_ns()}"
+    stream = long_worker.stub.Generate(gen(PROMPT, max_new_tokens=None, ignore_eos=True, stream=True, rid=rid, n=3))
+    next(stream)
+    assert long_worker.stub.Abort(pb.AbortRequest(request_id=rid)).success
+    completes = [r.complete for r in stream if r.HasField("complete")]
+    assert all(c.finish_reason == "abort" for c in completes)
+    wait_idle(long_worker)
+
+
+def test_cached_tokens_and_hit_rate_are_real_and_flush_empties_the_cache(worker):
+    worker.stub.FlushCache(common_pb2.FlushCacheRequest())
+    first = run(worker, gen(LONG_PROMPT, max_new_tokens=2, temperature=0.0))[0].complete
+    assert first.cached_tokens == 0
+    second = run(worker, gen(LONG_PROMPT, max_new_tokens=2, temperature=0.0, stream=True))
+    assert second[-1].complete.cached_tokens == 40  # 5 full blocks of 8
+    assert all(r.chunk.cached_tokens == 40 for r in second[:-1])
+    load = worker.stub.GetLoads(pb.GetLoadsRequest()).loads[0]
+    assert load.cache_hit_rate > 0
+    assert worker.stub.FlushCache(common_pb2.FlushCacheRequest()).success
+    third = run(worker, gen(LONG_PROMPT, max_new_tokens=2, temperature=0.0))[0].complete
+    assert third.cached_tokens == 0

@@ -319,12 +319,12 @@ class ServerArgs:
         default_doc="sized automatically",
     )
     block_size: int = _option(16, SCHEDULER, "KV cache block size in tokens.", parse=_positive_int)
-    enable_prefix_caching: bool = _not_yet(
+    enable_prefix_caching: bool = _option(
         True,
         SCHEDULER,
-        "Prefix cache reuse. Not implemented yet; --no-enable-prefix-caching is accepted (no effect).",
+        "Reuse the KV cache of full blocks shared with earlier requests (a hash chain over their "
+        "token ids); cached blocks are kept after their request ends and evicted least-recently-used.",
         negatable=True,
-        harmless=(False,),
     )
     enforce_eager: bool = _not_yet(False, SCHEDULER, "Disable CUDA graph execution.")
     max_cudagraph_capture_size: int | None = _not_yet(

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "block_allocator.hpp"
+#include "block_hash.hpp"
 #include "scheduler.hpp"
 
 namespace nb = nanobind;
@@ -30,9 +31,66 @@ nb::object to_numpy(std::vector<T>&& values, size_t rows, size_t cols = 0) {
 }
 
 void add_request(Scheduler& self, int64_t req_id, InArray1D<int64_t> prompt, int32_t max_new_tokens,
-                 InArray1D<int64_t> stop_token_ids) {
+                 InArray1D<int64_t> stop_token_ids, int64_t wait_for) {
   self.add_request(req_id, prompt.data(), prompt.shape(0), max_new_tokens, stop_token_ids.data(),
-                   stop_token_ids.shape(0));
+                   stop_token_ids.shape(0), wait_for);
+}
+
+// Hashes cross as signed int64, the proto's type: the same 64 bits.
+int64_t as_signed(uint64_t hash) { return static_cast<int64_t>(hash); }
+
+nb::list drain_kv_events(Scheduler& self) {
+  nb::list out;
+  for (KvEvent& event : self.drain_kv_events()) {
+    switch (event.kind) {
+      case KvEvent::Kind::kStored: {
+        nb::list tokens;
+        for (int64_t t : event.token_ids) tokens.append(t);
+        nb::object parent = event.has_parent ? nb::cast(as_signed(event.parent_hash)) : nb::none();
+        out.append(nb::make_tuple("stored", as_signed(event.block_hash), parent, tokens,
+                                  static_cast<int32_t>(event.token_ids.size())));
+        break;
+      }
+      case KvEvent::Kind::kRemoved:
+        out.append(nb::make_tuple("removed", as_signed(event.block_hash)));
+        break;
+      case KvEvent::Kind::kCleared:
+        out.append(nb::make_tuple("cleared"));
+        break;
+    }
+  }
+  return out;
+}
+
+nb::object cached_tokens(const Scheduler& self, InArray1D<int64_t> req_ids) {
+  const size_t n = req_ids.shape(0);
+  std::vector<int32_t> out(n);
+  for (size_t i = 0; i < n; ++i) out[i] = self.cached_tokens(req_ids.data()[i]);
+  return to_numpy(std::move(out), n);
+}
+
+// Per block: (ref_counts, evictable, registered) int32 arrays, for invariant tests.
+nb::tuple debug_blocks(const Scheduler& self) {
+  const BlockAllocator& pool = self.allocator();
+  const size_t n = static_cast<size_t>(pool.num_blocks());
+  std::vector<int32_t> refs(n), evictable(n), registered(n);
+  for (size_t b = 0; b < n; ++b) {
+    refs[b] = pool.ref_count(static_cast<BlockId>(b));
+    evictable[b] = pool.is_evictable(static_cast<BlockId>(b));
+    registered[b] = pool.is_registered(static_cast<BlockId>(b));
+  }
+  return nb::make_tuple(to_numpy(std::move(refs), n), to_numpy(std::move(evictable), n),
+                        to_numpy(std::move(registered), n));
+}
+
+// A registered block's (hash, parent hash or None, tokens); None if unregistered.
+nb::object debug_cached_block(const Scheduler& self, BlockId block) {
+  const CachedBlockInfo& info = self.allocator().cached_info(block);
+  if (info.serial == kNoSerial) return nb::none();
+  std::vector<int64_t> tokens = info.tokens;
+  const size_t n = tokens.size();
+  nb::object parent = info.has_parent ? nb::cast(as_signed(info.parent_hash)) : nb::none();
+  return nb::make_tuple(as_signed(info.hash), parent, to_numpy(std::move(tokens), n));
 }
 
 // None when nothing runs; otherwise the SchedulePlan fields in declaration order.
@@ -78,13 +136,16 @@ NB_MODULE(_scheduler_core, m) {
           "__init__",
           [](Scheduler* self, int32_t num_blocks, int32_t block_size, int32_t max_num_seqs,
              int32_t max_model_len, int32_t token_budget, bool chunked_prefill,
-             int32_t max_prefill_tokens) {
-            new (self) Scheduler(SchedulerConfig{num_blocks, block_size, max_num_seqs, max_model_len,
-                                                 token_budget, chunked_prefill, max_prefill_tokens});
+             int32_t max_prefill_tokens, bool enable_prefix_caching, bool enable_kv_events, int32_t hash_bits) {
+            new (self) Scheduler(SchedulerConfig{num_blocks, block_size, max_num_seqs, max_model_len, token_budget,
+                                                 chunked_prefill, max_prefill_tokens, enable_prefix_caching,
+                                                 enable_kv_events, hash_bits});
           },
           "num_blocks"_a, "block_size"_a, "max_num_seqs"_a, "max_model_len"_a, "token_budget"_a,
-          "chunked_prefill"_a, "max_prefill_tokens"_a)
-      .def("add_request", &add_request, "req_id"_a, "prompt_ids"_a, "max_new_tokens"_a, "stop_token_ids"_a)
+          "chunked_prefill"_a, "max_prefill_tokens"_a, "enable_prefix_caching"_a = true,
+          "enable_kv_events"_a = false, "hash_bits"_a = 64)
+      .def("add_request", &add_request, "req_id"_a, "prompt_ids"_a, "max_new_tokens"_a, "stop_token_ids"_a,
+           "wait_for"_a = -1)
       .def("schedule", &schedule)
       .def("advance", &advance, "sampled"_a)
       .def("abort", &Scheduler::abort, "req_id"_a)
@@ -96,6 +157,15 @@ NB_MODULE(_scheduler_core, m) {
       .def_prop_ro("num_preemptions", &Scheduler::num_preemptions)
       .def_prop_ro("waiting_tokens", &Scheduler::waiting_tokens)
       .def_prop_ro("plan_outstanding", &Scheduler::plan_outstanding)
+      .def_prop_ro("num_cached_blocks", &Scheduler::num_cached_blocks)
+      .def_prop_ro("num_evictable_blocks", &Scheduler::num_evictable_blocks)
+      .def_prop_ro("prefix_query_tokens", &Scheduler::prefix_query_tokens)
+      .def_prop_ro("prefix_hit_tokens", &Scheduler::prefix_hit_tokens)
+      .def("cached_tokens", &cached_tokens, "req_ids"_a)
+      .def("flush_prefix_cache", &Scheduler::flush_prefix_cache)
+      .def("drain_kv_events", &drain_kv_events)
+      .def("debug_blocks", &debug_blocks)
+      .def("debug_cached_block", &debug_cached_block, "block"_a)
       .def("has_work", &Scheduler::has_work)
       .def("contains", &Scheduler::contains, "req_id"_a)
       .def("output_len", [](const Scheduler& self, int64_t req_id) {
@@ -126,6 +196,17 @@ NB_MODULE(_scheduler_core, m) {
       .def("release", &BlockAllocator::release, "block"_a)
       .def("ref_count", &BlockAllocator::ref_count, "block"_a);
 
+  m.def(
+      "block_hash",
+      [](nb::object parent_hash, InArray1D<int64_t> tokens, int32_t hash_bits) {
+        const uint64_t parent = parent_hash.is_none() ? kRootBlockHash
+                                                      : static_cast<uint64_t>(nb::cast<int64_t>(parent_hash));
+        const uint64_t mask = hash_bits >= 64 ? ~uint64_t{0} : (uint64_t{1} << hash_bits) - 1;
+        return as_signed(chain_block_hash(parent, tokens.data(), static_cast<int32_t>(tokens.shape(0)), mask));
+      },
+      "parent_hash"_a.none(), "tokens"_a, "hash_bits"_a = 64,
+      "Chain hash of one block (signed int64) after its parent's hash (None: the first block).");
+  m.attr("ROOT_BLOCK_HASH") = as_signed(kRootBlockHash);
   m.attr("FINISH_STOP") = static_cast<int32_t>(FinishReason::kStop);
   m.attr("FINISH_LENGTH") = static_cast<int32_t>(FinishReason::kLength);
 }

@@ -9,8 +9,13 @@
 // which returns the blocks to the pool.
 //
 // Tokens: `tokens` holds every known token (prompt, then output). `num_computed`
-// of them are in the KV cache (the *context*). A preempted request keeps its output
-// and recomputes all its tokens as if they were its prompt.
+// of them are in the KV cache (the *context*); admission starts it at the tokens of
+// the cached prefix blocks it matched. A preempted request keeps its output and
+// recomputes its tokens as if they were its prompt (less what it matches again).
+//
+// A *sibling* (one of the n samples of one prompt) names the request it waits for:
+// it is not admitted while that request is waiting or prefilling, then shares its
+// prompt blocks. The parent is identified by id and serial, as ids are reused.
 #pragma once
 
 #include <cstdint>
@@ -21,6 +26,7 @@
 #include <vector>
 
 #include "block_allocator.hpp"
+#include "block_hash.hpp"
 
 namespace tokenspeed {
 
@@ -41,9 +47,10 @@ struct Finished {
 
 class Request {
  public:
-  Request(int64_t id, std::vector<int64_t> prompt, int32_t max_new_tokens,
+  Request(int64_t id, uint64_t serial, std::vector<int64_t> prompt, int32_t max_new_tokens,
           std::vector<int64_t> stop_token_ids)
       : id_(id),
+        serial_(serial),
         prompt_len_(static_cast<int32_t>(prompt.size())),
         max_new_tokens_(max_new_tokens),
         tokens_(std::move(prompt)),
@@ -53,12 +60,36 @@ class Request {
   }
 
   int64_t id() const { return id_; }
+  uint64_t serial() const { return serial_; }  // unique for the scheduler's lifetime
   int32_t prompt_len() const { return prompt_len_; }
   int32_t num_tokens() const { return static_cast<int32_t>(tokens_.size()); }
   int32_t output_len() const { return num_tokens() - prompt_len_; }
   int32_t num_computed() const { return num_computed_; }
   int32_t num_uncomputed() const { return num_tokens() - num_computed_; }
   const std::vector<int64_t>& tokens() const { return tokens_; }
+  // Tokens matched in the prefix cache at the first admission (0 before it).
+  int32_t num_cached_tokens() const { return num_cached_tokens_; }
+  bool was_admitted() const { return was_admitted_; }
+
+  // The request this sibling waits for, by id and serial; parent_id() < 0: none.
+  void set_parent(int64_t id, uint64_t serial) {
+    parent_id_ = id;
+    parent_serial_ = serial;
+  }
+  int64_t parent_id() const { return parent_id_; }
+  uint64_t parent_serial() const { return parent_serial_; }
+
+  // Chain hash of full block `index` of the known tokens (block_hash.hpp), memoized:
+  // tokens never change once known.
+  uint64_t block_hash(int32_t index, int32_t block_size, uint64_t mask) {
+    while (static_cast<int32_t>(block_hashes_.size()) <= index) {
+      const int32_t i = static_cast<int32_t>(block_hashes_.size());
+      expect((i + 1) * block_size <= num_tokens(), "block_hash of a block that is not full");
+      const uint64_t parent = i == 0 ? kRootBlockHash : block_hashes_.back();
+      block_hashes_.push_back(chain_block_hash(parent, &tokens_[i * block_size], block_size, mask));
+    }
+    return block_hashes_[index];
+  }
 
   bool is_waiting() const { return std::holds_alternative<state::Waiting>(state_); }
   bool is_prefilling() const { return std::holds_alternative<state::Prefilling>(state_); }
@@ -73,10 +104,15 @@ class Request {
   }
   const BlockTable* blocks() const { return const_cast<Request*>(this)->blocks(); }
 
-  // Waiting -> Prefilling, taking ownership of the blocks of its first chunk.
-  void admit(BlockTable blocks) {
+  // Waiting -> Prefilling, taking ownership of its matched prefix blocks (holding
+  // its first `num_matched_tokens`, already computed) and those of its first chunk.
+  void admit(BlockTable blocks, int32_t num_matched_tokens) {
     expect(is_waiting(), "admit");
+    expect(num_matched_tokens < num_tokens(), "admit with every token matched");
     state_ = state::Prefilling{std::move(blocks)};
+    num_computed_ = num_matched_tokens;
+    if (!was_admitted_) num_cached_tokens_ = num_matched_tokens;
+    was_admitted_ = true;
   }
 
   // Prefilling|Decoding -> Waiting: blocks freed, every known token to recompute.
@@ -118,10 +154,16 @@ class Request {
   }
 
   int64_t id_;
+  uint64_t serial_;
+  int64_t parent_id_ = -1;
+  uint64_t parent_serial_ = 0;
   int32_t prompt_len_;
   int32_t max_new_tokens_;
   int32_t num_computed_ = 0;
+  int32_t num_cached_tokens_ = 0;
+  bool was_admitted_ = false;
   std::vector<int64_t> tokens_;
+  std::vector<uint64_t> block_hashes_;
   std::vector<int64_t> stop_token_ids_;
   std::variant<state::Waiting, state::Prefilling, state::Decoding, state::Finished> state_;
 };

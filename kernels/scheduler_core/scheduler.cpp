@@ -14,7 +14,9 @@ void require(bool ok, const std::string& message) {
 }  // namespace
 
 Scheduler::Scheduler(const SchedulerConfig& config)
-    : config_(config), allocator_(std::max(config.num_blocks, 1)) {
+    : config_(config),
+      allocator_(std::max(config.num_blocks, 1), config.enable_prefix_caching, config.enable_kv_events),
+      hash_mask_(config.hash_bits >= 64 ? ~uint64_t{0} : (uint64_t{1} << std::max(config.hash_bits, 1)) - 1) {
   require(config.num_blocks >= 1, "num_blocks must be >= 1");
   require(config.block_size >= 1, "block_size must be >= 1");
   require(config.max_num_seqs >= 1, "max_num_seqs must be >= 1");
@@ -22,13 +24,15 @@ Scheduler::Scheduler(const SchedulerConfig& config)
   require(config.token_budget >= 1, "token_budget must be >= 1");
   require(config.chunked_prefill || config.max_prefill_tokens >= 1,
           "max_prefill_tokens must be >= 1 when chunked prefill is disabled");
+  require(config.hash_bits >= 1 && config.hash_bits <= 64, "hash_bits must be in [1, 64]");
 }
 
 void Scheduler::add_request(int64_t req_id, const int64_t* prompt, size_t prompt_len,
                             int32_t max_new_tokens, const int64_t* stop_token_ids,
-                            size_t num_stop) {
+                            size_t num_stop, int64_t wait_for) {
   const std::string name = "request " + std::to_string(req_id) + ": ";
   require(!contains(req_id), name + "duplicate request id");
+  require(wait_for != req_id, name + "cannot wait for itself");
   require(prompt_len >= 1, name + "empty prompt");
   require(max_new_tokens >= 1, name + "max_new_tokens must be >= 1, got " + std::to_string(max_new_tokens));
   const int64_t total = static_cast<int64_t>(prompt_len) + max_new_tokens;
@@ -42,8 +46,11 @@ void Scheduler::add_request(int64_t req_id, const int64_t* prompt, size_t prompt
               std::to_string(allocator_.num_blocks()) + " blocks of " +
               std::to_string(config_.block_size) + ")");
   auto request = std::make_unique<Request>(
-      req_id, std::vector<int64_t>(prompt, prompt + prompt_len), max_new_tokens,
+      req_id, next_request_serial_++, std::vector<int64_t>(prompt, prompt + prompt_len), max_new_tokens,
       std::vector<int64_t>(stop_token_ids, stop_token_ids + num_stop));
+  // An unknown parent (finished, aborted, never seen) leaves nothing to wait for.
+  auto parent = requests_.find(wait_for);
+  if (wait_for >= 0 && parent != requests_.end()) request->set_parent(wait_for, parent->second->serial());
   waiting_.push_back(request.get());
   requests_.emplace(req_id, std::move(request));
 }
@@ -75,7 +82,7 @@ void Scheduler::schedule_decodes(std::vector<ScheduledRow>& rows) {
     if (!request->is_decoding()) continue;
     const int32_t needed = blocks_for(request->num_tokens());
     bool preempted_self = false;
-    while (request->blocks()->size() + allocator_.num_free() < needed) {
+    while (request->blocks()->size() + allocator_.num_available() < needed) {
       preempted_self = running_.back() == request;
       preempt_newest();
       if (preempted_self) break;
@@ -93,13 +100,12 @@ int32_t Scheduler::schedule_prefill_continuations(std::vector<ScheduledRow>& row
     const int32_t context = request->num_computed();
     const int32_t block_size = config_.block_size;
     auto capacity = [&] {
-      return (request->blocks()->size() + allocator_.num_free()) * block_size - context;
+      return (request->blocks()->size() + allocator_.num_available()) * block_size - context;
     };
     // Out of blocks: preempt newer prefills, which are not in this plan yet; a
     // decoding request at the back already is, so then wait for decodes to free
-    // blocks (or preempt this one). Today admission stops once a chunk takes the
-    // rest of the budget or of the pool, so a request mid-prefill is the newest and
-    // this never fires; cached-prefix admission (no new blocks) will make it needed.
+    // blocks (or preempt this one). A request admitted behind this one on cached
+    // blocks alone can leave it short.
     while (capacity() <= 0 && running_.back() != request && running_.back()->is_prefilling())
       preempt_newest();
     int32_t chunk = std::min({request->num_uncomputed(), budget, capacity()});
@@ -113,29 +119,110 @@ int32_t Scheduler::schedule_prefill_continuations(std::vector<ScheduledRow>& row
 }
 
 void Scheduler::schedule_admissions(std::vector<ScheduledRow>& rows, int32_t budget) {
-  int64_t prefill_tokens = 0;  // admitted this step (whole prompts when not chunking)
-  while (!waiting_.empty() && num_running() < config_.max_num_seqs) {
-    Request* request = waiting_.front();
-    const int32_t uncomputed = request->num_uncomputed();
+  const int32_t block_size = config_.block_size;
+  int64_t prefill_tokens = 0;  // computed by admissions this step (whole prompts when not chunking)
+  std::vector<std::pair<BlockId, uint64_t>> matched;
+  for (auto it = waiting_.begin(); it != waiting_.end() && num_running() < config_.max_num_seqs;) {
+    Request* request = *it;
+    if (!eligible(*request)) {  // a sibling whose parent has not prefilled: not a blocker
+      ++it;
+      continue;
+    }
+    if (config_.chunked_prefill && budget <= 0) break;
+    const int32_t num_matched = match_prefix(*request, matched);
+    const int32_t matched_tokens = num_matched * block_size;
+    const int32_t uncomputed = request->num_tokens() - matched_tokens;
     int32_t chunk;
     if (config_.chunked_prefill) {
-      if (budget <= 0) break;
       chunk = std::min(uncomputed, budget);
     } else {
       // Whole prompts up to max_prefill_tokens; a larger one still goes alone.
       if (prefill_tokens > 0 && prefill_tokens + uncomputed > config_.max_prefill_tokens) break;
       chunk = uncomputed;
     }
-    const int32_t needed = blocks_for(chunk);
-    if (needed > allocator_.num_free()) break;
+    // Matched evictable blocks count as available but are about to be taken.
+    int32_t matched_evictable = 0;
+    for (const auto& entry : matched) matched_evictable += allocator_.is_evictable(entry.first);
+    const int32_t needed = blocks_for(matched_tokens + chunk) - num_matched;
+    if (needed > allocator_.num_available() - matched_evictable) break;
     BlockTable blocks(allocator_);
-    blocks.grow_to(needed);
-    waiting_.pop_front();
-    request->admit(std::move(blocks));
+    for (const auto& [block, serial] : matched) blocks.append_matched(block, serial);  // before any eviction
+    blocks.grow_to(num_matched + needed);
+    it = waiting_.erase(it);
+    if (!request->was_admitted()) {
+      prefix_query_tokens_ += request->prompt_len();
+      prefix_hit_tokens_ += matched_tokens;
+    }
+    request->admit(std::move(blocks), matched_tokens);
     running_.push_back(request);
     rows.push_back({request, chunk, chunk == uncomputed});
     budget -= chunk;
     prefill_tokens += chunk;
+  }
+}
+
+bool Scheduler::eligible(const Request& request) const {
+  if (request.parent_id() < 0) return true;
+  auto it = requests_.find(request.parent_id());
+  if (it == requests_.end() || it->second->serial() != request.parent_serial()) return true;
+  return !(it->second->is_waiting() || it->second->is_prefilling());
+}
+
+Request* Scheduler::live_parent(const Request& request) const {
+  if (request.parent_id() < 0) return nullptr;
+  auto it = requests_.find(request.parent_id());
+  if (it == requests_.end() || it->second->serial() != request.parent_serial()) return nullptr;
+  return it->second->blocks() ? it->second.get() : nullptr;
+}
+
+// The longest run of leading full blocks whose K/V already exists: cached blocks
+// (when caching is on) or, for a sibling, its live parent's computed blocks. At
+// least one token is left to compute. Fills `matched` with (block, serial).
+int32_t Scheduler::match_prefix(Request& request, std::vector<std::pair<BlockId, uint64_t>>& matched) {
+  matched.clear();
+  const int32_t block_size = config_.block_size;
+  const int32_t max_blocks = (request.num_tokens() - 1) / block_size;
+  const Request* parent = live_parent(request);
+  const int32_t parent_blocks = parent ? parent->num_computed() / block_size : 0;
+  bool parent_agrees = parent != nullptr;  // the parent's tokens equal ours so far
+  uint64_t parent_serial = kRootSerial;
+  for (int32_t i = 0; i < max_blocks; ++i) {
+    const int64_t* tokens = request.tokens().data() + static_cast<size_t>(i) * block_size;
+    parent_agrees = parent_agrees && i < parent_blocks &&
+                    std::equal(tokens, tokens + block_size, parent->tokens().data() + static_cast<size_t>(i) * block_size);
+    BlockId block = -1;
+    uint64_t serial = kNoSerial;
+    if (config_.enable_prefix_caching) {
+      block = allocator_.lookup(request.block_hash(i, block_size, hash_mask_), parent_serial, tokens, block_size);
+      if (block >= 0) serial = allocator_.serial(block);
+    }
+    if (block < 0 && parent_agrees) {
+      block = parent->blocks()->ids()[i];
+      const std::vector<uint64_t>& chain = parent->blocks()->chain();
+      serial = static_cast<size_t>(i) < chain.size() ? chain[i] : kNoSerial;
+    }
+    if (block < 0) break;
+    matched.emplace_back(block, serial);
+    parent_serial = serial;
+  }
+  return static_cast<int32_t>(matched.size());
+}
+
+// Registers each full block whose K/V is now computed, in sequence order, so the
+// chain's parent is always registered first.
+void Scheduler::register_computed_blocks(Request& request) {
+  BlockTable* table = request.blocks();
+  const int32_t block_size = config_.block_size;
+  const size_t num_full = static_cast<size_t>(request.num_computed() / block_size);
+  while (!table->chain_broken() && table->chain().size() < num_full) {
+    const int32_t i = static_cast<int32_t>(table->chain().size());
+    const uint64_t hash = request.block_hash(i, block_size, hash_mask_);
+    const uint64_t parent_hash = i > 0 ? request.block_hash(i - 1, block_size, hash_mask_) : 0;
+    const uint64_t parent_serial = i > 0 ? table->chain()[i - 1] : kRootSerial;
+    table->extend_chain(allocator_.register_block(table->ids()[i], hash, i > 0 ? &parent_hash : nullptr,
+                                                  parent_serial,
+                                                  request.tokens().data() + static_cast<size_t>(i) * block_size,
+                                                  block_size));
   }
 }
 
@@ -200,6 +287,7 @@ StepOutcome Scheduler::advance(const int64_t* sampled, size_t num_sampled) {
     Request* request = row.request;
     if (request == nullptr) continue;  // aborted after schedule(): its token is dropped
     request->record_computed(row.query_len);
+    register_computed_blocks(*request);
     if (!row.samples) continue;
     const FinishReason reason = request->append_sampled(token);
     if (reason == FinishReason::kNone) continue;
@@ -232,6 +320,18 @@ bool Scheduler::abort(int64_t req_id) {
 
 void Scheduler::remove_running(Request* request) {
   running_.erase(std::find(running_.begin(), running_.end(), request));
+}
+
+int32_t Scheduler::cached_tokens(int64_t req_id) const {
+  auto it = requests_.find(req_id);
+  return it == requests_.end() ? 0 : it->second->num_cached_tokens();
+}
+
+int32_t Scheduler::flush_prefix_cache() {
+  // Blocks the running requests hold stay theirs; their chains stop, since blocks
+  // registered after a flush could never be reached from an unregistered parent.
+  for (Request* request : running_) request->blocks()->break_chain();
+  return allocator_.flush();
 }
 
 int64_t Scheduler::num_used_tokens() const {

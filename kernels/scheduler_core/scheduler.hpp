@@ -5,14 +5,23 @@
 //   1. every decoding request gets one token (preempting the newest running request,
 //      by recompute, when a block boundary needs a block the pool does not have);
 //   2. requests mid-prefill continue with their next chunk;
-//   3. waiting requests are admitted in FIFO order (no skipping ahead) while there is
-//      room in max_num_seqs, the token budget and the pool.
+//   3. waiting requests are admitted in FIFO order (no skipping ahead; a sibling whose
+//      parent is still waiting or prefilling is passed over, not waited for) while
+//      there is room in max_num_seqs, the token budget and the pool.
 // schedule() hands out a StepPlan; advance() takes the tokens sampled for it.
+//
+// Prefix caching: admission (and re-admission after preemption) first matches the
+// longest chain of cached full blocks equal to the request's known tokens, leaving
+// at least one token to compute, so a request never writes into a shared block.
+// advance() registers every full block whose K/V became computed (prompt and
+// output alike). Released registered blocks stay matchable until evicted (LRU);
+// free and evictable blocks both count as available for admission and preemption.
 #pragma once
 
 #include <cstdint>
 #include <deque>
 #include <memory>
+#include <utility>
 #include <unordered_map>
 #include <vector>
 
@@ -29,6 +38,9 @@ struct SchedulerConfig {
   int32_t token_budget;        // tokens computed per step when chunking (--chunked-prefill-size)
   bool chunked_prefill;        // false: prompts are never split
   int32_t max_prefill_tokens;  // prefill tokens per step when not chunking
+  bool enable_prefix_caching = true;  // false: only siblings share blocks, nothing is retained
+  bool enable_kv_events = false;      // record stored/removed/cleared events for drain_kv_events()
+  int32_t hash_bits = 64;             // < 64 only in tests: narrow hashes force collisions
 };
 
 // Flat arrays of one step; B rows, T tokens, row-major block tables [B, width].
@@ -54,16 +66,28 @@ class Scheduler {
   explicit Scheduler(const SchedulerConfig& config);
 
   // Throws std::invalid_argument (ValueError) for a request that can never run.
+  // wait_for >= 0 makes the request a sibling of that live request (see request.hpp).
   void add_request(int64_t req_id, const int64_t* prompt, size_t prompt_len,
-                   int32_t max_new_tokens, const int64_t* stop_token_ids, size_t num_stop);
+                   int32_t max_new_tokens, const int64_t* stop_token_ids, size_t num_stop,
+                   int64_t wait_for = -1);
   StepPlan schedule();
   StepOutcome advance(const int64_t* sampled, size_t num_sampled);
   bool abort(int64_t req_id);
 
   int32_t num_waiting() const { return static_cast<int32_t>(waiting_.size()); }
   int32_t num_running() const { return static_cast<int32_t>(running_.size()); }
-  int32_t num_free_blocks() const { return allocator_.num_free(); }
+  // Blocks an allocation can get without preempting anyone: free + evictable.
+  int32_t num_free_blocks() const { return allocator_.num_available(); }
   int32_t num_total_blocks() const { return allocator_.num_blocks(); }
+  int32_t num_cached_blocks() const { return allocator_.num_cached(); }
+  int32_t num_evictable_blocks() const { return allocator_.num_evictable(); }
+  int64_t prefix_query_tokens() const { return prefix_query_tokens_; }
+  int64_t prefix_hit_tokens() const { return prefix_hit_tokens_; }
+  // Tokens matched at the first admission; 0 for an unknown id.
+  int32_t cached_tokens(int64_t req_id) const;
+  int32_t flush_prefix_cache();
+  std::vector<KvEvent> drain_kv_events() { return allocator_.drain_events(); }
+  const BlockAllocator& allocator() const { return allocator_; }
   int64_t num_used_tokens() const;
   int64_t num_preemptions() const { return num_preemptions_; }
   int64_t waiting_tokens() const;
@@ -90,6 +114,10 @@ class Scheduler {
   void schedule_decodes(std::vector<ScheduledRow>& rows);
   int32_t schedule_prefill_continuations(std::vector<ScheduledRow>& rows, int32_t budget);
   void schedule_admissions(std::vector<ScheduledRow>& rows, int32_t budget);
+  bool eligible(const Request& request) const;
+  Request* live_parent(const Request& request) const;
+  int32_t match_prefix(Request& request, std::vector<std::pair<BlockId, uint64_t>>& matched);
+  void register_computed_blocks(Request& request);
   void preempt_newest();
   StepPlan build_plan(const std::vector<ScheduledRow>& rows) const;
   void remove_running(Request* request);
@@ -104,6 +132,10 @@ class Scheduler {
   bool plan_outstanding_ = false;  // a non-empty plan awaits advance()
   bool advance_allowed_ = false;   // schedule() ran and advance() has not consumed it
   int64_t num_preemptions_ = 0;
+  uint64_t next_request_serial_ = 1;
+  uint64_t hash_mask_;
+  int64_t prefix_query_tokens_ = 0;
+  int64_t prefix_hit_tokens_ = 0;
 };
 
 }  // namespace tokenspeed

@@ -42,6 +42,7 @@ class EngineConfig:
     chunked_prefill_size: int = 8192
     max_prefill_tokens: int = 8192
     gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
     seed: int = 0
 
 
@@ -107,6 +108,7 @@ class EngineCore:
             token_budget=cfg.chunked_prefill_size if chunked else cfg.max_prefill_tokens,
             chunked_prefill=chunked,
             max_prefill_tokens=cfg.max_prefill_tokens,
+            enable_prefix_caching=cfg.enable_prefix_caching,
         )
         self.sampler = Sampler()
 
@@ -166,6 +168,8 @@ class EngineCore:
             waiting_tokens=s.waiting_tokens,
             num_preemptions=s.num_preemptions,
             gen_throughput=throughput,
+            cache_hit_rate=s.cache_hit_rate,
+            num_cached_blocks=s.num_cached_blocks,
         )
 
     def has_work(self) -> bool:
@@ -194,9 +198,14 @@ class EngineCore:
         if not self._free_rows:
             self._grow()
         row = self._free_rows.pop()
+        wait_for = self._row_of.get(req.wait_for, -1) if req.wait_for >= 0 else -1
         try:
             self.scheduler.add_request(
-                row, np.asarray(req.prompt_ids, dtype=np.int32), int(req.max_new_tokens), list(req.stop_token_ids)
+                row,
+                np.asarray(req.prompt_ids, dtype=np.int32),
+                int(req.max_new_tokens),
+                list(req.stop_token_ids),
+                wait_for=wait_for,
             )
         except Exception:
             self._free_rows.append(row)
@@ -215,6 +224,10 @@ class EngineCore:
         self._row_of.pop(sid, None)
         self._server_id[row] = -1
         self._free_rows.append(row)
+
+    def flush_prefix_cache(self) -> int:
+        """Drop every cached prefix; returns how many blocks stopped being shareable."""
+        return int(self.scheduler.flush_prefix_cache())
 
     def abort(self, req_id: int) -> bool:
         row = self._row_of.get(req_id)
@@ -238,6 +251,8 @@ class EngineCore:
         else:
             self.runner.forward(plan)
             sampled = np.zeros(0, dtype=np.int64)
+        # Read before advance(): a request that finishes in this step is gone after it.
+        cached = self.scheduler.cached_tokens(rows) if rows.shape[0] else np.zeros(0, np.int32)
         finished_rows, reasons = self.scheduler.advance(sampled)
         self._out_len[rows] += 1
         out = StepOutput(
@@ -245,6 +260,7 @@ class EngineCore:
             tokens=sampled,
             finished_ids=self._server_id[finished_rows].copy(),
             finish_reasons=np.asarray(reasons, dtype=np.int32),
+            cached_tokens=cached,
             step_seconds=time.perf_counter() - t0,
         )
         for row in finished_rows.tolist():
@@ -267,5 +283,5 @@ class EngineCore:
             self._out_len[rows],
             device=logits.device,
         )
-        tokens = self.sampler.sample(logits, params)
+        tokens = self.sampler.sample(logits, params).tokens
         return tokens.to("cpu", non_blocking=False).numpy().astype(np.int64, copy=False)

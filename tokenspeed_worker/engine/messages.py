@@ -32,6 +32,8 @@ class AddRequest:
     top_p: float
     min_p: float
     seed: int  # the request's sampling seed (random when the client set none)
+    # n > 1: the other samples wait for the first's prefill and share its prompt blocks.
+    wait_for: int = -1  # engine id of the sample to wait for, -1 for none
 
 
 @dataclass
@@ -80,6 +82,7 @@ class StepOutput:
     tokens: np.ndarray  # int64 [S]
     finished_ids: np.ndarray  # int64 [F]
     finish_reasons: np.ndarray  # int32 [F]
+    cached_tokens: np.ndarray | None = None  # int32 [S] prompt tokens served from the prefix cache
     step_seconds: float = 0.0
 
 
@@ -101,6 +104,8 @@ class Loads:
     waiting_tokens: int
     num_preemptions: int
     gen_throughput: float  # output tokens / s over the last window
+    cache_hit_rate: float = 0.0  # prompt tokens served from the prefix cache / prompt tokens
+    num_cached_blocks: int = 0
 
 
 @dataclass

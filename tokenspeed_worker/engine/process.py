@@ -79,9 +79,8 @@ def _handle(core, conn: Connection, msg) -> bool:
     elif isinstance(msg, Probe):
         conn.send(ProbeReply(msg.nonce, core.loads()))
     elif isinstance(msg, FlushCache):
-        # No prefix cache exists in this build, so there is nothing cached beyond
-        # the blocks live requests hold: flushing is a successful no-op.
-        conn.send(FlushReply(msg.nonce, True, "nothing cached: prefix caching is not enabled in this build"))
+        dropped = core.flush_prefix_cache()
+        conn.send(FlushReply(msg.nonce, True, f"flushed the prefix cache ({dropped} blocks)"))
     elif isinstance(msg, Shutdown):
         return False
     else:

@@ -1,14 +1,29 @@
-"""Batched token sampling: temperature, top-k, top-p, min-p and per-request seeds, with no per-request loop.
+"""Batched token sampling over the whole OpenAI sampling surface, with no per-request loop.
 
-Filters apply in HF's order: temperature, then top-k, then top-p, then min-p (each on
-what the previous left). A row with temperature 0 is greedy (argmax of the raw logits).
+Per step, for the S rows that sample, in this order (each on what the previous left):
+1. logit_bias: logit[id] += bias;
+2. penalties: repetition (HF: over prompt and output tokens, a positive logit is divided by
+   p, a negative one multiplied), then frequency and presence (OpenAI: over output tokens,
+   logit -= frequency * count + presence * (count > 0));
+3. min_new_tokens: while a row has fewer outputs than that, its stop ids get -inf;
+4. temperature; a row with temperature 0 is greedy: argmax of the logits after steps 1-3;
+5. top-k, then top-p, then min-p (the most likely token always survives);
+6. the draw.
 
-Randomness is a counter-based hash rather than a stateful generator: the uniform
-noise for vocabulary entry v of a row is mix(seed, output_position, v). So a seeded
-request draws the same token at the same output position whatever else is in the
+Randomness is a counter-based hash rather than a stateful generator: the uniform noise
+for vocabulary entry v of a row is mix(seed, output_position, v) (splitmix64). So a
+seeded request draws the same token at the same output position whatever else is in the
 batch, in whichever order; unseeded requests get a random seed and take the same path.
-The draw itself is the Gumbel-max trick: argmax(filtered logits / T + Gumbel noise)
-is a sample of softmax(filtered logits / T).
+The draw is the Gumbel-max trick: argmax(filtered logits / T + Gumbel noise) is a sample
+of softmax(filtered logits / T).
+
+Logprobs are *raw*: log_softmax of the model's logits before any of steps 1-5 (vLLM's
+default "raw_logprobs"), for the chosen token, the top-K and requested ids alike; see
+layers/logprobs.py.
+
+Backends: "torch" (CPU and GPU) and "triton" (CUDA), which fuses the hashed noise and the
+Gumbel argmax over the vocabulary into one pass (kernels_triton/sampling.py); both draw
+from the same hash, so they choose the same tokens. Filtering is shared torch code.
 """
 
 from __future__ import annotations
@@ -20,7 +35,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tokenspeed_worker.layers.logprobs import TokenLogprobs, token_logprobs
+
+SAMPLING_BACKENDS = ("torch", "triton")
+
 _MASK62 = (1 << 62) - 1
+# top-k alone is done with torch.topk below this k (cheaper than a full sort of the vocabulary).
+_TOPK_WITHOUT_SORT_MAX_K = 1024
 
 
 def _signed64(x: int) -> int:
@@ -28,9 +49,12 @@ def _signed64(x: int) -> int:
     return x - (1 << 64) if x >= 1 << 63 else x
 
 
-_GOLDEN = _signed64(0x9E3779B97F4A7C15)
-_MIX1 = _signed64(0xBF58476D1CE4E5B9)
-_MIX2 = _signed64(0x94D049BB133111EB)
+GOLDEN_U64 = 0x9E3779B97F4A7C15
+MIX1_U64 = 0xBF58476D1CE4E5B9
+MIX2_U64 = 0x94D049BB133111EB
+_GOLDEN = _signed64(GOLDEN_U64)
+_MIX1 = _signed64(MIX1_U64)
+_MIX2 = _signed64(MIX2_U64)
 
 
 def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
@@ -45,9 +69,14 @@ def _splitmix64(x: torch.Tensor) -> torch.Tensor:
     return x ^ _shift_right(x, 31)
 
 
+def row_keys(seeds: torch.Tensor, output_positions: torch.Tensor) -> torch.Tensor:
+    """int64 [S]: the per-row key of the noise, a pure function of (seed, output position)."""
+    return _splitmix64(_splitmix64(seeds * _GOLDEN + 1) + output_positions)
+
+
 def hashed_uniform(seeds: torch.Tensor, output_positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """float32 [S, V] uniform noise in (0, 1), a pure function of (seed, output position, vocab index)."""
-    row_key = _splitmix64(_splitmix64(seeds * _GOLDEN + 1) + output_positions)  # [S]
+    row_key = row_keys(seeds, output_positions)  # [S]
     vocab = torch.arange(1, vocab_size + 1, device=seeds.device, dtype=torch.int64) * _GOLDEN
     bits = _splitmix64(row_key[:, None] + vocab[None, :])
     top24 = _shift_right(bits, 40)  # 24 bits: exact in float32
@@ -55,8 +84,13 @@ def hashed_uniform(seeds: torch.Tensor, output_positions: torch.Tensor, vocab_si
 
 
 @dataclass
-class SamplingTensors:
-    """Per-row sampling parameters on the logits' device, plus host flags that pick the fast paths."""
+class SamplingBatch:
+    """Everything the sampler needs for S rows: device tensors plus host flags for the fast paths.
+
+    The first block is the basic surface (also built by `from_lists`); the optional blocks are
+    None/0 when no row of the batch uses them. "Positions" below are indices into the batch
+    (0..S-1), not engine rows. Built by `SamplingState.batch` in the engine.
+    """
 
     temperatures: torch.Tensor  # float32 [S]; 0 = greedy
     top_ks: torch.Tensor  # int64 [S]; 0 = off
@@ -68,6 +102,44 @@ class SamplingTensors:
     any_top_k: bool
     any_top_p: bool
     any_min_p: bool
+    max_top_k: int = 0  # largest top_k among sampled rows (0 = none)
+    # logit_bias: rows at bias_positions [B] add bias_values [B, Mb] at bias_ids [B, Mb] (padding adds 0).
+    bias_positions: torch.Tensor | None = None
+    bias_ids: torch.Tensor | None = None
+    bias_values: torch.Tensor | None = None
+    # penalties: rows at penalty_positions [P] use slot penalty_slots [P] of these pool tensors.
+    penalty_positions: torch.Tensor | None = None
+    penalty_slots: torch.Tensor | None = None
+    output_counts: torch.Tensor | None = None  # int32 [slots, V] (the pool, not a copy)
+    prompt_mask: torch.Tensor | None = None  # bool [slots, V] (the pool, not a copy)
+    repetition_penalties: torch.Tensor | None = None  # float32 [P]; 1 = off
+    frequency_penalties: torch.Tensor | None = None  # float32 [P]
+    presence_penalties: torch.Tensor | None = None  # float32 [P]
+    any_repetition: bool = False
+    any_frequency_presence: bool = False
+    # min_new_tokens: rows at stop_positions [Q] (still under their minimum) get -inf at stop_ids [Q, Ms].
+    stop_positions: torch.Tensor | None = None
+    stop_ids: torch.Tensor | None = None
+    # logprobs (raw): which outputs to compute.
+    return_logprob: bool = False  # chosen-token logprobs [S]
+    top_logprobs_num: int = 0  # K: the largest top_logprobs_num in the batch
+    logprob_token_ids: torch.Tensor | None = None  # int64 [S, M] padded requested ids
+    logprob_token_counts: torch.Tensor | None = None  # int64 [S]
+
+    @property
+    def size(self) -> int:
+        return int(self.temperatures.shape[0])
+
+    @property
+    def plain_argmax(self) -> bool:
+        """All greedy and nothing changes the logits: the token is argmax of the raw logits."""
+        return self.all_greedy and self.bias_positions is None and self.penalty_positions is None and (
+            self.stop_positions is None
+        )
+
+    @property
+    def needs_logprobs(self) -> bool:
+        return self.return_logprob or self.top_logprobs_num > 0 or self.logprob_token_ids is not None
 
     @classmethod
     def from_lists(
@@ -79,8 +151,9 @@ class SamplingTensors:
         seeds: Sequence[int | None],
         output_positions: Sequence[int],
         device: str | torch.device = "cpu",
-    ) -> "SamplingTensors":
-        """Lists or numpy arrays, one entry per row. top_k <= 0 means off; a None seed gets a random one."""
+    ) -> "SamplingBatch":
+        """The basic surface from lists or numpy arrays, one entry per row. top_k <= 0 means off;
+        a None seed gets a random one."""
         temperatures = np.asarray(temperatures, dtype=np.float32)
         top_ks = np.maximum(np.asarray(top_ks, dtype=np.int64), 0)
         top_ps = np.asarray(top_ps, dtype=np.float32)
@@ -90,7 +163,6 @@ class SamplingTensors:
         n = temperatures.shape[0]
         if not (top_ks.shape == top_ps.shape == min_ps.shape == seeds.shape == output_positions.shape == (n,)):
             raise ValueError("sampling parameter lists must all have one entry per row")
-        sampled = temperatures > 0.0
 
         def tensor(values: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(values).to(device, non_blocking=True)
@@ -102,39 +174,155 @@ class SamplingTensors:
             min_ps=tensor(min_ps),
             seeds=tensor(seeds),
             output_positions=tensor(output_positions),
-            all_greedy=not sampled.any(),
-            any_top_k=bool((sampled & (top_ks > 0)).any()),
-            any_top_p=bool((sampled & (top_ps < 1.0)).any()),
-            any_min_p=bool((sampled & (min_ps > 0.0)).any()),
+            **basic_flags(temperatures, top_ks, top_ps, min_ps),
         )
 
 
+# The name the engine and tests used before SamplingState existed.
+SamplingTensors = SamplingBatch
+
+
+def basic_flags(temperatures: np.ndarray, top_ks: np.ndarray, top_ps: np.ndarray, min_ps: np.ndarray) -> dict:
+    """Host flags of the basic surface from host arrays of one batch (top_ks: 0 = off)."""
+    sampled = temperatures > 0.0
+    top_k_rows = sampled & (top_ks > 0)
+    return dict(
+        all_greedy=not sampled.any(),
+        any_top_k=bool(top_k_rows.any()),
+        any_top_p=bool((sampled & (top_ps < 1.0)).any()),
+        any_min_p=bool((sampled & (min_ps > 0.0)).any()),
+        max_top_k=int(top_ks[top_k_rows].max()) if top_k_rows.any() else 0,
+    )
+
+
+@dataclass
+class SampleOutput:
+    """What one step sampled for S rows. Device tensors; logprob fields are None unless some
+    row of the batch asked for them (then they hold values for every row; rows that did not
+    ask are to be ignored, rows asking fewer than K top logprobs are sliced by the caller)."""
+
+    tokens: torch.Tensor  # int64 [S]
+    logprobs: torch.Tensor | None = None  # float32 [S]: of the chosen token
+    top_logprobs: torch.Tensor | None = None  # float32 [S, K], descending
+    top_logprob_ids: torch.Tensor | None = None  # int64 [S, K]
+    token_ids_logprobs: torch.Tensor | None = None  # float32 [S, M]
+    token_ids_logprob_ids: torch.Tensor | None = None  # int64 [S, M] (padding at and past the count)
+    token_ids_logprob_counts: torch.Tensor | None = None  # int64 [S]
+
+
+def _triton_importable() -> bool:
+    from tokenspeed_worker.kernels_triton import sampling as triton_sampling  # imports triton: only when asked
+
+    return triton_sampling.AVAILABLE
+
+
+def triton_sampling_available() -> bool:
+    """Whether the triton backend can run here: triton importable and a CUDA device present."""
+    return torch.cuda.is_available() and _triton_importable()
+
+
+def default_sampling_backend(device: str | torch.device | None = None) -> str:
+    """"triton" when sampling on CUDA and triton is importable, else "torch"."""
+    on_cuda = torch.cuda.is_available() if device is None else torch.device(device).type == "cuda"
+    return "triton" if on_cuda and triton_sampling_available() else "torch"
+
+
 class Sampler:
+    def __init__(self, backend: str = "torch") -> None:
+        if backend not in SAMPLING_BACKENDS:
+            raise ValueError(f"unknown sampling backend {backend!r}; choose one of {', '.join(SAMPLING_BACKENDS)}")
+        if backend == "triton" and not triton_sampling_available():
+            raise ValueError(
+                "sampling backend 'triton' needs the triton package and a CUDA device "
+                f"(triton importable: {_triton_importable()}, CUDA available: {torch.cuda.is_available()}); "
+                "use --sampling-backend torch"
+            )
+        self.backend = backend
+
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
-        """logits float32 [S, V] -> int64 [S] sampled token ids."""
-        greedy_tokens = logits.argmax(dim=-1)
-        if params.all_greedy:
-            return greedy_tokens
-        is_greedy = params.temperatures <= 0.0
-        temperatures = torch.where(is_greedy, 1.0, params.temperatures)
-        scores = logits.float() / temperatures[:, None]
-        scores = self._filter(scores, params)
-        noise = hashed_uniform(params.seeds, params.output_positions, scores.shape[-1])
-        gumbel = -torch.log(-torch.log(noise))
-        sampled = (scores + gumbel).argmax(dim=-1)
-        return torch.where(is_greedy, greedy_tokens, sampled)
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
+        """logits float32 [S, V] -> SampleOutput (tokens int64 [S] and the logprobs asked for)."""
+        if batch.plain_argmax:
+            tokens = logits.argmax(dim=-1)
+        else:
+            scores = self.process_logits(logits, batch)
+            greedy_tokens = scores.argmax(dim=-1)
+            if batch.all_greedy:
+                tokens = greedy_tokens
+            else:
+                is_greedy = batch.temperatures <= 0.0
+                temperatures = torch.where(is_greedy, 1.0, batch.temperatures)
+                scores = self._filter(scores / temperatures[:, None], batch)
+                tokens = torch.where(is_greedy, greedy_tokens, self._draw(scores, batch))
+        out = SampleOutput(tokens=tokens)
+        if batch.needs_logprobs:
+            lp = token_logprobs(
+                logits, tokens, batch.top_logprobs_num, batch.logprob_token_ids, batch.logprob_token_counts
+            )
+            out.logprobs = lp.logprobs
+            out.top_logprobs, out.top_logprob_ids = lp.top_values, lp.top_ids
+            out.token_ids_logprobs, out.token_ids_logprob_ids = lp.ids_values, lp.ids
+            out.token_ids_logprob_counts = lp.ids_counts
+        return out
+
+    def _draw(self, scores: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Gumbel-max over filtered, temperature-scaled scores [S, V] -> int64 [S]."""
+        if self.backend == "triton" and scores.is_cuda:
+            from tokenspeed_worker.kernels_triton.sampling import gumbel_argmax
+
+            return gumbel_argmax(scores, row_keys(batch.seeds, batch.output_positions))
+        noise = hashed_uniform(batch.seeds, batch.output_positions, scores.shape[-1])
+        return (scores - torch.log(-torch.log(noise))).argmax(dim=-1)
 
     @staticmethod
-    def _filter(scores: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
+    def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Steps 1-3 of the module docstring (bias, penalties, min-tokens) -> float32 [S, V].
+
+        The input is never modified (a copy is made when anything applies)."""
+        scores = logits.float()
+        changes = batch.bias_positions is not None or batch.penalty_positions is not None
+        if (changes or batch.stop_positions is not None) and scores is logits:
+            scores = scores.clone()
+        if batch.bias_positions is not None:
+            rows = batch.bias_positions[:, None].expand_as(batch.bias_ids)
+            scores.index_put_((rows, batch.bias_ids), batch.bias_values, accumulate=True)
+        if batch.penalty_positions is not None:
+            sub = scores.index_select(0, batch.penalty_positions)
+            counts = batch.output_counts.index_select(0, batch.penalty_slots)
+            if batch.any_repetition:
+                seen = (counts > 0) | batch.prompt_mask.index_select(0, batch.penalty_slots)
+                penalty = batch.repetition_penalties[:, None]
+                sub = torch.where(seen, torch.where(sub < 0, sub * penalty, sub / penalty), sub)
+            if batch.any_frequency_presence:
+                sub = sub - batch.frequency_penalties[:, None] * counts - batch.presence_penalties[:, None] * (
+                    counts > 0
+                )
+            scores.index_copy_(0, batch.penalty_positions, sub)
+        if batch.stop_positions is not None:
+            rows = batch.stop_positions[:, None].expand_as(batch.stop_ids)
+            scores.index_put_((rows, batch.stop_ids), scores.new_full((), float("-inf")))
+        return scores
+
+    @staticmethod
+    def _filter(scores: torch.Tensor, params: SamplingBatch) -> torch.Tensor:
         """Set filtered-out entries to -inf; the most likely token always survives."""
-        if params.any_top_k or params.any_top_p:
-            sorted_scores, order = scores.sort(dim=-1, descending=True)
-            rank = torch.arange(scores.shape[-1], device=scores.device)
+        vocab = scores.shape[-1]
+        if params.any_top_k and not params.any_top_p and 0 < params.max_top_k <= _TOPK_WITHOUT_SORT_MAX_K:
+            # k-th largest score per row as the threshold; ties at it all survive.
+            k = min(params.max_top_k, vocab)
+            top = scores.topk(k, dim=-1, sorted=True).values
+            top_ks = torch.where(params.top_ks > 0, params.top_ks.clamp(max=k), k)
+            kth = top.gather(1, (top_ks - 1)[:, None])
+            kth = torch.where((params.top_ks > 0)[:, None], kth, float("-inf"))
+            scores = scores.masked_fill(scores < kth, float("-inf"))
+        elif params.any_top_k or params.any_top_p:
+            # Stable, so tokens with equal scores keep vocabulary order whatever the batch.
+            sorted_scores, order = scores.sort(dim=-1, descending=True, stable=True)
             remove = torch.zeros_like(sorted_scores, dtype=torch.bool)
             if params.any_top_k:
-                top_ks = torch.where(params.top_ks > 0, params.top_ks, scores.shape[-1])
-                remove |= rank[None, :] >= top_ks[:, None]
+                # Everything below the k-th score goes, ties at it stay (as in the topk path above).
+                top_ks = torch.where(params.top_ks > 0, params.top_ks.clamp(max=vocab), vocab)
+                remove |= sorted_scores < sorted_scores.gather(1, (top_ks - 1)[:, None])
             if params.any_top_p:
                 probs = sorted_scores.masked_fill(remove, float("-inf")).softmax(dim=-1)
                 mass_before = probs.cumsum(dim=-1) - probs  # probability of the strictly better tokens

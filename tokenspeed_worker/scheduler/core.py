@@ -7,6 +7,14 @@ number of tokens or requests stays in C++; only numpy arrays cross the boundary.
 A step fills in this order: one token for every decoding request (preempting the
 newest running request by recompute when the pool is out of blocks), the next
 chunk of every request mid-prefill, then waiting requests admitted in FIFO order.
+
+Prefix caching: a *full* block is named by a chain hash of its tokens and its
+prefix (`block_hash`). Once a block's K/V is computed (prompt or output) it is
+registered; a request admitted later starts on the longest chain of cached blocks
+equal to its tokens (at least one token is always left to compute) and its plan's
+context_lens/positions/slots start after them. Released cached blocks stay
+matchable, least recently used evicted first, until a new allocation needs them.
+Matches compare stored tokens, never only hashes, so a collision cannot give wrong K/V.
 """
 
 from __future__ import annotations
@@ -18,6 +26,20 @@ import numpy as np
 
 from tokenspeed_worker import _scheduler_core
 from tokenspeed_worker.scheduler.plan import SchedulePlan
+
+ROOT_BLOCK_HASH: int = _scheduler_core.ROOT_BLOCK_HASH
+
+
+def block_hash(parent_hash: int | None, token_ids: np.ndarray | Iterable[int]) -> int:
+    """Chain hash (signed int64) of one full block of `token_ids` whose parent block
+    has hash `parent_hash` (None for a sequence's first block). Deterministic in
+    every process: `h = parent (or ROOT_BLOCK_HASH); for t in tokens: h =
+    splitmix64(h ^ t)` over unsigned 64-bit words (kernels/scheduler_core/block_hash.hpp).
+    The same values appear in KV events."""
+    if not isinstance(token_ids, np.ndarray):
+        token_ids = list(token_ids)
+    tokens = np.ascontiguousarray(token_ids, dtype=np.int64).reshape(-1)
+    return _scheduler_core.block_hash(None if parent_hash is None else int(parent_hash), tokens)
 
 
 class FinishReason(enum.IntEnum):
@@ -36,6 +58,12 @@ class Scheduler:
     `chunked_prefill=False` prompts are never split: a step admits whole prompts up
     to `max_prefill_tokens` in total (default `token_budget`), and a single larger
     prompt alone.
+
+    `enable_prefix_caching` (default on) keeps computed full blocks matchable for
+    later requests; off, blocks are shared only between siblings (`wait_for`) and a
+    block nobody holds is freed at once. `enable_kv_events` records the cache's
+    stored/removed/cleared events for `drain_kv_events()` (cache-aware routing).
+    `_hash_bits` < 64 narrows block hashes to force collisions in tests only.
     """
 
     def __init__(
@@ -47,6 +75,9 @@ class Scheduler:
         token_budget: int,
         chunked_prefill: bool = True,
         max_prefill_tokens: int | None = None,
+        enable_prefix_caching: bool = True,
+        enable_kv_events: bool = False,
+        _hash_bits: int = 64,
     ) -> None:
         self.block_size = block_size
         self._core = _scheduler_core.SchedulerCore(
@@ -57,6 +88,9 @@ class Scheduler:
             token_budget=token_budget,
             chunked_prefill=chunked_prefill,
             max_prefill_tokens=token_budget if max_prefill_tokens is None else max_prefill_tokens,
+            enable_prefix_caching=enable_prefix_caching,
+            enable_kv_events=enable_kv_events,
+            hash_bits=_hash_bits,
         )
 
     # -- requests -------------------------------------------------------------------
@@ -67,17 +101,24 @@ class Scheduler:
         prompt_ids: np.ndarray,
         max_new_tokens: int,
         stop_token_ids: Iterable[int] | np.ndarray = (),
+        wait_for: int = -1,
     ) -> None:
         """Queues a request (FIFO). Raises ValueError for a duplicate id, an empty
-        prompt, max_new_tokens < 1, or a request that could never fit (more than
-        max_model_len tokens, or more blocks than the whole pool)."""
+        prompt, max_new_tokens < 1, a request that could never fit (more than
+        max_model_len tokens, or more blocks than the whole pool), or wait_for == req_id.
+
+        `wait_for` = the id of a live request P makes this a *sibling* (one of the n
+        samples of one prompt): it is not admitted while P is waiting or prefilling
+        (requests queued behind it still are), and once P decodes it shares P's
+        computed prompt blocks, even with prefix caching off, so the prompt is
+        prefilled once. An unknown, finished or aborted P leaves nothing to wait for."""
         prompt = np.ascontiguousarray(prompt_ids, dtype=np.int64)
         if prompt.ndim != 1:
             raise ValueError(f"request {req_id}: prompt_ids must be 1-D, got shape {prompt.shape}")
         if not isinstance(stop_token_ids, np.ndarray):
             stop_token_ids = list(stop_token_ids)
         stops = np.ascontiguousarray(stop_token_ids, dtype=np.int64).reshape(-1)
-        self._core.add_request(int(req_id), prompt, int(max_new_tokens), stops)
+        self._core.add_request(int(req_id), prompt, int(max_new_tokens), stops, int(wait_for))
 
     def abort(self, req_id: int) -> bool:
         """Drops a request in any state and frees its blocks; False if unknown.
@@ -113,6 +154,8 @@ class Scheduler:
 
     @property
     def num_free_blocks(self) -> int:
+        """Blocks a new allocation can get without preempting anyone: free blocks
+        plus evictable cached blocks (kept for reuse, evicted on demand)."""
         return self._core.num_free_blocks
 
     @property
@@ -134,6 +177,65 @@ class Scheduler:
         """Tokens waiting requests still have to compute (prompt, plus the output
         of a preempted request)."""
         return self._core.waiting_tokens
+
+    # -- prefix cache ---------------------------------------------------------------
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Registered (matchable) blocks, held by live requests or evictable."""
+        return self._core.num_cached_blocks
+
+    @property
+    def num_evictable_blocks(self) -> int:
+        """Cached blocks no request holds: matchable until an allocation evicts them."""
+        return self._core.num_evictable_blocks
+
+    @property
+    def prefix_query_tokens(self) -> int:
+        """Prompt tokens of every first admission since start."""
+        return self._core.prefix_query_tokens
+
+    @property
+    def prefix_hit_tokens(self) -> int:
+        """Of prefix_query_tokens, those matched in the cache (or from a sibling's parent)."""
+        return self._core.prefix_hit_tokens
+
+    @property
+    def cache_hit_rate(self) -> float:
+        """prefix_hit_tokens / prefix_query_tokens; 0.0 before any admission."""
+        query = self._core.prefix_query_tokens
+        return self._core.prefix_hit_tokens / query if query else 0.0
+
+    def cached_tokens(self, req_ids: np.ndarray) -> np.ndarray:
+        """int32 [N]: tokens each request matched at its first admission (0 while it
+        waits for it, and for unknown ids; a finished request is forgotten by
+        advance(), so read this before then, e.g. for the plan's req_ids)."""
+        ids = np.ascontiguousarray(req_ids, dtype=np.int64).reshape(-1)
+        return self._core.cached_tokens(ids)
+
+    def flush_prefix_cache(self) -> int:
+        """Unregisters every cached block and returns how many: evictable ones become
+        free, blocks running requests hold stay theirs but are no longer matchable
+        (and their later blocks are not registered). Safe while requests run."""
+        return self._core.flush_prefix_cache()
+
+    def drain_kv_events(self) -> list[tuple]:
+        """Returns and clears the recorded KV events (enable_kv_events), in order:
+        ("stored", block_hash, parent_hash | None, token_ids: list[int], block_size)
+        when a block is registered, ("removed", block_hash) when one is evicted or
+        unregistered, ("cleared",) on flush_prefix_cache(). Hashes are signed int64."""
+        return self._core.drain_kv_events()
+
+    def debug_blocks(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """int32 per block: (reference counts, evictable 0/1, registered 0/1). For tests."""
+        return self._core.debug_blocks()
+
+    def debug_cached_block(self, block: int) -> tuple[int, int | None, np.ndarray] | None:
+        """A registered block's (hash, parent hash or None, token ids); None if not
+        registered. For tests."""
+        return self._core.debug_cached_block(int(block))
+
+    # -- state ----------------------------------------------------------------------
 
     def has_work(self) -> bool:
         return self._core.has_work()

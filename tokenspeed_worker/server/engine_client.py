@@ -47,6 +47,8 @@ class RequestState:
     engine_id: int
     request_id: str
     prompt_len: int
+    index: int = 0  # which of the request's n samples
+    cached_tokens: int = 0
     new_tokens: list[int] = field(default_factory=list)
     finish_reason: int | None = None  # a FINISH_* code once finished
     error: tuple[str, str] | None = None  # (grpc status code name, message)
@@ -65,7 +67,8 @@ class EngineClient:
         self._ids = itertools.count(1)
         self._nonces = itertools.count(1)
         self.requests: dict[int, RequestState] = {}
-        self.by_request_id: dict[str, RequestState] = {}
+        # request_id -> its n samples (one state each), while any of them is in flight
+        self.by_request_id: dict[str, list[RequestState]] = {}
         self._waiters: dict[int, asyncio.Future] = {}
         self._outbox: queue.Queue = queue.Queue()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -167,11 +170,13 @@ class EngineClient:
         if isinstance(msg, StepOutput):
             touched = []
             requests = self.requests
-            for engine_id, token in zip(msg.req_ids.tolist(), msg.tokens.tolist()):
+            cached = msg.cached_tokens.tolist() if msg.cached_tokens is not None else [0] * len(msg.req_ids)
+            for engine_id, token, num_cached in zip(msg.req_ids.tolist(), msg.tokens.tolist(), cached):
                 st = requests.get(engine_id)
                 if st is not None:
                     st.new_tokens.append(token)
                     st.num_output_tokens += 1
+                    st.cached_tokens = num_cached
                     touched.append(st)
             for engine_id, reason in zip(msg.finished_ids.tolist(), msg.finish_reasons.tolist()):
                 st = requests.get(engine_id)
@@ -212,34 +217,54 @@ class EngineClient:
 
     def _forget(self, st: RequestState) -> None:
         self.requests.pop(st.engine_id, None)
-        if self.by_request_id.get(st.request_id) is st:
+        group = self.by_request_id.get(st.request_id)
+        if group is not None and st in group and all(s.done for s in group):
             del self.by_request_id[st.request_id]
 
     # ---- outbound -----------------------------------------------------------
 
-    def submit(self, request_id: str, add: AddRequest) -> RequestState:
-        """Register and send a request. `add.req_id` is filled in here."""
+    def submit(self, request_id: str, adds: list[AddRequest]) -> list[RequestState]:
+        """Register and send a request's samples (n >= 1; `req_id`s are filled in here).
+
+        Samples after the first wait for the first's prefill and share its prompt blocks.
+        All samples share one event, so the handler wakes once per step for all of them.
+        """
         if self.dead_message is not None:
             raise EngineUnavailable(self.dead_message)
-        add.req_id = next(self._ids)
-        st = RequestState(engine_id=add.req_id, request_id=request_id, prompt_len=int(len(add.prompt_ids)))
-        self.requests[st.engine_id] = st
-        self.by_request_id[request_id] = st
-        self._outbox.put(add)
-        return st
+        event = asyncio.Event()
+        states = []
+        for index, add in enumerate(adds):
+            add.req_id = next(self._ids)
+            if index > 0:
+                add.wait_for = adds[0].req_id
+            st = RequestState(engine_id=add.req_id, request_id=request_id, prompt_len=int(len(add.prompt_ids)),
+                              index=index, event=event)
+            self.requests[st.engine_id] = st
+            states.append(st)
+        self.by_request_id[request_id] = states
+        for add in adds:
+            self._outbox.put(add)
+        return states
 
     def in_flight(self, request_id: str) -> bool:
         return request_id in self.by_request_id
 
-    def abort(self, st: RequestState) -> bool:
-        """End a request with finish reason abort and free it in the engine. False if already done."""
-        if st.done:
-            return False
-        st.finish_reason = FINISH_ABORT
-        self._forget(st)
-        self._outbox.put(AbortRequests([st.engine_id]))
-        st.event.set()
-        return True
+    def abort(self, states: list[RequestState]) -> bool:
+        """End every unfinished sample with finish reason abort and free them in the engine.
+
+        False if all were already done."""
+        live = [st for st in states if not st.done]
+        for st in live:
+            st.finish_reason = FINISH_ABORT
+        for st in live:
+            self._forget(st)
+        if live:
+            self._outbox.put(AbortRequests([st.engine_id for st in live]))
+            live[0].event.set()
+            for st in live[1:]:
+                if st.event is not live[0].event:
+                    st.event.set()
+        return bool(live)
 
     async def _ask(self, make, timeout: float):
         if self.dead_message is not None:

@@ -80,6 +80,7 @@ def engine_config_from_args(args, max_model_len: int, device: str, dtype: str) -
         chunked_prefill_size=args.chunked_prefill_size,
         max_prefill_tokens=args.max_prefill_tokens,
         gpu_memory_utilization=getattr(args, "gpu_memory_utilization", 0.9),
+        enable_prefix_caching=args.enable_prefix_caching,
         seed=getattr(args, "seed", 0) or 0,
     )
 
@@ -90,7 +91,7 @@ async def _warm_up(engine: EngineClient, facts) -> None:
     import numpy as np
 
     add = AddRequest(0, np.asarray(prompt, dtype=np.int32), 2, [], 0.0, -1, 1.0, 0.0, 0)
-    st = engine.submit("__warmup__", add)
+    (st,) = engine.submit("__warmup__", [add])
     while not st.done:
         await asyncio.wait_for(st.event.wait(), WARMUP_TIMEOUT_S)
         st.event.clear()

@@ -65,64 +65,76 @@ class TokenSpeedSchedulerServicer(pb_grpc.TokenSpeedSchedulerServicer):
         if self.engine.in_flight(rid):
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {rid!r} is already in flight")
         try:
-            st = self.engine.submit(rid, v.add)
+            states = self.engine.submit(rid, v.adds)
         except EngineUnavailable as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"engine unavailable: {e}")
 
-        prompt_tokens = st.prompt_len
-        output_ids: list[int] = []
+        event = states[0].event
+        output_ids: list[list[int]] = [[] for _ in states]
+        open_samples = set(range(len(states)))
         try:
-            while True:
-                await st.event.wait()
-                st.event.clear()
-                tokens, st.new_tokens = st.new_tokens, []
-                if st.error is not None:
-                    code, message = st.error
-                    await context.abort(getattr(grpc.StatusCode, code, grpc.StatusCode.INTERNAL), message)
-                reason = st.finish_reason
-                matched = None
-                if reason == FINISH_STOP and tokens:
-                    matched = tokens[-1]
-                    if not v.no_stop_trim:
-                        tokens = tokens[:-1]
-                if v.stream:
-                    if tokens:
+            while open_samples:
+                await event.wait()
+                event.clear()
+                for i in sorted(open_samples):
+                    st = states[i]
+                    if st.error is not None:
+                        code, message = st.error
+                        await context.abort(getattr(grpc.StatusCode, code, grpc.StatusCode.INTERNAL), message)
+                    tokens, st.new_tokens = st.new_tokens, []
+                    reason = st.finish_reason
+                    if not tokens and reason is None:
+                        continue
+                    matched = None
+                    if reason == FINISH_STOP and tokens:
+                        matched = tokens[-1]
+                        if not v.no_stop_trim:
+                            tokens = tokens[:-1]
+                    if v.stream:
+                        if tokens:
+                            yield pb.GenerateResponse(request_id=rid, chunk=self._chunk(st, tokens))
+                    else:
+                        output_ids[i].extend(tokens)
+                    if reason is not None:
+                        open_samples.discard(i)
                         yield pb.GenerateResponse(
                             request_id=rid,
-                            chunk=pb.GenerateStreamChunk(
-                                token_ids=tokens,
-                                prompt_tokens=prompt_tokens,
-                                completion_tokens=st.num_output_tokens,
-                                cached_tokens=0,
-                                index=0,
-                            ),
+                            # Streaming: every token already went out in chunks.
+                            complete=self._complete(st, [] if v.stream else output_ids[i], matched),
                         )
-                else:
-                    output_ids.extend(tokens)
-                if reason is not None:
-                    complete = pb.GenerateComplete(
-                        # Streaming: every token already went out in chunks.
-                        output_ids=[] if v.stream else output_ids,
-                        finish_reason=_FINISH_NAMES[reason],
-                        prompt_tokens=prompt_tokens,
-                        completion_tokens=st.num_output_tokens,
-                        cached_tokens=0,
-                        index=0,
-                    )
-                    if matched is not None:
-                        complete.matched_token_id = matched
-                    yield pb.GenerateResponse(request_id=rid, complete=complete)
-                    return
         finally:
-            # Cancelled call, a dropped stream, or an error above: free it in the engine.
-            if not st.done:
-                self.engine.abort(st)
+            # Cancelled call, a dropped stream, or an error above: free them in the engine.
+            self.engine.abort(states)
+
+    @staticmethod
+    def _chunk(st, tokens: list[int]) -> pb.GenerateStreamChunk:
+        return pb.GenerateStreamChunk(
+            token_ids=tokens,
+            prompt_tokens=st.prompt_len,
+            completion_tokens=st.num_output_tokens,
+            cached_tokens=st.cached_tokens,
+            index=st.index,
+        )
+
+    @staticmethod
+    def _complete(st, output_ids: list[int], matched: int | None) -> pb.GenerateComplete:
+        complete = pb.GenerateComplete(
+            output_ids=output_ids,
+            finish_reason=_FINISH_NAMES[st.finish_reason],
+            prompt_tokens=st.prompt_len,
+            completion_tokens=st.num_output_tokens,
+            cached_tokens=st.cached_tokens,
+            index=st.index,
+        )
+        if matched is not None:
+            complete.matched_token_id = matched
+        return complete
 
     # ---- Abort ------------------------------------------------------------------
 
     async def Abort(self, request, context):
-        st = self.engine.by_request_id.get(request.request_id)
-        if st is None or not self.engine.abort(st):
+        states = self.engine.by_request_id.get(request.request_id)
+        if states is None or not self.engine.abort(states):
             return pb.AbortResponse(success=False, message=f"request {request.request_id!r} not found")
         logger.info("aborted %s (%s)", request.request_id, request.reason or "no reason given")
         return pb.AbortResponse(success=True, message=f"aborted {request.request_id}")
@@ -232,7 +244,7 @@ class TokenSpeedSchedulerServicer(pb_grpc.TokenSpeedSchedulerServicer):
             token_usage=usage,
             active_token_usage=usage,
             gen_throughput=loads.gen_throughput,
-            cache_hit_rate=0.0,
+            cache_hit_rate=loads.cache_hit_rate,
             utilization=loads.num_running / r.max_num_seqs if r.max_num_seqs else 0.0,
         )
         if sections & {"memory", "all"}:

@@ -32,12 +32,29 @@ def _unimplemented(message: str) -> RequestError:
     return RequestError(grpc.StatusCode.UNIMPLEMENTED, message)
 
 
+MAX_SAMPLES = 128  # n beyond this is refused: one request should not occupy a whole worker
+
+
 @dataclass
 class ValidatedRequest:
-    add: AddRequest
+    adds: list[AddRequest]  # one per sample (n)
     stream: bool
     n: int
     no_stop_trim: bool
+
+
+_MASK63 = (1 << 63) - 1
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """The seed of sample `index` of a request seeded with `seed`: sample 0 keeps the seed
+    itself (n=1 and n>1 agree on it), the others get a splitmix64 mix of (seed, index)."""
+    if index == 0:
+        return seed & _MASK63
+    z = (seed + index * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) & _MASK63
 
 
 def validate_generate(req, facts: ModelFacts) -> ValidatedRequest:
@@ -107,8 +124,8 @@ def validate_generate(req, facts: ModelFacts) -> ValidatedRequest:
     if constraint is not None:
         raise _unimplemented(f"sampling_params.{constraint}: structured output is not supported yet")
     n = sp.n or 1
-    if n > 1:
-        raise _invalid(f"sampling_params.n: n > 1 is not supported yet (got {n})")
+    if n > MAX_SAMPLES:
+        raise _invalid(f"sampling_params.n: at most {MAX_SAMPLES} samples per request (got {n})")
 
     stop_ids = [int(t) for t in sp.stop_token_ids]
     for t in stop_ids:
@@ -127,17 +144,21 @@ def validate_generate(req, facts: ModelFacts) -> ValidatedRequest:
     else:
         max_new = room
 
-    seed = int(sp.sampling_seed) if sp.HasField("sampling_seed") else secrets.randbits(63)
-    seed &= (1 << 63) - 1  # the sampler hashes a non-negative int64
-    add = AddRequest(
-        req_id=0,
-        prompt_ids=ids.astype(np.int32),
-        max_new_tokens=max_new,
-        stop_token_ids=stop_ids,
-        temperature=float(temperature),
-        top_k=int(top_k),
-        top_p=float(top_p),
-        min_p=float(min_p),
-        seed=seed,
-    )
-    return ValidatedRequest(add=add, stream=bool(req.stream), n=n, no_stop_trim=bool(sp.no_stop_trim))
+    seeded = sp.HasField("sampling_seed")
+    prompt = ids.astype(np.int32)
+    adds = [
+        AddRequest(
+            req_id=0,
+            prompt_ids=prompt,
+            max_new_tokens=max_new,
+            stop_token_ids=stop_ids,
+            temperature=float(temperature),
+            top_k=int(top_k),
+            top_p=float(top_p),
+            min_p=float(min_p),
+            # The sampler hashes a non-negative int64; unseeded samples get a random seed each.
+            seed=sample_seed(int(sp.sampling_seed), i) if seeded else secrets.randbits(63),
+        )
+        for i in range(n)
+    ]
+    return ValidatedRequest(adds=adds, stream=bool(req.stream), n=n, no_stop_trim=bool(sp.no_stop_trim))

@@ -1,0 +1,104 @@
+"""Triton kernel for the sampler's hot loop: hashed noise + Gumbel argmax over the vocabulary, fused.
+
+The torch backend materializes several int64 [S, V] temporaries to hash the noise, then two
+logs, an add and an argmax. Here one pass reads each score once, hashes (row key, vocab index)
+with the same splitmix64 as layers/sampler.py, takes the same float32 -log(-log(u)) through
+libdevice's logf (what torch's CUDA log calls), and keeps a running (max, first index). The
+vocabulary is split into chunks across programs (grid S x chunks) so even one row fills the
+GPU; a tiny torch reduction over chunks finishes, taking the first chunk holding the maximum,
+so ties resolve to the lowest index exactly like torch.argmax.
+
+Importable without triton (CPU machines): AVAILABLE says whether the kernel can be used.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    try:
+        from triton.language.extra import libdevice
+    except ImportError:  # older layouts
+        from triton.language.extra.cuda import libdevice
+    AVAILABLE = True
+except ImportError:  # pragma: no cover - depends on the machine
+    triton = None
+    tl = None
+    libdevice = None
+    AVAILABLE = False
+
+# Scores per program: big enough to amortize the row key load, small enough for many programs.
+BLOCK_VOCAB = 4096
+
+
+if AVAILABLE:
+
+    @triton.jit
+    def _splitmix64(x):
+        x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9
+        x = (x ^ (x >> 27)) * 0x94D049BB133111EB
+        return x ^ (x >> 31)
+
+    @triton.jit
+    def _gumbel_argmax_chunks(
+        scores_ptr,
+        score_row_stride,
+        row_keys_ptr,
+        vocab_size,
+        chunk_max_ptr,
+        chunk_arg_ptr,
+        num_chunks,
+        BLOCK: tl.constexpr,
+        LIBDEVICE_LOG: tl.constexpr,
+    ):
+        row = tl.program_id(0)
+        chunk = tl.program_id(1)
+        offsets = chunk * BLOCK + tl.arange(0, BLOCK)
+        in_vocab = offsets < vocab_size
+        scores = tl.load(
+            scores_ptr + row.to(tl.int64) * score_row_stride + offsets, mask=in_vocab, other=float("-inf")
+        )
+        key = tl.load(row_keys_ptr + row).to(tl.uint64, bitcast=True)
+        bits = _splitmix64(key + (offsets.to(tl.uint64) + 1) * 0x9E3779B97F4A7C15)
+        top24 = (bits >> 40).to(tl.int32).to(tl.float32)  # 24 bits: exact in float32
+        uniform = (top24 + 0.5) * (1.0 / 16777216.0)
+        if LIBDEVICE_LOG:
+            perturbed = scores - libdevice.log(-libdevice.log(uniform))
+        else:  # the interpreter (TRITON_INTERPRET=1) has no libdevice
+            perturbed = scores - tl.log(-tl.log(uniform))
+        perturbed = tl.where(in_vocab, perturbed, float("-inf"))
+        best = tl.max(perturbed, axis=0)
+        arg = tl.argmax(perturbed, axis=0, tie_break_left=True)
+        tl.store(chunk_max_ptr + row * num_chunks + chunk, best)
+        tl.store(chunk_arg_ptr + row * num_chunks + chunk, chunk * BLOCK + arg)
+
+
+def gumbel_argmax(scores: torch.Tensor, row_keys: torch.Tensor, block: int = BLOCK_VOCAB) -> torch.Tensor:
+    """argmax over v of scores[s, v] - log(-log(u(row_keys[s], v))): int64 [S].
+
+    scores: float32 [S, V] (contiguous along V; -inf = filtered out); row_keys: int64 [S] from
+    layers.sampler.row_keys. Equals the torch backend's draw for the same inputs.
+    """
+    if not AVAILABLE:
+        raise RuntimeError("triton is not installed")
+    num_rows, vocab_size = scores.shape
+    if scores.stride(1) != 1:
+        scores = scores.contiguous()
+    scores = scores.float()
+    row_keys = row_keys.to(device=scores.device, dtype=torch.int64).contiguous()
+    num_chunks = triton.cdiv(vocab_size, block)
+    chunk_max = torch.empty((num_rows, num_chunks), dtype=torch.float32, device=scores.device)
+    chunk_arg = torch.empty((num_rows, num_chunks), dtype=torch.int32, device=scores.device)
+    if num_rows == 0:
+        return torch.zeros(0, dtype=torch.int64, device=scores.device)
+    _gumbel_argmax_chunks[(num_rows, num_chunks)](
+        scores, scores.stride(0), row_keys, vocab_size, chunk_max, chunk_arg, num_chunks,
+        BLOCK=block, LIBDEVICE_LOG=os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
+    )
+    best_chunk = chunk_max.argmax(dim=-1, keepdim=True)  # first chunk with the maximum
+    return chunk_arg.gather(1, best_chunk).squeeze(1).to(torch.int64)
