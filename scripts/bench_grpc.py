@@ -33,7 +33,7 @@ from tokenspeed_worker.proto import tokenspeed_scheduler_pb2 as pb  # noqa: E402
 def one_stream(stub, rid, prompt, output_len, results):
     req = pb.GenerateRequest(
         request_id=rid, tokenized=pb.TokenizedInput(input_ids=prompt), stream=True,
-        sampling_params=pb.SamplingParams(temperature=0.0, max_new_tokens=output_len, ignore_eos=True))
+        sampling_params=pb.SamplingParams(temperature=0.0, max_new_tokens=output_len, ignore_eos=True, n=1))
     t0 = time.perf_counter()
     stamps = []
     n = 0

@@ -39,7 +39,7 @@ def conversation(stub, cid, system, turns, user_len, output_len, vocab, rng_seed
         req = pb.GenerateRequest(
             request_id=f"conv-{cid}-{turn}-{time.monotonic_ns()}", tokenized=pb.TokenizedInput(input_ids=history),
             stream=True, sampling_params=pb.SamplingParams(temperature=0.0, max_new_tokens=output_len,
-                                                           ignore_eos=True))
+                                                           ignore_eos=True, n=1))
         t0 = time.perf_counter()
         ttft = None
         answer: list[int] = []

@@ -32,4 +32,7 @@ if [ "${BENCH_PREFIX:-0}" = 1 ]; then
     --system-len 1024 --user-len 64 --output-len 32 --out "$OUT/gpu_prefix.json" -- --load-format dummy \
     2>&1 | grep -v "^20..-" | tail -8
 fi
+if [ "${BENCH_SAMPLER:-0}" = 1 ]; then
+  python3 scripts/bench_sampler.py --batch 256 --vocab 128256 --out "$OUT/gpu_sampler.json" 2>&1 | grep -v '^{'
+fi
 exit "$rc"

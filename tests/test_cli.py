@@ -345,7 +345,7 @@ NOT_SUPPORTED = [o for o in OPTIONS if o.spec.status is not Status.SUPPORTED]
 
 def test_table_has_the_reference_parameters() -> None:
     for dest in ("enforce_eager", "tensor_parallel_size", "speculative_config", "kv_events_config",
-                 "api_key", "stream_interval", "sampling_backend", "enable_metrics", "quantization"):  # fmt: skip
+                 "api_key", "enable_metrics", "quantization"):  # fmt: skip
         assert OPTIONS_BY_DEST[dest].spec.status is Status.NOT_YET
     for dest in ("chat_template", "reasoning_parser", "tool_call_parser"):
         assert OPTIONS_BY_DEST[dest].spec.status is Status.GATEWAY

@@ -130,8 +130,60 @@ def test_client_dropping_a_stream_frees_its_request(stack):
 
 def test_worker_errors_reach_the_client_as_http_400(stack):
     _, gateway = stack
+    # The gateway validates the OpenAI ranges itself; a stop token outside the vocabulary is
+    # what only the worker can refuse: INVALID_ARGUMENT -> 400 with the worker's message.
     with pytest.raises(urllib.error.HTTPError) as e:
         post(gateway, "/v1/chat/completions",
-             {"model": "smollm2", "messages": QUESTION, "max_tokens": 4, "stop": ["Paris"]})
+             {"model": "smollm2", "messages": QUESTION, "max_tokens": 4, "stop_token_ids": [999999]})
     assert e.value.code == 400
-    assert "stop" in e.value.read().decode()
+    assert "stop_token_ids" in e.value.read().decode()
+    # UNIMPLEMENTED (structured output, until it exists) -> 501 with the worker's message.
+    with pytest.raises(urllib.error.HTTPError) as e:
+        post(gateway, "/v1/chat/completions",
+             {"model": "smollm2", "messages": QUESTION, "max_tokens": 4, "response_format": {"type": "json_object"}})
+    assert e.value.code == 501
+    assert "structured output" in e.value.read().decode()
+
+
+def test_logprobs_and_top_logprobs(stack):
+    _, gateway = stack
+    r = post(gateway, "/v1/chat/completions",
+             {"model": "smollm2", "messages": QUESTION, "max_tokens": 6, "temperature": 0, "logprobs": True,
+              "top_logprobs": 3})
+    content = r["choices"][0]["logprobs"]["content"]
+    assert 1 <= len(content) <= 6
+    for entry in content:
+        assert entry["logprob"] <= 0
+        tops = entry["top_logprobs"]
+        assert len(tops) == 3
+        assert [t["logprob"] for t in tops] == sorted((t["logprob"] for t in tops), reverse=True)
+        assert entry["logprob"] == pytest.approx(tops[0]["logprob"], abs=1e-4)  # greedy: the top token
+
+
+def test_stop_string_ends_the_answer(stack):
+    _, gateway = stack
+    r = post(gateway, "/v1/chat/completions",
+             {"model": "smollm2", "messages": QUESTION, "max_tokens": MAX_TOKENS, "temperature": 0,
+              "stop": ["Paris"]})
+    choice = r["choices"][0]
+    assert "Paris" not in choice["message"]["content"]
+    assert choice["finish_reason"] == "stop"
+    assert r["usage"]["completion_tokens"] < MAX_TOKENS
+
+
+def test_seed_reproducible_and_n_2(stack):
+    _, gateway = stack
+    body = {"model": "smollm2", "messages": QUESTION, "max_tokens": 12, "temperature": 1.0, "seed": 42, "n": 2}
+    a = post(gateway, "/v1/chat/completions", body)
+    b = post(gateway, "/v1/chat/completions", body)
+    texts_a = [c["message"]["content"] for c in sorted(a["choices"], key=lambda c: c["index"])]
+    texts_b = [c["message"]["content"] for c in sorted(b["choices"], key=lambda c: c["index"])]
+    assert len(texts_a) == 2 and texts_a == texts_b
+
+
+def test_max_tokens_and_ignore_eos(stack):
+    _, gateway = stack
+    r = post(gateway, "/v1/chat/completions",
+             {"model": "smollm2", "messages": QUESTION, "max_tokens": 40, "temperature": 0, "ignore_eos": True})
+    assert r["usage"]["completion_tokens"] == 40
+    assert r["choices"][0]["finish_reason"] == "length"

@@ -279,8 +279,12 @@ class ServerArgs:
     )
     api_key: str | None = _not_yet(None, API_SURFACE, "API key required by the server.")
     chat_template: str | None = _gateway(None, API_SURFACE, "Chat template name or file.")
-    stream_interval: int = _not_yet(
-        1, API_SURFACE, "Streaming buffer interval in generated tokens.", parse=_positive_int
+    stream_interval: int = _option(
+        1,
+        API_SURFACE,
+        "Streaming buffer interval in generated tokens: a chunk every N tokens per sample; the "
+        "last chunk and the GenerateComplete are never delayed.",
+        parse=_positive_int,
     )
     stream_output: bool = _not_yet(False, API_SURFACE, "Return generated text as disjoint streaming segments.")
 
@@ -369,11 +373,15 @@ class ServerArgs:
     draft_moe_backend: str | None = _not_yet(None, BACKENDS, "MoE backend of the speculative decoding draft model.")
     all2all_backend: str = _not_yet("none", BACKENDS, "MoE all-to-all backend.")
     deepep_mode: str = _not_yet("auto", BACKENDS, "DeepEP mode.", choices=("auto", "normal", "low_latency"))
-    sampling_backend: str | None = _not_yet(
+    sampling_backend: str | None = _option(
         None,
         BACKENDS,
-        "Sampling backend.",
-        choices=("greedy", "flashinfer", "flashinfer_full", "triton", "triton_full"),
+        "Sampling backend: 'torch' (CPU and GPU) or 'triton' (GPU; fused hashed noise and "
+        "Gumbel-max draw). Unset: triton on a GPU when triton imports, else torch. Both draw the "
+        "same tokens for the same seed.",
+        choices=("torch", "triton", "greedy", "flashinfer", "flashinfer_full", "triton_full"),
+        unsupported_values=("greedy", "flashinfer", "flashinfer_full", "triton_full"),
+        default_doc="triton on a GPU, else torch",
     )
 
     # ---- Reasoning And Tool Calling

@@ -43,6 +43,7 @@ class EngineConfig:
     max_prefill_tokens: int = 8192
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
+    sampling_backend: str | None = None  # None: triton on CUDA when available, else torch
     seed: int = 0
 
 
@@ -74,7 +75,8 @@ def size_kv_pool_tokens(cfg: EngineConfig, kv_bytes_per_token: int, device: torc
 
 class EngineCore:
     def __init__(self, cfg: EngineConfig) -> None:
-        from tokenspeed_worker.layers.sampler import Sampler
+        from tokenspeed_worker.layers.sampler import Sampler, default_sampling_backend
+        from tokenspeed_worker.layers.sampling_state import SamplingState
         from tokenspeed_worker.model_executor.model_runner import ModelRunner
         from tokenspeed_worker.scheduler.core import Scheduler
 
@@ -110,17 +112,14 @@ class EngineCore:
             max_prefill_tokens=cfg.max_prefill_tokens,
             enable_prefix_caching=cfg.enable_prefix_caching,
         )
-        self.sampler = Sampler()
+        self.sampling_backend = cfg.sampling_backend or default_sampling_backend(self.device)
+        self.sampler = Sampler(self.sampling_backend)
 
-        # Per-row request state (see module docstring).
+        # Per-row request state (see module docstring): the server's id here, everything
+        # sampling needs (parameters, output positions, penalty counts) in SamplingState.
         cap = 64
         self._server_id = np.full(cap, -1, dtype=np.int64)
-        self._temperature = np.zeros(cap, dtype=np.float32)
-        self._top_k = np.full(cap, -1, dtype=np.int64)
-        self._top_p = np.ones(cap, dtype=np.float32)
-        self._min_p = np.zeros(cap, dtype=np.float32)
-        self._seed = np.zeros(cap, dtype=np.int64)
-        self._out_len = np.zeros(cap, dtype=np.int64)
+        self.sampling = SamplingState(cap, self.runner.vocab_size, self.device)
         self._free_rows: list[int] = list(range(cap - 1, -1, -1))
         self._row_of: dict[int, int] = {}
 
@@ -184,11 +183,10 @@ class EngineCore:
     def _grow(self) -> None:
         old = self._server_id.shape[0]
         new = old * 2
-        for name in ("_server_id", "_temperature", "_top_k", "_top_p", "_min_p", "_seed", "_out_len"):
-            arr = getattr(self, name)
-            grown = np.empty(new, dtype=arr.dtype)
-            grown[:old] = arr
-            setattr(self, name, grown)
+        grown = np.full(new, -1, dtype=np.int64)
+        grown[:old] = self._server_id
+        self._server_id = grown
+        self.sampling.ensure_capacity(new)
         self._free_rows.extend(range(new - 1, old - 1, -1))
 
     def add_request(self, req: AddRequest) -> None:
@@ -199,30 +197,28 @@ class EngineCore:
             self._grow()
         row = self._free_rows.pop()
         wait_for = self._row_of.get(req.wait_for, -1) if req.wait_for >= 0 else -1
+        prompt = np.asarray(req.prompt_ids, dtype=np.int32)
+        try:
+            self.sampling.add_row(row, prompt, _row_params(req))
+        except Exception:
+            self._free_rows.append(row)
+            raise
         try:
             self.scheduler.add_request(
-                row,
-                np.asarray(req.prompt_ids, dtype=np.int32),
-                int(req.max_new_tokens),
-                list(req.stop_token_ids),
-                wait_for=wait_for,
+                row, prompt, int(req.max_new_tokens), list(req.stop_token_ids), wait_for=wait_for
             )
         except Exception:
+            self.sampling.remove_row(row)
             self._free_rows.append(row)
             raise
         self._row_of[req.req_id] = row
         self._server_id[row] = req.req_id
-        self._temperature[row] = req.temperature
-        self._top_k[row] = req.top_k
-        self._top_p[row] = req.top_p
-        self._min_p[row] = req.min_p
-        self._seed[row] = req.seed
-        self._out_len[row] = 0
 
     def _release(self, row: int) -> None:
         sid = int(self._server_id[row])
         self._row_of.pop(sid, None)
         self._server_id[row] = -1
+        self.sampling.remove_row(row)
         self._free_rows.append(row)
 
     def flush_prefix_cache(self) -> int:
@@ -245,43 +241,67 @@ class EngineCore:
         if plan.num_reqs == 0:
             return None
         rows = plan.req_ids[plan.sample_rows]
-        if rows.shape[0] > 0:
-            logits = self.runner.forward(plan)
-            sampled = self._sample(logits, rows)
-        else:
-            self.runner.forward(plan)
-            sampled = np.zeros(0, dtype=np.int64)
-        # Read before advance(): a request that finishes in this step is gone after it.
-        cached = self.scheduler.cached_tokens(rows) if rows.shape[0] else np.zeros(0, np.int32)
-        finished_rows, reasons = self.scheduler.advance(sampled)
-        self._out_len[rows] += 1
         out = StepOutput(
             req_ids=self._server_id[rows].copy(),
-            tokens=sampled,
-            finished_ids=self._server_id[finished_rows].copy(),
-            finish_reasons=np.asarray(reasons, dtype=np.int32),
-            cached_tokens=cached,
-            step_seconds=time.perf_counter() - t0,
+            tokens=np.zeros(0, dtype=np.int64),
+            finished_ids=np.zeros(0, dtype=np.int64),
+            finish_reasons=np.zeros(0, dtype=np.int32),
         )
+        if rows.shape[0] > 0:
+            logits = self.runner.forward(plan)
+            self._sample(logits, rows, out)
+        else:
+            self.runner.forward(plan)
+        # Read before advance(): a request that finishes in this step is gone after it.
+        out.cached_tokens = self.scheduler.cached_tokens(rows) if rows.shape[0] else np.zeros(0, np.int32)
+        finished_rows, reasons = self.scheduler.advance(out.tokens)
+        out.finished_ids = self._server_id[finished_rows].copy()
+        out.finish_reasons = np.asarray(reasons, dtype=np.int32)
         for row in finished_rows.tolist():
             self._release(row)
         if rows.shape[0]:
             self._tokens_window.append((time.monotonic(), int(rows.shape[0])))
             if len(self._tokens_window) > 4096:
                 del self._tokens_window[:2048]
+        out.step_seconds = time.perf_counter() - t0
         return out
 
-    def _sample(self, logits: torch.Tensor, rows: np.ndarray) -> np.ndarray:
-        from tokenspeed_worker.layers.sampler import SamplingTensors
+    def _sample(self, logits: torch.Tensor, rows: np.ndarray, out: StepOutput) -> None:
+        """Sample the rows' next tokens (and logprobs if any row asked) into `out`."""
+        result = self.sampler.sample(logits, self.sampling.batch(rows))
+        self.sampling.update(rows, result.tokens)
+        out.tokens = _host(result.tokens).astype(np.int64, copy=False)
+        if result.logprobs is not None:
+            out.logprobs = _host(result.logprobs)
+        if result.top_logprobs is not None:
+            out.top_logprobs = _host(result.top_logprobs)
+            out.top_logprob_ids = _host(result.top_logprob_ids)
+        if result.token_ids_logprobs is not None:
+            out.ids_logprobs = _host(result.token_ids_logprobs)
+            out.ids_logprob_ids = _host(result.token_ids_logprob_ids)
+            out.ids_logprob_counts = _host(result.token_ids_logprob_counts)
 
-        params = SamplingTensors.from_lists(
-            self._temperature[rows],
-            self._top_k[rows],
-            self._top_p[rows],
-            self._min_p[rows],
-            self._seed[rows],
-            self._out_len[rows],
-            device=logits.device,
-        )
-        tokens = self.sampler.sample(logits, params).tokens
-        return tokens.to("cpu", non_blocking=False).numpy().astype(np.int64, copy=False)
+
+def _host(t: torch.Tensor) -> np.ndarray:
+    return t.to("cpu").numpy()
+
+
+def _row_params(req: AddRequest):
+    from tokenspeed_worker.layers.sampling_state import RowSamplingParams
+
+    return RowSamplingParams(
+        temperature=req.temperature,
+        top_k=req.top_k,
+        top_p=req.top_p,
+        min_p=req.min_p,
+        seed=req.seed,
+        frequency_penalty=req.frequency_penalty,
+        presence_penalty=req.presence_penalty,
+        repetition_penalty=req.repetition_penalty,
+        logit_bias=dict(req.logit_bias or {}),
+        min_new_tokens=req.min_new_tokens,
+        stop_token_ids=tuple(req.stop_token_ids),
+        return_logprob=req.return_logprob,
+        top_logprobs_num=req.top_logprobs_num,
+        token_ids_logprob=tuple(req.token_ids_logprob),
+    )

@@ -34,6 +34,14 @@ class AddRequest:
     seed: int  # the request's sampling seed (random when the client set none)
     # n > 1: the other samples wait for the first's prefill and share its prompt blocks.
     wait_for: int = -1  # engine id of the sample to wait for, -1 for none
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    min_new_tokens: int = 0
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    token_ids_logprob: tuple[int, ...] = ()
 
 
 @dataclass
@@ -83,6 +91,14 @@ class StepOutput:
     finished_ids: np.ndarray  # int64 [F]
     finish_reasons: np.ndarray  # int32 [F]
     cached_tokens: np.ndarray | None = None  # int32 [S] prompt tokens served from the prefix cache
+    # Logprobs (raw: log_softmax of the model's logits), present when a row asked for them;
+    # then they hold a value for every row. K / M: the largest count any row asked for.
+    logprobs: np.ndarray | None = None  # float32 [S] of the sampled token
+    top_logprobs: np.ndarray | None = None  # float32 [S, K], descending
+    top_logprob_ids: np.ndarray | None = None  # int64 [S, K]
+    ids_logprobs: np.ndarray | None = None  # float32 [S, M] of the requested token ids
+    ids_logprob_ids: np.ndarray | None = None  # int64 [S, M]
+    ids_logprob_counts: np.ndarray | None = None  # int64 [S] how many of M are real
     step_seconds: float = 0.0
 
 

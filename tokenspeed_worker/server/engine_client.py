@@ -49,7 +49,11 @@ class RequestState:
     prompt_len: int
     index: int = 0  # which of the request's n samples
     cached_tokens: int = 0
+    top_logprobs_num: int = 0
+    wants_logprobs: bool = False
     new_tokens: list[int] = field(default_factory=list)
+    # With logprobs: one (logprob, top values, top ids) per new token, aligned with new_tokens.
+    new_logprobs: list[tuple[float, list[float], list[int]]] = field(default_factory=list)
     finish_reason: int | None = None  # a FINISH_* code once finished
     error: tuple[str, str] | None = None  # (grpc status code name, message)
     num_output_tokens: int = 0
@@ -171,12 +175,16 @@ class EngineClient:
             touched = []
             requests = self.requests
             cached = msg.cached_tokens.tolist() if msg.cached_tokens is not None else [0] * len(msg.req_ids)
-            for engine_id, token, num_cached in zip(msg.req_ids.tolist(), msg.tokens.tolist(), cached):
+            for i, (engine_id, token, num_cached) in enumerate(
+                zip(msg.req_ids.tolist(), msg.tokens.tolist(), cached)
+            ):
                 st = requests.get(engine_id)
                 if st is not None:
                     st.new_tokens.append(token)
                     st.num_output_tokens += 1
                     st.cached_tokens = num_cached
+                    if st.wants_logprobs:
+                        st.new_logprobs.append(_logprob_entry(msg, i, st.top_logprobs_num))
                     touched.append(st)
             for engine_id, reason in zip(msg.finished_ids.tolist(), msg.finish_reasons.tolist()):
                 st = requests.get(engine_id)
@@ -238,7 +246,8 @@ class EngineClient:
             if index > 0:
                 add.wait_for = adds[0].req_id
             st = RequestState(engine_id=add.req_id, request_id=request_id, prompt_len=int(len(add.prompt_ids)),
-                              index=index, event=event)
+                              index=index, event=event, top_logprobs_num=add.top_logprobs_num,
+                              wants_logprobs=add.return_logprob)
             self.requests[st.engine_id] = st
             states.append(st)
         self.by_request_id[request_id] = states
@@ -248,6 +257,14 @@ class EngineClient:
 
     def in_flight(self, request_id: str) -> bool:
         return request_id in self.by_request_id
+
+    def finish_early(self, st: RequestState, reason: int) -> None:
+        """The server ended a sample itself (a stop string matched): free it in the engine."""
+        if st.done:
+            return
+        st.finish_reason = reason
+        self._forget(st)
+        self._outbox.put(AbortRequests([st.engine_id]))
 
     def abort(self, states: list[RequestState]) -> bool:
         """End every unfinished sample with finish reason abort and free them in the engine.
@@ -285,3 +302,24 @@ class EngineClient:
 
     async def flush_cache(self, timeout: float) -> FlushReply:
         return await self._ask(FlushCache, timeout)
+
+
+def _logprob_entry(msg: StepOutput, i: int, top_k: int) -> tuple[float, list[float], list[int]]:
+    """Row i's logprobs from a step: the sampled token's, then its top-k and requested ids
+    (the wire has one per-position list, TopLogProbs, for both: top-k first, then the
+    requested ids not already among them)."""
+    logprob = float(msg.logprobs[i]) if msg.logprobs is not None else float("nan")
+    values: list[float] = []
+    ids: list[int] = []
+    if top_k and msg.top_logprobs is not None:
+        values = msg.top_logprobs[i, :top_k].tolist()
+        ids = msg.top_logprob_ids[i, :top_k].tolist()
+    if msg.ids_logprob_counts is not None and msg.ids_logprob_counts[i]:
+        count = int(msg.ids_logprob_counts[i])
+        seen = set(ids)
+        for value, token in zip(msg.ids_logprobs[i, :count].tolist(), msg.ids_logprob_ids[i, :count].tolist()):
+            if token not in seen:
+                values.append(value)
+                ids.append(token)
+                seen.add(token)
+    return logprob, values, ids

@@ -81,6 +81,7 @@ def engine_config_from_args(args, max_model_len: int, device: str, dtype: str) -
         max_prefill_tokens=args.max_prefill_tokens,
         gpu_memory_utilization=getattr(args, "gpu_memory_utilization", 0.9),
         enable_prefix_caching=args.enable_prefix_caching,
+        sampling_backend=args.sampling_backend,
         seed=getattr(args, "seed", 0) or 0,
     )
 

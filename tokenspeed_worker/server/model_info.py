@@ -45,15 +45,15 @@ class ModelFacts:
     pad_token_id: int
     dtype: str
     default_sampling_params: dict = field(default_factory=dict)
+    has_tokenizer: bool = False  # a tokenizer.json to detokenize with (stop strings)
 
     @property
     def default_sampling_params_json(self) -> str:
         return json.dumps(self.default_sampling_params) if self.default_sampling_params else ""
 
 
-# Sampling defaults the gateway may apply from generation_config.json: only the
-# fields this build implements (the penalties come with the sampling issue).
-_DEFAULT_SAMPLING_KEYS = ("temperature", "top_p", "top_k")
+# Sampling defaults the gateway applies from generation_config.json to fields a client left unset.
+_DEFAULT_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def load_model_facts(
@@ -113,4 +113,5 @@ def load_model_facts(
         pad_token_id=int(pad) if pad is not None else 0,
         dtype=dtype,
         default_sampling_params=defaults,
+        has_tokenizer=os.path.exists(os.path.join(tok_path, "tokenizer.json")),
     )

@@ -34,6 +34,100 @@ LOADS_TIMEOUT_S = 5.0
 _FINISH_NAMES = {FINISH_STOP: "stop", FINISH_LENGTH: "length", FINISH_ABORT: "abort"}
 
 
+class _SampleOutput:
+    """One sample's way out: trims a matched stop token, holds back text that may be the start
+    of a stop string, batches tokens per --stream-interval, and builds chunks and the complete.
+    Token ids and their logprob entries travel together so they stay aligned."""
+
+    def __init__(self, state, v, matcher) -> None:
+        self.state = state
+        self.matcher = matcher
+        self.no_stop_trim = v.no_stop_trim
+        self.logprobs = v.logprobs
+        self.pending: list[tuple[int, tuple | None]] = []  # held back by the stop-string matcher
+        # Released and not yet sent: a chunk's worth (stream interval), or everything when not streaming.
+        self.ready: list[tuple[int, tuple | None]] = []
+        self.finish_reason: int | None = None
+        self.matched_token: int | None = None
+        self.matched_str: str | None = None
+
+    def take_new(self, engine) -> bool:
+        """Move what the engine produced into `ready`. False when there is nothing new."""
+        st = self.state
+        tokens, st.new_tokens = st.new_tokens, []
+        entries = st.new_logprobs
+        st.new_logprobs = []
+        reason = st.finish_reason
+        if not tokens and reason is None:
+            return False
+        items = list(zip(tokens, entries if self.logprobs else [None] * len(tokens)))
+        if reason == FINISH_STOP and items:
+            self.matched_token = items[-1][0]
+            if not self.no_stop_trim:
+                items.pop()
+        if self.matcher is None:
+            self.ready.extend(items)
+        else:
+            self.pending.extend(items)
+            result = self.matcher.push([t for t, _ in items])
+            released = len(result.emit)
+            self.ready.extend(self.pending[:released])
+            del self.pending[:released]
+            if result.matched is not None:
+                # The stop string ends the sample right here: free it in the engine.
+                self.matched_str = result.matched
+                self.matched_token = None
+                self.pending.clear()
+                engine.finish_early(st, FINISH_STOP)
+                reason = FINISH_STOP
+            elif reason is not None:
+                self.matcher.flush()
+                self.ready.extend(self.pending)
+                self.pending.clear()
+        self.finish_reason = reason
+        return True
+
+    def _logprobs(self, items) -> pb.OutputLogProbs | None:
+        if not self.logprobs or not items:
+            return None
+        return pb.OutputLogProbs(
+            token_logprobs=[e[0] for _, e in items],
+            token_ids=[t for t, _ in items],
+            top_logprobs=[pb.TopLogProbs(values=e[1], token_ids=e[2]) for _, e in items],
+        )
+
+    def chunk(self) -> pb.GenerateStreamChunk:
+        items, self.ready = self.ready, []
+        st = self.state
+        return pb.GenerateStreamChunk(
+            token_ids=[t for t, _ in items],
+            prompt_tokens=st.prompt_len,
+            completion_tokens=st.num_output_tokens,
+            cached_tokens=st.cached_tokens,
+            output_logprobs=self._logprobs(items),
+            index=st.index,
+        )
+
+    def complete(self, stream: bool) -> pb.GenerateComplete:
+        st = self.state
+        # Streaming: every token already went out in chunks.
+        items = [] if stream else self.ready
+        complete = pb.GenerateComplete(
+            output_ids=[t for t, _ in items],
+            finish_reason=_FINISH_NAMES[self.finish_reason],
+            prompt_tokens=st.prompt_len,
+            completion_tokens=st.num_output_tokens,
+            cached_tokens=st.cached_tokens,
+            output_logprobs=self._logprobs(items),
+            index=st.index,
+        )
+        if self.matched_str is not None:
+            complete.matched_stop_str = self.matched_str
+        elif self.matched_token is not None:
+            complete.matched_token_id = self.matched_token
+        return complete
+
+
 def _json_safe(obj):
     if obj is None or isinstance(obj, (str, bool, int, float)):
         return obj
@@ -49,6 +143,12 @@ class TokenSpeedSchedulerServicer(pb_grpc.TokenSpeedSchedulerServicer):
         self.engine = engine
         self.facts = facts
         self.server_args = server_args
+        self.stream_interval = max(1, int(getattr(server_args, "stream_interval", 1) or 1))
+        self.tokenizer = None
+        if facts.has_tokenizer:
+            from tokenspeed_worker.server.stop_strings import load_tokenizer
+
+            self.tokenizer = load_tokenizer(facts.tokenizer_path)
         self.start_time = time.time()
         self.serving = False  # True once warm; False again while shutting down
 
@@ -69,66 +169,47 @@ class TokenSpeedSchedulerServicer(pb_grpc.TokenSpeedSchedulerServicer):
         except EngineUnavailable as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"engine unavailable: {e}")
 
+        samples = [_SampleOutput(st, v, self._stop_matcher(v, st)) for st in states]
+        interval = self.stream_interval
         event = states[0].event
-        output_ids: list[list[int]] = [[] for _ in states]
         open_samples = set(range(len(states)))
         try:
             while open_samples:
                 await event.wait()
                 event.clear()
                 for i in sorted(open_samples):
-                    st = states[i]
+                    out = samples[i]
+                    st = out.state
                     if st.error is not None:
                         code, message = st.error
                         await context.abort(getattr(grpc.StatusCode, code, grpc.StatusCode.INTERNAL), message)
-                    tokens, st.new_tokens = st.new_tokens, []
-                    reason = st.finish_reason
-                    if not tokens and reason is None:
+                    if not out.take_new(self.engine):
                         continue
-                    matched = None
-                    if reason == FINISH_STOP and tokens:
-                        matched = tokens[-1]
-                        if not v.no_stop_trim:
-                            tokens = tokens[:-1]
+                    finished = out.finish_reason is not None
                     if v.stream:
-                        if tokens:
-                            yield pb.GenerateResponse(request_id=rid, chunk=self._chunk(st, tokens))
-                    else:
-                        output_ids[i].extend(tokens)
-                    if reason is not None:
+                        # A chunk every `interval` tokens; the last one is never held back.
+                        if out.ready and (len(out.ready) >= interval or finished):
+                            yield pb.GenerateResponse(request_id=rid, chunk=out.chunk())
+                    if finished:
                         open_samples.discard(i)
-                        yield pb.GenerateResponse(
-                            request_id=rid,
-                            # Streaming: every token already went out in chunks.
-                            complete=self._complete(st, [] if v.stream else output_ids[i], matched),
-                        )
+                        yield pb.GenerateResponse(request_id=rid, complete=out.complete(v.stream))
         finally:
             # Cancelled call, a dropped stream, or an error above: free them in the engine.
             self.engine.abort(states)
 
-    @staticmethod
-    def _chunk(st, tokens: list[int]) -> pb.GenerateStreamChunk:
-        return pb.GenerateStreamChunk(
-            token_ids=tokens,
-            prompt_tokens=st.prompt_len,
-            completion_tokens=st.num_output_tokens,
-            cached_tokens=st.cached_tokens,
-            index=st.index,
-        )
+    def _stop_matcher(self, v, st):
+        if not v.stop_strings:
+            return None
+        from tokenspeed_worker.server.stop_strings import StopStringMatcher
 
-    @staticmethod
-    def _complete(st, output_ids: list[int], matched: int | None) -> pb.GenerateComplete:
-        complete = pb.GenerateComplete(
-            output_ids=output_ids,
-            finish_reason=_FINISH_NAMES[st.finish_reason],
-            prompt_tokens=st.prompt_len,
-            completion_tokens=st.num_output_tokens,
-            cached_tokens=st.cached_tokens,
-            index=st.index,
+        return StopStringMatcher(
+            self.tokenizer,
+            v.stop_strings,
+            prompt_ids=v.adds[0].prompt_ids[-8:].tolist(),
+            skip_special_tokens=v.skip_special_tokens,
+            spaces_between_special_tokens=v.spaces_between_special_tokens,
+            no_stop_trim=v.no_stop_trim,
         )
-        if matched is not None:
-            complete.matched_token_id = matched
-        return complete
 
     # ---- Abort ------------------------------------------------------------------
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import numpy as np
@@ -33,6 +33,9 @@ def _unimplemented(message: str) -> RequestError:
 
 
 MAX_SAMPLES = 128  # n beyond this is refused: one request should not occupy a whole worker
+MAX_TOP_LOGPROBS = 20  # as OpenAI and vLLM's default max_logprobs
+MAX_TOKEN_IDS_LOGPROB = 256
+MAX_LOGIT_BIAS = 1024
 
 
 @dataclass
@@ -41,6 +44,11 @@ class ValidatedRequest:
     stream: bool
     n: int
     no_stop_trim: bool
+    stop_strings: list[str] = field(default_factory=list)
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    logprobs: bool = False  # any logprob output asked for
+    top_logprobs_num: int = 0
 
 
 _MASK63 = (1 << 63) - 1
@@ -83,15 +91,22 @@ def validate_generate(req, facts: ModelFacts) -> ValidatedRequest:
             f"(context length {facts.max_context_length})"
         )
 
-    # Output options that later work builds: refuse rather than ignore.
-    if req.return_logprob:
-        raise _invalid("return_logprob: logprobs are not supported yet")
-    if req.top_logprobs_num:
-        raise _invalid("top_logprobs_num: logprobs are not supported yet")
-    if len(req.token_ids_logprob):
-        raise _invalid("token_ids_logprob: logprobs are not supported yet")
+    # Logprobs.
+    if req.top_logprobs_num < 0 or req.top_logprobs_num > MAX_TOP_LOGPROBS:
+        raise _invalid(f"top_logprobs_num: must be in [0, {MAX_TOP_LOGPROBS}], got {req.top_logprobs_num}")
+    logprob_ids = [int(t) for t in req.token_ids_logprob]
+    for t in logprob_ids:
+        if t >= facts.vocab_size:
+            raise _invalid(f"token_ids_logprob: token id {t} is out of range (vocab_size {facts.vocab_size})")
+    if len(logprob_ids) > MAX_TOKEN_IDS_LOGPROB:
+        raise _invalid(f"token_ids_logprob: at most {MAX_TOKEN_IDS_LOGPROB} ids")
     if req.HasField("logprob_start_len") and req.logprob_start_len >= 0:
-        raise _invalid("logprob_start_len: prompt logprobs are not supported yet")
+        # GenerateComplete/GenerateStreamChunk carry output_logprobs only: the TokenSpeed wire has
+        # no field for prompt (input) logprobs, so they could not reach the client.
+        raise _unimplemented(
+            "logprob_start_len: prompt logprobs cannot be returned (the TokenSpeed wire has no input-logprobs "
+            "field); use -1"
+        )
 
     sp = req.sampling_params
     temperature = sp.temperature if sp.HasField("temperature") else 1.0
@@ -106,24 +121,40 @@ def validate_generate(req, facts: ModelFacts) -> ValidatedRequest:
         raise _invalid(f"sampling_params.top_k: must be -1 (off) or >= 1, got {top_k}")
     if not math.isfinite(min_p) or not (0.0 <= min_p <= 1.0):
         raise _invalid(f"sampling_params.min_p: must be in [0, 1], got {min_p}")
-    if sp.HasField("frequency_penalty") and sp.frequency_penalty != 0.0:
-        raise _invalid("sampling_params.frequency_penalty: penalties are not supported yet")
-    if sp.HasField("presence_penalty") and sp.presence_penalty != 0.0:
-        raise _invalid("sampling_params.presence_penalty: penalties are not supported yet")
-    if sp.HasField("repetition_penalty") and sp.repetition_penalty != 1.0:
-        raise _invalid("sampling_params.repetition_penalty: penalties are not supported yet")
-    if sp.min_new_tokens:
-        raise _invalid("sampling_params.min_new_tokens: not supported yet")
-    if len(sp.stop):
-        raise _invalid("sampling_params.stop: stop strings are not supported yet (stop_token_ids are)")
-    if len(sp.logit_bias):
-        raise _invalid("sampling_params.logit_bias: not supported yet")
+    frequency_penalty = sp.frequency_penalty if sp.HasField("frequency_penalty") else 0.0
+    presence_penalty = sp.presence_penalty if sp.HasField("presence_penalty") else 0.0
+    repetition_penalty = sp.repetition_penalty if sp.HasField("repetition_penalty") else 1.0
+    for name, value in (("frequency_penalty", frequency_penalty), ("presence_penalty", presence_penalty)):
+        if not math.isfinite(value) or not (-2.0 <= value <= 2.0):
+            raise _invalid(f"sampling_params.{name}: must be in [-2, 2], got {value}")
+    if not math.isfinite(repetition_penalty) or not (0.0 < repetition_penalty <= 2.0):
+        raise _invalid(f"sampling_params.repetition_penalty: must be in (0, 2], got {repetition_penalty}")
+    logit_bias: dict[int, float] = {}
+    if len(sp.logit_bias) > MAX_LOGIT_BIAS:
+        raise _invalid(f"sampling_params.logit_bias: at most {MAX_LOGIT_BIAS} entries")
+    for key, bias in sp.logit_bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise _invalid(f"sampling_params.logit_bias: key {key!r} is not a token id") from None
+        if not (0 <= token < facts.vocab_size):
+            raise _invalid(f"sampling_params.logit_bias: token id {token} is out of range (vocab_size {facts.vocab_size})")
+        if not math.isfinite(bias) or not (-100.0 <= bias <= 100.0):
+            raise _invalid(f"sampling_params.logit_bias: bias of token {token} must be in [-100, 100], got {bias}")
+        logit_bias[token] = float(bias)
+    stop_strings = list(sp.stop)
+    if any(not s for s in stop_strings):
+        raise _invalid("sampling_params.stop: stop strings must not be empty")
+    if stop_strings and not facts.has_tokenizer:
+        raise _invalid("sampling_params.stop: this worker has no tokenizer.json to detect stop strings with")
     if sp.HasField("custom_params") and len(sp.custom_params.fields):
         raise _invalid("sampling_params.custom_params: no custom parameters are supported")
     constraint = sp.WhichOneof("constraint")
     if constraint is not None:
         raise _unimplemented(f"sampling_params.{constraint}: structured output is not supported yet")
-    n = sp.n or 1
+    n = sp.n
+    if n == 0:
+        raise _invalid("sampling_params.n: must be at least 1")
     if n > MAX_SAMPLES:
         raise _invalid(f"sampling_params.n: at most {MAX_SAMPLES} samples per request (got {n})")
 
@@ -158,7 +189,26 @@ def validate_generate(req, facts: ModelFacts) -> ValidatedRequest:
             min_p=float(min_p),
             # The sampler hashes a non-negative int64; unseeded samples get a random seed each.
             seed=sample_seed(int(sp.sampling_seed), i) if seeded else secrets.randbits(63),
+            frequency_penalty=float(frequency_penalty),
+            presence_penalty=float(presence_penalty),
+            repetition_penalty=float(repetition_penalty),
+            logit_bias=logit_bias,
+            min_new_tokens=min(int(sp.min_new_tokens), max_new),
+            # Any logprob option needs the sampled token's logprob too (OutputLogProbs aligns on it).
+            return_logprob=bool(req.return_logprob or req.top_logprobs_num or logprob_ids),
+            top_logprobs_num=int(req.top_logprobs_num),
+            token_ids_logprob=tuple(logprob_ids),
         )
         for i in range(n)
     ]
-    return ValidatedRequest(adds=adds, stream=bool(req.stream), n=n, no_stop_trim=bool(sp.no_stop_trim))
+    return ValidatedRequest(
+        adds=adds,
+        stream=bool(req.stream),
+        n=n,
+        no_stop_trim=bool(sp.no_stop_trim),
+        stop_strings=stop_strings,
+        skip_special_tokens=bool(sp.skip_special_tokens),
+        spaces_between_special_tokens=bool(sp.spaces_between_special_tokens),
+        logprobs=bool(req.return_logprob or req.top_logprobs_num or logprob_ids),
+        top_logprobs_num=int(req.top_logprobs_num),
+    )
