@@ -26,6 +26,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "scripts"))
 
 from tokenspeed_worker.proto import tokenspeed_scheduler_pb2 as pb  # noqa: E402
 
@@ -71,24 +72,6 @@ def run_level(stub, concurrency, prompt_len, output_len, rounds, vocab, seed):
         "itl_ms_median": 1000 * statistics.median(itl) if itl else None,
         "itl_ms_p99": 1000 * float(np.percentile(itl, 99)) if itl else None,
     }
-
-
-def measure_copy_bandwidth(device: str = "cpu", nbytes: int = 1 << 30) -> float:
-    """Bytes moved per second (read + write) by a large tensor copy: the memory roofline."""
-    import torch
-
-    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(1.0)
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(5):
-        if device != "cpu":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        if device != "cpu":
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t0)
-    return 2 * nbytes / best
 
 
 def hf_baseline(model: str, prompt_len: int, output_len: int, batch: int) -> float:
@@ -148,7 +131,9 @@ def main() -> int:
             worker.stop()
     weight_bytes = float(server.scheduler_info["weight_bytes"])
     device = server.scheduler_info["device"]
-    bandwidth = measure_copy_bandwidth("cuda" if device.startswith("cuda") else "cpu")
+    from roofline import copy_bandwidth
+
+    bandwidth = copy_bandwidth("cuda" if device.startswith("cuda") else "cpu")
     roofline_tok_s = bandwidth / weight_bytes  # batch-1 decode reads every weight once per token
     for lv in levels:
         if lv["concurrency"] == 1 and lv["itl_ms_median"]:

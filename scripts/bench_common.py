@@ -1,0 +1,138 @@
+"""Shared pieces of the engine benchmarks: building an EngineCore from flags, model arithmetic
+(bytes and FLOPs per step) for the roofline, and the transformers baseline."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from tokenspeed_worker.engine.core import EngineConfig, EngineCore  # noqa: E402
+from tokenspeed_worker.engine.messages import AddRequest  # noqa: E402
+
+MODEL_SHAPES = {"llama-3.2-1b": REPO / "scripts/model_configs/llama-3.2-1b",
+                "llama-3.1-8b": REPO / "scripts/model_configs/llama-3.1-8b"}
+
+
+def add_engine_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--model", default="llama-3.2-1b",
+                    help=f"a model folder, or one of {sorted(MODEL_SHAPES)} (random weights at real shape)")
+    ap.add_argument("--load-format", default=None, help="default: dummy for the named shapes, else auto")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
+                    help="any EngineConfig field, e.g. attention_backend=triton, enforce_eager=true")
+
+
+def build_engine(args, **overrides) -> EngineCore:
+    path = MODEL_SHAPES.get(args.model, args.model)
+    load_format = args.load_format or ("dummy" if args.model in MODEL_SHAPES else "auto")
+    cfg = EngineConfig(model_path=str(path), device=args.device, dtype=args.dtype, load_format=load_format)
+    for key, value in overrides.items():
+        setattr(cfg, key, value)
+    fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
+    for item in args.engine_arg:
+        key, _, raw = item.partition("=")
+        if key not in fields:
+            raise SystemExit(f"--engine-arg: unknown EngineConfig field {key!r} (known: {sorted(fields)})")
+        setattr(cfg, key, json.loads(raw) if raw[:1] in "[{0123456789-tfn" and raw not in ("torch", "triton") else raw)
+    return EngineCore(cfg)
+
+
+class ModelArithmetic:
+    """Bytes and FLOPs of one step, from the model's shape."""
+
+    def __init__(self, core: EngineCore) -> None:
+        runner = core.runner
+        cfg = runner.hf_config
+        self.weight_bytes = runner.weight_bytes()
+        self.kv_bytes_per_token = runner.kv_bytes_per_token()
+        embed = cfg.vocab_size * cfg.hidden_size
+        params = sum(p.numel() for p in runner.model.parameters())
+        tied = getattr(cfg, "tie_word_embeddings", False)
+        # Matmul parameters every token passes through: not the embedding lookup, and not the
+        # LM head (counted for sampled rows only); an untied LM head is a second vocab x hidden.
+        self.linear_params = params - embed if tied else params - 2 * embed
+        self.lm_head_params = embed
+        self.num_layers = cfg.num_hidden_layers
+        self.q_dim = cfg.num_attention_heads * runner.head_dim
+
+    def step_flops(self, num_tokens: int, num_sampled: int, attended: int) -> float:
+        """GEMM FLOPs: every token through the layers, sampled rows through the LM head, plus
+        attention (QK^T and PV: 4 x q_dim per attended key per layer)."""
+        return (2.0 * self.linear_params * num_tokens + 2.0 * self.lm_head_params * num_sampled
+                + 4.0 * self.q_dim * attended * self.num_layers)
+
+    def step_bytes(self, kv_tokens: int) -> float:
+        """Weights once plus the KV of every sequence in the step."""
+        return self.weight_bytes + self.kv_bytes_per_token * kv_tokens
+
+
+def plan_recorder(core: EngineCore, arithmetic: ModelArithmetic, records: list) -> None:
+    """Wrap the scheduler so each step's tokens, sampled rows and KV read are recorded."""
+    schedule = core.scheduler.schedule
+
+    def recording_schedule():
+        plan = schedule()
+        if plan.num_reqs:
+            q = plan.query_lens.astype(np.int64)
+            seq = plan.seq_lens.astype(np.int64)
+            # Keys each query token attends to (causal within the query).
+            attended = int((q * (seq - q) + q * (q + 1) // 2).sum())
+            records.append((plan.num_tokens, len(plan.sample_rows), int(seq.sum()), attended))
+        return plan
+
+    core.scheduler.schedule = recording_schedule
+
+
+def greedy_request(req_id: int, prompt: np.ndarray, max_new: int) -> AddRequest:
+    return AddRequest(req_id, prompt.astype(np.int32), max_new, [], 0.0, -1, 1.0, 0.0, 0)
+
+
+def sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def hf_generate_tok_s(model_path: str, device: str, batch: int, prompt_len: int, new_tokens: int,
+                      dummy: bool) -> float:
+    """transformers generate, greedy, same shape: output tokens per second."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    if dummy:
+        config = AutoConfig.from_pretrained(model_path)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device)
+    model.eval()
+    vocab = model.config.vocab_size
+    ids = torch.randint(10, vocab - 10, (batch, prompt_len), device=device)
+    with torch.inference_mode():
+        model.generate(ids[:, :8], max_new_tokens=2, do_sample=False, pad_token_id=0)
+        sync(device)
+        t0 = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                             pad_token_id=0)
+        sync(device)
+        wall = time.perf_counter() - t0
+    del model
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+    return batch * (out.shape[1] - prompt_len) / wall
+
+
+def write_result(path: str, result: dict) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(result, indent=2))
+    print(json.dumps(result))

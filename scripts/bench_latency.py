@@ -1,0 +1,80 @@
+"""Batch-1 decode latency of the engine and its fraction of the bandwidth roofline.
+
+    python scripts/bench_latency.py --model llama-3.1-8b [--prompt-len 128] [--new-tokens 256]
+
+A batch-1 decode step must read every weight once plus the request's KV cache, so its
+minimum time is those bytes / the copy bandwidth measured in the same run. Reports the
+median step time, tok/s, the roofline tok/s and the fraction reached; optionally the same
+shape through transformers `generate` (--hf-baseline).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+
+from bench_common import MODEL_SHAPES, ModelArithmetic, add_engine_args, build_engine, greedy_request, \
+    hf_generate_tok_s, sync, write_result
+from roofline import copy_bandwidth
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_engine_args(ap)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--hf-baseline", action="store_true")
+    ap.add_argument("--out", default=".cache/bench_latency.json")
+    args = ap.parse_args()
+
+    print(f"measuring copy bandwidth on {args.device}...", flush=True)
+    bandwidth = copy_bandwidth(args.device)
+    print(f"  {bandwidth / 1e12:.2f} TB/s" if bandwidth > 1e12 else f"  {bandwidth / 1e9:.1f} GB/s", flush=True)
+    core = build_engine(args, max_model_len=args.prompt_len + args.new_tokens + 16,
+                        max_total_tokens=args.prompt_len + args.new_tokens + 64, max_num_seqs=1)
+    arithmetic = ModelArithmetic(core)
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(10, core.runner.vocab_size - 10, args.prompt_len)
+    for rid, new in ((1, 8), (2, args.new_tokens)):  # a short warm-up request, then the measured one
+        core.add_request(greedy_request(rid, prompt, new))
+        step_times = []
+        while core.has_work():
+            sync(args.device)
+            t0 = time.perf_counter()
+            core.step()
+            sync(args.device)
+            step_times.append(time.perf_counter() - t0)
+        print(f"  request {rid}: {len(step_times)} steps", flush=True)
+    decode = step_times[1:]
+    median = statistics.median(decode)
+    mean_context = args.prompt_len + args.new_tokens / 2
+    roofline_step = arithmetic.step_bytes(int(mean_context)) / bandwidth
+    result = {
+        "model": args.model, "device": args.device, "dtype": str(core.runner.dtype),
+        "attention_backend": core.cfg.attention_backend, "date": time.strftime("%Y-%m-%d"),
+        "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+        "copy_bandwidth_tb_s": bandwidth / 1e12, "weight_bytes": arithmetic.weight_bytes,
+        "decode_step_ms_median": 1000 * median, "decode_step_ms_p90": 1000 * float(np.percentile(decode, 90)),
+        "decode_tok_s": 1 / median, "roofline_tok_s": 1 / roofline_step,
+        "fraction_of_bandwidth_roofline": roofline_step / median,
+        "ttft_ms": 1000 * step_times[0],
+    }
+    print(f"batch-1 decode: {1000 * median:.2f} ms/step = {1 / median:.1f} tok/s; roofline {1 / roofline_step:.1f} "
+          f"tok/s; {100 * roofline_step / median:.1f}% of it", flush=True)
+    if args.hf_baseline:
+        print("transformers generate at batch 1...", flush=True)
+        del core
+        result["transformers_tok_s"] = hf_generate_tok_s(str(MODEL_SHAPES.get(args.model, args.model)), args.device,
+                                                         1, args.prompt_len, min(args.new_tokens, 64),
+                                                         args.model in MODEL_SHAPES)
+        result["ratio_to_transformers"] = result["decode_tok_s"] / result["transformers_tok_s"]
+        print(f"  transformers: {result['transformers_tok_s']:.1f} tok/s", flush=True)
+    write_result(args.out, result)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

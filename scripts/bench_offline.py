@@ -1,0 +1,91 @@
+"""Offline engine throughput and its fraction of the step roofline.
+
+    python scripts/bench_offline.py --model llama-3.1-8b --num-requests 1000 --input-len 1000 --output-len 1000
+
+All requests are submitted at once (ignore_eos, greedy) and the engine steps until done.
+For every step the minimum time is (its GEMM FLOPs / measured matmul FLOP/s) + (weights +
+the KV of every sequence in it) / measured copy bandwidth; the report gives Σ minimum / wall.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+from bench_common import MODEL_SHAPES, ModelArithmetic, add_engine_args, build_engine, greedy_request, \
+    hf_generate_tok_s, plan_recorder, sync, write_result
+from roofline import copy_bandwidth, matmul_flops
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_engine_args(ap)
+    ap.add_argument("--num-requests", type=int, default=1000)
+    ap.add_argument("--input-len", type=int, default=1000)
+    ap.add_argument("--output-len", type=int, default=1000)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--hf-baseline-batch", type=int, default=0, help="also time transformers at this batch")
+    ap.add_argument("--out", default=".cache/bench_offline.json")
+    args = ap.parse_args()
+
+    print(f"measuring copy bandwidth and matmul throughput on {args.device}...", flush=True)
+    bandwidth = copy_bandwidth(args.device)
+    flops = matmul_flops(args.device)
+    print(f"  {bandwidth / 1e9:.0f} GB/s, {flops / 1e12:.1f} TFLOP/s", flush=True)
+    core = build_engine(args, max_model_len=args.input_len + args.output_len + 16, max_num_seqs=args.max_num_seqs)
+    arithmetic = ModelArithmetic(core)
+    records: list = []
+    rng = np.random.default_rng(0)
+    vocab = core.runner.vocab_size
+    core.add_request(greedy_request(10**9, rng.integers(10, vocab - 10, 16), 4))  # warm-up
+    while core.has_work():
+        core.step()
+    plan_recorder(core, arithmetic, records)
+    for i in range(args.num_requests):
+        core.add_request(greedy_request(i + 1, rng.integers(10, vocab - 10, args.input_len), args.output_len))
+    sync(args.device)
+    t0 = time.perf_counter()
+    steps = 0
+    produced = 0
+    last_report = t0
+    while core.has_work():
+        out = core.step()
+        steps += 1
+        if out is not None:
+            produced += len(out.tokens)
+        now = time.perf_counter()
+        if now - last_report > 10:
+            print(f"  {steps} steps, {produced} tokens, {produced / (now - t0):.0f} tok/s", flush=True)
+            last_report = now
+    sync(args.device)
+    wall = time.perf_counter() - t0
+    minimum = sum(arithmetic.step_flops(t, s, a) / flops + arithmetic.step_bytes(kv) / bandwidth
+                  for t, s, kv, a in records)
+    result = {
+        "model": args.model, "device": args.device, "dtype": str(core.runner.dtype),
+        "attention_backend": core.cfg.attention_backend, "date": time.strftime("%Y-%m-%d"),
+        "num_requests": args.num_requests, "input_len": args.input_len, "output_len": args.output_len,
+        "max_num_seqs": args.max_num_seqs, "kv_pool_tokens": core.num_blocks * core.cfg.block_size,
+        "copy_bandwidth_tb_s": bandwidth / 1e12, "matmul_tflop_s": flops / 1e12,
+        "wall_s": wall, "steps": steps, "output_tokens": produced, "output_tok_s": produced / wall,
+        "step_roofline_s": minimum, "fraction_of_step_roofline": minimum / wall,
+        "preemptions": core.scheduler.num_preemptions,
+    }
+    print(f"{produced} output tokens in {wall:.1f}s = {produced / wall:.0f} tok/s; step roofline {minimum:.1f}s "
+          f"({100 * minimum / wall:.1f}% of it)", flush=True)
+    if args.hf_baseline_batch:
+        del core
+        print(f"transformers generate at batch {args.hf_baseline_batch}...", flush=True)
+        result["transformers_batch"] = args.hf_baseline_batch
+        result["transformers_tok_s"] = hf_generate_tok_s(
+            str(MODEL_SHAPES.get(args.model, args.model)), args.device, args.hf_baseline_batch,
+            min(args.input_len, 512), min(args.output_len, 64), args.model in MODEL_SHAPES)
+        print(f"  transformers: {result['transformers_tok_s']:.0f} tok/s", flush=True)
+    write_result(args.out, result)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
