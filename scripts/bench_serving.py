@@ -1,7 +1,9 @@
-"""Serving benchmark over gRPC: output tokens/s, time to first token and inter-token latency
-for C concurrent streams, against a worker this script starts (or one at --address).
+"""Serving benchmark over gRPC (our own client of TokenSpeedScheduler, calling it as the gateway
+does): output tokens/s, time to first token, inter-token latency and end-to-end latency
+(p50/p90/p99) for C concurrent streams, against a worker this script starts (or one at --address).
+With matplotlib installed, --plot DIR writes throughput-vs-concurrency and latency-distribution PNGs.
 
-    python scripts/bench_grpc.py --model DIR --concurrency 1 16 --prompt-len 128 --output-len 64
+    python scripts/bench_serving.py --model DIR --concurrency 1 16 64 256 --prompt-len 128 --output-len 64
 
 Every request uses ignore_eos so lengths are exact. Prints progress and a JSON result
 (also written to --out). On a GPU, pass the worker's flags after `--`.
@@ -71,6 +73,11 @@ def run_level(stub, concurrency, prompt_len, output_len, rounds, vocab, seed):
         "ttft_ms_median": 1000 * statistics.median(x["ttft"] for x in results),
         "itl_ms_median": 1000 * statistics.median(itl) if itl else None,
         "itl_ms_p99": 1000 * float(np.percentile(itl, 99)) if itl else None,
+        **{f"{name}_ms_p{q}": 1000 * float(np.percentile(values, q))
+           for name, values in (("ttft", [x["ttft"] for x in results]), ("e2e", [x["e2e"] for x in results]),
+                                ("itl", itl or [0.0]))
+           for q in (50, 90, 99)},
+        "_itl_samples": itl,
     }
 
 
@@ -90,6 +97,37 @@ def hf_baseline(model: str, prompt_len: int, output_len: int, batch: int) -> flo
     return batch * (out.shape[1] - prompt_len) / wall
 
 
+def plot(levels: list[dict], folder: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    folder.mkdir(parents=True, exist_ok=True)
+    conc = [lv["concurrency"] for lv in levels]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(conc, [lv["output_tok_s"] for lv in levels], marker="o")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent streams")
+    ax.set_ylabel("output tokens/s")
+    ax.set_title("throughput vs concurrency")
+    fig.tight_layout()
+    fig.savefig(folder / "throughput_vs_concurrency.png", dpi=120)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for lv in levels:
+        samples = np.sort(np.asarray(lv["_itl_samples"]) * 1000)
+        if samples.size:
+            ax.plot(samples, np.linspace(0, 1, samples.size), label=f"C={lv['concurrency']}")
+    ax.set_xscale("log")
+    ax.set_xlabel("inter-token latency (ms)")
+    ax.set_ylabel("fraction of tokens")
+    ax.legend()
+    ax.set_title("inter-token latency distribution")
+    fig.tight_layout()
+    fig.savefig(folder / "itl_cdf.png", dpi=120)
+    print(f"plots in {folder}", flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="model folder (default: SmolLM2-135M-Instruct, prepared if needed)")
@@ -98,9 +136,10 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2, help="waves of C requests per level")
-    ap.add_argument("--out", default=str(REPO / ".cache" / "bench_grpc.json"))
+    ap.add_argument("--out", default=str(REPO / ".cache" / "bench_serving.json"))
     ap.add_argument("--hf-baseline", action="store_true",
                     help="also time transformers generate at the same lengths (batch 1 and the largest C)")
+    ap.add_argument("--plot", help="folder for PNG plots (needs matplotlib)")
     ap.add_argument("worker_args", nargs="*", help="extra worker flags (after --)")
     args = ap.parse_args()
 
@@ -153,6 +192,10 @@ def main() -> int:
         "dtype": server.scheduler_info["dtype"], "machine": f"{platform.node()} {os.cpu_count()} cpus",
         "date": time.strftime("%Y-%m-%d"), "levels": levels,
     }
+    if args.plot:
+        plot(levels, Path(args.plot))
+    for lv in levels:
+        lv.pop("_itl_samples", None)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     for lv in levels:

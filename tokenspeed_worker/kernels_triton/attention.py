@@ -1,0 +1,501 @@
+"""Triton attention over the paged KV cache: split-KV decode and FlashAttention-2 style extend.
+
+Both read K/V straight from the per-layer cache `[num_blocks, block_size, num_kv_heads, head_dim]`
+through the block tables (slot = block_id * block_size + offset), never materializing a gathered
+copy, and both handle GQA by giving one program all `group = num_heads // num_kv_heads` query heads
+of a kv head, so each K/V element is read once per kv head instead of once per query head.
+
+Decode (one query token per request) is memory-bound: the whole game is reading K/V at full
+bandwidth. One request's keys are split into `num_splits` contiguous ranges (flash-decoding) so
+that even batch 1 fills the GPU; each (request, kv head, split) program writes a partial result
+normalized by its own softmax sum plus its log-sum-exp (base 2), and a small reduce kernel combines
+the splits. The split boundaries are computed on the device from seq_lens, so a fixed num_splits
+(what a CUDA graph captures) works for every replay: splits past a short sequence do nothing and
+the reduce, computing the same boundaries, never looks at them. Nothing here reads a tensor on the
+host, so both calls are graph-capturable.
+
+Extend (prefill chunks, mixed with decodes) is a tiled kernel: each program takes BLOCK_Q query
+tokens x `group` heads as its BLOCK_M rows, walks the keys in BLOCK_N tiles (first the tiles every
+row sees in full, unmasked, then the causal tail) with an online softmax.
+
+Importable without triton (CPU machines): AVAILABLE says whether the kernels can be used. On CPU
+they run in Triton's interpreter (TRITON_INTERPRET=1), which is how CI checks them.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    AVAILABLE = True
+except ImportError:  # pragma: no cover - depends on the machine
+    triton = None
+    tl = None
+    AVAILABLE = False
+
+LOG2E = 1.4426950408889634
+
+# Decode tunables. A split is never shorter than MIN_TOKENS_PER_SPLIT keys (shorter ones spend more
+# on the workspace round trip than they save); num_splits=None aims for about
+# DECODE_PROGRAMS_PER_SM resident programs per multiprocessor, at most MAX_SPLITS.
+MIN_TOKENS_PER_SPLIT = 128
+DECODE_PROGRAMS_PER_SM = 4
+MAX_SPLITS = 64
+DEFAULT_NUM_SMS = 132  # H200; used when there is no CUDA device (interpreter)
+REDUCE_SPLIT_TILE = 16  # splits combined per step of the reduce kernel
+
+
+def _require_triton() -> None:
+    if not AVAILABLE:
+        raise RuntimeError("triton is not installed")
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return DEFAULT_NUM_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device | str | None = None) -> int:
+    """Splits per request for decode: enough (request, kv head, split) programs to fill the GPU.
+
+    max_context is an upper bound on the keys of any request (the default in
+    paged_decode_attention uses block_tables.shape[1] * block_size, never reading seq_lens).
+    """
+    device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    wanted = -(-DECODE_PROGRAMS_PER_SM * _num_sms(device) // max(1, batch * num_kv_heads))
+    by_length = -(-max(1, max_context) // MIN_TOKENS_PER_SPLIT)
+    return max(1, min(wanted, by_length, MAX_SPLITS))
+
+
+def decode_workspace(
+    batch: int, num_heads: int, head_dim: int, num_splits: int, device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decode kernels' scratch: (partial_out float32 [B, H, num_splits, D], partial_lse float32 [B, H, num_splits]).
+
+    partial_out holds each split's output already divided by its softmax sum; partial_lse its
+    log2-sum-exp2 of the scaled scores. A workspace made for a larger batch (or more splits) can
+    be passed for a smaller one: only the leading [:B, :, :num_splits] part is used. Never needs
+    zeroing: entries of empty splits are neither written nor read.
+    """
+    partial_out = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=device)
+    partial_lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=device)
+    return partial_out, partial_lse
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # float32 inputs get exact float32 products (the default would be TF32 on the GPU); for 16-bit
+    # inputs the setting is irrelevant.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _check_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int, int]:
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must be equal 4-d shapes")
+    _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
+    if cache_head_dim != head_dim or num_heads % num_kv_heads:
+        raise ValueError(f"q heads/dim {num_heads}/{head_dim} do not fit cache heads/dim {num_kv_heads}/{cache_head_dim}")
+    if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim must be a power of two in [16, 256], got {head_dim}")
+    if k_cache.stride(3) != 1 or v_cache.stride(3) != 1 or q.stride(2) != 1:
+        raise ValueError("q and the caches must be contiguous along head_dim")
+    return block_size, num_kv_heads, num_heads // num_kv_heads, head_dim
+
+
+if AVAILABLE:
+
+    @triton.jit
+    def _decode_split_kernel(
+        q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+        out_ptr, partial_out_ptr, partial_lse_ptr,
+        scale_log2,
+        stride_q_batch, stride_q_head,
+        stride_k_block, stride_k_offset, stride_k_head,
+        stride_v_block, stride_v_offset, stride_v_head,
+        stride_table,
+        stride_out_batch, stride_out_head,
+        stride_po_batch, stride_po_head, stride_po_split,
+        stride_pl_batch, stride_pl_head,
+        num_splits,
+        GROUP: tl.constexpr,
+        GROUP_BLOCK: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        WRITE_OUT: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+    ):
+        batch = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        split = tl.program_id(2)
+        seq_len = tl.load(seq_lens_ptr + batch)
+        # Splits cover whole BLOCK_N tiles; the reduce kernel derives the same boundaries.
+        tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+        start = split * tokens_per_split
+        end = tl.minimum(start + tokens_per_split, seq_len)  # <= start for an empty split
+
+        offs_g = tl.arange(0, GROUP_BLOCK)
+        offs_d = tl.arange(0, HEAD_DIM)
+        offs_n = tl.arange(0, BLOCK_N)
+        heads = kv_head * GROUP + offs_g
+        head_ok = offs_g < GROUP
+        q = tl.load(
+            q_ptr + batch.to(tl.int64) * stride_q_batch + heads[:, None] * stride_q_head + offs_d[None, :],
+            mask=head_ok[:, None], other=0.0,
+        )
+        table_row = block_tables_ptr + batch.to(tl.int64) * stride_table
+        k_head = k_cache_ptr + kv_head.to(tl.int64) * stride_k_head
+        v_head = v_cache_ptr + kv_head.to(tl.int64) * stride_v_head
+
+        m_i = tl.full([GROUP_BLOCK], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([GROUP_BLOCK], dtype=tl.float32)
+        acc = tl.zeros([GROUP_BLOCK, HEAD_DIM], dtype=tl.float32)
+        for tile_start in range(start, end, BLOCK_N):
+            pos = tile_start + offs_n
+            key_ok = pos < end
+            # Entries past the sequence's last block may be garbage: masked, never read.
+            block_id = tl.load(table_row + pos // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
+            in_block = (pos % BLOCK_SIZE).to(tl.int64)
+            k = tl.load(
+                k_head + (block_id * stride_k_block + in_block * stride_k_offset)[:, None] + offs_d[None, :],
+                mask=key_ok[:, None], other=0.0,
+            )
+            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+            scores = tl.where(key_ok[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))  # finite: every tile holds a key
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(scores - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(
+                v_head + (block_id * stride_v_block + in_block * stride_v_offset)[:, None] + offs_d[None, :],
+                mask=key_ok[:, None], other=0.0,
+            )
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m_i = m_new
+
+        if WRITE_OUT:  # one split: the result is final
+            out = acc / l_i[:, None]
+            tl.store(
+                out_ptr + batch.to(tl.int64) * stride_out_batch + heads[:, None] * stride_out_head + offs_d[None, :],
+                out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None],
+            )
+        else:
+            store_ok = head_ok & (start < seq_len)
+            out = acc / l_i[:, None]
+            row = batch.to(tl.int64) * stride_po_batch + heads * stride_po_head + split * stride_po_split
+            tl.store(partial_out_ptr + row[:, None] + offs_d[None, :], out, mask=store_ok[:, None])
+            lse_at = partial_lse_ptr + batch.to(tl.int64) * stride_pl_batch + heads * stride_pl_head + split
+            tl.store(lse_at, m_i + tl.log2(l_i), mask=store_ok)
+
+    @triton.jit
+    def _decode_reduce_kernel(
+        seq_lens_ptr, partial_out_ptr, partial_lse_ptr, out_ptr,
+        stride_po_batch, stride_po_head, stride_po_split,
+        stride_pl_batch, stride_pl_head,
+        stride_out_batch, stride_out_head,
+        num_splits,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        SPLIT_TILE: tl.constexpr,
+    ):
+        batch = tl.program_id(0)
+        head = tl.program_id(1)
+        seq_len = tl.load(seq_lens_ptr + batch)
+        tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+        used_splits = tl.cdiv(seq_len, tokens_per_split)  # the rest were empty and wrote nothing
+
+        offs_s = tl.arange(0, SPLIT_TILE)
+        offs_d = tl.arange(0, HEAD_DIM)
+        out_row = partial_out_ptr + batch.to(tl.int64) * stride_po_batch + head * stride_po_head
+        lse_row = partial_lse_ptr + batch.to(tl.int64) * stride_pl_batch + head * stride_pl_head
+        m_i = float("-inf")
+        l_i = 0.0
+        acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
+        for first in range(0, used_splits, SPLIT_TILE):
+            splits = first + offs_s
+            split_ok = splits < used_splits
+            lse = tl.load(lse_row + splits, mask=split_ok, other=float("-inf"))
+            part = tl.load(out_row + splits[:, None] * stride_po_split + offs_d[None, :], mask=split_ok[:, None], other=0.0)
+            m_new = tl.maximum(m_i, tl.max(lse, axis=0))
+            alpha = tl.exp2(m_i - m_new)
+            weight = tl.exp2(lse - m_new)
+            acc = acc * alpha + tl.sum(weight[:, None] * part, axis=0)
+            l_i = l_i * alpha + tl.sum(weight, axis=0)
+            m_i = m_new
+        out = acc / l_i
+        tl.store(
+            out_ptr + batch.to(tl.int64) * stride_out_batch + head * stride_out_head + offs_d,
+            out.to(out_ptr.dtype.element_ty),
+        )
+
+    @triton.jit
+    def _extend_kernel(
+        q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
+        scale_log2,
+        stride_q_token, stride_q_head,
+        stride_k_block, stride_k_offset, stride_k_head,
+        stride_v_block, stride_v_offset, stride_v_head,
+        stride_table,
+        stride_out_token, stride_out_head,
+        GROUP: tl.constexpr,
+        BLOCK_Q: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+    ):
+        # Longest (last) query tiles first: they have the most keys, so the tail of the grid is short.
+        tile = tl.num_programs(0) - 1 - tl.program_id(0)
+        kv_head = tl.program_id(1)
+        batch = tl.program_id(2)
+        query_start = tl.load(query_start_loc_ptr + batch)
+        query_len = tl.load(query_start_loc_ptr + batch + 1) - query_start
+        seq_len = tl.load(seq_lens_ptr + batch)
+        context_len = seq_len - query_len
+        tile_first = tile * BLOCK_Q
+
+        # Row r of the tile is query token tile_first + r // GROUP, head kv_head * GROUP + r % GROUP.
+        rows = tl.arange(0, BLOCK_M)
+        q_index = tile_first + rows // GROUP
+        heads = kv_head * GROUP + rows % GROUP
+        row_ok = (rows < BLOCK_Q * GROUP) & (q_index < query_len)
+        row_pos = context_len + q_index  # the row's position; it sees keys 0..row_pos
+        offs_d = tl.arange(0, HEAD_DIM)
+        offs_n = tl.arange(0, BLOCK_N)
+        tokens = (query_start + q_index).to(tl.int64)
+        q = tl.load(
+            q_ptr + tokens[:, None] * stride_q_token + heads[:, None] * stride_q_head + offs_d[None, :],
+            mask=row_ok[:, None], other=0.0,
+        )
+        table_row = block_tables_ptr + batch.to(tl.int64) * stride_table
+        k_head = k_cache_ptr + kv_head.to(tl.int64) * stride_k_head
+        v_head = v_cache_ptr + kv_head.to(tl.int64) * stride_v_head
+
+        # Keys [0, full_end) are visible to every row of the tile; [full_end, kv_end) need the causal mask.
+        tile_ok = tile_first < query_len
+        last_q = tl.minimum(tile_first + BLOCK_Q, query_len) - 1
+        kv_end = tl.where(tile_ok, context_len + last_q + 1, 0)
+        full_end = tl.where(tile_ok, (context_len + tile_first + 1) // BLOCK_N * BLOCK_N, 0)
+
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        for tile_start in range(0, full_end, BLOCK_N):
+            pos = tile_start + offs_n
+            block_id = tl.load(table_row + pos // BLOCK_SIZE).to(tl.int64)
+            in_block = (pos % BLOCK_SIZE).to(tl.int64)
+            k = tl.load(k_head + (block_id * stride_k_block + in_block * stride_k_offset)[:, None] + offs_d[None, :])
+            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(scores - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_head + (block_id * stride_v_block + in_block * stride_v_offset)[:, None] + offs_d[None, :])
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m_i = m_new
+        for tile_start in range(full_end, kv_end, BLOCK_N):
+            pos = tile_start + offs_n
+            key_ok = pos < kv_end
+            block_id = tl.load(table_row + pos // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
+            in_block = (pos % BLOCK_SIZE).to(tl.int64)
+            k = tl.load(
+                k_head + (block_id * stride_k_block + in_block * stride_k_offset)[:, None] + offs_d[None, :],
+                mask=key_ok[:, None], other=0.0,
+            )
+            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+            # Key 0 is in the first tile walked and visible to every row, so m_i is finite from there on.
+            visible = (pos[None, :] <= row_pos[:, None]) & key_ok[None, :]
+            scores = tl.where(visible, scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(scores - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(
+                v_head + (block_id * stride_v_block + in_block * stride_v_offset)[:, None] + offs_d[None, :],
+                mask=key_ok[:, None], other=0.0,
+            )
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m_i = m_new
+
+        out = acc / l_i[:, None]
+        tl.store(
+            out_ptr + tokens[:, None] * stride_out_token + heads[:, None] * stride_out_head + offs_d[None, :],
+            out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None],
+        )
+
+
+def _decode_block_n(head_dim: int) -> int:
+    return 64 if head_dim <= 128 else 32
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    num_splits: int | None = None,
+    workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> None:
+    """One query token per request attends its whole sequence in the paged cache; writes `out` in place.
+
+    q, out: [B, H, D] (strided along B and H, contiguous along D); k_cache, v_cache:
+    [num_blocks, block_size, Hkv, D]; block_tables int32 [B, W] (entries past
+    ceil(seq_len / block_size) are never read); seq_lens int32 [B], each >= 1, counting the
+    current token, whose K/V is already in the cache.
+
+    num_splits: key ranges per request. None takes the workspace's split count when a workspace
+    is given, else choose_num_splits(B, Hkv, W * block_size). Any value works for any seq_lens:
+    splits past a short sequence exit at once and the reduce skips them. 1 writes `out` directly
+    (no workspace, no reduce). workspace: decode_workspace(...) made for at least B requests and
+    num_splits splits; made here when None (allocate it up front for CUDA-graph capture).
+    """
+    _require_triton()
+    block_size, num_kv_heads, group, head_dim = _check_cache(q, k_cache, v_cache)
+    batch, num_heads = q.shape[0], q.shape[1]
+    if out.shape != q.shape or out.stride(2) != 1:
+        raise ValueError(f"out must be [B, H, D] like q {tuple(q.shape)}, contiguous along D")
+    if num_splits is None:
+        if workspace is not None:
+            num_splits = workspace[1].shape[2]
+        else:
+            num_splits = choose_num_splits(batch, num_kv_heads, block_tables.shape[1] * block_size, q.device)
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    if batch == 0:
+        return
+    block_n = _decode_block_n(head_dim)
+    write_out = num_splits == 1
+    if write_out:
+        partial_out = partial_lse = out  # unused by the kernel
+    else:
+        if workspace is None:
+            workspace = decode_workspace(batch, num_heads, head_dim, num_splits, q.device)
+        partial_out, partial_lse = workspace
+        if (partial_out.shape[0] < batch or partial_out.shape[1] != num_heads or partial_out.shape[2] < num_splits
+                or partial_out.shape[3] != head_dim or partial_out.stride(3) != 1 or partial_lse.stride(2) != 1
+                or partial_lse.shape[0] < batch or partial_lse.shape[1] != num_heads or partial_lse.shape[2] < num_splits):
+            raise ValueError(
+                f"workspace {tuple(partial_out.shape)}, {tuple(partial_lse.shape)} does not fit "
+                f"B={batch} H={num_heads} splits={num_splits} D={head_dim}; see decode_workspace"
+            )
+    scale_log2 = float(scale) * LOG2E
+    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens,
+        out, partial_out, partial_lse,
+        scale_log2,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
+        partial_lse.stride(0), partial_lse.stride(1),
+        num_splits,
+        GROUP=group,
+        GROUP_BLOCK=max(16, triton.next_power_of_2(group)),  # tl.dot wants >= 16 rows
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_N=block_n,
+        WRITE_OUT=write_out,
+        DOT_PRECISION=_dot_precision(q.dtype),
+        num_warps=4,
+        num_stages=2,
+    )
+    if not write_out:
+        _decode_reduce_kernel[(batch, num_heads)](
+            seq_lens, partial_out, partial_lse, out,
+            partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
+            partial_lse.stride(0), partial_lse.stride(1),
+            out.stride(0), out.stride(1),
+            num_splits,
+            HEAD_DIM=head_dim,
+            BLOCK_N=block_n,
+            SPLIT_TILE=REDUCE_SPLIT_TILE,
+            num_warps=4 if head_dim >= 128 else 2,
+        )
+
+
+def _extend_config(head_dim: int, group: int, max_query_len: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M rows = BLOCK_Q tokens x group heads, BLOCK_N keys, num_warps, num_stages)."""
+    block_m_max = 128 if head_dim <= 128 else 64
+    # A batch of short queries (decodes, small chunks) gets a small row tile instead of padding.
+    block_m = min(block_m_max, max(16, triton.next_power_of_2(max_query_len * group)))
+    block_m = max(block_m, triton.next_power_of_2(group))
+    block_n = 64 if head_dim <= 128 else 32
+    num_warps = 8 if block_m >= 128 else 4
+    return block_m, block_n, num_warps, 2
+
+
+def paged_extend_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    max_query_len: int,
+) -> None:
+    """Query tokens of B requests attend their cached prefix and, causally, their own query; writes `out`.
+
+    q, out: [T, H, D], request-major (strided along T and H, contiguous along D);
+    query_start_loc int32 [B+1] (request b's tokens are q[query_start_loc[b]:query_start_loc[b+1]]);
+    seq_lens int32 [B] = context + query, with the query's K/V already in the cache. Query token i
+    of a request sits at position seq_len - query_len + i and sees positions <= its own.
+    max_query_len: a host bound on every query_len (a larger one only launches idle programs).
+    A query_len of 0 or 1 is fine (mixed prefill/decode batches).
+    """
+    _require_triton()
+    block_size, num_kv_heads, group, head_dim = _check_cache(q, k_cache, v_cache)
+    batch = seq_lens.shape[0]
+    if out.shape != q.shape or out.stride(2) != 1:
+        raise ValueError(f"out must be [T, H, D] like q {tuple(q.shape)}, contiguous along D")
+    if batch == 0 or max_query_len <= 0 or q.shape[0] == 0:
+        return
+    block_m, block_n, num_warps, num_stages = _extend_config(head_dim, group, max_query_len)
+    block_q = block_m // group
+    grid = (triton.cdiv(max_query_len, block_q), num_kv_heads, batch)
+    _extend_kernel[grid](
+        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
+        float(scale) * LOG2E,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        GROUP=group,
+        BLOCK_Q=block_q,
+        BLOCK_M=block_m,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_N=block_n,
+        DOT_PRECISION=_dot_precision(q.dtype),
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+
+
+__all__ = [
+    "AVAILABLE",
+    "choose_num_splits",
+    "decode_workspace",
+    "paged_decode_attention",
+    "paged_extend_attention",
+]
+
+_ = math  # kept for callers computing scales next to this module
