@@ -77,12 +77,25 @@ class ModelArithmetic:
         return self.weight_bytes + self.kv_bytes_per_token * kv_tokens
 
 
-def plan_recorder(core: EngineCore, arithmetic: ModelArithmetic, records: list) -> None:
-    """Wrap the scheduler so each step's tokens, sampled rows and KV read are recorded."""
+def plan_recorder(core: EngineCore, arithmetic: ModelArithmetic, records: list, host_times: list | None = None) -> None:
+    """Wrap the scheduler so each step's tokens, sampled rows and KV read are recorded, and
+    (host_times) the host time spent in schedule() and advance(): without overlap, the GPU
+    idles through both, so their sum bounds the idle gap between steps from below."""
     schedule = core.scheduler.schedule
+    advance = core.scheduler.advance
+
+    def timed_advance(sampled):
+        t0 = time.perf_counter()
+        result = advance(sampled)
+        if host_times is not None:
+            host_times.append(time.perf_counter() - t0)
+        return result
 
     def recording_schedule():
+        t0 = time.perf_counter()
         plan = schedule()
+        if host_times is not None:
+            host_times.append(time.perf_counter() - t0)
         if plan.num_reqs:
             q = plan.query_lens.astype(np.int64)
             seq = plan.seq_lens.astype(np.int64)
@@ -92,6 +105,7 @@ def plan_recorder(core: EngineCore, arithmetic: ModelArithmetic, records: list) 
         return plan
 
     core.scheduler.schedule = recording_schedule
+    core.scheduler.advance = timed_advance
 
 
 def greedy_request(req_id: int, prompt: np.ndarray, max_new: int) -> AddRequest:

@@ -13,10 +13,44 @@ import argparse
 import time
 
 import numpy as np
+import torch
 
 from bench_common import MODEL_SHAPES, ModelArithmetic, add_engine_args, build_engine, greedy_request, \
     hf_generate_tok_s, plan_recorder, sync, write_result
 from roofline import copy_bandwidth, matmul_flops
+
+
+def gpu_step_marks(core) -> list:
+    """CUDA events at the start of each step's forward and after its sampler, in stream order:
+    the GPU's own clock says how long it idled between one step's last kernel and the next's first."""
+    marks: list = []
+    forward, sample = core.runner.forward, core.sampler.sample
+
+    def marked_forward(plan):
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()
+        marks.append([start, None])
+        return forward(plan)
+
+    def marked_sample(logits, batch):
+        result = sample(logits, batch)
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        marks[-1][1] = end
+        return result
+
+    core.runner.forward, core.sampler.sample = marked_forward, marked_sample
+    return marks
+
+
+def gpu_idle_gaps(marks) -> tuple:
+    if not marks:
+        return (None, None, None)
+    torch.cuda.synchronize()
+    complete = [(a, b) for a, b in marks if b is not None]
+    gaps = [complete[i][1].elapsed_time(complete[i + 1][0]) for i in range(len(complete) - 1)]
+    busy = [a.elapsed_time(b) for a, b in complete]
+    return (float(np.median(gaps)) if gaps else None, float(np.mean(gaps)) if gaps else None, float(np.mean(busy)))
 
 
 def main() -> int:
@@ -42,16 +76,21 @@ def main() -> int:
     core.add_request(greedy_request(10**9, rng.integers(10, vocab - 10, 16), 4))  # warm-up
     while core.has_work():
         core.step()
-    plan_recorder(core, arithmetic, records)
+    host_times: list = []
+    plan_recorder(core, arithmetic, records, host_times)
+    gpu_marks = gpu_step_marks(core) if torch.device(args.device).type == "cuda" else None
     for i in range(args.num_requests):
         core.add_request(greedy_request(i + 1, rng.integers(10, vocab - 10, args.input_len), args.output_len))
     sync(args.device)
     t0 = time.perf_counter()
+    step_walls: list = []
     steps = 0
     produced = 0
     last_report = t0
     while core.has_work():
-        out = core.step()
+        s0 = time.perf_counter()
+        out = core.step()  # returns after the sampled tokens reached the host: the GPU is idle now
+        step_walls.append(time.perf_counter() - s0)
         steps += 1
         if out is not None:
             produced += len(out.tokens)
@@ -63,7 +102,9 @@ def main() -> int:
     wall = time.perf_counter() - t0
     minimum = sum(arithmetic.step_flops(t, s, a) / flops + arithmetic.step_bytes(kv) / bandwidth
                   for t, s, kv, a in records)
+    idle = gpu_idle_gaps(gpu_marks)
     result = {
+        "gpu_idle_gap_ms_median": idle[0], "gpu_idle_gap_ms_mean": idle[1], "gpu_busy_ms_mean": idle[2],
         "model": args.model, "device": args.device, "dtype": str(core.runner.dtype),
         "attention_backend": core.cfg.attention_backend, "date": time.strftime("%Y-%m-%d"),
         "num_requests": args.num_requests, "input_len": args.input_len, "output_len": args.output_len,
@@ -72,9 +113,17 @@ def main() -> int:
         "wall_s": wall, "steps": steps, "output_tokens": produced, "output_tok_s": produced / wall,
         "step_roofline_s": minimum, "fraction_of_step_roofline": minimum / wall,
         "preemptions": core.scheduler.num_preemptions,
+        # Host work per step the GPU waits through (no overlap yet): schedule + advance, and
+        # everything outside core.step() in this loop.
+        "host_schedule_advance_ms_per_step": 1000 * sum(host_times) / max(steps, 1),
+        "loop_overhead_ms_per_step": 1000 * (wall - sum(step_walls)) / max(steps, 1),
+        "step_ms_mean": 1000 * sum(step_walls) / max(steps, 1),
     }
     print(f"{produced} output tokens in {wall:.1f}s = {produced / wall:.0f} tok/s; step roofline {minimum:.1f}s "
           f"({100 * minimum / wall:.1f}% of it)", flush=True)
+    if idle[0] is not None:
+        print(f"GPU idle between steps: median {idle[0]:.3f} ms, mean {idle[1]:.3f} ms; busy {idle[2]:.3f} ms per step",
+              flush=True)
     if args.hf_baseline_batch:
         del core
         print(f"transformers generate at batch {args.hf_baseline_batch}...", flush=True)

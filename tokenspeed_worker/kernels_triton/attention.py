@@ -25,7 +25,6 @@ they run in Triton's interpreter (TRITON_INTERPRET=1), which is how CI checks th
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 
@@ -49,6 +48,34 @@ DECODE_PROGRAMS_PER_SM = 4
 MAX_SPLITS = 64
 DEFAULT_NUM_SMS = 132  # H200; used when there is no CUDA device (interpreter)
 REDUCE_SPLIT_TILE = 16  # splits combined per step of the reduce kernel
+
+
+def _fix_interpreter_scalar_index() -> None:
+    """Let Triton's interpreter take a loaded scalar as a loop bound under NumPy >= 2.4.
+
+    The interpreter keeps scalars as 1-element arrays and converts them with int(), which NumPy
+    2.4 refuses for arrays with a dimension (triton-lang/triton#9171, fixed after 3.6). Only the
+    interpreter (TRITON_INTERPRET=1, how CI runs these kernels on CPU) is touched; compiled
+    kernels never go through it.
+    """
+    try:
+        from triton.runtime import interpreter
+    except ImportError:  # pragma: no cover - layout of other triton versions
+        return
+    patch = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch is None or getattr(patch, "_scalar_index_fixed", False):
+        return
+
+    def patch_lang_tensor(tensor, scope):
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patch_lang_tensor._scalar_index_fixed = True
+    interpreter._patch_lang_tensor = patch_lang_tensor
+
+
+if AVAILABLE:
+    _fix_interpreter_scalar_index()
 
 
 def _require_triton() -> None:
@@ -497,5 +524,3 @@ __all__ = [
     "paged_decode_attention",
     "paged_extend_attention",
 ]
-
-_ = math  # kept for callers computing scales next to this module

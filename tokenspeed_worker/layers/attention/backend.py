@@ -30,6 +30,17 @@ class AttentionInputs:
 
 class AttentionBackend(ABC):
     name: str
+    # Whether decode steps can be captured as CUDA graphs: `decode_graph_metadata` must then
+    # build metadata from device tensors alone (no host values that change between steps).
+    supports_cuda_graphs: bool = False
+    # The model's attention shape, told once by the runner (`setup`).
+    num_heads: int = 0
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    block_size: int = 0
+
+    def setup(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> None:
+        self.num_heads, self.num_kv_heads, self.head_dim, self.block_size = num_heads, num_kv_heads, head_dim, block_size
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         """Shape of one layer's K cache (and of its V cache)."""
@@ -38,6 +49,13 @@ class AttentionBackend(ABC):
     @abstractmethod
     def build_metadata(self, inputs: AttentionInputs) -> object:
         """Everything the step's attention calls share; called once per step."""
+
+    def decode_graph_metadata(
+        self, slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor
+    ) -> object:
+        """Metadata of a decode-only batch (one query token per row) whose inputs live in a CUDA
+        graph's static buffers: slot_mapping int64 [B], block_tables int32 [B, W], seq_lens int32 [B]."""
+        raise NotImplementedError(f"attention backend {self.name!r} cannot run under CUDA graphs")
 
     @abstractmethod
     def forward(
