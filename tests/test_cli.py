@@ -206,7 +206,7 @@ def test_attention_backend_defaults_to_torch() -> None:
 
 
 @pytest.mark.parametrize(("flag", "value"), [("--load-format", "pt"), ("--load-format", "npcache"),
-                                             ("--load-format", "extensible"), ("--attention-backend", "triton"),
+                                             ("--load-format", "extensible"), ("--attention-backend", "flashinfer"),
                                              ("--attention-backend", "flashinfer")])  # fmt: skip
 def test_parsed_but_unimplemented_values_are_rejected(
     capsys: pytest.CaptureFixture[str], flag: str, value: str
@@ -344,7 +344,7 @@ NOT_SUPPORTED = [o for o in OPTIONS if o.spec.status is not Status.SUPPORTED]
 
 
 def test_table_has_the_reference_parameters() -> None:
-    for dest in ("enforce_eager", "tensor_parallel_size", "speculative_config", "kv_events_config",
+    for dest in ("tensor_parallel_size", "speculative_config", "kv_events_config",
                  "api_key", "enable_metrics", "quantization"):  # fmt: skip
         assert OPTIONS_BY_DEST[dest].spec.status is Status.NOT_YET
     for dest in ("chat_template", "reasoning_parser", "tool_call_parser"):
@@ -388,9 +388,9 @@ def test_turning_off_prefix_caching_is_accepted() -> None:
 
 
 def test_several_unsupported_flags_are_reported_on_one_line(capsys: pytest.CaptureFixture[str]) -> None:
-    stderr = run_main_expecting_exit(capsys, "/m", "--enforce-eager", "--tp", "2")
+    stderr = run_main_expecting_exit(capsys, "/m", "--api-key", "k", "--tp", "2")
     assert stderr == [
-        "tokenspeed-worker: error: --enforce-eager is not supported yet; --tensor-parallel-size is not supported yet"
+        "tokenspeed-worker: error: --api-key is not supported yet; --tensor-parallel-size is not supported yet"
     ]
 
 
@@ -494,3 +494,14 @@ def test_every_flag_is_a_known_option() -> None:
     known |= {"--no-" + o.flag[2:] for o in OPTIONS if o.kind is bool and o.spec.negatable}
     assert all_parser_flags() == known
     assert isinstance(config.build_parser(), argparse.ArgumentParser)
+
+
+def test_triton_attention_needs_a_gpu(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    stderr = run_main_expecting_exit(capsys, "/m", "--device", "cpu", "--attention-backend", "triton")
+    assert stderr[-1] == "tokenspeed-worker: error: argument --attention-backend: triton needs --device cuda"
+    assert parse("/m", "--device", "cpu").attention_backend == "torch"
+    monkeypatch.setattr(config, "_cuda_available", lambda: True)
+    monkeypatch.setattr(config, "_triton_importable", lambda: True)
+    assert parse("/m").attention_backend == "triton"  # the GPU default
+    monkeypatch.setattr(config, "_triton_importable", lambda: False)
+    assert parse("/m").attention_backend == "torch"

@@ -330,12 +330,22 @@ class ServerArgs:
         "token ids); cached blocks are kept after their request ends and evicted least-recently-used.",
         negatable=True,
     )
-    enforce_eager: bool = _not_yet(False, SCHEDULER, "Disable CUDA graph execution.")
-    max_cudagraph_capture_size: int | None = _not_yet(
-        None, SCHEDULER, "Largest batch size captured with CUDA graphs.", parse=_positive_int
+    enforce_eager: bool = _option(
+        False, SCHEDULER, "Disable CUDA graph execution (decode steps then run eagerly; GPU only)."
     )
-    cudagraph_capture_sizes: list[int] | None = _not_yet(
-        None, SCHEDULER, "Explicit CUDA graph capture sizes.", parse=_positive_int
+    max_cudagraph_capture_size: int | None = _option(
+        None,
+        SCHEDULER,
+        "Largest decode batch captured as a CUDA graph; larger batches run eagerly (logged once).",
+        parse=_positive_int,
+        default_doc="min(256, max-num-seqs)",
+    )
+    cudagraph_capture_sizes: list[int] | None = _option(
+        None,
+        SCHEDULER,
+        "Explicit CUDA graph capture sizes; a decode batch pads to the next captured size.",
+        parse=_positive_int,
+        default_doc="1, 2, 4, 8, 16, 24, 32, ... up to the max",
     )
 
     # ---- Parallelism
@@ -360,11 +370,11 @@ class ServerArgs:
     attention_backend: str | None = _option(
         None,
         BACKENDS,
-        "Attention kernel backend. Only 'torch' (the reference backend, CPU and GPU) is "
-        "implemented yet; the GPU default becomes 'triton' when it lands.",
+        "Attention kernel backend: 'triton' (our paged-attention kernels, GPU) or 'torch' (the "
+        "reference backend, CPU and GPU).",
         choices=ATTENTION_BACKENDS,
-        unsupported_values=tuple(name for name in ATTENTION_BACKENDS if name != "torch"),
-        default_doc="torch",
+        unsupported_values=tuple(name for name in ATTENTION_BACKENDS if name not in ("torch", "triton")),
+        default_doc="triton on a GPU, torch on a CPU",
     )
     drafter_attention_backend: str | None = _not_yet(
         None, BACKENDS, "Attention backend of the speculative decoding drafter.", choices=ATTENTION_BACKENDS
@@ -707,9 +717,16 @@ def _resolve(args: ServerArgs) -> None:
     elif args.device == "cuda" and not _cuda_available():
         raise ValueError("argument --device: cuda was requested but no CUDA device is available")
     if args.attention_backend is None:
-        # The torch reference backend runs on both devices; on GPU the default becomes
-        # "triton" once that backend exists.
-        args.attention_backend = "torch"
+        # Triton kernels on a GPU (when triton imports); the torch reference backend on a CPU.
+        args.attention_backend = "triton" if args.device == "cuda" and _triton_importable() else "torch"
+    elif args.attention_backend == "triton" and args.device != "cuda":
+        raise ValueError("argument --attention-backend: triton needs --device cuda")
+
+
+def _triton_importable() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
 
 
 def parse_args(argv: Sequence[str] | None = None, parser: argparse.ArgumentParser | None = None) -> ServerArgs:

@@ -26,6 +26,9 @@ from tokenspeed_worker.engine.messages import AddRequest, EngineReady, Loads, St
 logger = logging.getLogger(__name__)
 
 _GIB = 1 << 30
+# Sampler temporaries per logit of a full batch (a few float32 [S, V] copies: processed scores,
+# noise, log-softmax for logprobs); an estimate, the sampler is not part of the profiling forward.
+_SAMPLER_BYTES_PER_LOGIT = 16
 
 
 @dataclass
@@ -45,21 +48,49 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     sampling_backend: str | None = None  # None: triton on CUDA when available, else torch
     seed: int = 0
+    enforce_eager: bool = False  # no CUDA graphs
+    cudagraph_capture_sizes: list[int] | None = None  # None: 1, 2, 4, 8, 16, 24, ... up to the max
+    max_cudagraph_capture_size: int | None = None  # None: min(256, max_num_seqs)
 
 
-def size_kv_pool_tokens(cfg: EngineConfig, kv_bytes_per_token: int, device: torch.device) -> int:
-    """How many tokens the paged KV pool holds when --max-total-tokens is not given."""
+def size_kv_pool_tokens(cfg: EngineConfig, kv_bytes_per_token: int, device: torch.device, runner=None) -> int:
+    """How many tokens the paged KV pool holds when --max-total-tokens is not given.
+
+    On CUDA: total x --gpu-memory-utilization, minus what is in use after loading (weights,
+    CUDA context, other processes), minus the peak activations of the largest step measured
+    by a profiling forward (`runner.profile_peak_activation_bytes`: one step's token budget
+    of prefill plus the LM head for max_num_seqs rows), minus the CUDA graphs' reserve
+    (exact static buffers + a fixed allowance, see model_executor/cuda_graph.py), minus an
+    estimate for the sampler's [max_num_seqs, vocab] float32 temporaries.
+    """
     if device.type == "cuda":
+        step_tokens = cfg.chunked_prefill_size if (cfg.chunked_prefill_size or 0) > 0 else cfg.max_prefill_tokens
+        if runner is not None:
+            activation = runner.profile_peak_activation_bytes(step_tokens, cfg.max_num_seqs)
+            graph_reserve = runner.cuda_graph_reserve_bytes()
+            sampler_reserve = cfg.max_num_seqs * runner.vocab_size * _SAMPLER_BYTES_PER_LOGIT
+            weights = runner.weight_bytes()
+        else:  # no runner to profile: a fixed headroom
+            activation = max(2 * _GIB, int(0.05 * torch.cuda.mem_get_info(device)[1]))
+            graph_reserve = sampler_reserve = weights = 0
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)
         used = total - free
-        # Headroom for activations of the largest step and the logits of a full batch;
-        # a profiling forward replaces this estimate in the GPU issue.
-        reserve = max(2 * _GIB, int(0.05 * total))
-        budget = int(total * cfg.gpu_memory_utilization) - used - reserve
+        budget = int(total * cfg.gpu_memory_utilization) - used - activation - graph_reserve - sampler_reserve
+        logger.info(
+            "KV pool sizing: %.2f GiB total x %.2f utilization = %.2f GiB; in use %.2f GiB (weights %.2f GiB); "
+            "peak activations %.2f GiB (profiled: %d-token prefill + LM head for %d rows); CUDA graph reserve "
+            "%.2f GiB; sampler reserve %.2f GiB -> KV pool %.2f GiB = %d tokens",
+            total / _GIB, cfg.gpu_memory_utilization, total * cfg.gpu_memory_utilization / _GIB, used / _GIB,
+            weights / _GIB, activation / _GIB, step_tokens, cfg.max_num_seqs, graph_reserve / _GIB,
+            sampler_reserve / _GIB, max(budget, 0) / _GIB, max(budget, 0) // kv_bytes_per_token,
+        )
         if budget <= kv_bytes_per_token * cfg.block_size:
             raise RuntimeError(
-                f"no GPU memory left for the KV cache (total {total / _GIB:.1f} GiB, "
-                f"used {used / _GIB:.1f} GiB, --gpu-memory-utilization {cfg.gpu_memory_utilization})"
+                f"no GPU memory left for the KV cache (total {total / _GIB:.1f} GiB, used {used / _GIB:.1f} GiB, "
+                f"peak activations {activation / _GIB:.2f} GiB, CUDA graph reserve {graph_reserve / _GIB:.2f} GiB, "
+                f"--gpu-memory-utilization {cfg.gpu_memory_utilization}); raise --gpu-memory-utilization, "
+                "lower --chunked-prefill-size or --max-num-seqs, or pass --enforce-eager"
             )
         return budget // kv_bytes_per_token
     # CPU: a fixed share of physical memory, at most 4 GiB, and never more than
@@ -90,15 +121,21 @@ class EngineCore:
             attention_backend=cfg.attention_backend,
             block_size=cfg.block_size,
             seed=cfg.seed,
+            enforce_eager=cfg.enforce_eager,
+            cudagraph_capture_sizes=cfg.cudagraph_capture_sizes,
+            max_cudagraph_capture_size=cfg.max_cudagraph_capture_size,
+            max_num_seqs=cfg.max_num_seqs,
+            max_model_len=cfg.max_model_len,
         )
         self.device = torch.device(self.runner.device)
         kv_bytes = self.runner.kv_bytes_per_token()
         if cfg.max_total_tokens:
             pool_tokens = int(cfg.max_total_tokens)
         else:
-            pool_tokens = size_kv_pool_tokens(cfg, kv_bytes, self.device)
+            pool_tokens = size_kv_pool_tokens(cfg, kv_bytes, self.device, self.runner)
         self.num_blocks = max(1, pool_tokens // cfg.block_size)
         self.runner.allocate_kv_cache(self.num_blocks)
+        self.runner.capture_cuda_graphs()
         self.kv_cache_bytes = self.num_blocks * cfg.block_size * kv_bytes
 
         chunked = cfg.chunked_prefill_size is not None and cfg.chunked_prefill_size > 0
@@ -125,10 +162,13 @@ class EngineCore:
 
         self._tokens_window: list[tuple[float, int]] = []
         logger.info(
-            "engine ready: %s on %s (%s), KV pool %d blocks x %d tokens (%.2f GiB), weights %.2f GiB",
+            "engine ready: %s on %s (%s), attention %s, CUDA graphs %s, KV pool %d blocks x %d tokens (%.2f GiB), "
+            "weights %.2f GiB",
             cfg.model_path,
             self.device,
             self.runner.dtype,
+            self.runner.attention_backend.name,
+            "on" if self.runner.cuda_graphs is not None else f"off ({self.runner.cuda_graphs_off_reason})",
             self.num_blocks,
             cfg.block_size,
             self.kv_cache_bytes / _GIB,

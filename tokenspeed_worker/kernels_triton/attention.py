@@ -50,32 +50,64 @@ DEFAULT_NUM_SMS = 132  # H200; used when there is no CUDA device (interpreter)
 REDUCE_SPLIT_TILE = 16  # splits combined per step of the reduce kernel
 
 
-def _fix_interpreter_scalar_index() -> None:
-    """Let Triton's interpreter take a loaded scalar as a loop bound under NumPy >= 2.4.
+def fix_triton_interpreter() -> None:
+    """Three fixes to Triton 3.6's interpreter (TRITON_INTERPRET=1, how CI runs these kernels on CPU).
 
-    The interpreter keeps scalars as 1-element arrays and converts them with int(), which NumPy
-    2.4 refuses for arrays with a dimension (triton-lang/triton#9171, fixed after 3.6). Only the
-    interpreter (TRITON_INTERPRET=1, how CI runs these kernels on CPU) is touched; compiled
-    kernels never go through it.
+    - It keeps scalars as 1-element arrays and takes int() of them for loop bounds, which NumPy
+      2.4 refuses (triton-lang/triton#9171, fixed after 3.6).
+    - Its tl.dot multiplies bfloat16 operands as their raw uint16 storage; widened to float32
+      first, the products are exact, as on the GPU's tensor cores.
+    - It casts float32 to bfloat16 by truncation; the GPU rounds to nearest even.
+    Compiled kernels never go through the interpreter, so nothing changes on the GPU.
     """
     try:
+        import numpy as np
         from triton.runtime import interpreter
     except ImportError:  # pragma: no cover - layout of other triton versions
         return
-    patch = getattr(interpreter, "_patch_lang_tensor", None)
-    if patch is None or getattr(patch, "_scalar_index_fixed", False):
-        return
+    patch_tensor = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch_tensor is not None and not getattr(patch_tensor, "_tokenspeed_fixed", False):
 
-    def patch_lang_tensor(tensor, scope):
-        patch(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+        def patch_lang_tensor(tensor, scope):
+            patch_tensor(tensor, scope)
+            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
 
-    patch_lang_tensor._scalar_index_fixed = True
-    interpreter._patch_lang_tensor = patch_lang_tensor
+        patch_lang_tensor._tokenspeed_fixed = True
+        interpreter._patch_lang_tensor = patch_lang_tensor
+
+    builder = getattr(interpreter, "InterpreterBuilder", None)
+    create_dot = getattr(builder, "create_dot", None)
+    if create_dot is not None and not getattr(create_dot, "_tokenspeed_fixed", False):
+
+        def widen(handle):
+            if handle.dtype == tl.bfloat16:
+                wide = (handle.data.astype(np.uint32) << 16).view(np.float32)
+                return interpreter.TensorHandle(wide, tl.float32)
+            return handle
+
+        def create_dot_bf16(self, a, b, d, input_precision, max_num_imprecise_acc):
+            return create_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+
+        create_dot_bf16._tokenspeed_fixed = True
+        builder.create_dot = create_dot_bf16
+
+    cast_impl = getattr(builder, "cast_impl", None)
+    if cast_impl is not None and not getattr(cast_impl, "_tokenspeed_fixed", False):
+
+        def cast_impl_rounded(self, src, dst_type):
+            if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+                bits = src.data.astype(np.float32).view(np.uint32)
+                rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+                rounded = np.where(np.isnan(src.data), np.uint16(0x7FC0), rounded)
+                return interpreter.TensorHandle(rounded, tl.bfloat16)
+            return cast_impl(self, src, dst_type)
+
+        cast_impl_rounded._tokenspeed_fixed = True
+        builder.cast_impl = cast_impl_rounded
 
 
 if AVAILABLE:
-    _fix_interpreter_scalar_index()
+    fix_triton_interpreter()
 
 
 def _require_triton() -> None:
@@ -210,6 +242,7 @@ if AVAILABLE:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
 
+        l_i = tl.where(l_i > 0, l_i, 1.0)  # an empty split (nothing stored) must not divide by zero
         if WRITE_OUT:  # one split: the result is final
             out = acc / l_i[:, None]
             tl.store(
@@ -355,15 +388,16 @@ if AVAILABLE:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
 
-        out = acc / l_i[:, None]
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # rows of an empty tile are not stored
         tl.store(
             out_ptr + tokens[:, None] * stride_out_token + heads[:, None] * stride_out_head + offs_d[None, :],
             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None],
         )
 
 
-def _decode_block_n(head_dim: int) -> int:
-    return 64 if head_dim <= 128 else 32
+def _decode_block_n(head_dim: int, element_size: int = 2) -> int:
+    """Keys per step: 64 x 128 x 16-bit K and V tiles; half as many for wider heads or float32."""
+    return 64 if head_dim * element_size <= 256 else 32
 
 
 def paged_decode_attention(
@@ -404,7 +438,7 @@ def paged_decode_attention(
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     if batch == 0:
         return
-    block_n = _decode_block_n(head_dim)
+    block_n = _decode_block_n(head_dim, k_cache.element_size())
     write_out = num_splits == 1
     if write_out:
         partial_out = partial_lse = out  # unused by the kernel
@@ -456,14 +490,20 @@ def paged_decode_attention(
         )
 
 
-def _extend_config(head_dim: int, group: int, max_query_len: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M rows = BLOCK_Q tokens x group heads, BLOCK_N keys, num_warps, num_stages)."""
-    block_m_max = 128 if head_dim <= 128 else 64
+def _extend_config(head_dim: int, group: int, max_query_len: int, element_size: int = 2) -> tuple[int, int, int, int]:
+    """(BLOCK_M rows = BLOCK_Q tokens x group heads, BLOCK_N keys, num_warps, num_stages).
+
+    Sized for sm_90 with 16-bit inputs: 128 x 64 tiles at head_dim <= 128 compile to wgmma with
+    cp.async pipelining and no spills (182 registers at head_dim 128, one 8-warp program per SM);
+    wider heads and float32 (a checking dtype, not a serving one) take smaller tiles.
+    """
+    wide = head_dim * element_size > 256
+    block_m_max = 64 if wide else 128
     # A batch of short queries (decodes, small chunks) gets a small row tile instead of padding.
     block_m = min(block_m_max, max(16, triton.next_power_of_2(max_query_len * group)))
     block_m = max(block_m, triton.next_power_of_2(group))
-    block_n = 64 if head_dim <= 128 else 32
-    num_warps = 8 if block_m >= 128 else 4
+    block_n = 32 if wide else 64
+    num_warps = 8 if block_m >= 64 else 4
     return block_m, block_n, num_warps, 2
 
 
@@ -494,7 +534,7 @@ def paged_extend_attention(
         raise ValueError(f"out must be [T, H, D] like q {tuple(q.shape)}, contiguous along D")
     if batch == 0 or max_query_len <= 0 or q.shape[0] == 0:
         return
-    block_m, block_n, num_warps, num_stages = _extend_config(head_dim, group, max_query_len)
+    block_m, block_n, num_warps, num_stages = _extend_config(head_dim, group, max_query_len, k_cache.element_size())
     block_q = block_m // group
     grid = (triton.cdiv(max_query_len, block_q), num_kv_heads, batch)
     _extend_kernel[grid](

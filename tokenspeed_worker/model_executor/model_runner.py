@@ -3,21 +3,41 @@
 Per step: each plan array goes to the device once, the attention backend builds its
 metadata once, the model runs over all T tokens, and the LM head runs only on the
 sampling rows (the last query token of each request in plan.sample_rows).
+
+Decode-only steps replay CUDA graphs (model_executor/cuda_graph.py) once
+`capture_cuda_graphs` ran, on CUDA with a backend that supports them and without
+`enforce_eager`; the KV pool then holds one extra *dummy block* (id `num_blocks`, never
+handed to the scheduler) for the padded rows of a graph. `profile_peak_activation_bytes`
+measures the largest step's activations so the engine can size the KV pool.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import math
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from tokenspeed_worker.layers.attention import Attention, AttentionInputs, get_attention_backend
+from tokenspeed_worker.layers.attention import Attention, AttentionBackend, AttentionInputs, get_attention_backend
+from tokenspeed_worker.model_executor.cuda_graph import (
+    CudaGraph,
+    DecodeGraphs,
+    EmulatedGraph,
+    capture_sizes,
+    graph_reserve_bytes,
+    max_table_width,
+)
 from tokenspeed_worker.model_executor.loader import load_model_weights
 from tokenspeed_worker.models.llama import head_dim_of
 from tokenspeed_worker.models.registry import get_model_class
 from tokenspeed_worker.scheduler.plan import SchedulePlan
+
+logger = logging.getLogger(__name__)
+
+_MIB = 1 << 20
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -76,10 +96,21 @@ class ModelRunner:
         dtype: str = "auto",
         device: str = "cpu",
         load_format: str = "auto",
-        attention_backend: str = "torch",
+        attention_backend: str | AttentionBackend = "torch",
         block_size: int = 16,
         seed: int = 0,
+        enforce_eager: bool = False,
+        cudagraph_capture_sizes: list[int] | None = None,
+        max_cudagraph_capture_size: int | None = None,
+        max_num_seqs: int = 256,
+        max_model_len: int | None = None,
+        emulate_cuda_graphs: bool = False,
     ) -> None:
+        """attention_backend: "torch", "triton", "auto" (triton on CUDA when its kernels can run, else
+        torch) or a backend instance. max_model_len: the longest sequence (default: the model's
+        max_position_embeddings); it sets the CUDA graphs' block table width. emulate_cuda_graphs:
+        "capture" by recording the decode step and "replay" by re-running it on the static buffers,
+        so CPU tests exercise the graph path (padding, dummy block, static buffers)."""
         from transformers import AutoConfig
 
         if block_size < 1:
@@ -90,7 +121,10 @@ class ModelRunner:
         self.hf_config = AutoConfig.from_pretrained(self.model_path)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.hf_config)
-        self.attention_backend = get_attention_backend(attention_backend)
+        if isinstance(attention_backend, AttentionBackend):
+            self.attention_backend = attention_backend
+        else:
+            self.attention_backend = get_attention_backend(attention_backend, self.device)
         self.block_size = block_size
         self.seed = seed
 
@@ -105,10 +139,32 @@ class ModelRunner:
         self.num_layers: int = self.hf_config.num_hidden_layers
         self.num_kv_heads: int = self.hf_config.num_key_value_heads
         self.head_dim: int = head_dim_of(self.hf_config)
-        self.max_model_len: int = self.hf_config.max_position_embeddings
+        self.max_model_len: int = max_model_len or self.hf_config.max_position_embeddings
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self.attention_backend.setup(
+            self.hf_config.num_attention_heads, self.num_kv_heads, self.head_dim, self.block_size
+        )
         self.kv_cache: torch.Tensor | None = None
-        self.num_blocks = 0
+        self.num_blocks = 0  # blocks the scheduler may hand out (the pool may hold one dummy block more)
+        self.dummy_block: int | None = None
+
+        # CUDA graphs: decided here, because they change the pool's size (one dummy block).
+        self.emulate_cuda_graphs = emulate_cuda_graphs
+        self.cudagraph_sizes = capture_sizes(max_num_seqs, cudagraph_capture_sizes, max_cudagraph_capture_size)
+        self.cuda_graphs_off_reason = self._cuda_graphs_off_reason(enforce_eager)
+        self.use_cuda_graphs = self.cuda_graphs_off_reason is None
+        self.cuda_graphs: DecodeGraphs | None = None
+
+    def _cuda_graphs_off_reason(self, enforce_eager: bool) -> str | None:
+        if enforce_eager:
+            return "--enforce-eager"
+        if self.device.type != "cuda" and not self.emulate_cuda_graphs:
+            return f"device is {self.device.type}"
+        if not self.attention_backend.supports_cuda_graphs:
+            return f"attention backend {self.attention_backend.name!r} cannot be captured (triton can)"
+        if not self.cudagraph_sizes:
+            return "no capture sizes (--cudagraph-capture-sizes left none <= --max-num-seqs and --max-cudagraph-capture-size)"
+        return None
 
     # -- memory ---------------------------------------------------------------------------
 
@@ -119,21 +175,123 @@ class ModelRunner:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        """One tensor [2 (K, V), layers, *backend's per-layer shape]; each attention layer gets its slices."""
+        """One tensor [2 (K, V), layers, *backend's per-layer shape]; each attention layer gets its slices.
+
+        num_blocks is what the scheduler may use; with CUDA graphs the pool holds one more,
+        the dummy block (id num_blocks) that padded graph rows write to.
+        """
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
-        shape = self.attention_backend.kv_cache_shape(num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        if self.cuda_graphs is not None:
+            raise RuntimeError("the KV cache cannot be reallocated after CUDA graphs were captured")
+        pool_blocks = num_blocks + (1 if self.use_cuda_graphs else 0)
+        shape = self.attention_backend.kv_cache_shape(pool_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         self.kv_cache = None  # free the old pool before allocating the new one
         self.kv_cache = torch.zeros((2, self.num_layers, *shape), dtype=self.dtype, device=self.device)
         self.num_blocks = num_blocks
+        self.dummy_block = num_blocks if self.use_cuda_graphs else None
         for layer_index, attn in enumerate(self.attention_layers):
             attn.bind_kv_cache(self.kv_cache[0, layer_index], self.kv_cache[1, layer_index], self.attention_backend)
+
+    def _release_kv_cache(self) -> None:
+        for attn in self.attention_layers:
+            attn.k_cache = attn.v_cache = attn.backend = None
+        self.kv_cache = None
+        self.num_blocks = 0
+        self.dummy_block = None
+
+    def cuda_graph_reserve_bytes(self) -> int:
+        """Memory to leave free for the decode graphs when sizing the KV pool (0 without graphs)."""
+        if not self.use_cuda_graphs:
+            return 0
+        width = max_table_width(self.max_model_len, self.block_size)
+        return graph_reserve_bytes(max(self.cudagraph_sizes), width, self.vocab_size, self.dtype.itemsize)
+
+    @torch.inference_mode()
+    def profile_peak_activation_bytes(self, num_tokens: int, num_sample_rows: int) -> int:
+        """Peak device memory (beyond weights and KV) of the largest step: `num_tokens` tokens of
+        prefill (one request, or several of max_model_len when it is shorter) and the LM head
+        on `num_sample_rows` rows. CUDA only; runs on a temporary KV pool just big enough, which it frees."""
+        if self.device.type != "cuda":
+            raise RuntimeError("activation profiling needs a CUDA device")
+        if self.kv_cache is not None:
+            raise RuntimeError("profile before allocating the KV cache")
+        num_tokens = max(1, int(num_tokens))
+        lengths = [self.max_model_len] * (num_tokens // self.max_model_len)
+        if num_tokens % self.max_model_len:
+            lengths.append(num_tokens % self.max_model_len)
+        plan = _profile_plan(lengths, self.block_size, self.vocab_size)
+        blocks = int(sum(math.ceil(n / self.block_size) for n in lengths))
+        use_graphs = self.use_cuda_graphs
+        self.use_cuda_graphs = False  # no dummy block in the temporary pool
+        try:
+            self.allocate_kv_cache(blocks)
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            baseline = torch.cuda.memory_allocated(self.device)
+            hidden_states = self._hidden_states(plan)
+            index = torch.full((max(1, num_sample_rows),), num_tokens - 1, dtype=torch.int64, device=self.device)
+            logits = self.model.compute_logits(hidden_states[index]).float()
+            del hidden_states, logits
+            torch.cuda.synchronize(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device) - baseline
+        finally:
+            self.use_cuda_graphs = use_graphs
+            self._release_kv_cache()
+            torch.cuda.empty_cache()
+        return int(peak)
+
+    # -- CUDA graphs ----------------------------------------------------------------------
+
+    def capture_cuda_graphs(self) -> None:
+        """Capture the decode graphs (after allocate_kv_cache); logs what was captured, or why not."""
+        if not self.use_cuda_graphs:
+            logger.info("CUDA graphs off (%s): every step runs eagerly", self.cuda_graphs_off_reason)
+            return
+        if self.kv_cache is None:
+            raise RuntimeError("allocate the KV cache before capturing CUDA graphs")
+        if self.cuda_graphs is not None:
+            return
+        graphs = DecodeGraphs(
+            self.model,
+            self.attention_backend,
+            sizes=self.cudagraph_sizes,
+            max_table_width=max_table_width(self.max_model_len, self.block_size),
+            dummy_block=self.dummy_block,
+            block_size=self.block_size,
+            vocab_size=self.vocab_size,
+            dtype=self.dtype,
+            device=self.device,
+            graph_class=EmulatedGraph if self.emulate_cuda_graphs else CudaGraph,
+        )
+        report = graphs.capture()
+        self.cuda_graphs = graphs
+        reserve = self.cuda_graph_reserve_bytes()
+        logger.info(
+            "CUDA graphs: captured %d decode batch sizes %s in %.1f s (attention %s via %s); "
+            "graph memory %.0f MiB incl. static buffers %.0f MiB (reserved for them: %.0f MiB); "
+            "static block table width %d blocks (max_model_len %d)",
+            len(report.sizes), _ranges(report.sizes), report.seconds, self.attention_backend.name,
+            getattr(self.attention_backend, "kernel_source", self.attention_backend.name),
+            report.graph_bytes / _MIB, report.static_bytes / _MIB, reserve / _MIB,
+            graphs.max_table_width, self.max_model_len,
+        )
+        if report.graph_bytes > reserve:
+            logger.warning(
+                "CUDA graphs took %.0f MiB, more than the %.0f MiB reserved when the KV pool was sized; "
+                "lower --gpu-memory-utilization if memory runs out",
+                report.graph_bytes / _MIB, reserve / _MIB,
+            )
 
     # -- forward --------------------------------------------------------------------------
 
     @torch.inference_mode()
     def forward(self, plan: SchedulePlan) -> torch.Tensor:
         """float32 logits [S, V] of the plan's sampling rows, in sample_rows order."""
+        if self.cuda_graphs is not None:
+            logits = self.cuda_graphs.run(plan)
+            if logits is not None:
+                return logits
         hidden_states = self._hidden_states(plan)
         sample_index = self._to_device(plan.sample_token_index, np.int64)
         return self.model.compute_logits(hidden_states[sample_index]).float()
@@ -163,3 +321,30 @@ class ModelRunner:
         input_ids = self._to_device(plan.input_ids, np.int64)
         positions = self._to_device(plan.positions, np.int64)
         return self.model(input_ids, positions, attn_metadata)
+
+
+def _profile_plan(lengths: list[int], block_size: int, vocab_size: int) -> SchedulePlan:
+    """A prefill of fresh requests of the given lengths on consecutive blocks (for memory profiling)."""
+    rng = np.random.default_rng(0)
+    positions = np.concatenate([np.arange(n) for n in lengths]).astype(np.int64)
+    blocks_per_req = [math.ceil(n / block_size) for n in lengths]
+    first_block = np.concatenate([[0], np.cumsum(blocks_per_req)[:-1]]).astype(np.int64)
+    owner = np.repeat(np.arange(len(lengths)), lengths)
+    block_tables = np.zeros((len(lengths), max(blocks_per_req)), dtype=np.int32)
+    for row, (start, count) in enumerate(zip(first_block, blocks_per_req)):
+        block_tables[row, :count] = np.arange(start, start + count)
+    return SchedulePlan(
+        req_ids=np.arange(len(lengths), dtype=np.int64),
+        query_lens=np.asarray(lengths, dtype=np.int32),
+        context_lens=np.zeros(len(lengths), dtype=np.int32),
+        input_ids=rng.integers(0, vocab_size, size=int(sum(lengths))).astype(np.int64),
+        positions=positions,
+        slot_mapping=first_block[owner] * block_size + positions,
+        block_tables=block_tables,
+        sample_rows=np.arange(len(lengths), dtype=np.int32),
+    )
+
+
+def _ranges(sizes: list[int]) -> str:
+    """[1, 2, 4, 8, 16, 24, ..., 256] compactly for a log line."""
+    return str(sizes) if len(sizes) <= 8 else f"[{', '.join(map(str, sizes[:6]))}, ..., {sizes[-1]}]"

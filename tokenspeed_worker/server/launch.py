@@ -72,7 +72,7 @@ def engine_config_from_args(args, max_model_len: int, device: str, dtype: str) -
         dtype=dtype,
         device=device,
         load_format=args.load_format,
-        attention_backend=args.attention_backend or "torch",
+        attention_backend=args.attention_backend or "auto",
         block_size=args.block_size,
         max_model_len=max_model_len,
         max_num_seqs=args.max_num_seqs,
@@ -82,6 +82,9 @@ def engine_config_from_args(args, max_model_len: int, device: str, dtype: str) -
         gpu_memory_utilization=getattr(args, "gpu_memory_utilization", 0.9),
         enable_prefix_caching=args.enable_prefix_caching,
         sampling_backend=args.sampling_backend,
+        enforce_eager=args.enforce_eager,
+        cudagraph_capture_sizes=args.cudagraph_capture_sizes,
+        max_cudagraph_capture_size=args.max_cudagraph_capture_size,
         seed=getattr(args, "seed", 0) or 0,
     )
 

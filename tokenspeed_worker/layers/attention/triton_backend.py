@@ -17,10 +17,8 @@ the dispatch and metadata on CPU against the torch backend.
 
 from __future__ import annotations
 
-import logging
-import math
-from collections.abc import Callable
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -28,15 +26,7 @@ import torch.nn.functional as F
 
 from tokenspeed_worker.layers.attention.backend import AttentionBackend, AttentionInputs
 
-logger = logging.getLogger(__name__)
-
 TRITON_UNAVAILABLE = "triton attention needs a CUDA device and the triton package"
-
-# Split-K heuristic for decode: aim for this many programs per SM, never split a
-# sequence into pieces shorter than MIN_TOKENS_PER_SPLIT, and never more than MAX_SPLITS.
-PROGRAMS_PER_SM = 2
-MIN_TOKENS_PER_SPLIT = 256
-MAX_SPLITS = 16
 
 
 def triton_attention_kernels() -> tuple[object | None, str]:
@@ -52,15 +42,13 @@ def triton_attention_kernels() -> tuple[object | None, str]:
     return kernels, ""
 
 
-def decode_num_splits(batch_size: int, num_heads: int, max_seq_len: int, num_sms: int) -> int:
-    """How many pieces each decode sequence is split into so that small batches still fill the GPU.
-
-    Enough (batch x heads x splits) programs for PROGRAMS_PER_SM per SM, but no split
-    shorter than MIN_TOKENS_PER_SPLIT tokens of the longest sequence, and at most MAX_SPLITS.
-    """
-    wanted = math.ceil(PROGRAMS_PER_SM * num_sms / max(1, batch_size * num_heads))
-    by_length = math.ceil(max(1, max_seq_len) / MIN_TOKENS_PER_SPLIT)
-    return int(max(1, min(wanted, by_length, MAX_SPLITS)))
+def reference_kernels() -> SimpleNamespace:
+    """The kernels' interface on the `_reference_*` torch functions (no split count or workspace)."""
+    return SimpleNamespace(
+        __name__="reference torch functions",
+        paged_decode_attention=_reference_paged_decode_attention,
+        paged_extend_attention=_reference_paged_extend_attention,
+    )
 
 
 @dataclass
@@ -79,26 +67,28 @@ class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graphs = True
 
-    def __init__(self, device: str | torch.device = "cuda", allow_reference: bool = False) -> None:
-        """allow_reference: run the `_reference_*` torch functions when the triton kernels cannot run
-        (CPU tests, or a GPU machine without the kernels module); otherwise that is a ValueError."""
+    def __init__(
+        self, device: str | torch.device = "cuda", allow_reference: bool = False, kernels: object | None = None
+    ) -> None:
+        """kernels: a module with the kernels' interface (default: kernels_triton.attention when it can
+        run). allow_reference: without runnable kernels, use `reference_kernels()` (CPU tests, or a
+        GPU machine without the kernels) instead of raising ValueError."""
         self.device = torch.device(device)
-        kernels, why = triton_attention_kernels() if self.device.type == "cuda" else (None, f"device is {self.device}")
-        if kernels is None and not allow_reference:
-            raise ValueError(f"{TRITON_UNAVAILABLE} ({why}); use --attention-backend torch")
-        self.uses_reference = kernels is None
-        self.kernel_source = "reference torch functions" if kernels is None else "tokenspeed_worker.kernels_triton.attention"
         if kernels is None:
-            self._decode: Callable = _reference_paged_decode_attention
-            self._extend: Callable = _reference_paged_extend_attention
-            self._workspace: Callable | None = None
-        else:
-            self._decode = kernels.paged_decode_attention
-            self._extend = kernels.paged_extend_attention
-            self._workspace = getattr(kernels, "decode_workspace", None)
-        self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count if (
-            self.device.type == "cuda"
-        ) else 1
+            if self.device.type == "cuda":
+                kernels, why = triton_attention_kernels()
+            else:
+                why = f"device is {self.device}"
+            if kernels is None:
+                if not allow_reference:
+                    raise ValueError(f"{TRITON_UNAVAILABLE} ({why}); use --attention-backend torch")
+                kernels = reference_kernels()
+        self.kernels = kernels
+        self.uses_reference = kernels.paged_decode_attention is _reference_paged_decode_attention
+        self.kernel_source = getattr(kernels, "__name__", type(kernels).__name__)
+        # Split count and workspace of the decode kernel; the reference needs neither.
+        self._choose_num_splits = getattr(kernels, "choose_num_splits", None)
+        self._decode_workspace = getattr(kernels, "decode_workspace", None)
 
     # -- metadata -------------------------------------------------------------------------
 
@@ -109,9 +99,7 @@ class TritonAttentionBackend(AttentionBackend):
         seq_lens = (inputs.context_lens + inputs.query_lens).to(torch.int32)
         block_tables = inputs.block_tables.contiguous()
         if max_query_len == 1:
-            num_splits = decode_num_splits(
-                plan.num_reqs, self.num_heads, int(np.asarray(plan.seq_lens).max()), self.num_sms
-            )
+            num_splits = self.decode_num_splits(plan.num_reqs, int(np.asarray(plan.seq_lens).max()))
             return TritonAttentionMetadata(
                 slot_mapping=inputs.slot_mapping,
                 block_tables=block_tables,
@@ -139,8 +127,7 @@ class TritonAttentionBackend(AttentionBackend):
         """Metadata over a CUDA graph's static buffers; the split count is fixed for the graph's
         batch size and the longest sequence its block table can hold (later steps' splits may be empty)."""
         batch_size = seq_lens.shape[0]
-        max_seq_len = block_tables.shape[1] * self.block_size
-        num_splits = decode_num_splits(batch_size, self.num_heads, max_seq_len, self.num_sms)
+        num_splits = self.decode_num_splits(batch_size, block_tables.shape[1] * self.block_size)
         return TritonAttentionMetadata(
             slot_mapping=slot_mapping,
             block_tables=block_tables,
@@ -152,10 +139,17 @@ class TritonAttentionBackend(AttentionBackend):
             workspace=self._make_workspace(batch_size, num_splits),
         )
 
+    def decode_num_splits(self, batch_size: int, max_seq_len: int) -> int:
+        """Key ranges per decode request: the kernels' choice for this batch and longest sequence."""
+        if self._choose_num_splits is None:
+            return 1
+        return int(self._choose_num_splits(batch_size, self.num_kv_heads, max_seq_len, self.device))
+
     def _make_workspace(self, batch_size: int, num_splits: int) -> object | None:
-        if self._workspace is None or not self.num_heads:
+        """Allocated with the metadata: once per step, or once per graph before its capture."""
+        if self._decode_workspace is None or num_splits == 1:
             return None
-        return self._workspace(batch_size, self.num_heads, self.head_dim, num_splits, self.device)
+        return self._decode_workspace(batch_size, self.num_heads, self.head_dim, num_splits, self.device)
 
     # -- per layer ------------------------------------------------------------------------
 
@@ -175,12 +169,12 @@ class TritonAttentionBackend(AttentionBackend):
         q = q.contiguous()
         out = torch.empty_like(q)
         if metadata.decode_only:
-            self._decode(
+            self.kernels.paged_decode_attention(
                 q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens, scale, out,
                 num_splits=metadata.num_splits, workspace=metadata.workspace,
             )
         else:
-            self._extend(
+            self.kernels.paged_extend_attention(
                 q, k_cache, v_cache, metadata.block_tables, metadata.query_start_loc, metadata.seq_lens, scale, out,
                 max_query_len=metadata.max_query_len,
             )

@@ -1,0 +1,275 @@
+"""The Triton paged-attention kernels against the hardware's limits, measured in the same run.
+
+    python scripts/bench_kernels.py [--batches 1 64 256] [--contexts 1024 8192] [--prefill-lens 2048]
+
+Decode (Llama-3.1-8B attention: H=32, Hkv=8, D=128, bf16, block 16) is memory-bound: its
+figure is the bandwidth achieved (bytes of K/V read + q read + out written, divided by the
+time) and its fraction of the device copy bandwidth (a 2 GiB tensor copy, read + write bytes
+over time). Extend (a causal prefill over the paged cache) is compute-bound: its figure is
+TFLOP/s (4 * H * D per visible query-key pair) and its fraction of a bf16 8192^3 matmul. The
+torch reference (gather through the block table + scaled_dot_product_attention, what the torch
+backend does) is timed alongside, and each kernel's output is checked against it.
+
+Timing: CUDA events around each call, L2 flushed before each (so a small cache is not served
+from L2), median of --iters after warmups; decode runs replayed from a CUDA graph as in serving
+(launch overhead excluded; --eager to include it). Progress goes to stdout, the result to a
+JSON file (--out). `--device cpu` runs tiny shapes in Triton's interpreter: a smoke test of the
+script only, its numbers mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda", help="cuda, or cpu for an interpreter smoke test")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256], help="decode batch sizes")
+    ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192], help="decode sequence lengths")
+    ap.add_argument("--num-splits", type=int, nargs="*", default=[],
+                    help="fixed decode splits to time besides the default choice (e.g. 1 8 32)")
+    ap.add_argument("--prefill-lens", type=int, nargs="+", default=[2048], help="extend: query tokens, no prefix")
+    ap.add_argument("--prefill-context", type=int, default=0, help="extend: cached prefix before each prefill")
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--eager", action="store_true", help="time decode eagerly instead of from a CUDA graph")
+    ap.add_argument("--no-reference", action="store_true", help="skip timing the torch reference")
+    ap.add_argument("--reference-max-gib", type=float, default=24.0,
+                    help="skip the torch decode reference when its gathered K/V copy would exceed this")
+    ap.add_argument("--copy-gib", type=float, default=2.0, help="size of the bandwidth-probe copy")
+    ap.add_argument("--matmul-size", type=int, default=8192)
+    ap.add_argument("--out", default=str(REPO / ".cache" / "bench_kernels.json"))
+    return ap.parse_args()
+
+
+args = parse_args()
+if args.device == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton import
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from tokenspeed_worker.kernels_triton import attention  # noqa: E402
+
+
+class Timer:
+    """Median time of fn in seconds: CUDA events per call with an L2 flush before each; CPU wall clock."""
+
+    def __init__(self, device: torch.device, iters: int, warmup: int) -> None:
+        self.device, self.iters, self.warmup = device, iters, warmup
+        self.flush = torch.empty(256 * 2**20, dtype=torch.int8, device=device) if device.type == "cuda" else None
+
+    def __call__(self, fn, graph: bool = False) -> float:
+        for _ in range(self.warmup):
+            fn()
+        if self.device.type != "cuda":
+            start = time.perf_counter()
+            for _ in range(self.iters):
+                fn()
+            return (time.perf_counter() - start) / self.iters
+        call = fn
+        if graph:
+            torch.cuda.synchronize()
+            cuda_graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(cuda_graph):
+                fn()
+            call = cuda_graph.replay
+            call()
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(self.iters)]
+        torch.cuda.synchronize()
+        for start, end in events:
+            self.flush.zero_()
+            start.record()
+            call()
+            end.record()
+        torch.cuda.synchronize()
+        return statistics.median(start.elapsed_time(end) for start, end in events) / 1000
+
+
+def paged_cache(num_tokens_per_req: list[int], hkv: int, d: int, bs: int, dtype, device, seed: int):
+    """K/V caches holding every request's tokens in shuffled blocks, and the block tables."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    blocks = [-(-n // bs) for n in num_tokens_per_req]
+    num_blocks = sum(blocks)
+    k_cache = torch.randn(num_blocks, bs, hkv, d, dtype=dtype, device=device)
+    v_cache = torch.randn(num_blocks, bs, hkv, d, dtype=dtype, device=device)
+    order = torch.randperm(num_blocks, generator=gen)
+    tables = torch.zeros(len(blocks), max(blocks), dtype=torch.int32)
+    used = 0
+    for b, count in enumerate(blocks):
+        tables[b, :count] = order[used:used + count]
+        used += count
+    return k_cache, v_cache, tables.to(device)
+
+
+def torch_reference(q, k_cache, v_cache, tables, query_lens: list[int], seq_lens: list[int], scale: float):
+    """Gather each request's K/V through its block table, then one SDPA per request (the torch backend's way)."""
+    bs, hkv, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    outputs, start = [], 0
+    uniform = len(set(seq_lens)) == 1 and len(set(query_lens)) == 1
+    if uniform:  # one batched call: every request has the same shape
+        length, qlen = seq_lens[0], query_lens[0]
+        nblk = -(-length // bs)
+        k = k_cache[tables[:, :nblk].long()].reshape(len(seq_lens), nblk * bs, hkv, d)[:, :length]
+        v = v_cache[tables[:, :nblk].long()].reshape(len(seq_lens), nblk * bs, hkv, d)[:, :length]
+        qb = q.reshape(len(seq_lens), qlen, q.shape[1], d)
+        mask = None
+        if qlen > 1:
+            qpos = length - qlen + torch.arange(qlen, device=q.device)
+            mask = torch.arange(length, device=q.device)[None, :] <= qpos[:, None]
+        o = F.scaled_dot_product_attention(qb.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+                                           scale=scale, enable_gqa=True)
+        return o.transpose(1, 2).reshape(q.shape)
+    for b, (qlen, length) in enumerate(zip(query_lens, seq_lens)):
+        nblk = -(-length // bs)
+        k = k_cache[tables[b, :nblk].long()].reshape(nblk * bs, hkv, d)[:length]
+        v = v_cache[tables[b, :nblk].long()].reshape(nblk * bs, hkv, d)[:length]
+        qpos = length - qlen + torch.arange(qlen, device=q.device)
+        mask = torch.arange(length, device=q.device)[None, :] <= qpos[:, None]
+        o = F.scaled_dot_product_attention(q[start:start + qlen].transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                           v.transpose(0, 1)[None], attn_mask=mask, scale=scale, enable_gqa=True)
+        outputs.append(o[0].transpose(0, 1))
+        start += qlen
+    return torch.cat(outputs)
+
+
+def main() -> int:
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device: run on the GPU machine, or pass --device cpu for a smoke test", file=sys.stderr)
+        return 1
+    dtype = getattr(torch, args.dtype)
+    H, Hkv, D, bs = args.heads, args.kv_heads, args.head_dim, args.block_size
+    scale = D**-0.5
+    timer = Timer(device, args.iters, args.warmup)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)"
+    print(f"device: {name}", flush=True)
+
+    copy_elems = int(args.copy_gib * 2**30) // 2
+    src = torch.empty(copy_elems, dtype=torch.bfloat16, device=device).normal_()
+    dst = torch.empty_like(src)
+    copy_s = timer(lambda: dst.copy_(src))
+    copy_bw = 2 * src.numel() * src.element_size() / copy_s
+    del src, dst
+    print(f"copy bandwidth ({args.copy_gib:g} GiB read + written): {copy_bw / 1e9:.0f} GB/s", flush=True)
+
+    n = args.matmul_size
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn(n, n, dtype=dtype, device=device)
+    mm_s = timer(lambda: a @ b)
+    mm_flops = 2 * n**3 / mm_s
+    del a, b
+    print(f"{args.dtype} matmul {n}^3: {mm_flops / 1e12:.0f} TFLOP/s", flush=True)
+
+    result = {
+        "device": name, "date": time.strftime("%Y-%m-%d"), "dtype": args.dtype, "triton_interpret": os.environ.get(
+            "TRITON_INTERPRET", "0"), "heads": H, "kv_heads": Hkv, "head_dim": D, "block_size": bs,
+        "timing": "median of CUDA events, L2 flushed before each call; decode from a CUDA graph" + (
+            " (eager)" if args.eager else ""),
+        "copy_GBps": copy_bw / 1e9, "matmul_TFLOPs": mm_flops / 1e12, "decode": [], "extend": [],
+    }
+
+    for context in args.contexts:
+        for batch in args.batches:
+            k_cache, v_cache, tables = paged_cache([context] * batch, Hkv, D, bs, dtype, device, seed=batch)
+            seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+            q = torch.randn(batch, H, D, dtype=dtype, device=device)
+            out = torch.empty_like(q)
+            kv_bytes = 2 * batch * context * Hkv * D * k_cache.element_size()
+            moved = kv_bytes + 2 * q.numel() * q.element_size()
+            default_splits = attention.choose_num_splits(batch, Hkv, tables.shape[1] * bs, device)
+            reference = None
+            ref_s = None
+            if not args.no_reference and kv_bytes / 2**30 <= args.reference_max_gib:
+                reference = torch_reference(q, k_cache, v_cache, tables, [1] * batch, [context] * batch, scale)
+                ref_s = timer(lambda: torch_reference(q, k_cache, v_cache, tables, [1] * batch, [context] * batch, scale))
+            for splits in [default_splits] + [s for s in args.num_splits if s != default_splits]:
+                workspace = attention.decode_workspace(batch, H, D, splits, device) if splits > 1 else None
+
+                def decode():
+                    attention.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, scale, out,
+                                                     num_splits=splits, workspace=workspace)
+
+                seconds = timer(decode, graph=device.type == "cuda" and not args.eager)
+                row = {
+                    "batch": batch, "context": context, "num_splits": splits, "default_splits": splits == default_splits,
+                    "time_us": seconds * 1e6, "bytes": moved, "GBps": moved / seconds / 1e9,
+                    "fraction_of_copy": moved / seconds / copy_bw,
+                }
+                if reference is not None:
+                    row["max_abs_err_vs_torch"] = (out.float() - reference.float()).abs().max().item()
+                    row["torch_time_us"] = ref_s * 1e6
+                    row["torch_GBps"] = moved / ref_s / 1e9
+                    row["speedup_vs_torch"] = ref_s / seconds
+                result["decode"].append(row)
+                print(f"decode B={batch:4d} ctx={context:6d} splits={splits:3d}: {seconds * 1e6:9.1f} us "
+                      f"{row['GBps']:7.0f} GB/s ({100 * row['fraction_of_copy']:5.1f}% of copy)"
+                      + (f"  torch {ref_s * 1e6:9.1f} us  err {row['max_abs_err_vs_torch']:.2e}" if reference is not None
+                         else ""), flush=True)
+            del k_cache, v_cache, tables, reference
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    for qlen in args.prefill_lens:
+        context = args.prefill_context
+        k_cache, v_cache, tables = paged_cache([context + qlen], Hkv, D, bs, dtype, device, seed=qlen)
+        q = torch.randn(qlen, H, D, dtype=dtype, device=device)
+        out = torch.empty_like(q)
+        query_start_loc = torch.tensor([0, qlen], dtype=torch.int32, device=device)
+        seq_lens = torch.tensor([context + qlen], dtype=torch.int32, device=device)
+        pairs = qlen * context + qlen * (qlen + 1) // 2  # visible (query, key) pairs
+        flops = 4 * H * D * pairs
+
+        def extend():
+            attention.paged_extend_attention(q, k_cache, v_cache, tables, query_start_loc, seq_lens, scale, out, qlen)
+
+        seconds = timer(extend)
+        row = {"query_len": qlen, "context": context, "time_us": seconds * 1e6, "flops": flops,
+               "TFLOPs": flops / seconds / 1e12, "fraction_of_matmul": flops / seconds / mm_flops}
+        if not args.no_reference:
+            reference = torch_reference(q, k_cache, v_cache, tables, [qlen], [context + qlen], scale)
+            ref_s = timer(lambda: torch_reference(q, k_cache, v_cache, tables, [qlen], [context + qlen], scale))
+            row["max_abs_err_vs_torch"] = (out.float() - reference.float()).abs().max().item()
+            row["torch_time_us"] = ref_s * 1e6
+            row["torch_TFLOPs"] = flops / ref_s / 1e12
+            if context == 0:  # the dense causal flash kernel torch has, on contiguous K/V: the bar
+                slots = (tables[0].long()[:, None] * bs + torch.arange(bs, device=device)).reshape(-1)[:qlen]
+                k = k_cache.reshape(-1, Hkv, D)[slots].transpose(0, 1)[None]
+                v = v_cache.reshape(-1, Hkv, D)[slots].transpose(0, 1)[None]
+                qd = q.transpose(0, 1)[None]
+                dense_s = timer(lambda: F.scaled_dot_product_attention(qd, k, v, is_causal=True, scale=scale,
+                                                                       enable_gqa=True))
+                row["torch_dense_causal_time_us"] = dense_s * 1e6
+                row["torch_dense_causal_TFLOPs"] = flops / dense_s / 1e12
+        result["extend"].append(row)
+        print(f"extend q={qlen:6d} ctx={context:6d}: {seconds * 1e6:9.1f} us {row['TFLOPs']:6.1f} TFLOP/s "
+              f"({100 * row['fraction_of_matmul']:5.1f}% of matmul)"
+              + (f"  torch {row['torch_time_us']:9.1f} us  err {row['max_abs_err_vs_torch']:.2e}"
+                 if "torch_time_us" in row else "")
+              + (f"  dense sdpa {row['torch_dense_causal_TFLOPs']:.0f} TFLOP/s" if "torch_dense_causal_TFLOPs" in row
+                 else ""), flush=True)
+
+    out_path = Path(args.out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,292 @@
+"""CUDA graph decisions and plumbing, on CPU.
+
+The size list, padding, dummy-block rows and eager-fallback decisions are pure functions.
+The runner's graph path (static buffers, padding to a captured size, the dummy block,
+logits of the real rows) runs on CPU with `emulate_cuda_graphs`, where a replay re-runs
+the captured step on the same static buffers and metadata; it must give the eager
+logits. The `gpu` tests capture real CUDA graphs and assert the same.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+from test_triton_backend import BLOCK_SIZE, Plans, random_seqs, reference_triton_backend
+from tokenspeed_worker.model_executor.cuda_graph import (
+    BATCH_TOO_LARGE,
+    NOT_CAPTURED,
+    PREFILL_STEP,
+    TABLE_TOO_WIDE,
+    capture_sizes,
+    decode_graph_size,
+    graph_reserve_bytes,
+    pad_decode_inputs,
+    padded_batch_size,
+    static_buffer_bytes,
+)
+from tokenspeed_worker.model_executor.model_runner import ModelRunner
+
+NUM_BLOCKS = 64
+MAX_MODEL_LEN = 64
+CUDA = torch.cuda.is_available()
+
+
+# -- sizes -----------------------------------------------------------------------------------
+
+
+def test_default_sizes_are_powers_of_two_then_multiples_of_eight_up_to_256():
+    sizes = capture_sizes(max_num_seqs=512)
+    assert sizes[:5] == [1, 2, 4, 8, 16] and sizes[-1] == 256
+    assert all(b - a == 8 for a, b in zip(sizes[3:], sizes[4:]))
+    assert len(sizes) == 4 + 31
+
+
+def test_sizes_stop_at_max_num_seqs_and_include_it():
+    assert capture_sizes(max_num_seqs=100)[-3:] == [88, 96, 100]
+    assert capture_sizes(max_num_seqs=3) == [1, 2, 3]
+    assert capture_sizes(max_num_seqs=1) == [1]
+    assert capture_sizes(max_num_seqs=256, max_capture_size=64)[-1] == 64
+    assert capture_sizes(max_num_seqs=256, max_capture_size=20) == [1, 2, 4, 8, 16, 20]
+
+
+def test_explicit_sizes_are_sorted_deduplicated_and_capped():
+    assert capture_sizes(64, explicit=[8, 1, 8, 3, 500]) == [1, 3, 8]
+    assert capture_sizes(512, explicit=[8, 1, 300], max_capture_size=128) == [1, 8]
+    assert capture_sizes(4, explicit=[]) == []
+    with pytest.raises(ValueError, match="positive"):
+        capture_sizes(64, explicit=[0, 4])
+    with pytest.raises(ValueError, match="positive"):
+        capture_sizes(64, max_capture_size=0)
+
+
+def test_batch_pads_to_the_next_captured_size():
+    sizes = capture_sizes(256)
+    assert [padded_batch_size(b, sizes) for b in (1, 2, 3, 5, 8, 9, 17, 24, 25, 256)] == [
+        1, 2, 4, 8, 8, 16, 24, 24, 32, 256
+    ]
+    assert padded_batch_size(257, sizes) is None
+    assert padded_batch_size(1, []) is None
+
+
+# -- when a step replays a graph ---------------------------------------------------------------
+
+
+def test_graph_decisions():
+    sizes = [1, 2, 4, 8]
+    ones = np.ones
+    assert decode_graph_size(ones(3, np.int32), 5, sizes, 16) == (4, None)
+    assert decode_graph_size(ones(8, np.int32), 16, sizes, 16) == (8, None)
+    assert decode_graph_size(np.array([1, 5, 1], np.int32), 5, sizes, 16) == (None, PREFILL_STEP)
+    assert decode_graph_size(np.array([7], np.int32), 5, sizes, 16) == (None, PREFILL_STEP)
+    assert decode_graph_size(np.zeros(0, np.int32), 1, sizes, 16) == (None, PREFILL_STEP)
+    assert decode_graph_size(ones(9, np.int32), 5, sizes, 16) == (None, BATCH_TOO_LARGE)
+    assert decode_graph_size(ones(3, np.int32), 17, sizes, 16) == (None, TABLE_TOO_WIDE)
+    assert decode_graph_size(ones(3, np.int32), 5, [], 16) == (None, NOT_CAPTURED)
+
+
+def test_padded_rows_write_to_and_read_only_the_dummy_block():
+    seqs = random_seqs([9, 14, 3])
+    plans = Plans(num_blocks=NUM_BLOCKS)
+    plans.plan([(s, len(s.tokens) - 1) for s in seqs])
+    plan = plans.plan([(s, 1) for s in seqs])
+    dummy = NUM_BLOCKS
+    padded = pad_decode_inputs(plan, 8, dummy, BLOCK_SIZE)
+    assert padded.input_ids[:3].tolist() == plan.input_ids.tolist()
+    assert padded.positions[:3].tolist() == plan.positions.tolist()
+    assert padded.slot_mapping[:3].tolist() == plan.slot_mapping.tolist()
+    assert padded.seq_lens[:3].tolist() == [9, 14, 3]
+    assert (padded.block_tables[:3] == plan.block_tables).all()
+    assert padded.slot_mapping[3:].tolist() == [dummy * BLOCK_SIZE] * 5
+    assert padded.seq_lens[3:].tolist() == [1] * 5
+    assert padded.positions[3:].tolist() == [0] * 5 and padded.input_ids[3:].tolist() == [0] * 5
+    assert (padded.block_tables[3:, 0] == dummy).all()
+    assert padded.seq_lens.dtype == np.int32 and padded.block_tables.dtype == np.int32
+    assert padded.slot_mapping.dtype == np.int64
+    with pytest.raises(ValueError):
+        pad_decode_inputs(plan, 2, dummy, BLOCK_SIZE)
+
+
+def test_graph_reserve_counts_the_static_buffers():
+    static = static_buffer_bytes(256, 8192, 128256, 2)
+    assert static > 256 * 128256 * 2
+    assert graph_reserve_bytes(256, 8192, 128256, 2) == static + (1 << 30)
+
+
+# -- the runner's graph path, emulated on CPU ----------------------------------------------------
+
+
+def _runner(path, **kwargs) -> ModelRunner:
+    kwargs.setdefault("attention_backend", reference_triton_backend())
+    runner = ModelRunner(
+        str(path), dtype="float32", block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN, max_num_seqs=8, **kwargs
+    )
+    runner.allocate_kv_cache(NUM_BLOCKS)
+    return runner
+
+
+@pytest.fixture(scope="module")
+def llama_path(tiny_model_paths):
+    return tiny_model_paths["llama-gqa-tied"]
+
+
+def _decode_run(runner: ModelRunner, batch_sizes: list[int], seed: int = 0, sample_subset: bool = False):
+    """Prefill len(batch_sizes) steps' worth of sequences, then decode steps of the given batch sizes."""
+    num_seqs = max(batch_sizes)
+    seqs = random_seqs([int(n) for n in np.random.default_rng(seed).integers(3, 20, size=num_seqs)], seed=seed)
+    plans = Plans(num_blocks=NUM_BLOCKS, seed=seed)
+    outputs = [runner.forward(plans.plan([(s, len(s.tokens)) for s in seqs]))]
+    for step, batch in enumerate(batch_sizes):
+        work = [(s, 1) for s in seqs[:batch]]
+        for seq, _ in work:
+            seq.tokens.append(int(np.random.default_rng(step).integers(3, 500)))
+        plan = plans.plan(work)
+        if sample_subset:
+            plan.sample_rows = np.arange(plan.num_reqs, dtype=np.int32)[::-2].copy()
+        outputs.append(runner.forward(plan))
+    return outputs
+
+
+def test_emulated_graphs_give_the_eager_logits(llama_path):
+    eager = _runner(llama_path, enforce_eager=True)
+    graphs = _runner(llama_path, emulate_cuda_graphs=True)
+    assert eager.kv_cache.shape[2] == NUM_BLOCKS and eager.dummy_block is None
+    assert graphs.kv_cache.shape[2] == NUM_BLOCKS + 1 and graphs.dummy_block == NUM_BLOCKS
+    graphs.capture_cuda_graphs()
+    assert sorted(graphs.cuda_graphs.graphs) == [1, 2, 4, 8]
+    batch_sizes = [3, 5, 8, 1, 2, 7, 6]
+    for expected, got in zip(_decode_run(eager, batch_sizes), _decode_run(graphs, batch_sizes)):
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert graphs.cuda_graphs.num_replays == len(batch_sizes)
+    assert graphs.cuda_graphs.num_eager_decodes == 0
+    # Real blocks hold the same K/V; padded rows wrote only into the dummy block.
+    torch.testing.assert_close(graphs.kv_cache[:, :, :NUM_BLOCKS], eager.kv_cache, atol=1e-5, rtol=1e-5)
+    assert graphs.kv_cache[:, :, NUM_BLOCKS].abs().sum() > 0
+
+
+def test_emulated_graphs_return_sampling_rows_in_order(llama_path):
+    eager = _runner(llama_path, enforce_eager=True)
+    graphs = _runner(llama_path, emulate_cuda_graphs=True)
+    graphs.capture_cuda_graphs()
+    for expected, got in zip(
+        _decode_run(eager, [5, 3], sample_subset=True), _decode_run(graphs, [5, 3], sample_subset=True)
+    ):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert graphs.cuda_graphs.num_replays == 2
+
+
+def test_returned_logits_survive_the_next_replay(llama_path):
+    runner = _runner(llama_path, emulate_cuda_graphs=True)
+    runner.capture_cuda_graphs()
+    seqs = random_seqs([5, 6])
+    plans = Plans(num_blocks=NUM_BLOCKS)
+    runner.forward(plans.plan([(s, len(s.tokens) - 2) for s in seqs]))
+    first = runner.forward(plans.plan([(s, 1) for s in seqs]))
+    kept = first.clone()
+    runner.forward(plans.plan([(s, 1) for s in seqs]))
+    assert torch.equal(first, kept)
+
+
+def test_larger_batches_run_eagerly_and_say_so_once(llama_path, caplog):
+    runner = _runner(llama_path, emulate_cuda_graphs=True, cudagraph_capture_sizes=[1, 2])
+    runner.capture_cuda_graphs()
+    eager = _runner(llama_path, enforce_eager=True)
+    with caplog.at_level(logging.INFO, logger="tokenspeed_worker"):
+        got = _decode_run(runner, [3, 4, 2])
+    for expected, logits in zip(_decode_run(eager, [3, 4, 2]), got):
+        torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
+    assert runner.cuda_graphs.num_eager_decodes == 2 and runner.cuda_graphs.num_replays == 1
+    messages = [r.getMessage() for r in caplog.records if "runs eagerly" in r.getMessage()]
+    assert len(messages) == 1 and BATCH_TOO_LARGE in messages[0]  # once, and not for the prefill step
+
+
+def test_wider_block_table_runs_eagerly(llama_path, caplog):
+    runner = _runner(llama_path, emulate_cuda_graphs=True)
+    runner.capture_cuda_graphs()
+    seqs = random_seqs([MAX_MODEL_LEN + 3])  # longer than max_model_len: wider than the static table
+    plans = Plans(num_blocks=NUM_BLOCKS)
+    runner.forward(plans.plan([(seqs[0], MAX_MODEL_LEN + 2)]))
+    with caplog.at_level(logging.WARNING, logger="tokenspeed_worker"):
+        runner.forward(plans.plan([(seqs[0], 1)]))
+    assert runner.cuda_graphs.num_eager_decodes == 1
+    assert any(TABLE_TOO_WIDE in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize(
+    "kwargs, reason",
+    [
+        (dict(enforce_eager=True, emulate_cuda_graphs=True), "--enforce-eager"),
+        (dict(), "device is cpu"),
+        (dict(attention_backend="torch", emulate_cuda_graphs=True), "cannot be captured"),
+        (dict(emulate_cuda_graphs=True, cudagraph_capture_sizes=[64]), "no capture sizes"),
+    ],
+)
+def test_graphs_off_says_why(llama_path, caplog, kwargs, reason):
+    runner = _runner(llama_path, **kwargs)
+    assert not runner.use_cuda_graphs and reason in runner.cuda_graphs_off_reason
+    assert runner.dummy_block is None and runner.kv_cache.shape[2] == NUM_BLOCKS
+    assert runner.cuda_graph_reserve_bytes() == 0
+    with caplog.at_level(logging.INFO, logger="tokenspeed_worker"):
+        runner.capture_cuda_graphs()
+    assert runner.cuda_graphs is None
+    assert any("CUDA graphs off" in r.getMessage() and reason in r.getMessage() for r in caplog.records)
+
+
+def test_capture_needs_the_kv_cache_and_freezes_it(llama_path):
+    runner = ModelRunner(
+        str(llama_path), block_size=BLOCK_SIZE, max_num_seqs=4, emulate_cuda_graphs=True,
+        attention_backend=reference_triton_backend(),
+    )
+    with pytest.raises(RuntimeError, match="KV cache"):
+        runner.capture_cuda_graphs()
+    runner.allocate_kv_cache(16)
+    runner.capture_cuda_graphs()
+    assert runner.cuda_graph_reserve_bytes() > 0
+    with pytest.raises(RuntimeError, match="after CUDA graphs"):
+        runner.allocate_kv_cache(32)
+
+
+def test_engine_passes_graph_config_to_the_runner(llama_path):
+    from tokenspeed_worker.engine.core import EngineConfig, EngineCore
+
+    core = EngineCore(EngineConfig(
+        model_path=str(llama_path), dtype="float32", block_size=BLOCK_SIZE, max_model_len=128, max_num_seqs=16,
+        max_total_tokens=512, attention_backend="auto", enforce_eager=True, cudagraph_capture_sizes=[1, 4],
+    ))
+    runner = core.runner
+    assert runner.attention_backend.name == "torch"  # auto on CPU
+    assert runner.max_model_len == 128 and runner.cudagraph_sizes == [1, 4]
+    assert runner.cuda_graphs_off_reason == "--enforce-eager" and core.num_blocks == 512 // BLOCK_SIZE
+
+
+# -- GPU: real CUDA graphs -------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_graphs_give_the_eager_logits(llama_path, dtype):
+    def runner(enforce_eager):
+        r = ModelRunner(
+            str(llama_path), dtype=dtype, device="cuda", block_size=BLOCK_SIZE, attention_backend="triton",
+            max_model_len=MAX_MODEL_LEN, max_num_seqs=8, enforce_eager=enforce_eager,
+        )
+        r.allocate_kv_cache(NUM_BLOCKS)
+        r.capture_cuda_graphs()
+        return r
+
+    eager, graphs = runner(True), runner(False)
+    assert graphs.cuda_graphs is not None and sorted(graphs.cuda_graphs.graphs) == [1, 2, 4, 8]
+    batch_sizes = [3, 5, 8, 1, 2, 7, 6]
+    atol = 1e-4 if dtype == "float32" else 3e-2
+    for expected, got in zip(_decode_run(eager, batch_sizes), _decode_run(graphs, batch_sizes)):
+        torch.testing.assert_close(got, expected, atol=atol, rtol=1e-3 if dtype == "float32" else 3e-2)
+    assert graphs.cuda_graphs.num_replays == len(batch_sizes) and graphs.cuda_graphs.num_eager_decodes == 0
+    torch.testing.assert_close(
+        graphs.kv_cache[:, :, :NUM_BLOCKS].float(), eager.kv_cache.float(), atol=atol,
+        rtol=1e-3 if dtype == "float32" else 3e-2,
+    )

@@ -1,0 +1,354 @@
+"""The triton attention backend's metadata and dispatch, against the torch backend.
+
+On CPU the backend runs its `_reference_*` torch functions (same signatures as the Triton
+kernels), so these tests prove the backend logic: decode-only steps take the decode path,
+every other step the extend path over all rows, with the right sequence lengths, query
+starts and slots. The `gpu` tests run the real kernels on CUDA against the torch backend.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+import torch
+
+from tokenspeed_worker.layers.attention import (
+    AttentionInputs,
+    TorchAttentionBackend,
+    TritonAttentionBackend,
+    get_attention_backend,
+    resolve_attention_backend_name,
+)
+from tokenspeed_worker.kernels_triton import attention as triton_kernels
+from tokenspeed_worker.layers.attention.triton_backend import (
+    _reference_paged_decode_attention,
+    _reference_paged_extend_attention,
+    reference_kernels,
+)
+from tokenspeed_worker.model_executor.model_runner import ModelRunner
+from tokenspeed_worker.scheduler.plan import SchedulePlan
+
+MODELS = ["llama-gqa-tied", "qwen2-bias", "qwen3-qknorm"]
+BLOCK_SIZE = 4
+NUM_BLOCKS = 96
+CUDA = torch.cuda.is_available()
+
+
+# -- a small hand-driven scheduler (shared with test_cuda_graph_logic.py) -------------------
+
+
+@dataclass
+class Seq:
+    tokens: list[int]  # the whole sequence, known ahead
+    num_computed: int = 0
+    blocks: list[int] = field(default_factory=list)
+
+    @property
+    def num_left(self) -> int:
+        return len(self.tokens) - self.num_computed
+
+
+class Plans:
+    """Hands out blocks in shuffled order and turns (sequence, num_tokens) work into SchedulePlans."""
+
+    def __init__(self, num_blocks: int = NUM_BLOCKS, block_size: int = BLOCK_SIZE, seed: int = 0) -> None:
+        self.block_size = block_size
+        self.free_blocks = np.random.default_rng(seed).permutation(num_blocks).tolist()
+
+    def plan(self, work: list[tuple[Seq, int]], advance: bool = True) -> SchedulePlan:
+        bs = self.block_size
+        for seq, n in work:
+            while len(seq.blocks) < math.ceil((seq.num_computed + n) / bs):
+                seq.blocks.append(self.free_blocks.pop())
+        width = max(len(seq.blocks) for seq, _ in work)
+        tables = np.zeros((len(work), width), dtype=np.int32)
+        ids, positions, slots = [], [], []
+        for row, (seq, n) in enumerate(work):
+            tables[row, : len(seq.blocks)] = seq.blocks
+            pos = np.arange(seq.num_computed, seq.num_computed + n)
+            positions.append(pos)
+            ids.append(np.asarray(seq.tokens[seq.num_computed : seq.num_computed + n]))
+            slots.append(np.asarray(seq.blocks)[pos // bs] * bs + pos % bs)
+        plan = SchedulePlan(
+            req_ids=np.arange(len(work), dtype=np.int64),
+            query_lens=np.array([n for _, n in work], dtype=np.int32),
+            context_lens=np.array([seq.num_computed for seq, _ in work], dtype=np.int32),
+            input_ids=np.concatenate(ids).astype(np.int64),
+            positions=np.concatenate(positions).astype(np.int64),
+            slot_mapping=np.concatenate(slots).astype(np.int64),
+            block_tables=tables,
+            sample_rows=np.arange(len(work), dtype=np.int32),
+        )
+        if advance:
+            for seq, n in work:
+                seq.num_computed += n
+        return plan
+
+
+def random_seqs(lengths: list[int], vocab: int = 512, seed: int = 0) -> list[Seq]:
+    rng = np.random.default_rng(seed)
+    return [Seq(rng.integers(3, vocab, size=n).tolist()) for n in lengths]
+
+
+def mixed_schedule(seqs: list[Seq], prompt_lens: list[int], arrive_at: list[int], budget: int, seed: int = 0):
+    """Yield work lists: decodes first, then prefill chunks under the budget, rows shuffled."""
+    rng = np.random.default_rng(seed)
+    for step in range(200):
+        active = [s for s, t in zip(seqs, arrive_at) if t <= step and s.num_left]
+        if not active and step > max(arrive_at):
+            return
+        work, left = [], budget
+        for seq, prompt_len in zip(seqs, prompt_lens):
+            if seq not in active:
+                continue
+            prompt_left = prompt_len - seq.num_computed
+            n = 1 if prompt_left <= 0 else min(prompt_left, left)
+            if n and left >= n:
+                work.append((seq, n))
+                left -= n
+        if work:
+            yield [work[i] for i in rng.permutation(len(work))]
+
+
+def reference_triton_backend(device: str = "cpu") -> TritonAttentionBackend:
+    backend = TritonAttentionBackend(device, allow_reference=True)
+    assert backend.uses_reference == (device == "cpu" or not backend_kernels_available())
+    return backend
+
+
+def backend_kernels_available() -> bool:
+    from tokenspeed_worker.layers.attention.triton_backend import triton_attention_kernels
+
+    return triton_attention_kernels()[0] is not None
+
+
+# -- the backend against the torch backend on whole models ---------------------------------
+
+
+@pytest.fixture(scope="module")
+def runner_pairs(tiny_model_paths):
+    pairs = {}
+    for name in MODELS:
+        path = str(tiny_model_paths[name])
+        torch_runner = ModelRunner(path, dtype="float32", block_size=BLOCK_SIZE)
+        triton_runner = ModelRunner(
+            path, dtype="float32", block_size=BLOCK_SIZE, attention_backend=reference_triton_backend()
+        )
+        for runner in (torch_runner, triton_runner):
+            runner.allocate_kv_cache(NUM_BLOCKS)
+        pairs[name] = (torch_runner, triton_runner)
+    return pairs
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_mixed_batches_match_torch_backend(name, runner_pairs):
+    """Chunked prefills, decodes and both in one step, rows shuffled, blocks scattered."""
+    torch_runner, triton_runner = runner_pairs[name]
+    seqs = random_seqs([30, 45, 9, 26, 14, 3], seed=11)
+    prompt_lens = [22, 37, 5, 20, 2, 3]
+    kinds = set()
+    plans = Plans(seed=11)
+    for work in mixed_schedule(seqs, prompt_lens, arrive_at=[0, 1, 1, 3, 6, 6], budget=24, seed=5):
+        plan = plans.plan(work)
+        is_decode = plan.query_lens == 1
+        kinds.add("decode" if is_decode.all() else ("mixed" if is_decode.any() else "prefill"))
+        expected = torch_runner.forward_all_logits(plan)
+        got = triton_runner.forward_all_logits(plan)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(triton_runner.forward(plan), got[plan.sample_token_index], atol=1e-5, rtol=1e-5)
+    assert kinds == {"decode", "mixed", "prefill"}
+    for runner in (torch_runner, triton_runner):  # both wrote the same K/V at the same slots
+        assert runner.kv_cache.abs().sum() > 0
+    torch.testing.assert_close(triton_runner.kv_cache, torch_runner.kv_cache, atol=1e-5, rtol=1e-5)
+
+
+def test_greedy_decode_tokens_match_torch_backend(runner_pairs):
+    torch_runner, triton_runner = runner_pairs["llama-gqa-tied"]
+    outputs = []
+    for runner in (torch_runner, triton_runner):
+        seqs = random_seqs([7, 19, 1], seed=21)
+        plans = Plans(seed=21)
+        logits = runner.forward(plans.plan([(s, len(s.tokens)) for s in seqs]))
+        for _ in range(10):
+            for seq, token in zip(seqs, logits.argmax(-1).tolist()):
+                seq.tokens.append(token)
+            logits = runner.forward(plans.plan([(s, 1) for s in seqs]))
+        outputs.append([s.tokens for s in seqs])
+    assert outputs[0] == outputs[1]
+
+
+# -- metadata and dispatch -----------------------------------------------------------------
+
+
+def _inputs(plan: SchedulePlan) -> AttentionInputs:
+    def dev(array, dtype):
+        return torch.from_numpy(np.ascontiguousarray(array, dtype=dtype))
+
+    return AttentionInputs(
+        plan=plan,
+        query_lens=dev(plan.query_lens, np.int32),
+        context_lens=dev(plan.context_lens, np.int32),
+        slot_mapping=dev(plan.slot_mapping, np.int64),
+        block_tables=dev(plan.block_tables, np.int32),
+        block_size=BLOCK_SIZE,
+    )
+
+
+def _backend() -> TritonAttentionBackend:
+    """Reference attention, with the kernels module's own split choice and workspace (plain torch)."""
+    kernels = reference_kernels()
+    kernels.choose_num_splits = triton_kernels.choose_num_splits
+    kernels.decode_workspace = triton_kernels.decode_workspace
+    backend = TritonAttentionBackend("cpu", kernels=kernels)
+    backend.setup(num_heads=4, num_kv_heads=2, head_dim=16, block_size=BLOCK_SIZE)
+    return backend
+
+
+def test_decode_only_step_takes_the_decode_path():
+    seqs = random_seqs([9, 14, 3])
+    plans = Plans()
+    plans.plan([(s, len(s.tokens) - 1) for s in seqs])
+    plan = plans.plan([(s, 1) for s in seqs])
+    metadata = _backend().build_metadata(_inputs(plan))
+    assert metadata.decode_only and metadata.query_start_loc is None and metadata.max_query_len == 1
+    assert metadata.seq_lens.dtype == torch.int32 and metadata.seq_lens.tolist() == [9, 14, 3]
+    assert metadata.num_splits == triton_kernels.choose_num_splits(3, 2, 14, "cpu")  # longest sequence: 14
+    if metadata.num_splits > 1:
+        partial_out, partial_lse = metadata.workspace
+        assert partial_out.shape == (3, 4, metadata.num_splits, 16) and partial_lse.shape == (3, 4, metadata.num_splits)
+    assert metadata.block_tables.dtype == torch.int32 and metadata.block_tables.is_contiguous()
+
+
+def test_mixed_step_takes_the_extend_path_for_all_rows():
+    seqs = random_seqs([9, 14, 3])
+    plans = Plans()
+    plans.plan([(seqs[0], 8), (seqs[1], 5)])
+    plan = plans.plan([(seqs[0], 1), (seqs[1], 9), (seqs[2], 3)])
+    metadata = _backend().build_metadata(_inputs(plan))
+    assert not metadata.decode_only and metadata.max_query_len == 9 and metadata.workspace is None
+    assert metadata.query_start_loc.dtype == torch.int32
+    assert metadata.query_start_loc.tolist() == [0, 1, 10, 13]
+    assert metadata.seq_lens.tolist() == [9, 14, 3]
+    assert metadata.slot_mapping.tolist() == plan.slot_mapping.tolist()
+
+
+def test_decode_graph_metadata_uses_the_static_buffers():
+    backend = _backend()
+    slots = torch.zeros(8, dtype=torch.int64)
+    tables = torch.zeros((8, 256), dtype=torch.int32)
+    seq_lens = torch.ones(8, dtype=torch.int32)
+    metadata = backend.decode_graph_metadata(slots[:4], tables[:4], seq_lens[:4])
+    assert metadata.decode_only
+    assert metadata.slot_mapping.data_ptr() == slots.data_ptr()
+    assert metadata.block_tables.data_ptr() == tables.data_ptr()
+    assert metadata.seq_lens.data_ptr() == seq_lens.data_ptr()
+    # Fixed for the graph: sized for the longest sequence the static table can hold, with its
+    # workspace allocated now (before capture), not per replay.
+    assert metadata.num_splits == triton_kernels.choose_num_splits(4, 2, 256 * BLOCK_SIZE, "cpu") > 1
+    assert metadata.workspace[0].shape == (4, 4, metadata.num_splits, 16)
+
+
+def test_reference_kernels_need_no_splits_or_workspace():
+    backend = reference_triton_backend()
+    backend.setup(num_heads=4, num_kv_heads=2, head_dim=16, block_size=BLOCK_SIZE)
+    assert backend.uses_reference and backend.decode_num_splits(1, 10**6) == 1
+    assert backend.decode_graph_metadata(
+        torch.zeros(2, dtype=torch.int64), torch.zeros((2, 8), dtype=torch.int32), torch.ones(2, dtype=torch.int32)
+    ).workspace is None
+
+
+# -- the reference functions against a naive per-request loop -------------------------------
+
+
+def _naive_attention(q, k_cache, v_cache, block_tables, query_lens, seq_lens, scale):
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = q.shape[1] // num_kv_heads
+    out, start = [], 0
+    for row, (query_len, seq_len) in enumerate(zip(query_lens, seq_lens)):
+        pos = torch.arange(seq_len)
+        slots = block_tables[row, pos // block_size].long() * block_size + pos % block_size
+        k = k_cache.reshape(-1, num_kv_heads, k_cache.shape[3])[slots].repeat_interleave(group, 1)
+        v = v_cache.reshape(-1, num_kv_heads, v_cache.shape[3])[slots].repeat_interleave(group, 1)
+        for i in range(query_len):
+            visible = seq_len - query_len + i + 1
+            scores = torch.einsum("hd,khd->hk", q[start + i], k[:visible]) * scale
+            out.append(torch.einsum("hk,khd->hd", scores.softmax(-1), v[:visible]))
+        start += query_len
+    return torch.stack(out)
+
+
+def test_reference_functions_match_a_naive_loop():
+    torch.manual_seed(0)
+    num_blocks, num_heads, num_kv_heads, head_dim = 40, 6, 2, 8
+    k_cache = torch.randn(num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
+    v_cache = torch.randn(num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
+    query_lens, seq_lens = [1, 7, 3, 1], [5, 7, 13, 1]
+    tables = torch.from_numpy(np.random.default_rng(1).permutation(num_blocks)[:16].reshape(4, 4).astype(np.int32))
+    q = torch.randn(sum(query_lens), num_heads, head_dim)
+    expected = _naive_attention(q, k_cache, v_cache, tables, query_lens, seq_lens, 0.3)
+    out = torch.empty_like(q)
+    starts = torch.tensor(np.concatenate([[0], np.cumsum(query_lens)]), dtype=torch.int32)
+    _reference_paged_extend_attention(
+        q, k_cache, v_cache, tables, starts, torch.tensor(seq_lens, dtype=torch.int32), 0.3, out, max_query_len=7
+    )
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+    decode_q = torch.randn(4, num_heads, head_dim)
+    decode_out = torch.empty_like(decode_q)
+    _reference_paged_decode_attention(
+        decode_q, k_cache, v_cache, tables, torch.tensor(seq_lens, dtype=torch.int32), 0.3, decode_out, num_splits=3
+    )
+    expected = _naive_attention(decode_q, k_cache, v_cache, tables, [1] * 4, seq_lens, 0.3)
+    torch.testing.assert_close(decode_out, expected, atol=1e-5, rtol=1e-5)
+
+
+# -- selection ------------------------------------------------------------------------------
+
+
+def test_triton_needs_cuda_and_triton():
+    if not (CUDA and backend_kernels_available()):
+        with pytest.raises(ValueError, match="triton attention needs a CUDA device and the triton package"):
+            get_attention_backend("triton", "cuda" if CUDA else "cpu")
+    with pytest.raises(ValueError, match="triton attention needs a CUDA device and the triton package"):
+        get_attention_backend("triton", "cpu")
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        get_attention_backend("nope")
+
+
+def test_auto_picks_triton_only_on_cuda_with_kernels():
+    assert resolve_attention_backend_name("auto", "cpu") == "torch"
+    assert isinstance(get_attention_backend("auto", "cpu"), TorchAttentionBackend)
+    assert resolve_attention_backend_name("torch", "cuda") == "torch"
+    expected = "triton" if CUDA and backend_kernels_available() else "torch"
+    assert resolve_attention_backend_name("auto", "cuda") == expected
+
+
+def test_runner_accepts_auto(tiny_model_paths):
+    runner = ModelRunner(str(tiny_model_paths["llama-gqa-tied"]), attention_backend="auto", block_size=BLOCK_SIZE)
+    assert runner.attention_backend.name == "torch"
+
+
+# -- GPU: the real kernels -------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("name", MODELS)
+def test_cuda_triton_kernels_match_torch_backend(name, tiny_model_paths):
+    assert backend_kernels_available(), "tokenspeed_worker.kernels_triton.attention must import on the GPU machine"
+    path = str(tiny_model_paths[name])
+    runners = [
+        ModelRunner(path, dtype="float32", device="cuda", block_size=BLOCK_SIZE, attention_backend=backend)
+        for backend in ("torch", "triton")
+    ]
+    for runner in runners:
+        runner.allocate_kv_cache(NUM_BLOCKS)
+    seqs = random_seqs([30, 45, 9, 26, 14, 3], seed=11)
+    plans = Plans(seed=11)
+    for work in mixed_schedule(seqs, [22, 37, 5, 20, 2, 3], arrive_at=[0, 1, 1, 3, 6, 6], budget=24, seed=5):
+        plan = plans.plan(work)
+        expected, got = (runner.forward_all_logits(plan) for runner in runners)
+        torch.testing.assert_close(got, expected, atol=2e-4, rtol=1e-3)

@@ -1,0 +1,351 @@
+"""The Triton paged-attention (and RMSNorm) kernels against plain torch references.
+
+On CPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set before triton is
+imported), with small shapes so the file stays well under a minute; on CUDA the same tests run
+compiled, plus larger shapes marked `gpu`. triton must be importable (CI installs
+triton==3.6.0): without it this module fails at import instead of skipping.
+
+The caches start as NaN everywhere and only positions inside each request's sequence get real
+values, and the block tables' padding points at NaN blocks, so a kernel that lets any key past a
+sequence (or a padding table entry) into its sums produces NaN.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+ON_CUDA = torch.cuda.is_available()
+if not ON_CUDA:
+    # Read when triton is imported (its own @triton.jit helpers, tl.cdiv and tl.sum among them,
+    # are decorated then): too late once triton is in, so say so instead of failing obscurely.
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        raise RuntimeError("triton was imported before TRITON_INTERPRET=1 was set; run with TRITON_INTERPRET=1")
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import triton  # noqa: E402,F401  (no skip: CI must have triton)
+
+from tokenspeed_worker.kernels_triton import attention, norm  # noqa: E402
+
+DEVICE = torch.device("cuda" if ON_CUDA else "cpu")
+BLOCK_SIZE = 16
+TOLERANCE = {
+    torch.float32: dict(atol=2e-5, rtol=2e-5),
+    torch.float16: dict(atol=5e-3, rtol=5e-3),
+    torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+}
+
+
+class PagedCase:
+    """A batch of requests whose K/V sit in randomly placed blocks of a paged cache."""
+
+    def __init__(
+        self,
+        seq_lens: list[int],
+        query_lens: list[int],
+        num_kv_heads: int,
+        group: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        seed: int = 0,
+        block_size: int = BLOCK_SIZE,
+        spare_columns: int = 5,
+    ) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.seq_lens, self.query_lens = seq_lens, query_lens
+        self.num_kv_heads, self.group, self.head_dim = num_kv_heads, group, head_dim
+        self.num_heads = num_kv_heads * group
+        self.block_size = block_size
+        blocks_needed = [-(-n // block_size) for n in seq_lens]
+        num_blocks = sum(blocks_needed) + 7  # the 7 spare blocks stay NaN
+        width = max(blocks_needed) + spare_columns
+        placement = torch.randperm(num_blocks, generator=gen)
+        spare = placement[sum(blocks_needed):]
+        tables = spare[torch.randint(0, len(spare), (len(seq_lens), width), generator=gen)]
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        k_cache = torch.full(shape, float("nan"))
+        v_cache = torch.full(shape, float("nan"))
+        used = 0
+        for b, (seq_len, count) in enumerate(zip(seq_lens, blocks_needed)):
+            tables[b, :count] = placement[used:used + count]
+            used += count
+            for pos in range(seq_len):
+                block, offset = tables[b, pos // block_size], pos % block_size
+                k_cache[block, offset] = torch.randn(num_kv_heads, head_dim, generator=gen)
+                v_cache[block, offset] = torch.randn(num_kv_heads, head_dim, generator=gen)
+        self.k_cache = k_cache.to(dtype).to(DEVICE)
+        self.v_cache = v_cache.to(dtype).to(DEVICE)
+        self.block_tables = tables.to(torch.int32).to(DEVICE)
+        self.seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+        starts = [0]
+        for n in query_lens:
+            starts.append(starts[-1] + n)
+        self.query_start_loc = torch.tensor(starts, dtype=torch.int32, device=DEVICE)
+        self.q = torch.randn(starts[-1], self.num_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
+        self.scale = head_dim**-0.5
+
+    def reference(self) -> torch.Tensor:
+        """float32 [T, H, D]: softmax attention over the gathered sequence, causal after the prefix."""
+        bs, hkv, d = self.block_size, self.num_kv_heads, self.head_dim
+        k_slots = self.k_cache.float().reshape(-1, hkv, d)
+        v_slots = self.v_cache.float().reshape(-1, hkv, d)
+        outputs, start = [], 0
+        for b, (seq_len, query_len) in enumerate(zip(self.seq_lens, self.query_lens)):
+            positions = torch.arange(seq_len, device=DEVICE)
+            slots = self.block_tables[b, positions // bs].long() * bs + positions % bs
+            k = k_slots[slots].repeat_interleave(self.group, dim=1)  # [L, H, D]: GQA by head grouping
+            v = v_slots[slots].repeat_interleave(self.group, dim=1)
+            q = self.q[start:start + query_len].float()
+            scores = torch.einsum("qhd,khd->hqk", q, k) * self.scale
+            query_pos = seq_len - query_len + torch.arange(query_len, device=DEVICE)
+            scores = scores.masked_fill(positions[None, None, :] > query_pos[None, :, None], float("-inf"))
+            outputs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v))
+            start += query_len
+        return torch.cat(outputs)
+
+
+def _decode_case(seq_lens, group, head_dim, dtype, seed=0, num_kv_heads=2) -> PagedCase:
+    return PagedCase(seq_lens, [1] * len(seq_lens), num_kv_heads, group, head_dim, dtype, seed)
+
+
+def _assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    assert torch.isfinite(actual).all(), "NaN/inf: a key past a sequence or a padding block leaked in"
+    torch.testing.assert_close(actual.float(), expected, **TOLERANCE[dtype])
+
+
+DECODE_SEQ_LENS = {
+    1: [133],
+    3: [1, 16, 257],
+    8: [1, 2, 15, 16, 17, 64, 100, 300],
+}
+
+
+@pytest.mark.parametrize(
+    "batch,group,head_dim,dtype,num_splits",
+    [
+        (1, 1, 32, torch.float32, None),
+        (1, 4, 64, torch.float32, 3),
+        (3, 4, 64, torch.float32, 1),
+        (3, 1, 128, torch.float32, 4),
+        (3, 4, 32, torch.bfloat16, None),
+        (8, 4, 128, torch.bfloat16, 8),
+        (8, 1, 64, torch.float16, 2),
+    ],
+)
+def test_decode_matches_reference(batch, group, head_dim, dtype, num_splits):
+    case = _decode_case(DECODE_SEQ_LENS[batch], group, head_dim, dtype, seed=batch * 10 + group)
+    out = torch.empty_like(case.q)
+    attention.paged_decode_attention(
+        case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens_t, case.scale, out, num_splits=num_splits
+    )
+    _assert_close(out, case.reference(), dtype)
+
+
+def test_decode_fixed_num_splits_ignores_empty_splits_and_stale_workspace():
+    # What a CUDA graph does: one num_splits and one workspace (made for a larger batch) for every
+    # replay. Most splits are empty for these short sequences; the workspace starts as NaN and
+    # keeps the previous call's entries, none of which may reach the output.
+    num_splits = 32
+    partial_out, partial_lse = attention.decode_workspace(6, 8, 64, num_splits, DEVICE)
+    partial_out.fill_(float("nan"))
+    partial_lse.fill_(float("nan"))
+    for seed, seq_lens in enumerate(([300, 1, 40], [1, 17, 2], [129, 5, 64])):
+        case = _decode_case(seq_lens, group=4, head_dim=64, dtype=torch.float32, seed=seed)
+        out = torch.empty_like(case.q)
+        attention.paged_decode_attention(
+            case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens_t, case.scale, out,
+            num_splits=num_splits, workspace=(partial_out, partial_lse),
+        )
+        _assert_close(out, case.reference(), torch.float32)
+
+
+def test_decode_takes_num_splits_from_the_workspace():
+    case = _decode_case([70, 3], group=2, head_dim=32, dtype=torch.float32)
+    workspace = attention.decode_workspace(2, case.num_heads, 32, 5, DEVICE)
+    out = torch.empty_like(case.q)
+    attention.paged_decode_attention(
+        case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens_t, case.scale, out, workspace=workspace
+    )
+    _assert_close(out, case.reference(), torch.float32)
+
+
+def test_decode_reads_strided_q_and_writes_strided_out():
+    # q as the attention layer gets it: a view into the fused qkv projection.
+    case = _decode_case([50, 200], group=4, head_dim=64, dtype=torch.float32)
+    num_heads, head_dim = case.num_heads, case.head_dim
+    qkv = torch.randn(2, num_heads + 2 * case.num_kv_heads, head_dim, device=DEVICE)
+    qkv[:, :num_heads] = case.q
+    out_buffer = torch.full((2, num_heads * 2, head_dim), 7.0, device=DEVICE)
+    out = out_buffer[:, ::2]
+    attention.paged_decode_attention(
+        qkv[:, :num_heads], case.k_cache, case.v_cache, case.block_tables, case.seq_lens_t, case.scale, out,
+        num_splits=2,
+    )
+    _assert_close(out, case.reference(), torch.float32)
+    assert (out_buffer[:, 1::2] == 7.0).all()
+
+
+def test_decode_rejects_a_workspace_too_small():
+    case = _decode_case([20, 20], group=1, head_dim=32, dtype=torch.float32)
+    workspace = attention.decode_workspace(1, case.num_heads, 32, 4, DEVICE)
+    with pytest.raises(ValueError, match="workspace"):
+        attention.paged_decode_attention(
+            case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens_t, case.scale,
+            torch.empty_like(case.q), num_splits=4, workspace=workspace,
+        )
+
+
+def test_choose_num_splits_fills_the_gpu_without_splitting_short_contexts():
+    assert attention.choose_num_splits(1, 8, 8192, "cpu") > 8  # batch 1: split to fill 132 SMs
+    assert attention.choose_num_splits(1, 8, 8192, "cpu") <= attention.MAX_SPLITS
+    assert attention.choose_num_splits(256, 8, 8192, "cpu") == 1  # already 2048 programs
+    assert attention.choose_num_splits(1, 8, 100, "cpu") == 1  # one short split is enough
+
+
+EXTEND_CASES = {
+    # (context_lens, query_lens) per request: prefix hits, chunks, fresh prompts and decode rows.
+    1: ([0], [77]),
+    3: ([0, 48, 130], [33, 1, 70]),
+    8: ([0, 16, 5, 100, 0, 31, 200, 1], [1, 40, 1, 17, 64, 1, 33, 2]),
+}
+
+
+@pytest.mark.parametrize(
+    "batch,group,head_dim,dtype",
+    [
+        (1, 1, 32, torch.float32),
+        (1, 4, 64, torch.bfloat16),
+        (3, 4, 64, torch.float32),
+        (3, 1, 128, torch.bfloat16),
+        (8, 4, 32, torch.float32),
+        (8, 4, 128, torch.bfloat16),
+    ],
+)
+def test_extend_matches_reference(batch, group, head_dim, dtype):
+    context_lens, query_lens = EXTEND_CASES[batch]
+    seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
+    case = PagedCase(seq_lens, query_lens, 2, group, head_dim, dtype, seed=batch + group)
+    out = torch.empty_like(case.q)
+    attention.paged_extend_attention(
+        case.q, case.k_cache, case.v_cache, case.block_tables, case.query_start_loc, case.seq_lens_t,
+        case.scale, out, max(query_lens),
+    )
+    _assert_close(out, case.reference(), dtype)
+
+
+def test_extend_with_a_larger_max_query_len_and_an_empty_query():
+    # A padded batch (CUDA graphs, or a request with nothing to compute this step): the extra
+    # query tiles and the zero-length request write nothing.
+    context_lens, query_lens = [10, 3, 0], [20, 0, 9]
+    seq_lens = [max(1, c + q) for c, q in zip(context_lens, query_lens)]
+    case = PagedCase(seq_lens, query_lens, 2, 4, 32, torch.float32, seed=3)
+    out = torch.empty_like(case.q)
+    attention.paged_extend_attention(
+        case.q, case.k_cache, case.v_cache, case.block_tables, case.query_start_loc, case.seq_lens_t,
+        case.scale, out, 200,
+    )
+    _assert_close(out, case.reference(), torch.float32)
+
+
+def test_extend_of_single_token_queries_equals_decode():
+    case = _decode_case([1, 31, 90], group=4, head_dim=64, dtype=torch.float32, seed=5)
+    decoded, extended = torch.empty_like(case.q), torch.empty_like(case.q)
+    attention.paged_decode_attention(
+        case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens_t, case.scale, decoded, num_splits=3
+    )
+    attention.paged_extend_attention(
+        case.q, case.k_cache, case.v_cache, case.block_tables, case.query_start_loc, case.seq_lens_t,
+        case.scale, extended, 1,
+    )
+    torch.testing.assert_close(decoded, extended, atol=2e-6, rtol=2e-6)
+
+
+def _rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Hugging Face's LlamaRMSNorm (layers/layernorm.py): statistics in float32, weight in the model dtype.
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype,hidden", [(torch.float32, 96), (torch.bfloat16, 256), (torch.float16, 1000)])
+def test_fused_add_rms_norm_matches_reference_and_updates_residual_in_place(dtype, hidden):
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(5, hidden, generator=gen).to(dtype).to(DEVICE)
+    residual = torch.randn(5, hidden, generator=gen).to(dtype).to(DEVICE)
+    weight = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(dtype).to(DEVICE)
+    expected_residual = x + residual
+    expected = _rms_norm_reference(expected_residual, weight, 1e-6)
+    normed, new_residual = norm.fused_add_rms_norm(x, residual, weight, 1e-6)
+    assert new_residual.data_ptr() == residual.data_ptr()
+    torch.testing.assert_close(new_residual, expected_residual, atol=0, rtol=0)
+    # The mean of squares is summed in another order: at most one rounding step apart.
+    torch.testing.assert_close(normed, expected, **TOLERANCE[dtype])
+
+
+def test_rms_norm_matches_reference():
+    x = torch.randn(3, 4, 128, device=DEVICE).to(torch.bfloat16)
+    weight = torch.randn(128, device=DEVICE).to(torch.bfloat16)
+    torch.testing.assert_close(norm.rms_norm(x, weight, 1e-5), _rms_norm_reference(x, weight, 1e-5),
+                               **TOLERANCE[torch.bfloat16])
+
+
+gpu = pytest.mark.skipif(not ON_CUDA, reason="needs a CUDA device")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("num_splits", [None, 1, 16])
+def test_decode_llama_8b_shape_on_gpu(num_splits):
+    gen = torch.Generator().manual_seed(0)
+    seq_lens = torch.randint(1, 3000, (24,), generator=gen).tolist()
+    case = _decode_case(seq_lens, group=4, head_dim=128, dtype=torch.bfloat16, num_kv_heads=8)
+    out = torch.empty_like(case.q)
+    attention.paged_decode_attention(
+        case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens_t, case.scale, out, num_splits=num_splits
+    )
+    _assert_close(out, case.reference(), torch.bfloat16)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("head_dim,group", [(128, 4), (64, 1), (256, 2)])
+def test_extend_long_prefill_on_gpu(head_dim, group):
+    context_lens, query_lens = [0, 700, 0, 1500], [1024, 300, 1, 1]
+    seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
+    case = PagedCase(seq_lens, query_lens, 4, group, head_dim, torch.bfloat16, seed=2)
+    out = torch.empty_like(case.q)
+    attention.paged_extend_attention(
+        case.q, case.k_cache, case.v_cache, case.block_tables, case.query_start_loc, case.seq_lens_t,
+        case.scale, out, max(query_lens),
+    )
+    _assert_close(out, case.reference(), torch.bfloat16)
+
+
+@pytest.mark.gpu
+@gpu
+def test_decode_replays_in_a_cuda_graph():
+    # Captured once with one num_splits and workspace; replayed with other lengths in place.
+    case = _decode_case([900, 5, 64, 1], group=4, head_dim=128, dtype=torch.bfloat16, num_kv_heads=8)
+    out = torch.empty_like(case.q)
+    workspace = attention.decode_workspace(4, case.num_heads, 128, 16, DEVICE)
+    seq_lens = case.seq_lens_t.clone()
+
+    def step():
+        attention.paged_decode_attention(
+            case.q, case.k_cache, case.v_cache, case.block_tables, seq_lens, case.scale, out,
+            num_splits=16, workspace=workspace,
+        )
+
+    step()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for lens in ([900, 5, 64, 1], [3, 5, 1, 1], [450, 2, 64, 1]):  # within what the cache holds
+        case.seq_lens = lens
+        seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        _assert_close(out, case.reference(), torch.bfloat16)

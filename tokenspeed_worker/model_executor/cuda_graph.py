@@ -1,0 +1,307 @@
+"""CUDA graphs for decode steps: the model forward and the LM head, captured once per batch size.
+
+A decode-only step (every request computes one token) of B rows runs the graph of the
+smallest captured size P >= B. All graphs read one set of static input buffers (their
+first P rows) and share one memory pool, captured largest first so the smaller ones
+reuse its memory. The P - B padded rows are dummies: token 0 at position 0, writing
+their K/V into a reserved *dummy block* that no request owns (the runner allocates
+the pool with one block more than the scheduler hands out) and attending only to it
+(sequence length 1). The LM head output is copied into a static logits buffer inside
+the graph; the real rows are copied out as float32 after the replay, so the sampler
+(never inside a graph) gets a tensor the next replay cannot overwrite.
+
+Steps that are not decode-only run eagerly, as do decode batches larger than the
+largest captured size or with a block table wider than the static one; those reasons
+are logged once each (see `decode_graph_size`). The decisions and the padding are pure
+functions, tested on CPU; `EmulatedGraph` replays a "captured" step by re-running it on
+the same static buffers, so CPU tests exercise the whole graph path too.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tokenspeed_worker.layers.attention import AttentionBackend
+from tokenspeed_worker.scheduler.plan import SchedulePlan
+
+logger = logging.getLogger(__name__)
+
+_GIB = 1 << 30
+
+DEFAULT_MAX_CAPTURE_SIZE = 256
+# Memory kept free for the graphs when the KV pool is sized, before they are captured: the
+# exact static buffers plus this fixed allowance for the graphs' shared pool (the activations
+# of the largest decode batch: tens of MiB for 1-8B models) and CUDA's per-graph bookkeeping.
+# The capture logs what was really used and warns if it exceeded the reserve.
+GRAPH_POOL_ALLOWANCE_BYTES = 1 * _GIB
+
+# Why a step does not replay a graph. A prefill step is the normal case; the rest are logged once.
+PREFILL_STEP = "prefill step"
+NOT_CAPTURED = "not captured"
+BATCH_TOO_LARGE = "batch larger than the largest captured size"
+TABLE_TOO_WIDE = "block table wider than the static one"
+
+
+def capture_sizes(
+    max_num_seqs: int, explicit: list[int] | None = None, max_capture_size: int | None = None
+) -> list[int]:
+    """Batch sizes to capture, ascending.
+
+    Default: 1, 2, 4, 8, then every multiple of 8 up to min(max_capture_size or 256,
+    max_num_seqs), plus that limit itself so every batch the scheduler can form gets a
+    graph. An explicit list is used as given (deduplicated, sorted), without sizes above
+    max_num_seqs or max_capture_size (no batch can use them).
+    """
+    if max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be positive, got {max_num_seqs}")
+    if max_capture_size is not None and max_capture_size < 1:
+        raise ValueError(f"max_cudagraph_capture_size must be positive, got {max_capture_size}")
+    limit = min(max_num_seqs, max_capture_size if max_capture_size is not None else DEFAULT_MAX_CAPTURE_SIZE)
+    if explicit is not None:
+        bad = [s for s in explicit if int(s) < 1]
+        if bad:
+            raise ValueError(f"cudagraph_capture_sizes must be positive, got {bad}")
+        return sorted({int(s) for s in explicit if int(s) <= limit})
+    sizes = [s for s in (1, 2, 4, 8) if s <= limit] + list(range(16, limit + 1, 8))
+    if sizes[-1] != limit:
+        sizes.append(limit)
+    return sizes
+
+
+def padded_batch_size(num_reqs: int, sizes: list[int]) -> int | None:
+    """The smallest captured size that holds num_reqs rows; None if none does."""
+    index = bisect.bisect_left(sizes, num_reqs)
+    return sizes[index] if index < len(sizes) else None
+
+
+def decode_graph_size(
+    query_lens: np.ndarray, table_width: int, sizes: list[int], max_table_width: int
+) -> tuple[int | None, str | None]:
+    """(graph batch size, None) when the step can replay a graph, else (None, reason)."""
+    if query_lens.shape[0] == 0 or not bool(np.all(query_lens == 1)):
+        return None, PREFILL_STEP
+    if not sizes:
+        return None, NOT_CAPTURED
+    size = padded_batch_size(int(query_lens.shape[0]), sizes)
+    if size is None:
+        return None, BATCH_TOO_LARGE
+    if table_width > max_table_width:
+        return None, TABLE_TOO_WIDE
+    return size, None
+
+
+@dataclass
+class PaddedDecodeInputs:
+    """A decode step's inputs padded to a graph's batch size (host arrays)."""
+
+    input_ids: np.ndarray  # int64 [P]
+    positions: np.ndarray  # int64 [P]
+    slot_mapping: np.ndarray  # int64 [P]
+    seq_lens: np.ndarray  # int32 [P]
+    block_tables: np.ndarray  # int32 [P, w]
+
+
+def pad_decode_inputs(plan: SchedulePlan, size: int, dummy_block: int, block_size: int) -> PaddedDecodeInputs:
+    """The plan's B rows, then size - B dummy rows writing into and reading only the dummy block."""
+    num_reqs = plan.num_reqs
+    if size < num_reqs:
+        raise ValueError(f"cannot pad {num_reqs} rows to {size}")
+    width = max(1, plan.block_tables.shape[1])
+    input_ids = np.zeros(size, dtype=np.int64)
+    positions = np.zeros(size, dtype=np.int64)
+    slot_mapping = np.full(size, dummy_block * block_size, dtype=np.int64)
+    seq_lens = np.ones(size, dtype=np.int32)
+    block_tables = np.zeros((size, width), dtype=np.int32)
+    input_ids[:num_reqs] = plan.input_ids
+    positions[:num_reqs] = plan.positions
+    slot_mapping[:num_reqs] = plan.slot_mapping
+    seq_lens[:num_reqs] = plan.seq_lens
+    block_tables[:num_reqs, : plan.block_tables.shape[1]] = plan.block_tables
+    block_tables[num_reqs:, 0] = dummy_block
+    return PaddedDecodeInputs(input_ids, positions, slot_mapping, seq_lens, block_tables)
+
+
+def static_buffer_bytes(max_batch: int, max_table_width: int, vocab_size: int, logits_itemsize: int) -> int:
+    """Bytes of the static buffers: logits (model dtype), block tables, and the per-row inputs."""
+    return max_batch * (vocab_size * logits_itemsize + max_table_width * 4 + 3 * 8 + 4)
+
+
+def graph_reserve_bytes(max_batch: int, max_table_width: int, vocab_size: int, logits_itemsize: int) -> int:
+    """Memory to keep free for the graphs when sizing the KV pool before capture (see GRAPH_POOL_ALLOWANCE_BYTES)."""
+    return static_buffer_bytes(max_batch, max_table_width, vocab_size, logits_itemsize) + GRAPH_POOL_ALLOWANCE_BYTES
+
+
+class CudaGraph:
+    """A torch.cuda.CUDAGraph behind the two calls DecodeGraphs needs."""
+
+    def __init__(self) -> None:
+        self.graph = torch.cuda.CUDAGraph()
+
+    def capture(self, step: Callable[[], None], pool) -> None:
+        # Keep the step (and through it the metadata: the decode workspace was allocated outside
+        # the graph's pool) alive as long as the graph: a replay writes into that memory.
+        self.step = step
+        with torch.cuda.graph(self.graph, pool=pool):
+            step()
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+class EmulatedGraph:
+    """Replays by re-running the captured step on the same static buffers and metadata (CPU tests)."""
+
+    def capture(self, step: Callable[[], None], pool) -> None:
+        self.step = step
+
+    def replay(self) -> None:
+        self.step()
+
+
+@dataclass
+class CaptureReport:
+    sizes: list[int]
+    seconds: float
+    graph_bytes: int  # device memory the capture took (static buffers + graph pool), CUDA only
+    static_bytes: int
+
+
+class DecodeGraphs:
+    """The captured decode graphs of one model, their static buffers, and the replay of a plan."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        backend: AttentionBackend,
+        *,
+        sizes: list[int],
+        max_table_width: int,
+        dummy_block: int,
+        block_size: int,
+        vocab_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        graph_class: type = CudaGraph,
+    ) -> None:
+        if not sizes:
+            raise ValueError("no capture sizes")
+        self.model = model
+        self.backend = backend
+        self.sizes = sorted(sizes)
+        self.max_batch = self.sizes[-1]
+        self.max_table_width = max_table_width
+        self.dummy_block = dummy_block
+        self.block_size = block_size
+        self.device = device
+        self.graph_class = graph_class
+        self.graphs: dict[int, object] = {}
+        self.captured_sizes: list[int] = []  # ascending; empty until capture() finished
+        self.num_replays = 0
+        self.num_eager_decodes = 0  # decode steps that could not replay (logged once per reason)
+        self._logged_reasons: set[str] = set()
+        with torch.inference_mode():
+            self.input_ids = torch.zeros(self.max_batch, dtype=torch.int64, device=device)
+            self.positions = torch.zeros(self.max_batch, dtype=torch.int64, device=device)
+            self.slot_mapping = torch.zeros(self.max_batch, dtype=torch.int64, device=device)
+            self.seq_lens = torch.ones(self.max_batch, dtype=torch.int32, device=device)
+            self.block_tables = torch.zeros((self.max_batch, max_table_width), dtype=torch.int32, device=device)
+            self.logits = torch.zeros((self.max_batch, vocab_size), dtype=dtype, device=device)
+        self.static_bytes = static_buffer_bytes(self.max_batch, max_table_width, vocab_size, dtype.itemsize)
+
+    # -- capture ----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def capture(self) -> CaptureReport:
+        on_cuda = self.device.type == "cuda"
+        start = time.perf_counter()
+        if on_cuda:
+            torch.cuda.synchronize(self.device)
+            free_before = torch.cuda.mem_get_info(self.device)[0]
+        pool = torch.cuda.graph_pool_handle() if on_cuda and self.graph_class is CudaGraph else None
+        for size in reversed(self.sizes):  # largest first: the smaller graphs reuse its pool memory
+            self._load_dummy_rows(size)
+            step = self._make_step(size)
+            step()  # warm-up: compiles and autotunes kernels, which must not happen while capturing
+            graph = self.graph_class()
+            try:
+                graph.capture(step, pool)
+            except Exception as error:
+                raise RuntimeError(
+                    f"CUDA graph capture failed at decode batch size {size} "
+                    f"(attention backend {self.backend.name}); --enforce-eager runs without graphs"
+                ) from error
+            self.graphs[size] = graph
+        self.captured_sizes = sorted(self.graphs)
+        graph_bytes = 0
+        if on_cuda:
+            torch.cuda.synchronize(self.device)
+            graph_bytes = free_before - torch.cuda.mem_get_info(self.device)[0] + self.static_bytes
+        return CaptureReport(list(self.sizes), time.perf_counter() - start, graph_bytes, self.static_bytes)
+
+    def _make_step(self, size: int) -> Callable[[], None]:
+        metadata = self.backend.decode_graph_metadata(
+            self.slot_mapping[:size], self.block_tables[:size], self.seq_lens[:size]
+        )
+
+        def step() -> None:
+            hidden_states = self.model(self.input_ids[:size], self.positions[:size], metadata)
+            self.logits[:size].copy_(self.model.compute_logits(hidden_states))
+
+        return step
+
+    def _load_dummy_rows(self, size: int) -> None:
+        self.input_ids[:size].zero_()
+        self.positions[:size].zero_()
+        self.slot_mapping[:size].fill_(self.dummy_block * self.block_size)
+        self.seq_lens[:size].fill_(1)
+        self.block_tables[:size].fill_(self.dummy_block)
+
+    # -- replay -----------------------------------------------------------------------------
+
+    def run(self, plan: SchedulePlan) -> torch.Tensor | None:
+        """float32 logits [S, V] of the plan's sampling rows, or None when the step must run eagerly."""
+        size, reason = decode_graph_size(
+            np.asarray(plan.query_lens), plan.block_tables.shape[1], self.captured_sizes, self.max_table_width
+        )
+        if size is None:
+            if reason != PREFILL_STEP:
+                self.num_eager_decodes += 1
+                self._log_eager_once(reason, plan)
+            return None
+        padded = pad_decode_inputs(plan, size, self.dummy_block, self.block_size)
+        width = padded.block_tables.shape[1]
+        self.input_ids[:size].copy_(torch.from_numpy(padded.input_ids), non_blocking=True)
+        self.positions[:size].copy_(torch.from_numpy(padded.positions), non_blocking=True)
+        self.slot_mapping[:size].copy_(torch.from_numpy(padded.slot_mapping), non_blocking=True)
+        self.seq_lens[:size].copy_(torch.from_numpy(padded.seq_lens), non_blocking=True)
+        # Columns past `width` keep older (valid) block ids; a row reads only its seq_len's blocks.
+        self.block_tables[:size, :width].copy_(torch.from_numpy(padded.block_tables), non_blocking=True)
+        self.graphs[size].replay()
+        self.num_replays += 1
+        rows = np.asarray(plan.sample_rows)
+        if rows.shape[0] == plan.num_reqs and np.array_equal(rows, np.arange(plan.num_reqs)):
+            return self.logits[: plan.num_reqs].to(torch.float32, copy=True)
+        index = torch.from_numpy(rows.astype(np.int64)).to(self.device, non_blocking=True)
+        return self.logits.index_select(0, index).float()
+
+    def _log_eager_once(self, reason: str, plan: SchedulePlan) -> None:
+        if reason in self._logged_reasons:
+            return
+        self._logged_reasons.add(reason)
+        logger.warning(
+            "decode step runs eagerly (%s): %d rows, block table width %d; captured sizes up to %d, "
+            "static block table width %d (logged once per reason)",
+            reason, plan.num_reqs, plan.block_tables.shape[1], self.max_batch, self.max_table_width,
+        )
+
+
+def max_table_width(max_model_len: int, block_size: int) -> int:
+    return math.ceil(max_model_len / block_size)
