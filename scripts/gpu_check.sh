@@ -35,4 +35,20 @@ fi
 if [ "${BENCH_SAMPLER:-0}" = 1 ]; then
   python3 scripts/bench_sampler.py --batch 256 --vocab 128256 --out "$OUT/gpu_sampler.json" 2>&1 | grep -v '^{'
 fi
+# The GPU speed work: self-check of triton backend + CUDA graphs, kernel tests, then benchmarks.
+if [ "${BENCH_PERF:-0}" = 1 ] && [ "${SKIP_SELFCHECK:-0}" != 1 ]; then
+  timeout 200 python3 scripts/gpu_selfcheck.py --out "$OUT/gpu_selfcheck.json" 2>&1 | grep -v "^20..-" | tail -40
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_kernels.py \
+    tests/test_triton_backend.py tests/test_cuda_graph_logic.py 2>&1 | tail -15
+fi
+if [ "${BENCH_PERF:-0}" = 1 ]; then
+  for m in llama-3.2-1b llama-3.1-8b; do
+    timeout 120 python3 scripts/bench_latency.py --model $m --prompt-len 128 --new-tokens 128 \
+      --out "$OUT/latency_$m.json" 2>&1 | grep -E "decode:|TB/s|Error|error|graph" | tail -6
+  done
+  timeout 150 python3 scripts/bench_offline.py --model llama-3.2-1b --num-requests 1000 --input-len 128 \
+    --output-len 128 --out "$OUT/offline_1b_128.json" 2>&1 | grep -E "tokens in|idle|Error|error" | tail -4
+  timeout 200 python3 scripts/bench_offline.py --model llama-3.1-8b --num-requests 1000 --input-len 128 \
+    --output-len 128 --out "$OUT/offline_8b_128.json" 2>&1 | grep -E "tokens in|idle|Error|error" | tail -4
+fi
 exit "$rc"

@@ -37,7 +37,7 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "cpu"
     load_format: str = "auto"
-    attention_backend: str = "torch"
+    attention_backend: str = "auto"  # triton on CUDA when triton imports, else torch
     block_size: int = 16
     max_model_len: int = 2048
     max_num_seqs: int = 256
