@@ -54,7 +54,7 @@ def main() -> int:
     roofline_step = arithmetic.step_bytes(int(mean_context)) / bandwidth
     result = {
         "model": args.model, "device": args.device, "dtype": str(core.runner.dtype),
-        "attention_backend": core.cfg.attention_backend, "date": time.strftime("%Y-%m-%d"),
+        "attention_backend": getattr(core.runner.attention_backend, "name", core.cfg.attention_backend), "date": time.strftime("%Y-%m-%d"),
         "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
         "copy_bandwidth_tb_s": bandwidth / 1e12, "weight_bytes": arithmetic.weight_bytes,
         "decode_step_ms_median": 1000 * median, "decode_step_ms_p90": 1000 * float(np.percentile(decode, 90)),

@@ -106,7 +106,7 @@ def main() -> int:
     result = {
         "gpu_idle_gap_ms_median": idle[0], "gpu_idle_gap_ms_mean": idle[1], "gpu_busy_ms_mean": idle[2],
         "model": args.model, "device": args.device, "dtype": str(core.runner.dtype),
-        "attention_backend": core.cfg.attention_backend, "date": time.strftime("%Y-%m-%d"),
+        "attention_backend": getattr(core.runner.attention_backend, "name", core.cfg.attention_backend), "date": time.strftime("%Y-%m-%d"),
         "num_requests": args.num_requests, "input_len": args.input_len, "output_len": args.output_len,
         "max_num_seqs": args.max_num_seqs, "kv_pool_tokens": core.num_blocks * core.cfg.block_size,
         "copy_bandwidth_tb_s": bandwidth / 1e12, "matmul_tflop_s": flops / 1e12,

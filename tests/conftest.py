@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+import torch
+
+# Without a GPU, Triton kernels are tested in Triton's interpreter; the variable must be set
+# before anything imports triton (some modules import it at load time).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 
