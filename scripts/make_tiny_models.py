@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 
 VOCAB_SIZE = 512
-MAX_POSITIONS = 512
+MAX_POSITIONS = 4096  # room for long-running test requests (drain, abort, soak)
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 CHAT_TEMPLATE = (

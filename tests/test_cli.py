@@ -345,7 +345,7 @@ NOT_SUPPORTED = [o for o in OPTIONS if o.spec.status is not Status.SUPPORTED]
 
 def test_table_has_the_reference_parameters() -> None:
     for dest in ("tensor_parallel_size", "speculative_config", "kv_events_config",
-                 "api_key", "enable_metrics", "quantization"):  # fmt: skip
+                 "enable_metrics", "quantization"):  # fmt: skip
         assert OPTIONS_BY_DEST[dest].spec.status is Status.NOT_YET
     for dest in ("chat_template", "reasoning_parser", "tool_call_parser"):
         assert OPTIONS_BY_DEST[dest].spec.status is Status.GATEWAY
@@ -388,9 +388,9 @@ def test_turning_off_prefix_caching_is_accepted() -> None:
 
 
 def test_several_unsupported_flags_are_reported_on_one_line(capsys: pytest.CaptureFixture[str]) -> None:
-    stderr = run_main_expecting_exit(capsys, "/m", "--api-key", "k", "--tp", "2")
+    stderr = run_main_expecting_exit(capsys, "/m", "--enable-metrics", "--tp", "2")
     assert stderr == [
-        "tokenspeed-worker: error: --api-key is not supported yet; --tensor-parallel-size is not supported yet"
+        "tokenspeed-worker: error: --tensor-parallel-size is not supported yet; --enable-metrics is not supported yet"
     ]
 
 

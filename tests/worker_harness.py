@@ -47,7 +47,8 @@ def free_port() -> int:
 class Worker:
     """A worker subprocess; `stub` talks TokenSpeedScheduler to it."""
 
-    def __init__(self, model: Path | str, *extra: str, startup_timeout: float = 240.0) -> None:
+    def __init__(self, model: Path | str, *extra: str, startup_timeout: float = 240.0,
+                 env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.log_path = CACHE / "logs" / f"worker-{self.port}.log"
@@ -55,7 +56,8 @@ class Worker:
         self._log = open(self.log_path, "wb")
         cmd = [sys.executable, "-m", "tokenspeed_worker", str(model), "--host", "127.0.0.1",
                "--grpc-port", str(self.port), *extra]
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO)
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO,
+                                     env=dict(os.environ, **(env or {})))
         self.channel = grpc.insecure_channel(self.address)
         from tokenspeed_worker.proto import tokenspeed_scheduler_pb2_grpc as pb_grpc
 
@@ -165,3 +167,49 @@ def hf_greedy(model_dir: Path | str, prompt_ids: list[int], max_new_tokens: int,
             eos_token_id=list(eos_ids) or None, pad_token_id=0,
         )
     return out[0, len(prompt_ids):].tolist()
+
+
+# ---- process memory (fuzz and soak tests) ------------------------------------------
+
+
+def child_pids(pid: int) -> list[int]:
+    """Direct children of `pid` (from /proc/PID/task/*/children, else a scan of /proc)."""
+    kids: list[int] = []
+    task_dir = Path(f"/proc/{pid}/task")
+    try:
+        for task in task_dir.iterdir():
+            with contextlib.suppress(OSError):
+                kids.extend(int(x) for x in (task / "children").read_text().split())
+    except OSError:
+        pass
+    if kids:
+        return sorted(set(kids))
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                stat = (entry / "stat").read_text()
+                if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                    kids.append(int(entry.name))
+    return sorted(kids)
+
+
+def rss_kb(pid: int) -> int:
+    """VmRSS of one process in kB (0 if it is gone)."""
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0
+
+
+def process_tree_rss_kb(pid: int) -> dict[int, int]:
+    """VmRSS in kB of `pid` and every descendant (the worker: server + engine + helpers)."""
+    out: dict[int, int] = {}
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        if p in out:
+            continue
+        out[p] = rss_kb(p)
+        todo.extend(child_pids(p))
+    return out

@@ -144,6 +144,16 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not value > 0 or value != value or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
+    return value
+
+
 def _dtype(text: str) -> str:
     canonical = DTYPE_ALIASES.get(text.lower())
     if canonical is None:
@@ -277,7 +287,13 @@ class ServerArgs:
         "Model name reported to the gateway (the id clients use).",
         default_doc="the model path",
     )
-    api_key: str | None = _not_yet(None, API_SURFACE, "API key required by the server.")
+    api_key: str | None = _option(
+        None,
+        API_SURFACE,
+        "API key required by the server: every RPC except the two health surfaces needs metadata "
+        "'authorization: Bearer <key>' (UNAUTHENTICATED otherwise). smg sends it with its own --api-key.",
+        default_doc="none (no authentication)",
+    )
     chat_template: str | None = _gateway(None, API_SURFACE, "Chat template name or file.")
     stream_interval: int = _option(
         1,
@@ -481,6 +497,28 @@ class ServerArgs:
     # ---- Worker (our additions)
     device: str = _option(
         "auto", WORKER, "Device: auto (cuda when available, else cpu), cpu, or cuda.", choices=("auto", "cpu", "cuda")
+    )
+    drain_timeout: float = _option(
+        30.0,
+        WORKER,
+        "Seconds in-flight requests get to finish after SIGTERM/SIGINT; then the rest end with "
+        "finish_reason 'abort' and the worker exits 0. Keep it below terminationGracePeriodSeconds.",
+        parse=_positive_float,
+    )
+    watchdog_timeout: float = _option(
+        300.0,
+        WORKER,
+        "If the engine makes no progress for this many seconds while work is pending, every "
+        "in-flight request ends with INTERNAL and the worker exits non-zero (its supervisor restarts it).",
+        parse=_positive_float,
+    )
+    max_queued_requests: int | None = _option(
+        None,
+        WORKER,
+        "Bound on requests waiting to start (not yet producing tokens); beyond it Generate gets "
+        "RESOURCE_EXHAUSTED, which the gateway retries on another worker.",
+        parse=_positive_int,
+        default_doc="unbounded",
     )
     seed: int = _option(
         0, WORKER, "Random seed for sampling and dummy weights.", aliases=("--random-seed",), parse=_non_negative_int

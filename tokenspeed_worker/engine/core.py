@@ -161,6 +161,8 @@ class EngineCore:
         self._row_of: dict[int, int] = {}
 
         self._tokens_window: list[tuple[float, int]] = []
+        self._steps = 0  # non-empty steps run
+        self._fault = _parse_fault(os.environ.get("TOKENSPEED_FAULT_INJECT", ""))
         logger.info(
             "engine ready: %s on %s (%s), attention %s, CUDA graphs %s, KV pool %d blocks x %d tokens (%.2f GiB), "
             "weights %.2f GiB",
@@ -287,11 +289,17 @@ class EngineCore:
             finished_ids=np.zeros(0, dtype=np.int64),
             finish_reasons=np.zeros(0, dtype=np.int32),
         )
-        if rows.shape[0] > 0:
-            logits = self.runner.forward(plan)
-            self._sample(logits, rows, out)
-        else:
-            self.runner.forward(plan)
+        self._steps += 1
+        try:
+            if self._fault is not None:
+                self._inject_fault()
+            if rows.shape[0] > 0:
+                logits = self.runner.forward(plan)
+                self._sample(logits, rows, out)
+            else:
+                self.runner.forward(plan)
+        except torch.OutOfMemoryError as exc:
+            raise self._fail_step(plan, f"out of memory in a step: {exc}".splitlines()[0]) from exc
         # Read before advance(): a request that finishes in this step is gone after it.
         out.cached_tokens = self.scheduler.cached_tokens(rows) if rows.shape[0] else np.zeros(0, np.int32)
         finished_rows, reasons = self.scheduler.advance(out.tokens)
@@ -305,6 +313,32 @@ class EngineCore:
                 del self._tokens_window[:2048]
         out.step_seconds = time.perf_counter() - t0
         return out
+
+    def _fail_step(self, plan, message: str) -> "StepFailed":
+        """Free every request of a step that could not run; the engine keeps serving the rest."""
+        failed = [int(self._server_id[row]) for row in plan.req_ids.tolist()]
+        for row in plan.req_ids.tolist():
+            self.scheduler.abort(row)
+        # Complete the schedule/advance protocol; the aborted rows' tokens are dropped.
+        self.scheduler.advance(np.zeros(len(plan.sample_rows), dtype=np.int64))
+        for row in plan.req_ids.tolist():
+            self._release(row)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        logger.error("step failed, %d request(s) ended: %s", len(failed), message)
+        return StepFailed(failed, message)
+
+    def _inject_fault(self) -> None:
+        """Test hook (env TOKENSPEED_FAULT_INJECT=kind@step): oom, hang or crash at that step."""
+        kind, step = self._fault
+        if self._steps != step:
+            return
+        if kind == "oom":
+            raise torch.OutOfMemoryError("injected by TOKENSPEED_FAULT_INJECT")
+        if kind == "hang":
+            time.sleep(3600)
+        if kind == "crash":
+            os._exit(3)
 
     def _sample(self, logits: torch.Tensor, rows: np.ndarray, out: StepOutput) -> None:
         """Sample the rows' next tokens (and logprobs if any row asked) into `out`."""
@@ -320,6 +354,25 @@ class EngineCore:
             out.ids_logprobs = _host(result.token_ids_logprobs)
             out.ids_logprob_ids = _host(result.token_ids_logprob_ids)
             out.ids_logprob_counts = _host(result.token_ids_logprob_counts)
+
+
+class StepFailed(RuntimeError):
+    """A step could not run (e.g. out of memory); its requests were freed and must fail."""
+
+    def __init__(self, server_ids: list[int], message: str) -> None:
+        super().__init__(message)
+        self.server_ids = server_ids
+        self.message = message
+
+
+def _parse_fault(spec: str) -> tuple[str, int] | None:
+    if not spec:
+        return None
+    kind, _, step = spec.partition("@")
+    if kind not in ("oom", "hang", "crash") or not step.isdigit():
+        raise ValueError(f"TOKENSPEED_FAULT_INJECT: expected oom|hang|crash@STEP, got {spec!r}")
+    logger.warning("fault injection armed: %s at step %s", kind, step)
+    return kind, int(step)
 
 
 def _host(t: torch.Tensor) -> np.ndarray:

@@ -89,6 +89,8 @@ def _handle(core, conn: Connection, msg) -> bool:
 
 
 def _loop(core, conn: Connection) -> None:
+    from tokenspeed_worker.engine.core import StepFailed
+
     while True:
         # Take everything pending; block only when there is nothing to compute.
         if not core.has_work():
@@ -96,6 +98,12 @@ def _loop(core, conn: Connection) -> None:
         while conn.poll(0):
             if not _handle(core, conn, conn.recv()):
                 return
-        out = core.step()
+        try:
+            out = core.step()
+        except StepFailed as failed:
+            # Only this step's requests end; the engine keeps serving.
+            for req_id in failed.server_ids:
+                conn.send(RequestFailed(req_id, "RESOURCE_EXHAUSTED", failed.message))
+            continue
         if out is not None:
             conn.send(out)

@@ -15,6 +15,7 @@ import logging
 import multiprocessing as mp
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 
 from tokenspeed_worker.engine.messages import (
@@ -82,6 +83,9 @@ class EngineClient:
         self._conn = None
         self._closing = False
         self.on_dead = None  # optional callback(message) run on the loop
+        # The watchdog's clock: the last time the engine showed progress (a step output, or the
+        # moment work arrived at an idle engine).
+        self.last_progress = 0.0
 
     # ---- lifecycle ---------------------------------------------------------
 
@@ -171,6 +175,8 @@ class EngineClient:
     # ---- inbound (runs on the event loop) -----------------------------------
 
     def _on_message(self, msg) -> None:
+        if isinstance(msg, (StepOutput, RequestFailed)):
+            self.last_progress = time.monotonic()
         if isinstance(msg, StepOutput):
             touched = []
             requests = self.requests
@@ -239,6 +245,8 @@ class EngineClient:
         """
         if self.dead_message is not None:
             raise EngineUnavailable(self.dead_message)
+        if not self.requests:
+            self.last_progress = time.monotonic()
         event = asyncio.Event()
         states = []
         for index, add in enumerate(adds):
@@ -254,6 +262,16 @@ class EngineClient:
         for add in adds:
             self._outbox.put(add)
         return states
+
+    def num_queued(self) -> int:
+        """Samples submitted that have not produced a token yet (waiting or prefilling)."""
+        return sum(1 for st in self.requests.values() if st.num_output_tokens == 0)
+
+    def fail_everything(self, message: str) -> None:
+        """End every request with INTERNAL and stop the engine process (watchdog)."""
+        self._fail_everything(message)
+        if self._proc is not None and self._proc.is_alive():
+            self._proc.kill()
 
     def in_flight(self, request_id: str) -> bool:
         return request_id in self.by_request_id

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import logging
 import os
 import signal
@@ -124,7 +125,12 @@ async def serve(args, facts, engine: EngineClient) -> int:
     await _warm_up(engine, facts)
     logger.info("warm-up generation passed")
 
-    server = grpc.aio.server(options=GRPC_OPTIONS)
+    interceptors = []
+    if getattr(args, "api_key", None):
+        from tokenspeed_worker.server.auth import ApiKeyInterceptor
+
+        interceptors.append(ApiKeyInterceptor(args.api_key))
+    server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=interceptors)
     servicer = TokenSpeedSchedulerServicer(engine, facts, args)
     pb_grpc.add_TokenSpeedSchedulerServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
@@ -144,15 +150,66 @@ async def serve(args, facts, engine: EngineClient) -> int:
     servicer.serving = True
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    if getattr(args, "api_key", None):
+        logger.info("API key required on every RPC except the health checks")
     logger.info("tokenspeed-worker serving %s on %s (port %d)", facts.served_model_name, address, port)
 
+    watchdog = asyncio.create_task(_watchdog(engine, float(getattr(args, "watchdog_timeout", 300.0))))
     await stop.wait()
-    logger.info("shutting down")
+    watchdog.cancel()
+    # Both health surfaces go NOT_SERVING at once; new Generate calls get UNAVAILABLE.
     servicer.serving = False
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    await server.stop(grace=5.0)
+    if exit_code == 0:
+        await _drain(engine, servicer, float(getattr(args, "drain_timeout", 30.0)))
+    await server.stop(grace=1.0)
     return exit_code
+
+
+async def _drain(engine: EngineClient, servicer: TokenSpeedSchedulerServicer, timeout: float) -> None:
+    """Let in-flight requests finish for up to `timeout` s, then end the rest with abort."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    logger.info("draining %d request(s) for up to %.0fs", len(engine.requests), timeout)
+    while engine.requests and loop.time() < deadline and engine.dead_message is None:
+        await asyncio.sleep(0.05)
+    if engine.requests:
+        groups = list(engine.by_request_id.values())
+        logger.warning("drain timeout: aborting %d request(s)", len(groups))
+        for states in groups:
+            engine.abort(states)
+    # Give the handlers a moment to send their terminal messages.
+    flush_deadline = loop.time() + 5.0
+    while servicer.active_calls and loop.time() < flush_deadline:
+        await asyncio.sleep(0.02)
+    logger.info("drained")
+
+
+async def _watchdog(engine: EngineClient, timeout: float) -> None:
+    """Fail everything if the engine makes no progress for `timeout` s while work is pending."""
+    period = min(1.0, timeout / 4)
+    while True:
+        await asyncio.sleep(period)
+        if engine.dead_message is not None:
+            return
+        if engine.requests and time.monotonic() - engine.last_progress > timeout:
+            message = f"engine made no progress for {timeout:.0f}s (--watchdog-timeout) with work pending"
+            logger.error("watchdog: %s", message)
+            engine.fail_everything(message)
+            return
+
+
+    return exit_code
+
+
+def _max_positions(model_path: str) -> int | None:
+    try:
+        with open(os.path.join(model_path, "config.json"), encoding="utf-8") as f:
+            cfg = json.load(f)
+    except OSError:
+        return None
+    return (cfg.get("text_config") or cfg).get("max_position_embeddings")
 
 
 def run_server(args) -> int:
@@ -166,6 +223,12 @@ def run_server(args) -> int:
         facts = load_model_facts(args.model, args.tokenizer, args.served_model_name, args.max_model_len, dtype)
     except (OSError, KeyError, ValueError) as e:
         logger.error("cannot read the model at %s: %s", args.model, e)
+        return 2
+    model_positions = _max_positions(args.model)
+    if args.max_model_len and model_positions and args.max_model_len > model_positions:
+        logger.error(
+            "--max-model-len %d exceeds the model's max_position_embeddings (%d); its rotary embedding is "
+            "not defined past that", args.max_model_len, model_positions)
         return 2
     engine = EngineClient(engine_config_from_args(args, facts.max_context_length, device, dtype), args.log_level)
     try:

@@ -144,6 +144,8 @@ class TokenSpeedSchedulerServicer(pb_grpc.TokenSpeedSchedulerServicer):
         self.facts = facts
         self.server_args = server_args
         self.stream_interval = max(1, int(getattr(server_args, "stream_interval", 1) or 1))
+        self.max_queued_requests = getattr(server_args, "max_queued_requests", None)
+        self.active_calls = 0  # Generate handlers running (the drain waits for them)
         self.tokenizer = None
         if facts.has_tokenizer:
             from tokenspeed_worker.server.stop_strings import load_tokenizer
@@ -164,6 +166,12 @@ class TokenSpeedSchedulerServicer(pb_grpc.TokenSpeedSchedulerServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is not serving (starting up or shutting down)")
         if self.engine.in_flight(rid):
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {rid!r} is already in flight")
+        if self.max_queued_requests is not None and self.engine.num_queued() + v.n > self.max_queued_requests:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"queue full: {self.engine.num_queued()} requests waiting (--max-queued-requests "
+                f"{self.max_queued_requests}); retry on another worker",
+            )
         try:
             states = self.engine.submit(rid, v.adds)
         except EngineUnavailable as e:
@@ -173,6 +181,7 @@ class TokenSpeedSchedulerServicer(pb_grpc.TokenSpeedSchedulerServicer):
         interval = self.stream_interval
         event = states[0].event
         open_samples = set(range(len(states)))
+        self.active_calls += 1
         try:
             while open_samples:
                 await event.wait()
@@ -194,6 +203,7 @@ class TokenSpeedSchedulerServicer(pb_grpc.TokenSpeedSchedulerServicer):
                         open_samples.discard(i)
                         yield pb.GenerateResponse(request_id=rid, complete=out.complete(v.stream))
         finally:
+            self.active_calls -= 1
             # Cancelled call, a dropped stream, or an error above: free them in the engine.
             self.engine.abort(states)
 
@@ -267,6 +277,7 @@ class TokenSpeedSchedulerServicer(pb_grpc.TokenSpeedSchedulerServicer):
             "dtype": r.dtype,
             "kv_cache_bytes": r.kv_cache_bytes,
             "weight_bytes": r.weight_bytes,
+            "engine_pid": self.engine.pid,
         }
 
     async def GetServerInfo(self, request, context):

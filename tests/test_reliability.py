@@ -1,0 +1,189 @@
+"""Never lose, hang or leak a request: drain on SIGTERM, engine death, watchdog, an out-of-memory
+step, overload, and API-key auth — each against a real worker process, each bounded in time."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tokenspeed_worker.proto import common_pb2, tokenspeed_scheduler_pb2 as pb
+from worker_harness import Worker, tiny_models
+
+PROMPT = [5, 17, 42, 99, 7, 3, 250, 11]
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    return tiny_models()["llama-gqa-tied"]
+
+
+def gen(max_new_tokens=None, stream=True, rid=None):
+    sp = pb.SamplingParams(temperature=0.0, ignore_eos=True, n=1)
+    if max_new_tokens is not None:
+        sp.max_new_tokens = max_new_tokens
+    return pb.GenerateRequest(request_id=rid or f"r-{time.monotonic_ns()}",
+                              tokenized=pb.TokenizedInput(input_ids=PROMPT), sampling_params=sp, stream=stream)
+
+
+class Collector(threading.Thread):
+    """Runs one Generate call to its end, recording every message and the final status."""
+
+    def __init__(self, stub, request, metadata=None):
+        super().__init__(daemon=True)
+        self.stub, self.request, self.metadata = stub, request, metadata
+        self.messages: list = []
+        self.code = None
+        self.details = ""
+        self.first = threading.Event()
+        self.start()
+
+    def run(self):
+        try:
+            for r in self.stub.Generate(self.request, timeout=60, metadata=self.metadata):
+                self.messages.append(r)
+                self.first.set()
+            self.code = grpc.StatusCode.OK
+        except grpc.RpcError as e:
+            self.code, self.details = e.code(), e.details()
+        self.first.set()
+
+    @property
+    def completes(self):
+        return [m.complete for m in self.messages if m.HasField("complete")]
+
+
+def wait_exit(worker: Worker, timeout: float) -> int:
+    worker.proc.wait(timeout)
+    return worker.proc.returncode
+
+
+def test_sigterm_drains_in_flight_requests_then_aborts_the_rest(model_dir):
+    w = Worker(model_dir, "--max-model-len", "4096", "--max-total-tokens", "16384", "--drain-timeout", "3")
+    health = health_pb2_grpc.HealthStub(w.channel)
+    short = [Collector(w.stub, gen(max_new_tokens=30)) for _ in range(2)]
+    long = [Collector(w.stub, gen()) for _ in range(2)]  # to the context limit: cannot finish in 3 s
+    for c in short + long:
+        assert c.first.wait(30)
+    w.proc.send_signal(signal.SIGTERM)
+    t0 = time.monotonic()
+    # Not serving at once, on both surfaces.
+    deadline = time.monotonic() + 1.0
+    while True:
+        status = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=1).status
+        if status == health_pb2.HealthCheckResponse.NOT_SERVING:
+            break
+        assert time.monotonic() < deadline, "health still SERVING 1 s after SIGTERM"
+        time.sleep(0.02)
+    assert not w.stub.HealthCheck(pb.HealthCheckRequest(), timeout=2).healthy
+    with pytest.raises(grpc.RpcError) as e:
+        list(w.stub.Generate(gen(max_new_tokens=4), timeout=5))
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    for c in short + long:
+        c.join(20)
+        assert not c.is_alive()
+    for c in short:  # finished within the drain
+        assert c.code == grpc.StatusCode.OK and [x.finish_reason for x in c.completes] == ["length"]
+    for c in long:  # cut at the drain timeout, with exactly one terminal message
+        assert c.code == grpc.StatusCode.OK and [x.finish_reason for x in c.completes] == ["abort"]
+        assert c.messages[-1].HasField("complete")
+    assert wait_exit(w, 20) == 0
+    assert time.monotonic() - t0 < 15
+    w.stop()
+
+
+def test_engine_killed_during_load_fails_every_request_and_exits_non_zero(model_dir):
+    w = Worker(model_dir, "--max-model-len", "4096", "--max-total-tokens", "16384")
+    engine_pid = int(w.stub.GetServerInfo(pb.GetServerInfoRequest()).scheduler_info["engine_pid"])
+    calls = [Collector(w.stub, gen(stream=bool(i % 2))) for i in range(4)]
+    time.sleep(0.5)
+    os.kill(engine_pid, signal.SIGKILL)
+    for c in calls:
+        c.join(20)
+        assert c.code == grpc.StatusCode.INTERNAL and "engine" in c.details
+    assert wait_exit(w, 20) == 1
+    w.stop()
+
+
+def test_watchdog_fails_requests_when_the_engine_stops_making_progress(model_dir):
+    w = Worker(model_dir, "--max-model-len", "512", "--max-total-tokens", "4096", "--watchdog-timeout", "2",
+               env={"TOKENSPEED_FAULT_INJECT": "hang@20"})
+    c = Collector(w.stub, gen(max_new_tokens=100))
+    c.join(30)
+    assert c.code == grpc.StatusCode.INTERNAL and "progress" in c.details
+    assert wait_exit(w, 20) == 1
+    w.stop()
+
+
+def test_out_of_memory_in_a_step_fails_only_that_step(model_dir):
+    # The warm-up generation is steps 1-2; step 4 is the second step of the first real request.
+    w = Worker(model_dir, "--max-model-len", "512", "--max-total-tokens", "4096",
+               env={"TOKENSPEED_FAULT_INJECT": "oom@4"})
+    try:
+        first = Collector(w.stub, gen(max_new_tokens=20))
+        first.join(30)
+        assert first.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "out of memory" in first.details
+        after = Collector(w.stub, gen(max_new_tokens=5, stream=False))
+        after.join(30)
+        assert after.code == grpc.StatusCode.OK and after.completes[0].completion_tokens == 5
+        assert w.stub.HealthCheck(pb.HealthCheckRequest(), timeout=5).healthy
+        load = w.stub.GetLoads(pb.GetLoadsRequest()).loads[0]
+        assert load.num_used_tokens == 0 and load.num_running_reqs == 0
+    finally:
+        assert w.stop() == 0
+
+
+def test_queue_bound_gives_resource_exhausted(model_dir):
+    w = Worker(model_dir, "--max-model-len", "4096", "--max-total-tokens", "16384", "--max-num-seqs", "1",
+               "--max-queued-requests", "2")
+    try:
+        running = Collector(w.stub, gen())  # occupies the only running slot
+        assert running.first.wait(30)
+        queued = [Collector(w.stub, gen(max_new_tokens=2)) for _ in range(2)]
+        deadline = time.monotonic() + 5
+        while w.stub.GetLoads(pb.GetLoadsRequest()).loads[0].num_waiting_reqs < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        with pytest.raises(grpc.RpcError) as e:
+            list(w.stub.Generate(gen(max_new_tokens=2), timeout=10))
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max-queued-requests" in e.value.details()
+        load = w.stub.GetLoads(pb.GetLoadsRequest(include=["queues"])).loads[0]
+        assert load.num_waiting_reqs == 2 and load.queues.waiting == 2 and load.num_running_reqs == 1
+        w.stub.Abort(pb.AbortRequest(request_id=running.request.request_id))
+        for c in queued + [running]:
+            c.join(30)
+            assert c.code == grpc.StatusCode.OK
+    finally:
+        assert w.stop() == 0
+
+
+def test_api_key_guards_every_rpc_but_health(model_dir):
+    w = Worker(model_dir, "--max-model-len", "128", "--max-total-tokens", "1024", "--api-key", "s3cret")
+    good = (("authorization", "Bearer s3cret"),)
+    bad = (("authorization", "Bearer nope"),)
+    try:
+        # Health stays open.
+        assert w.stub.HealthCheck(pb.HealthCheckRequest(), timeout=5).healthy
+        health = health_pb2_grpc.HealthStub(w.channel)
+        assert health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == health_pb2.HealthCheckResponse.SERVING
+        calls = [
+            lambda md: w.stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=md, timeout=5),
+            lambda md: w.stub.GetLoads(pb.GetLoadsRequest(), metadata=md, timeout=5),
+            lambda md: w.stub.FlushCache(common_pb2.FlushCacheRequest(), metadata=md, timeout=5),
+            lambda md: w.stub.Abort(pb.AbortRequest(request_id="x"), metadata=md, timeout=5),
+            lambda md: list(w.stub.Generate(gen(max_new_tokens=2), metadata=md, timeout=10)),
+            lambda md: list(w.stub.GetTokenizer(common_pb2.GetTokenizerRequest(), metadata=md, timeout=10)),
+        ]
+        for call in calls:
+            for md in (None, bad):
+                with pytest.raises(grpc.RpcError) as e:
+                    call(md)
+                assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED and "authorization" in e.value.details()
+            call(good)  # the right key works
+    finally:
+        assert w.stop() == 0
