@@ -512,9 +512,6 @@ def test_fuzz_raw_bytes_that_parse(worker, vocab):
     wait_idle(worker)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "server bug: a request that does not parse ends with UNKNOWN 'Unexpected DecodeError...' (grpc.aio's "
-    "default for a failing request deserializer) instead of INVALID_ARGUMENT"))
 def test_fuzz_raw_bytes_that_do_not_parse(worker, vocab):
     """Bytes that are not a valid encoding of the method's request type: INVALID_ARGUMENT (or another
     allowed status), never UNKNOWN/INTERNAL; the worker stays healthy."""

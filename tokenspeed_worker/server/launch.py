@@ -125,7 +125,9 @@ async def serve(args, facts, engine: EngineClient) -> int:
     await _warm_up(engine, facts)
     logger.info("warm-up generation passed")
 
-    interceptors = []
+    from tokenspeed_worker.server.decode_guard import DecodeErrorInterceptor
+
+    interceptors = [DecodeErrorInterceptor()]  # outermost: sees the handler auth may have replaced
     if getattr(args, "api_key", None):
         from tokenspeed_worker.server.auth import ApiKeyInterceptor
 
