@@ -344,12 +344,15 @@ NOT_SUPPORTED = [o for o in OPTIONS if o.spec.status is not Status.SUPPORTED]
 
 
 def test_table_has_the_reference_parameters() -> None:
-    for dest in ("tensor_parallel_size", "speculative_config", "kv_events_config",
-                 "enable_metrics", "quantization"):  # fmt: skip
+    for dest in ("tensor_parallel_size", "speculative_config", "quantization"):
         assert OPTIONS_BY_DEST[dest].spec.status is Status.NOT_YET
     for dest in ("chat_template", "reasoning_parser", "tool_call_parser"):
         assert OPTIONS_BY_DEST[dest].spec.status is Status.GATEWAY
     assert OPTIONS_BY_DEST["gpu_memory_utilization"].spec.status is Status.SUPPORTED
+    for dest in ("enable_metrics", "metrics_reporters", "metrics_port", "metrics_host", "enable_log_requests",
+                 "log_requests_level", "enable_log_request_stats"):
+        assert OPTIONS_BY_DEST[dest].spec.status is Status.SUPPORTED
+    assert OPTIONS_BY_DEST["kv_events_config"].spec.status is Status.SUPPORTED
 
 
 # Flags for which every value is accepted (turning off what we don't do is harmless) have no
@@ -388,9 +391,10 @@ def test_turning_off_prefix_caching_is_accepted() -> None:
 
 
 def test_several_unsupported_flags_are_reported_on_one_line(capsys: pytest.CaptureFixture[str]) -> None:
-    stderr = run_main_expecting_exit(capsys, "/m", "--enable-metrics", "--tp", "2")
+    stderr = run_main_expecting_exit(capsys, "/m", "--decode-log-interval", "7", "--tp", "2")
     assert stderr == [
-        "tokenspeed-worker: error: --tensor-parallel-size is not supported yet; --enable-metrics is not supported yet"
+        "tokenspeed-worker: error: --tensor-parallel-size is not supported yet; "
+        "--decode-log-interval is not supported yet"
     ]
 
 

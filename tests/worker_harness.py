@@ -102,7 +102,8 @@ class Worker:
 class Gateway:
     """The real smg gateway in front of one or more workers, on loopback."""
 
-    def __init__(self, model_dir: Path, worker_addresses: list[str], startup_timeout: float = 90.0) -> None:
+    def __init__(self, model_dir: Path, worker_addresses: list[str], startup_timeout: float = 90.0,
+                 extra_args: list[str] | tuple[str, ...] = ()) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = CACHE / "logs" / f"gateway-{self.port}.log"
@@ -112,7 +113,7 @@ class Gateway:
         cmd = [str(smg) if smg.exists() else "smg", "launch", "--host", "127.0.0.1", "--port", str(self.port),
                "--worker-urls", *[f"grpc://{a}" for a in worker_addresses], "--model-path", str(model_dir),
                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
-               "--worker-startup-timeout-secs", "60", "--worker-startup-check-interval", "1"]
+               "--worker-startup-timeout-secs", "60", "--worker-startup-check-interval", "1", *extra_args]
         env = dict(os.environ, HF_HUB_OFFLINE="1", NO_PROXY="127.0.0.1,localhost", no_proxy="127.0.0.1,localhost")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)

@@ -170,6 +170,64 @@ def _log_level(text: str) -> str:
     return level
 
 
+# Keys of --kv-events-config and their defaults (as TokenSpeed's KVEventsConfig).
+KV_EVENTS_DEFAULTS: dict[str, Any] = {
+    "enable_kv_cache_events": False,
+    "publisher": "zmq",
+    "endpoint": "tcp://*:5557",
+    "topic": "",
+}
+KV_EVENTS_PUBLISHERS: tuple[str, ...] = ("zmq", "null")
+
+
+def kv_events_settings(text: str | None) -> dict[str, Any]:
+    """--kv-events-config as a dict with every key (defaults filled in); raises ValueError
+    naming the offending key. None or empty: the defaults (events off)."""
+    if not text:
+        return dict(KV_EVENTS_DEFAULTS)
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"invalid JSON ({exc.msg} at position {exc.pos}), got {text!r}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"expected a JSON object, got {text!r}")
+    unknown = sorted(set(data) - set(KV_EVENTS_DEFAULTS))
+    if unknown:
+        raise ValueError(
+            f"unknown key {unknown[0]!r} (known keys: {', '.join(KV_EVENTS_DEFAULTS)})"
+        )
+    out = dict(KV_EVENTS_DEFAULTS)
+    for key, value in data.items():
+        if key == "enable_kv_cache_events":
+            if not isinstance(value, bool):
+                raise ValueError(f"key 'enable_kv_cache_events' must be true or false, got {value!r}")
+        elif key == "publisher":
+            if value not in KV_EVENTS_PUBLISHERS:
+                raise ValueError(f"key 'publisher' must be one of {', '.join(KV_EVENTS_PUBLISHERS)}, got {value!r}")
+        elif key == "endpoint":
+            if not isinstance(value, str) or "://" not in value:
+                raise ValueError(f"key 'endpoint' must be a ZMQ endpoint such as 'tcp://*:5557', got {value!r}")
+        elif key == "topic":
+            if not isinstance(value, str):
+                raise ValueError(f"key 'topic' must be a string, got {value!r}")
+        out[key] = value
+    return out
+
+
+def kv_events_enabled(text: str | None) -> bool:
+    """Whether --kv-events-config turns publishing on (enabled and publisher 'zmq')."""
+    cfg = kv_events_settings(text)
+    return bool(cfg["enable_kv_cache_events"]) and cfg["publisher"] == "zmq"
+
+
+def _kv_events_config(text: str) -> str:
+    """Validates --kv-events-config; keeps the canonical JSON with every key filled in."""
+    try:
+        return json.dumps(kv_events_settings(text), separators=(",", ":"))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 # --------------------------------------------------------------------------- the table
 
 
@@ -438,16 +496,60 @@ class ServerArgs:
     log_level_http: str | None = _not_yet(
         None, OBSERVABILITY, "HTTP server log level.", parse=_log_level, default_doc="--log-level"
     )
-    enable_log_requests: bool = _not_yet(False, OBSERVABILITY, "Log request metadata and payloads.", negatable=True)
-    log_requests_level: int = _not_yet(0, OBSERVABILITY, "Request logging verbosity.", choices=(0, 1, 2))
-    enable_log_request_stats: bool = _not_yet(
-        False, OBSERVABILITY, "Log a one-line performance summary per finished request.", negatable=True
+    enable_log_requests: bool = _option(
+        False,
+        OBSERVABILITY,
+        "Log every request on arrival and on finish (its request id on every line); "
+        "--log-requests-level sets how much.",
+        negatable=True,
     )
-    enable_metrics: bool = _not_yet(False, OBSERVABILITY, "Enable metrics reporting.")
-    metrics_reporters: list[str] | None = _not_yet(None, OBSERVABILITY, "Metrics reporters.", choices=("prometheus",))
+    log_requests_level: int = _option(
+        0,
+        OBSERVABILITY,
+        "Request logging verbosity: 0 metadata only (ids, lengths, finish reason); 1 adds the sampling "
+        "parameters; 2 adds the input and output token ids, truncated to 2048 each; 3 the full ids.",
+        choices=(0, 1, 2, 3),
+    )
+    enable_log_request_stats: bool = _option(
+        False,
+        OBSERVABILITY,
+        "Log a one-line performance summary per finished request (`Req: <rid> Finish! RequestStats(...)`), "
+        "from host-side timestamps only.",
+        negatable=True,
+    )
+    enable_metrics: bool = _option(
+        False, OBSERVABILITY, "Serve Prometheus metrics (tokenspeed:*) on --metrics-host:--metrics-port."
+    )
+    metrics_reporters: list[str] | None = _option(
+        None,
+        OBSERVABILITY,
+        "Metrics reporters; only `prometheus` (also what unset means with --enable-metrics).",
+        choices=("prometheus",),
+    )
+    metrics_host: str | None = _option(
+        None, OBSERVABILITY, "Bind address of the Prometheus endpoint.", default_doc="--host"
+    )
+    metrics_port: int | None = _option(
+        None,
+        OBSERVABILITY,
+        "Port of the Prometheus endpoint (HTTP, path /metrics). The worker has no HTTP port of its own, "
+        "so metrics get a separate one.",
+        parse=_port,
+        default_doc="--grpc-port + 1000",
+    )
     decode_log_interval: int = _not_yet(40, OBSERVABILITY, "Decode batch log interval.", parse=_positive_int)
     enable_cache_report: bool = _not_yet(False, OBSERVABILITY, "Report cached-token counts in usage details.")
-    kv_events_config: str | None = _not_yet(None, OBSERVABILITY, "JSON config for KV cache mutation events.")
+    kv_events_config: str | None = _option(
+        None,
+        OBSERVABILITY,
+        "JSON config for KV cache mutation events (prefix-cache blocks stored, removed, cleared), "
+        'published over ZMQ for cache-aware routing, e.g. \'{"enable_kv_cache_events": true, '
+        '"publisher": "zmq", "endpoint": "tcp://*:5557", "topic": "kv-events"}\'. Keys: '
+        "enable_kv_cache_events (default false), publisher ('zmq' or 'null', default 'zmq'), "
+        "endpoint (ZMQ PUB bind address, default 'tcp://*:5557'), topic (default ''). When enabled, "
+        "SubscribeKvEvents streams the same events over gRPC. Needs pyzmq and msgpack.",
+        parse=_kv_events_config,
+    )
 
     # ---- TokenSpeed-Specific (the ones not already listed in the sections above)
     disable_kvstore: bool = _not_yet(

@@ -51,6 +51,8 @@ class EngineConfig:
     enforce_eager: bool = False  # no CUDA graphs
     cudagraph_capture_sizes: list[int] | None = None  # None: 1, 2, 4, 8, 16, 24, ... up to the max
     max_cudagraph_capture_size: int | None = None  # None: min(256, max_num_seqs)
+    # --kv-events-config, resolved (config.kv_events_settings) when it turns publishing on, else None.
+    kv_events: dict | None = None
 
 
 def size_kv_pool_tokens(cfg: EngineConfig, kv_bytes_per_token: int, device: torch.device, runner=None) -> int:
@@ -148,7 +150,13 @@ class EngineCore:
             chunked_prefill=chunked,
             max_prefill_tokens=cfg.max_prefill_tokens,
             enable_prefix_caching=cfg.enable_prefix_caching,
+            enable_kv_events=cfg.kv_events is not None,
         )
+        self.kv_publisher = None
+        if cfg.kv_events is not None:
+            from tokenspeed_worker.engine.kv_events import ZmqKvEventPublisher
+
+            self.kv_publisher = ZmqKvEventPublisher(cfg.kv_events["endpoint"], cfg.kv_events.get("topic", ""))
         self.sampling_backend = cfg.sampling_backend or default_sampling_backend(self.device)
         self.sampler = Sampler(self.sampling_backend)
 
@@ -156,6 +164,7 @@ class EngineCore:
         # sampling needs (parameters, output positions, penalty counts) in SamplingState.
         cap = 64
         self._server_id = np.full(cap, -1, dtype=np.int64)
+        self._was_scheduled = np.zeros(cap, dtype=bool)  # row already in a forward batch once
         self.sampling = SamplingState(cap, self.runner.vocab_size, self.device)
         self._free_rows: list[int] = list(range(cap - 1, -1, -1))
         self._row_of: dict[int, int] = {}
@@ -228,6 +237,9 @@ class EngineCore:
         grown = np.full(new, -1, dtype=np.int64)
         grown[:old] = self._server_id
         self._server_id = grown
+        scheduled = np.zeros(new, dtype=bool)
+        scheduled[:old] = self._was_scheduled
+        self._was_scheduled = scheduled
         self.sampling.ensure_capacity(new)
         self._free_rows.extend(range(new - 1, old - 1, -1))
 
@@ -255,6 +267,7 @@ class EngineCore:
             raise
         self._row_of[req.req_id] = row
         self._server_id[row] = req.req_id
+        self._was_scheduled[row] = False
 
     def _release(self, row: int) -> None:
         sid = int(self._server_id[row])
@@ -265,7 +278,14 @@ class EngineCore:
 
     def flush_prefix_cache(self) -> int:
         """Drop every cached prefix; returns how many blocks stopped being shareable."""
-        return int(self.scheduler.flush_prefix_cache())
+        dropped = int(self.scheduler.flush_prefix_cache())
+        self.publish_kv_events()
+        return dropped
+
+    def publish_kv_events(self) -> None:
+        """Send the prefix-cache events recorded since the last call as one batch (if any)."""
+        if self.kv_publisher is not None:
+            self.kv_publisher.publish(self.scheduler.drain_kv_events())
 
     def abort(self, req_id: int) -> bool:
         row = self._row_of.get(req_id)
@@ -279,15 +299,22 @@ class EngineCore:
 
     def step(self) -> StepOutput | None:
         t0 = time.perf_counter()
+        start_ts = time.time()
         plan = self.scheduler.schedule()
         if plan.num_reqs == 0:
             return None
+        # Requests whose first forward is this one (a boolean gather; no per-request loop).
+        fresh = plan.req_ids[~self._was_scheduled[plan.req_ids]]
+        if fresh.shape[0]:
+            self._was_scheduled[fresh] = True
         rows = plan.req_ids[plan.sample_rows]
         out = StepOutput(
             req_ids=self._server_id[rows].copy(),
             tokens=np.zeros(0, dtype=np.int64),
             finished_ids=np.zeros(0, dtype=np.int64),
             finish_reasons=np.zeros(0, dtype=np.int32),
+            scheduled_ids=self._server_id[fresh].copy() if fresh.shape[0] else None,
+            step_start_ts=start_ts,
         )
         self._steps += 1
         try:

@@ -100,6 +100,10 @@ class StepOutput:
     ids_logprob_ids: np.ndarray | None = None  # int64 [S, M]
     ids_logprob_counts: np.ndarray | None = None  # int64 [S] how many of M are real
     step_seconds: float = 0.0
+    # Requests scheduled into a forward batch for the first time in this step (their prefill
+    # started here), and the wall-clock (time.time()) this step began: the server's queue time.
+    scheduled_ids: np.ndarray | None = None  # int64 [N], None when N == 0
+    step_start_ts: float = 0.0
 
 
 @dataclass

@@ -104,6 +104,9 @@ def _loop(core, conn: Connection) -> None:
             # Only this step's requests end; the engine keeps serving.
             for req_id in failed.server_ids:
                 conn.send(RequestFailed(req_id, "RESOURCE_EXHAUSTED", failed.message))
+            core.publish_kv_events()
             continue
         if out is not None:
             conn.send(out)
+        # KV cache events of this step (and of aborts applied before it): one batch, if any.
+        core.publish_kv_events()

@@ -59,6 +59,12 @@ class RequestState:
     error: tuple[str, str] | None = None  # (grpc status code name, message)
     num_output_tokens: int = 0
     event: asyncio.Event = field(default_factory=asyncio.Event)
+    # Host wall-clock timestamps, kept only with an observer (server/metrics.py).
+    recv_ts: float = 0.0
+    commit_ts: float = 0.0
+    first_ts: float = 0.0
+    last_ts: float = 0.0
+    output_ids: list[int] = field(default_factory=list)  # only with --log-requests-level >= 2
 
     @property
     def done(self) -> bool:
@@ -83,6 +89,9 @@ class EngineClient:
         self._conn = None
         self._closing = False
         self.on_dead = None  # optional callback(message) run on the loop
+        # Optional server/metrics.RequestObserver (metrics, request stats, request logs);
+        # None: no timestamp, no per-token work.
+        self.observer = None
         # The watchdog's clock: the last time the engine showed progress (a step output, or the
         # moment work arrived at an idle engine).
         self.last_progress = 0.0
@@ -192,6 +201,8 @@ class EngineClient:
                     if st.wants_logprobs:
                         st.new_logprobs.append(_logprob_entry(msg, i, st.top_logprobs_num))
                     touched.append(st)
+            if self.observer is not None:
+                self._observe_step(msg, touched)
             for engine_id, reason in zip(msg.finished_ids.tolist(), msg.finish_reasons.tolist()):
                 st = requests.get(engine_id)
                 if st is not None and st.finish_reason is None:
@@ -212,6 +223,19 @@ class EngineClient:
         elif isinstance(msg, EngineDead):
             self._fail_everything(msg.message)
 
+    def _observe_step(self, msg: StepOutput, touched: list[RequestState]) -> None:
+        obs = self.observer
+        requests = self.requests
+        if msg.scheduled_ids is not None:
+            for engine_id in msg.scheduled_ids.tolist():
+                st = requests.get(engine_id)
+                if st is not None:
+                    obs.on_scheduled(st, msg.step_start_ts)
+        obs.on_step(msg, len(touched))
+        now = time.time()
+        for st in touched:
+            obs.on_token(st, st.new_tokens[-1], now)
+
     def _fail_everything(self, message: str) -> None:
         if self.dead_message is not None:
             return
@@ -220,6 +244,8 @@ class EngineClient:
         for st in list(self.requests.values()):
             st.error = ("INTERNAL", f"engine failed: {message}")
             st.event.set()
+            if self.observer is not None:
+                self.observer.on_end(st)
         self.requests.clear()
         self.by_request_id.clear()
         for fut in self._waiters.values():
@@ -230,7 +256,8 @@ class EngineClient:
             self.on_dead(message)
 
     def _forget(self, st: RequestState) -> None:
-        self.requests.pop(st.engine_id, None)
+        if self.requests.pop(st.engine_id, None) is not None and self.observer is not None:
+            self.observer.on_end(st)
         group = self.by_request_id.get(st.request_id)
         if group is not None and st in group and all(s.done for s in group):
             del self.by_request_id[st.request_id]
@@ -248,6 +275,8 @@ class EngineClient:
         if not self.requests:
             self.last_progress = time.monotonic()
         event = asyncio.Event()
+        obs = self.observer
+        recv_ts = time.time() if obs is not None else 0.0
         states = []
         for index, add in enumerate(adds):
             add.req_id = next(self._ids)
@@ -255,10 +284,12 @@ class EngineClient:
                 add.wait_for = adds[0].req_id
             st = RequestState(engine_id=add.req_id, request_id=request_id, prompt_len=int(len(add.prompt_ids)),
                               index=index, event=event, top_logprobs_num=add.top_logprobs_num,
-                              wants_logprobs=add.return_logprob)
+                              wants_logprobs=add.return_logprob, recv_ts=recv_ts)
             self.requests[st.engine_id] = st
             states.append(st)
         self.by_request_id[request_id] = states
+        if obs is not None:
+            obs.on_arrival(request_id, adds)
         for add in adds:
             self._outbox.put(add)
         return states

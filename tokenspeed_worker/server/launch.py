@@ -9,6 +9,7 @@ NOT_SERVING again as soon as shutdown starts.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import time
 import logging
@@ -87,7 +88,24 @@ def engine_config_from_args(args, max_model_len: int, device: str, dtype: str) -
         cudagraph_capture_sizes=args.cudagraph_capture_sizes,
         max_cudagraph_capture_size=args.max_cudagraph_capture_size,
         seed=getattr(args, "seed", 0) or 0,
+        kv_events=_kv_events(args),
     )
+
+
+def _kv_events(args) -> dict | None:
+    """The resolved --kv-events-config when it turns publishing on, else None."""
+    from tokenspeed_worker.config import kv_events_enabled, kv_events_settings
+
+    text = getattr(args, "kv_events_config", None)
+    if not kv_events_enabled(text):
+        return None
+    missing = [m for m in ("zmq", "msgpack") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ValueError(
+            f"--kv-events-config: publishing needs the Python package(s) {', '.join(missing)} "
+            "(pip install pyzmq msgpack)"
+        )
+    return kv_events_settings(text)
 
 
 async def _warm_up(engine: EngineClient, facts) -> None:
@@ -125,6 +143,22 @@ async def serve(args, facts, engine: EngineClient) -> int:
     await _warm_up(engine, facts)
     logger.info("warm-up generation passed")
 
+    # Observability starts after the warm-up, so its generation is never counted.
+    from tokenspeed_worker.server.metrics import make_observer, metrics_address
+
+    engine.observer = make_observer(args)
+    metrics_server = None
+    metrics_task = None
+    if engine.observer is not None and engine.observer.metrics is not None:
+        try:
+            host, mport = metrics_address(args)
+            metrics_server = engine.observer.metrics.start_http_server(host, mport)
+        except (OSError, ValueError) as e:
+            logger.error("cannot serve metrics: %s", e)
+            return 1
+        logger.info("Prometheus metrics on http://%s:%d/metrics", host, mport)
+        metrics_task = asyncio.create_task(_refresh_gauges(engine, engine.observer.metrics))
+
     from tokenspeed_worker.server.decode_guard import DecodeErrorInterceptor
 
     interceptors = [DecodeErrorInterceptor()]  # outermost: sees the handler auth may have replaced
@@ -159,6 +193,8 @@ async def serve(args, facts, engine: EngineClient) -> int:
     watchdog = asyncio.create_task(_watchdog(engine, float(getattr(args, "watchdog_timeout", 300.0))))
     await stop.wait()
     watchdog.cancel()
+    if metrics_task is not None:
+        metrics_task.cancel()
     # Both health surfaces go NOT_SERVING at once; new Generate calls get UNAVAILABLE.
     servicer.serving = False
     for name in ("", SERVICE_NAME):
@@ -166,7 +202,27 @@ async def serve(args, facts, engine: EngineClient) -> int:
     if exit_code == 0:
         await _drain(engine, servicer, float(getattr(args, "drain_timeout", 30.0)))
     await server.stop(grace=1.0)
+    if metrics_server is not None:
+        metrics_server.shutdown()
     return exit_code
+
+
+GAUGE_REFRESH_S = 1.0
+
+
+async def _refresh_gauges(engine: EngineClient, metrics) -> None:
+    """The engine gauges (running, waiting, KV usage, hit rate, preemptions) every second, by
+    the same Probe round trip GetLoads uses."""
+    while True:
+        try:
+            metrics.set_loads(await engine.probe(5.0))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # engine dead or busy: keep the last values
+            logger.debug("metrics: loads probe failed: %s", e)
+            if engine.dead_message is not None:
+                return
+        await asyncio.sleep(GAUGE_REFRESH_S)
 
 
 async def _drain(engine: EngineClient, servicer: TokenSpeedSchedulerServicer, timeout: float) -> None:
@@ -232,7 +288,12 @@ def run_server(args) -> int:
             "--max-model-len %d exceeds the model's max_position_embeddings (%d); its rotary embedding is "
             "not defined past that", args.max_model_len, model_positions)
         return 2
-    engine = EngineClient(engine_config_from_args(args, facts.max_context_length, device, dtype), args.log_level)
+    try:
+        engine_cfg = engine_config_from_args(args, facts.max_context_length, device, dtype)
+    except ValueError as e:
+        logger.error("%s", e)
+        return 2
+    engine = EngineClient(engine_cfg, args.log_level)
     try:
         ready = engine.start()
     except EngineUnavailable as e:

@@ -157,17 +157,20 @@ class TokenSpeedSchedulerServicer(pb_grpc.TokenSpeedSchedulerServicer):
     # ---- Generate -------------------------------------------------------------
 
     async def Generate(self, request, context):
+        rid = request.request_id
         try:
             v = validate_generate(request, self.facts)
         except RequestError as e:
-            await context.abort(e.code, e.message)
-        rid = request.request_id
+            await self._reject(context, rid, e.code, e.message)
         if not self.serving:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is not serving (starting up or shutting down)")
+            await self._reject(context, rid, grpc.StatusCode.UNAVAILABLE,
+                               "worker is not serving (starting up or shutting down)")
         if self.engine.in_flight(rid):
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {rid!r} is already in flight")
+            await self._reject(context, rid, grpc.StatusCode.ALREADY_EXISTS, f"request_id: {rid!r} is already in flight")
         if self.max_queued_requests is not None and self.engine.num_queued() + v.n > self.max_queued_requests:
-            await context.abort(
+            await self._reject(
+                context,
+                rid,
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"queue full: {self.engine.num_queued()} requests waiting (--max-queued-requests "
                 f"{self.max_queued_requests}); retry on another worker",
@@ -175,7 +178,7 @@ class TokenSpeedSchedulerServicer(pb_grpc.TokenSpeedSchedulerServicer):
         try:
             states = self.engine.submit(rid, v.adds)
         except EngineUnavailable as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"engine unavailable: {e}")
+            await self._reject(context, rid, grpc.StatusCode.UNAVAILABLE, f"engine unavailable: {e}")
 
         samples = [_SampleOutput(st, v, self._stop_matcher(v, st)) for st in states]
         interval = self.stream_interval
@@ -206,6 +209,16 @@ class TokenSpeedSchedulerServicer(pb_grpc.TokenSpeedSchedulerServicer):
             self.active_calls -= 1
             # Cancelled call, a dropped stream, or an error above: free them in the engine.
             self.engine.abort(states)
+
+    async def _reject(self, context, rid: str, code: grpc.StatusCode, message: str):
+        """End a Generate before it reached the engine (counted in tokenspeed:request_errors_total)."""
+        obs = self.engine.observer
+        if obs is not None:
+            if obs.metrics is not None:
+                obs.metrics.error(code.name)
+            if obs.log_requests:
+                logger.info("Req: %s Rejected! %s: %s", rid, code.name, message)
+        await context.abort(code, message)
 
     def _stop_matcher(self, v, st):
         if not v.stop_strings:
@@ -395,6 +408,21 @@ class TokenSpeedSchedulerServicer(pb_grpc.TokenSpeedSchedulerServicer):
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "StopProfile: profiling is not supported yet")
 
     async def SubscribeKvEvents(self, request, context):
-        # UNIMPLEMENTED makes the gateway fall back to polling GetLoads.
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "SubscribeKvEvents: KV cache events are not supported yet")
-        yield  # pragma: no cover  (makes this an async generator)
+        from tokenspeed_worker.config import kv_events_enabled, kv_events_settings
+
+        text = getattr(self.server_args, "kv_events_config", None)
+        if not kv_events_enabled(text):
+            # UNIMPLEMENTED makes the gateway fall back to polling GetLoads.
+            await context.abort(
+                grpc.StatusCode.UNIMPLEMENTED,
+                "SubscribeKvEvents: KV cache events are off (start the worker with --kv-events-config "
+                '\'{"enable_kv_cache_events": true, "publisher": "zmq"}\')',
+            )
+        from tokenspeed_worker.server.kv_events import subscribe
+
+        # The gateway gives the call 2 s to answer (else it marks the worker unreachable and
+        # retries): send the response headers now, before the first batch exists.
+        await context.send_initial_metadata(())
+        # Streams the engine's batches until the client cancels (which cancels this generator).
+        async for batch in subscribe(kv_events_settings(text)):
+            yield batch
