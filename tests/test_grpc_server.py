@@ -150,12 +150,36 @@ def test_flush_cache(worker):
     assert r.success
 
 
-def test_profile_and_kv_events_are_unimplemented(worker):
-    for call in (lambda: worker.stub.StartProfile(common_pb2.StartProfileRequest()),
-                 lambda: list(worker.stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest()))):
-        with pytest.raises(grpc.RpcError) as e:
-            call()
-        assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
+def test_kv_events_are_unimplemented_without_kv_events_config(worker):
+    with pytest.raises(grpc.RpcError) as e:
+        list(worker.stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest()))
+    assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_profile_writes_a_chrome_trace(worker, tmp_path):
+    import gzip  # noqa: F401  (traces are plain JSON; see docs/operations.md)
+
+    stop = worker.stub.StopProfile(common_pb2.StopProfileRequest())
+    assert not stop.success and "no profile" in stop.message
+    r = worker.stub.StartProfile(common_pb2.StartProfileRequest(output_dir=str(tmp_path)))
+    assert r.success, r.message
+    again = worker.stub.StartProfile(common_pb2.StartProfileRequest(output_dir=str(tmp_path)))
+    assert not again.success and "already" in again.message
+    run(worker, gen(PROMPT, max_new_tokens=4, temperature=0.0))
+    r = worker.stub.StopProfile(common_pb2.StopProfileRequest())
+    assert r.success, r.message
+    traces = list(tmp_path.glob("tokenspeed-engine-*.trace.json"))
+    assert len(traces) == 1
+    events = json.loads(traces[0].read_text())["traceEvents"]
+    assert any("aten::" in str(e.get("name", "")) for e in events)
+    # num_steps: the profile ends by itself.
+    steps_dir = tmp_path / "steps"
+    assert worker.stub.StartProfile(common_pb2.StartProfileRequest(output_dir=str(steps_dir), num_steps=2)).success
+    run(worker, gen(PROMPT, max_new_tokens=6, temperature=0.0))
+    assert len(list(steps_dir.glob("*.trace.json"))) == 1
+    with pytest.raises(grpc.RpcError) as e:
+        worker.stub.StartProfile(common_pb2.StartProfileRequest(output_dir="relative/dir"))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "output_dir" in e.value.details()
 
 
 # ---- Generate ---------------------------------------------------------------------

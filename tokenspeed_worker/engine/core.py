@@ -171,6 +171,9 @@ class EngineCore:
 
         self._tokens_window: list[tuple[float, int]] = []
         self._steps = 0  # non-empty steps run
+        from tokenspeed_worker.engine.profiler import EngineProfiler
+
+        self.profiler = EngineProfiler(self.device)
         self._fault = _parse_fault(os.environ.get("TOKENSPEED_FAULT_INJECT", ""))
         logger.info(
             "engine ready: %s on %s (%s), attention %s, CUDA graphs %s, KV pool %d blocks x %d tokens (%.2f GiB), "

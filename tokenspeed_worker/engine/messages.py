@@ -62,6 +62,21 @@ class FlushCache:
 
 
 @dataclass
+class StartProfile:
+    nonce: int
+    output_dir: str
+    num_steps: int | None = None  # stop by itself after this many steps
+    activities: tuple[str, ...] = ("CPU", "GPU")
+    with_stack: bool = False
+    record_shapes: bool = False
+
+
+@dataclass
+class StopProfile:
+    nonce: int
+
+
+@dataclass
 class Shutdown:
     pass
 
@@ -132,6 +147,13 @@ class Loads:
 class ProbeReply:
     nonce: int
     loads: Loads
+
+
+@dataclass
+class ProfileReply:
+    nonce: int
+    success: bool
+    message: str
 
 
 @dataclass

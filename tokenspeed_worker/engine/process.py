@@ -22,8 +22,11 @@ from tokenspeed_worker.engine.messages import (
     FlushReply,
     Probe,
     ProbeReply,
+    ProfileReply,
     RequestFailed,
     Shutdown,
+    StartProfile,
+    StopProfile,
 )
 
 logger = logging.getLogger(__name__)
@@ -81,6 +84,13 @@ def _handle(core, conn: Connection, msg) -> bool:
     elif isinstance(msg, FlushCache):
         dropped = core.flush_prefix_cache()
         conn.send(FlushReply(msg.nonce, True, f"flushed the prefix cache ({dropped} blocks)"))
+    elif isinstance(msg, StartProfile):
+        ok, message = core.profiler.start(msg.output_dir, msg.num_steps, msg.activities, msg.with_stack,
+                                          msg.record_shapes)
+        conn.send(ProfileReply(msg.nonce, ok, message))
+    elif isinstance(msg, StopProfile):
+        ok, message = core.profiler.stop()
+        conn.send(ProfileReply(msg.nonce, ok, message))
     elif isinstance(msg, Shutdown):
         return False
     else:
@@ -108,5 +118,6 @@ def _loop(core, conn: Connection) -> None:
             continue
         if out is not None:
             conn.send(out)
+            core.profiler.step_done()
         # KV cache events of this step (and of aborts applied before it): one batch, if any.
         core.publish_kv_events()

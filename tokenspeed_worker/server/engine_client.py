@@ -29,9 +29,12 @@ from tokenspeed_worker.engine.messages import (
     Loads,
     Probe,
     ProbeReply,
+    ProfileReply,
     RequestFailed,
     Shutdown,
+    StartProfile,
     StepOutput,
+    StopProfile,
 )
 
 logger = logging.getLogger(__name__)
@@ -216,7 +219,7 @@ class EngineClient:
                 st.error = (msg.code, msg.message)
                 self._forget(st)
                 st.event.set()
-        elif isinstance(msg, (ProbeReply, FlushReply)):
+        elif isinstance(msg, (ProbeReply, FlushReply, ProfileReply)):
             fut = self._waiters.pop(msg.nonce, None)
             if fut is not None and not fut.done():
                 fut.set_result(msg)
@@ -351,6 +354,12 @@ class EngineClient:
 
     async def flush_cache(self, timeout: float) -> FlushReply:
         return await self._ask(FlushCache, timeout)
+
+    async def start_profile(self, timeout: float, **options) -> ProfileReply:
+        return await self._ask(lambda nonce: StartProfile(nonce, **options), timeout)
+
+    async def stop_profile(self, timeout: float) -> ProfileReply:
+        return await self._ask(StopProfile, timeout)
 
 
 def _logprob_entry(msg: StepOutput, i: int, top_k: int) -> tuple[float, list[float], list[int]]:

@@ -8,6 +8,7 @@ request (Abort RPC, cancelled call, or a handler torn down mid-stream).
 from __future__ import annotations
 
 import asyncio
+import os
 import dataclasses
 import logging
 import time
@@ -30,6 +31,8 @@ SERVICE_NAME = "tokenspeed.grpc.scheduler.TokenSpeedScheduler"
 # The gateway's HealthCheck timeout is 5 s; answer well inside it.
 HEALTH_PROBE_TIMEOUT_S = 3.0
 LOADS_TIMEOUT_S = 5.0
+# Writing a trace can take a while (minutes for a long GPU profile).
+PROFILE_TIMEOUT_S = 600.0
 
 _FINISH_NAMES = {FINISH_STOP: "stop", FINISH_LENGTH: "length", FINISH_ABORT: "abort"}
 
@@ -402,10 +405,40 @@ class TokenSpeedSchedulerServicer(pb_grpc.TokenSpeedSchedulerServicer):
             yield common_pb2.GetTokenizerChunk(data=data, sha256=sha256)
 
     async def StartProfile(self, request, context):
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "StartProfile: profiling is not supported yet")
+        """torch.profiler over the engine process; the trace lands in output_dir
+        (default $TOKENSPEED_PROFILE_DIR or /tmp/tokenspeed_profiles)."""
+        output_dir = request.output_dir if request.HasField("output_dir") else os.environ.get(
+            "TOKENSPEED_PROFILE_DIR", "/tmp/tokenspeed_profiles")
+        if not os.path.isabs(output_dir):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"output_dir: must be an absolute path, got {output_dir!r}")
+        if request.HasField("num_steps") and request.num_steps < 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "num_steps: must be >= 0")
+        if request.HasField("start_step") or request.profile_by_stage:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                                "start_step / profile_by_stage: not supported (the profile starts at once)")
+        try:
+            reply = await self.engine.start_profile(
+                PROFILE_TIMEOUT_S,
+                output_dir=output_dir,
+                num_steps=request.num_steps if request.HasField("num_steps") else None,
+                activities=tuple(request.activities) or ("CPU", "GPU"),
+                with_stack=request.with_stack if request.HasField("with_stack") else False,
+                record_shapes=request.record_shapes if request.HasField("record_shapes") else False,
+            )
+        except asyncio.TimeoutError:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the engine did not answer StartProfile in time")
+        except EngineUnavailable as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"engine unavailable: {e}")
+        return common_pb2.ProfileResponse(success=reply.success, message=reply.message)
 
     async def StopProfile(self, request, context):
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "StopProfile: profiling is not supported yet")
+        try:
+            reply = await self.engine.stop_profile(PROFILE_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the engine did not answer StopProfile in time")
+        except EngineUnavailable as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"engine unavailable: {e}")
+        return common_pb2.ProfileResponse(success=reply.success, message=reply.message)
 
     async def SubscribeKvEvents(self, request, context):
         from tokenspeed_worker.config import kv_events_enabled, kv_events_settings
