@@ -23,7 +23,7 @@ from google.protobuf.struct_pb2 import Struct
 from hypothesis import HealthCheck, Phase, example, given, settings, strategies as st
 
 from tokenspeed_worker.proto import common_pb2, tokenspeed_scheduler_pb2 as pb
-from worker_harness import Worker, tiny_models
+from worker_harness import Worker, tiny_models, wait_idle
 
 MAX_MODEL_LEN = 128
 SERVICE = "/tokenspeed.grpc.scheduler.TokenSpeedScheduler"
@@ -325,15 +325,6 @@ def assert_healthy(worker) -> None:
     assert worker.proc.poll() is None, worker.log()
 
 
-def wait_idle(worker, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        load = worker.stub.GetLoads(pb.GetLoadsRequest(include=["all"]), timeout=5).loads[0]
-        if load.num_running_reqs == 0 and load.num_waiting_reqs == 0 and load.num_used_tokens == 0:
-            return load
-        if time.monotonic() > deadline:
-            raise AssertionError(f"worker not idle {timeout}s after the fuzzing: {load}")
-        time.sleep(0.1)
 
 
 def _count(name: str, outcome: str | None = None) -> None:

@@ -14,7 +14,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tokenspeed_worker.proto import common_pb2, tokenspeed_scheduler_pb2 as pb
-from worker_harness import Worker, hf_greedy, tiny_models
+from worker_harness import Worker, hf_greedy, tiny_models, wait_idle
 
 MAX_MODEL_LEN = 96
 
@@ -57,16 +57,6 @@ def run(worker, request, timeout=60):
     return list(worker.stub.Generate(request, timeout=timeout))
 
 
-def wait_idle(worker, timeout=10.0):
-    """Until the engine holds no request and no KV block."""
-    deadline = time.monotonic() + timeout
-    while True:
-        load = worker.stub.GetLoads(pb.GetLoadsRequest(include=["all"]), timeout=5).loads[0]
-        if load.num_running_reqs == 0 and load.num_waiting_reqs == 0 and load.num_used_tokens == 0:
-            return load
-        if time.monotonic() > deadline:
-            raise AssertionError(f"worker not idle: {load}")
-        time.sleep(0.1)
 
 
 PROMPT = [5, 17, 42, 99, 7, 3, 250, 11]
@@ -157,8 +147,6 @@ def test_kv_events_are_unimplemented_without_kv_events_config(worker):
 
 
 def test_profile_writes_a_chrome_trace(worker, tmp_path):
-    import gzip  # noqa: F401  (traces are plain JSON; see docs/operations.md)
-
     stop = worker.stub.StopProfile(common_pb2.StopProfileRequest())
     assert not stop.success and "no profile" in stop.message
     r = worker.stub.StartProfile(common_pb2.StartProfileRequest(output_dir=str(tmp_path)))

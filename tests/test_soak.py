@@ -27,7 +27,7 @@ import grpc.aio
 import pytest
 
 from tokenspeed_worker.proto import tokenspeed_scheduler_pb2 as pb, tokenspeed_scheduler_pb2_grpc as pb_grpc
-from worker_harness import Worker, process_tree_rss_kb, tiny_models
+from worker_harness import Worker, process_tree_rss_kb, tiny_models, wait_idle
 
 MAX_MODEL_LEN = 256
 SOAK_SECONDS = float(os.environ.get("TOKENSPEED_SOAK_SECONDS", "45"))
@@ -208,15 +208,6 @@ async def drive(address: str, seconds: float, seed: int, vocab: int) -> tuple[St
         return stats, time.monotonic() - t0
 
 
-def wait_idle(worker, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        load = worker.stub.GetLoads(pb.GetLoadsRequest(include=["all"]), timeout=5).loads[0]
-        if load.num_running_reqs == 0 and load.num_waiting_reqs == 0 and load.num_used_tokens == 0:
-            return load
-        if time.monotonic() > deadline:
-            raise AssertionError(f"worker not idle {timeout}s after the load: {load}")
-        time.sleep(0.1)
 
 
 def tree_rss(worker) -> dict[int, int]:

@@ -214,3 +214,17 @@ def process_tree_rss_kb(pid: int) -> dict[int, int]:
         out[p] = rss_kb(p)
         todo.extend(child_pids(p))
     return out
+
+
+def wait_idle(worker: "Worker", timeout: float = 10.0):
+    """Until the engine holds no request and no KV block; returns the last SchedulerLoad."""
+    from tokenspeed_worker.proto import tokenspeed_scheduler_pb2 as pb
+
+    deadline = time.monotonic() + timeout
+    while True:
+        load = worker.stub.GetLoads(pb.GetLoadsRequest(include=["all"]), timeout=5).loads[0]
+        if load.num_running_reqs == 0 and load.num_waiting_reqs == 0 and load.num_used_tokens == 0:
+            return load
+        if time.monotonic() > deadline:
+            raise AssertionError(f"worker not idle after {timeout}s: {load}")
+        time.sleep(0.1)
