@@ -79,17 +79,18 @@ class ModelArithmetic:
 
 def plan_recorder(core: EngineCore, arithmetic: ModelArithmetic, records: list, host_times: list | None = None) -> None:
     """Wrap the scheduler so each step's tokens, sampled rows and KV read are recorded, and
-    (host_times) the host time spent in schedule() and advance(): without overlap, the GPU
-    idles through both, so their sum bounds the idle gap between steps from below."""
+    (host_times) the host time spent in schedule(), commit() and resolve() (advance() is the
+    last two)."""
     schedule = core.scheduler.schedule
-    advance = core.scheduler.advance
 
-    def timed_advance(sampled):
-        t0 = time.perf_counter()
-        result = advance(sampled)
-        if host_times is not None:
-            host_times.append(time.perf_counter() - t0)
-        return result
+    def timed(method):
+        def wrapper(*a):
+            t0 = time.perf_counter()
+            result = method(*a)
+            if host_times is not None:
+                host_times.append(time.perf_counter() - t0)
+            return result
+        return wrapper
 
     def recording_schedule():
         t0 = time.perf_counter()
@@ -105,7 +106,8 @@ def plan_recorder(core: EngineCore, arithmetic: ModelArithmetic, records: list, 
         return plan
 
     core.scheduler.schedule = recording_schedule
-    core.scheduler.advance = timed_advance
+    core.scheduler.commit = timed(core.scheduler.commit)
+    core.scheduler.resolve = timed(core.scheduler.resolve)
 
 
 def greedy_request(req_id: int, prompt: np.ndarray, max_new: int) -> AddRequest:

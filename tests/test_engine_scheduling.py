@@ -17,6 +17,14 @@ DEVICE = os.environ.get("TOKENSPEED_TEST_DEVICE", "cpu")
 MODEL = "llama-gqa-tied"
 
 
+@pytest.fixture(autouse=True, params=[False, True], ids=["sync", "overlap"])
+def overlap_schedule(request, monkeypatch):
+    """Every test runs with steps one after another and with overlap scheduling (launch N+1, then
+    complete N), which must give the same tokens."""
+    monkeypatch.setenv("TOKENSPEED_OVERLAP_SCHEDULE", "1" if request.param else "0")
+    return request.param
+
+
 def make_core(**overrides) -> EngineCore:
     cfg = dict(model_path=str(tiny_models()[MODEL]), dtype="float32", device=DEVICE, block_size=4,
                max_model_len=256, max_num_seqs=16, max_total_tokens=4096, chunked_prefill_size=33)
@@ -30,7 +38,8 @@ def request(req_id, prompt, max_new, *, temperature=0.0, seed=0, wait_for=-1, to
 
 
 def run(core: EngineCore, requests, arrive_at=None):
-    """Step until every request finished. Returns outputs, cached tokens and per-step token owners."""
+    """Step until every request finished (through run_steps, so overlapping when the core does).
+    Returns outputs, cached tokens and per-step token owners."""
     arrive_at = arrive_at or [0] * len(requests)
     outputs = {r.req_id: [] for r in requests}
     cached = {r.req_id: 0 for r in requests}
@@ -38,11 +47,12 @@ def run(core: EngineCore, requests, arrive_at=None):
     pending = sorted(zip(arrive_at, range(len(requests))), key=lambda x: x[0])
     done: set[int] = set()
     step = 0
-    while len(done) < len(requests):
+    while pending and pending[0][0] <= step:
+        core.add_request(requests[pending.pop(0)[1]])
+    for out in core.run_steps():
+        step += 1
         while pending and pending[0][0] <= step:
             core.add_request(requests[pending.pop(0)[1]])
-        out = core.step()
-        step += 1
         assert step < 5000
         if out is None:
             steps.append(set())

@@ -25,15 +25,17 @@ def greedy(req_id, prompt, max_new):
 
 
 def run_staggered(core: EngineCore, requests: list[AddRequest], arrive_at: list[int]) -> dict[int, list[int]]:
+    """Steps through run_steps (overlapping launch and completion when the core does)."""
     outputs = {r.req_id: [] for r in requests}
     pending = sorted(zip(arrive_at, range(len(requests))))
     step = 0
     done = set()
-    while len(done) < len(requests):
+    while pending and pending[0][0] <= step:
+        core.add_request(requests[pending.pop(0)[1]])
+    for out in core.run_steps():
+        step += 1
         while pending and pending[0][0] <= step:
             core.add_request(requests[pending.pop(0)[1]])
-        out = core.step()
-        step += 1
         if out is None:
             continue
         for rid, tok in zip(out.req_ids.tolist(), out.tokens.tolist()):
@@ -45,10 +47,12 @@ def run_staggered(core: EngineCore, requests: list[AddRequest], arrive_at: list[
 
 @pytest.mark.parametrize("name", ["llama-gqa-tied", "qwen2-bias", "qwen3-qknorm"])
 @pytest.mark.parametrize("budget", [16, 33])
-def test_staggered_mixed_batches_equal_transformers(name, budget):
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_staggered_mixed_batches_equal_transformers(name, budget, overlap):
     model = tiny_models()[name]
     core = EngineCore(EngineConfig(model_path=str(model), dtype="float32", device=DEVICE, block_size=4, max_model_len=256,
-                                   max_num_seqs=8, max_total_tokens=4096, chunked_prefill_size=budget))
+                                   max_num_seqs=8, max_total_tokens=4096, chunked_prefill_size=budget,
+                                   overlap_schedule=overlap))
     rng = np.random.default_rng(7)
     vocab = core.runner.vocab_size
     lengths = [5, 40, 17, 3, 64, 9]

@@ -25,10 +25,12 @@ def model_dir():
     return tiny_models()["llama-gqa-tied"]
 
 
-@pytest.fixture(scope="module")
-def worker(model_dir):
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "overlap"])
+def worker(model_dir, request):
+    # Also with overlap scheduling (the GPU default) forced on: stop strings, logprobs, penalties
+    # and min_new_tokens must not change when step N+1 is launched before step N completes.
     w = Worker(model_dir, "--max-model-len", "256", "--max-total-tokens", "4096", "--stream-interval", str(INTERVAL),
-               "--sampling-backend", "torch")
+               "--sampling-backend", "torch", env={"TOKENSPEED_OVERLAP_SCHEDULE": "1" if request.param else "0"})
     yield w
     assert w.stop() == 0, w.log()
 

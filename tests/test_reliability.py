@@ -120,10 +120,12 @@ def test_watchdog_fails_requests_when_the_engine_stops_making_progress(model_dir
     w.stop()
 
 
-def test_out_of_memory_in_a_step_fails_only_that_step(model_dir):
-    # The warm-up generation is steps 1-2; step 4 is the second step of the first real request.
+@pytest.mark.parametrize("overlap", ["0", "1"], ids=["sync", "overlap"])
+def test_out_of_memory_in_a_step_fails_only_that_step(model_dir, overlap):
+    # The warm-up generation is steps 1-2; step 4 is the second step of the first real request
+    # (with overlap, launched while step 3 is still to complete).
     w = Worker(model_dir, "--max-model-len", "512", "--max-total-tokens", "4096",
-               env={"TOKENSPEED_FAULT_INJECT": "oom@4"})
+               env={"TOKENSPEED_FAULT_INJECT": "oom@4", "TOKENSPEED_OVERLAP_SCHEDULE": overlap})
     try:
         first = Collector(w.stub, gen(max_new_tokens=20))
         first.join(30)

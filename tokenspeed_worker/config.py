@@ -407,6 +407,13 @@ class ServerArgs:
     enforce_eager: bool = _option(
         False, SCHEDULER, "Disable CUDA graph execution (decode steps then run eagerly; GPU only)."
     )
+    disable_overlap_schedule: bool = _option(
+        False,
+        SCHEDULER,
+        "Run each step's host work (scheduling, input preparation, output handling) after the "
+        "device finished the previous step instead of while it runs. Overlap is on by default on "
+        "GPUs; on CPU there is nothing to overlap and steps always run one after another.",
+    )
     max_cudagraph_capture_size: int | None = _option(
         None,
         SCHEDULER,

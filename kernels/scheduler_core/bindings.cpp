@@ -117,6 +117,15 @@ nb::tuple advance(Scheduler& self, InArray1D<int64_t> sampled) {
                         to_numpy(std::move(outcome.finish_reasons), finished));
 }
 
+nb::tuple resolve(Scheduler& self, InArray1D<int64_t> sampled) {
+  StepOutcome outcome = self.resolve(sampled.data(), sampled.shape(0));
+  const size_t finished = outcome.finished_req_ids.size();
+  const size_t samples = outcome.live.size();
+  return nb::make_tuple(to_numpy(std::move(outcome.finished_req_ids), finished),
+                        to_numpy(std::move(outcome.finish_reasons), finished),
+                        to_numpy(std::move(outcome.live), samples));
+}
+
 template <typename F>
 auto known(const Scheduler& self, int64_t req_id, F&& query) {
   if (!self.contains(req_id)) throw nb::key_error(("unknown request " + std::to_string(req_id)).c_str());
@@ -148,6 +157,10 @@ NB_MODULE(_scheduler_core, m) {
            "wait_for"_a = -1)
       .def("schedule", &schedule)
       .def("advance", &advance, "sampled"_a)
+      .def("commit", &Scheduler::commit)
+      .def("resolve", &resolve, "sampled"_a)
+      .def("drop_plan", &Scheduler::drop_plan)
+      .def_prop_ro("num_unresolved", &Scheduler::num_unresolved)
       .def("abort", &Scheduler::abort, "req_id"_a)
       .def_prop_ro("num_waiting", &Scheduler::num_waiting)
       .def_prop_ro("num_running", &Scheduler::num_running)

@@ -16,6 +16,12 @@
 // A *sibling* (one of the n samples of one prompt) names the request it waits for:
 // it is not admitted while that request is waiting or prefilling, then shares its
 // prompt blocks. The parent is identified by id and serial, as ids are reused.
+//
+// Overlap scheduling (scheduler.hpp): a step's sampled token can be *pending*: the
+// step is committed (its tokens computed) before the sampled value reached the host.
+// The token is then kPendingToken in `tokens` until resolved; the next step may
+// already compute it, reading its value on the device (the plan names which sample
+// of the previous step it is). Pending tokens are always the last ones.
 #pragma once
 
 #include <cstdint>
@@ -31,6 +37,9 @@
 namespace tokenspeed {
 
 enum class FinishReason : int32_t { kNone = 0, kStop = 1, kLength = 2 };
+
+// The value of a sampled token not resolved yet (token ids are never negative).
+constexpr int64_t kPendingToken = -1;
 
 namespace state {
 struct Waiting {};
@@ -84,7 +93,7 @@ class Request {
   uint64_t block_hash(int32_t index, int32_t block_size, uint64_t mask) {
     while (static_cast<int32_t>(block_hashes_.size()) <= index) {
       const int32_t i = static_cast<int32_t>(block_hashes_.size());
-      expect((i + 1) * block_size <= num_tokens(), "block_hash of a block that is not full");
+      expect((i + 1) * block_size <= num_tokens() - num_pending_, "block_hash of a block that is not full and known");
       const uint64_t parent = i == 0 ? kRootBlockHash : block_hashes_.back();
       block_hashes_.push_back(chain_block_hash(parent, &tokens_[i * block_size], block_size, mask));
     }
@@ -128,23 +137,50 @@ class Request {
     num_computed_ += query_len;
   }
 
-  // The token sampled after the last known token. Prefilling -> Decoding, and
-  // -> Finished when it is a stop token or the output reached max_new_tokens.
-  FinishReason append_sampled(int64_t token) {
-    expect(num_computed_ == num_tokens(), "append_sampled before all tokens were computed");
+  // A token was sampled after the last known token; its value comes later (resolve_pending).
+  // Prefilling -> Decoding. `sample_index` is its place among its step's sampled tokens.
+  void append_pending(int32_t sample_index) {
+    expect(num_computed_ == num_tokens(), "append_pending before all tokens were computed");
     if (auto* s = std::get_if<state::Prefilling>(&state_)) {
       state_ = state::Decoding{std::move(s->blocks)};
     }
-    expect(is_decoding(), "append_sampled");
-    tokens_.push_back(token);
-    FinishReason reason = FinishReason::kNone;
+    expect(is_decoding(), "append_pending");
+    tokens_.push_back(kPendingToken);
+    ++num_pending_;
+    last_sample_index_ = sample_index;
+  }
+
+  // The value of the oldest pending token. Returns why the request ends with it: a stop
+  // token, or the output reaching max_new_tokens with it; kNone otherwise. The request may
+  // have been preempted since (then it is Waiting and recomputes the token later).
+  FinishReason resolve_pending(int64_t token) {
+    expect(num_pending_ > 0 && token >= 0, "resolve_pending");
+    const int32_t position = num_tokens() - num_pending_;
+    tokens_[static_cast<size_t>(position)] = token;
+    --num_pending_;
     for (int64_t stop : stop_token_ids_) {
-      if (stop == token) reason = FinishReason::kStop;
+      if (stop == token) return FinishReason::kStop;
     }
-    if (reason == FinishReason::kNone && output_len() >= max_new_tokens_) reason = FinishReason::kLength;
+    if (position + 1 - prompt_len_ >= max_new_tokens_) return FinishReason::kLength;
+    return FinishReason::kNone;
+  }
+
+  // Sampled tokens whose values are not known yet (at most two: see scheduler.hpp).
+  int32_t num_pending() const { return num_pending_; }
+  // The newest pending token's index among its step's sampled tokens.
+  int32_t last_sample_index() const { return last_sample_index_; }
+  // Every output token it may produce is sampled (some maybe pending): nothing left to schedule.
+  bool output_complete() const { return output_len() >= max_new_tokens_; }
+
+  // The token sampled after the last known token, known at once: append_pending + resolve_pending.
+  FinishReason append_sampled(int64_t token) {
+    append_pending(0);
+    const FinishReason reason = resolve_pending(token);
     if (reason != FinishReason::kNone) state_ = state::Finished{reason};
     return reason;
   }
+
+  void finish(FinishReason reason) { state_ = state::Finished{reason}; }
 
  private:
   void expect(bool ok, const char* what) const {
@@ -161,6 +197,8 @@ class Request {
   int32_t max_new_tokens_;
   int32_t num_computed_ = 0;
   int32_t num_cached_tokens_ = 0;
+  int32_t num_pending_ = 0;
+  int32_t last_sample_index_ = 0;
   bool was_admitted_ = false;
   std::vector<int64_t> tokens_;
   std::vector<uint64_t> block_hashes_;

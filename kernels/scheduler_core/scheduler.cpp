@@ -58,6 +58,8 @@ void Scheduler::add_request(int64_t req_id, const int64_t* prompt, size_t prompt
 StepPlan Scheduler::schedule() {
   if (plan_outstanding_)
     throw std::runtime_error("schedule() called again before advance() consumed the last plan");
+  if (pending_.size() > 1)
+    throw std::runtime_error("schedule() called with two committed steps unresolved; resolve() one first");
   std::vector<ScheduledRow> rows;
   rows.reserve(running_.size() + 8);
   const int64_t preemptions_before = num_preemptions_;
@@ -261,7 +263,10 @@ StepPlan Scheduler::build_plan(const std::vector<ScheduledRow>& rows) const {
     plan.query_lens.push_back(rows[b].query_len);
     plan.context_lens.push_back(context);
     for (int32_t pos = context; pos < context + rows[b].query_len; ++pos) {
-      plan.input_ids.push_back(request.tokens()[pos]);
+      int64_t token = request.tokens()[pos];
+      // A pending token (only ever the newest, of the one unresolved step): read on the device.
+      if (token == kPendingToken) token = -1 - static_cast<int64_t>(request.last_sample_index());
+      plan.input_ids.push_back(token);
       plan.positions.push_back(pos);
       plan.slot_mapping.push_back(blocks[pos / block_size] * block_size + pos % block_size);
     }
@@ -272,43 +277,105 @@ StepPlan Scheduler::build_plan(const std::vector<ScheduledRow>& rows) const {
 }
 
 StepOutcome Scheduler::advance(const int64_t* sampled, size_t num_sampled) {
-  size_t num_sampling = 0;
-  for (const ScheduledRow& row : in_flight_) num_sampling += row.samples;
+  if (!pending_.empty())
+    throw std::runtime_error("advance() called with committed steps unresolved; use resolve()");
   if (!advance_allowed_)
     throw std::runtime_error("advance() called without a plan to consume; call schedule() first");
+  size_t num_sampling = 0;
+  for (const ScheduledRow& row : in_flight_) num_sampling += row.samples;
   if (num_sampled != num_sampling)
     throw std::invalid_argument("advance() got " + std::to_string(num_sampled) +
                                 " sampled tokens, the plan has " + std::to_string(num_sampling) +
                                 " sample rows");
+  commit();
+  if (pending_.empty()) return StepOutcome{};
+  return resolve(sampled, num_sampled);
+}
+
+void Scheduler::commit() {
+  if (!advance_allowed_)
+    throw std::runtime_error("commit() called without a plan to consume; call schedule() first");
+  int32_t sample_index = 0;
+  for (ScheduledRow& row : in_flight_) {
+    const int32_t index = row.samples ? sample_index++ : -1;
+    Request* request = row.request;
+    if (request == nullptr) continue;  // aborted after schedule()
+    request->record_computed(row.query_len);
+    if (!row.samples) continue;
+    request->append_pending(index);
+    // Every output token is sampled: it only waits for resolve() now, and holds its blocks until then.
+    if (request->output_complete()) remove_running(request);
+  }
+  if (!in_flight_.empty()) pending_.push_back(std::move(in_flight_));
+  in_flight_.clear();
+  plan_outstanding_ = false;
+  advance_allowed_ = false;
+}
+
+StepOutcome Scheduler::resolve(const int64_t* sampled, size_t num_sampled) {
+  if (pending_.empty()) throw std::runtime_error("resolve() called with no committed step unresolved");
+  size_t num_sampling = 0;
+  for (const ScheduledRow& row : pending_.front()) num_sampling += row.samples;
+  if (num_sampled != num_sampling)
+    throw std::invalid_argument("resolve() got " + std::to_string(num_sampled) +
+                                " sampled tokens, the step has " + std::to_string(num_sampling) +
+                                " sample rows");
+  for (size_t i = 0; i < num_sampled; ++i) {
+    if (sampled[i] < 0) throw std::invalid_argument("resolve() got a negative token id");
+  }
+  std::vector<ScheduledRow> rows = std::move(pending_.front());
+  pending_.pop_front();
   StepOutcome outcome;
+  outcome.live.reserve(num_sampling);
   size_t next_sample = 0;
-  for (const ScheduledRow& row : in_flight_) {
+  for (const ScheduledRow& row : rows) {
     const int64_t token = row.samples ? sampled[next_sample++] : 0;
     Request* request = row.request;
-    if (request == nullptr) continue;  // aborted after schedule(): its token is dropped
-    request->record_computed(row.query_len);
-    register_computed_blocks(*request);
-    if (!row.samples) continue;
-    const FinishReason reason = request->append_sampled(token);
+    if (row.samples) outcome.live.push_back(request != nullptr);
+    if (request == nullptr) continue;  // aborted, or finished by an earlier step: its token is dropped
+    FinishReason reason = FinishReason::kNone;
+    if (row.samples) {
+      reason = request->resolve_pending(token);
+    }
+    if (request->blocks() != nullptr) register_computed_blocks(*request);
     if (reason == FinishReason::kNone) continue;
     outcome.finished_req_ids.push_back(request->id());
     outcome.finish_reasons.push_back(static_cast<int32_t>(reason));
+    request->finish(reason);
+    auto waiting = std::find(waiting_.begin(), waiting_.end(), request);  // preempted since commit
+    if (waiting != waiting_.end()) waiting_.erase(waiting);
     remove_running(request);
+    forget_in_steps(request);
     requests_.erase(request->id());
+  }
+  return outcome;
+}
+
+void Scheduler::drop_plan() {
+  for (const ScheduledRow& row : in_flight_) {
+    if (row.request != nullptr) throw std::runtime_error("drop_plan() with live requests in the plan; abort them first");
   }
   in_flight_.clear();
   plan_outstanding_ = false;
   advance_allowed_ = false;
-  return outcome;
+}
+
+void Scheduler::forget_in_steps(const Request* request) {
+  for (ScheduledRow& row : in_flight_) {
+    if (row.request == request) row.request = nullptr;
+  }
+  for (auto& step : pending_) {
+    for (ScheduledRow& row : step) {
+      if (row.request == request) row.request = nullptr;
+    }
+  }
 }
 
 bool Scheduler::abort(int64_t req_id) {
   auto it = requests_.find(req_id);
   if (it == requests_.end()) return false;
   Request* request = it->second.get();
-  for (ScheduledRow& row : in_flight_) {
-    if (row.request == request) row.request = nullptr;
-  }
+  forget_in_steps(request);
   if (request->is_waiting()) {
     waiting_.erase(std::find(waiting_.begin(), waiting_.end(), request));
   } else {
@@ -319,7 +386,9 @@ bool Scheduler::abort(int64_t req_id) {
 }
 
 void Scheduler::remove_running(Request* request) {
-  running_.erase(std::find(running_.begin(), running_.end(), request));
+  // Absent when its output completed at commit (it waits for resolve outside running_).
+  auto it = std::find(running_.begin(), running_.end(), request);
+  if (it != running_.end()) running_.erase(it);
 }
 
 int32_t Scheduler::cached_tokens(int64_t req_id) const {

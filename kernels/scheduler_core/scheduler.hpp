@@ -10,6 +10,20 @@
 //      there is room in max_num_seqs, the token budget and the pool.
 // schedule() hands out a StepPlan; advance() takes the tokens sampled for it.
 //
+// Overlap scheduling splits advance() in two, so the host can plan step N+1 while the
+// device still runs step N: commit() records the last plan as computed, its sampled
+// tokens *pending* (request.hpp), and resolve(sampled) later gives the values of the
+// oldest committed step's tokens, in order. schedule() may run while one committed
+// step is unresolved: a decode row then computes a pending token, and its input id in
+// the plan is -1 - i, meaning "sample i of the previous step" (the model runner reads it
+// on the device). A request whose output is complete at commit (max_new_tokens reached)
+// is not scheduled again; one that samples a stop token is found at resolve, so it may
+// have computed one more token, which is dropped (resolve's `live` flags say which
+// sampled tokens belong to requests still alive). Full blocks are registered in the
+// prefix cache at resolve, once every token in them is known.
+// Protocol: schedule -> commit -> (schedule -> commit ->) resolve -> ... with at most
+// two committed steps unresolved; advance() = commit() + resolve() with none pending.
+//
 // Prefix caching: admission (and re-admission after preemption) first matches the
 // longest chain of cached full blocks equal to the request's known tokens, leaving
 // at least one token to compute, so a request never writes into a shared block.
@@ -59,6 +73,7 @@ struct StepPlan {
 struct StepOutcome {
   std::vector<int64_t> finished_req_ids;
   std::vector<int32_t> finish_reasons;
+  std::vector<uint8_t> live;  // per sampled token: its request is alive (not aborted or finished before)
 };
 
 class Scheduler {
@@ -72,6 +87,11 @@ class Scheduler {
                    int64_t wait_for = -1);
   StepPlan schedule();
   StepOutcome advance(const int64_t* sampled, size_t num_sampled);
+  void commit();
+  StepOutcome resolve(const int64_t* sampled, size_t num_sampled);
+  // Forgets the scheduled, uncommitted plan after every request in it was aborted (a failed step).
+  void drop_plan();
+  int32_t num_unresolved() const { return static_cast<int32_t>(pending_.size()); }
   bool abort(int64_t req_id);
 
   int32_t num_waiting() const { return static_cast<int32_t>(waiting_.size()); }
@@ -121,6 +141,7 @@ class Scheduler {
   void preempt_newest();
   StepPlan build_plan(const std::vector<ScheduledRow>& rows) const;
   void remove_running(Request* request);
+  void forget_in_steps(const Request* request);
 
   SchedulerConfig config_;
   // Declared first so it is destroyed last, after every request returned its blocks.
@@ -128,9 +149,10 @@ class Scheduler {
   std::unordered_map<int64_t, std::unique_ptr<Request>> requests_;
   std::deque<Request*> waiting_;
   std::vector<Request*> running_;  // in admission order: the back is the newest
-  std::vector<ScheduledRow> in_flight_;
-  bool plan_outstanding_ = false;  // a non-empty plan awaits advance()
-  bool advance_allowed_ = false;   // schedule() ran and advance() has not consumed it
+  std::vector<ScheduledRow> in_flight_;          // scheduled, not committed
+  std::deque<std::vector<ScheduledRow>> pending_;  // committed, sampled tokens not resolved (oldest first)
+  bool plan_outstanding_ = false;  // a non-empty plan awaits commit()
+  bool advance_allowed_ = false;   // schedule() ran and commit() has not consumed it
   int64_t num_preemptions_ = 0;
   uint64_t next_request_serial_ = 1;
   uint64_t hash_mask_;

@@ -9,6 +9,15 @@ Requests are known to the native scheduler by a *row*: a small integer that
 indexes this class's per-request parameter arrays, so gathering sampling
 parameters for a batch is one numpy fancy-index, not a per-request loop.
 Rows are recycled after a request ends; the server's own ids never are.
+
+Overlap scheduling (`launch` / `complete`): `launch()` schedules a step, enqueues its
+forward and sampling on the device, starts copying the sampled tokens to the host and
+commits the plan in the scheduler with those tokens *pending*; `complete()` waits for
+the tokens and resolves them (finishes, releases). The engine loop launches step N+1
+before completing step N, so the host's scheduling and output work for one step runs
+while the device computes the other; a decode row of step N+1 reads its input token
+(sampled by step N) on the device (model_runner: negative input ids). `step()` is
+`complete(launch())`: the same without overlap.
 """
 
 from __future__ import annotations
@@ -53,6 +62,9 @@ class EngineConfig:
     max_cudagraph_capture_size: int | None = None  # None: min(256, max_num_seqs)
     # --kv-events-config, resolved (config.kv_events_settings) when it turns publishing on, else None.
     kv_events: dict | None = None
+    # Overlap scheduling (host work of step N+1 while the device runs step N); None: on for CUDA
+    # devices (env TOKENSPEED_OVERLAP_SCHEDULE=1/0 forces it on/off, for tests), off on CPU.
+    overlap_schedule: bool | None = None
 
 
 def size_kv_pool_tokens(cfg: EngineConfig, kv_bytes_per_token: int, device: torch.device, runner=None) -> int:
@@ -157,6 +169,7 @@ class EngineCore:
             from tokenspeed_worker.engine.kv_events import ZmqKvEventPublisher
 
             self.kv_publisher = ZmqKvEventPublisher(cfg.kv_events["endpoint"], cfg.kv_events.get("topic", ""))
+        self.overlap_schedule = resolve_overlap(cfg.overlap_schedule, self.device)
         self.sampling_backend = cfg.sampling_backend or default_sampling_backend(self.device)
         self.sampler = Sampler(self.sampling_backend)
 
@@ -176,13 +189,14 @@ class EngineCore:
         self.profiler = EngineProfiler(self.device)
         self._fault = _parse_fault(os.environ.get("TOKENSPEED_FAULT_INJECT", ""))
         logger.info(
-            "engine ready: %s on %s (%s), attention %s, CUDA graphs %s, KV pool %d blocks x %d tokens (%.2f GiB), "
+            "engine ready: %s on %s (%s), attention %s, CUDA graphs %s, overlap scheduling %s, KV pool %d blocks x %d tokens (%.2f GiB), "
             "weights %.2f GiB",
             cfg.model_path,
             self.device,
             self.runner.dtype,
             self.runner.attention_backend.name,
             "on" if self.runner.cuda_graphs is not None else f"off ({self.runner.cuda_graphs_off_reason})",
+            "on" if self.overlap_schedule else "off",
             self.num_blocks,
             cfg.block_size,
             self.kv_cache_bytes / _GIB,
@@ -300,7 +314,33 @@ class EngineCore:
 
     # ---- the step ---------------------------------------------------------
 
+    def run_steps(self):
+        """Step until no work is left, overlapping launches and completions when overlap scheduling is
+        on; yields each step's StepOutput in order, or None for a pass that could not schedule
+        anything. Requests may be added between yields. (The engine process runs the same pattern,
+        with its messages in between.)"""
+        pending = None
+        while self.has_work() or pending is not None:
+            launched = self.launch() if self.has_work() else None
+            if pending is not None:
+                yield self.complete(pending)
+                pending = None
+            elif launched is None:
+                yield None
+            if launched is not None:
+                if self.overlap_schedule:
+                    pending = launched
+                else:
+                    yield self.complete(launched)
+
     def step(self) -> StepOutput | None:
+        """One step, start to finish (no overlap)."""
+        launched = self.launch()
+        return None if launched is None else self.complete(launched)
+
+    def launch(self) -> "LaunchedStep | None":
+        """Schedule a step and enqueue it on the device; None when nothing can run now.
+        Raises StepFailed (its requests freed) when the step cannot run."""
         t0 = time.perf_counter()
         start_ts = time.time()
         plan = self.scheduler.schedule()
@@ -320,28 +360,54 @@ class EngineCore:
             step_start_ts=start_ts,
         )
         self._steps += 1
+        host: dict[str, torch.Tensor] = {}
         try:
             if self._fault is not None:
                 self._inject_fault()
             if rows.shape[0] > 0:
                 logits = self.runner.forward(plan)
-                self._sample(logits, rows, out)
+                self._sample(logits, rows, host)
             else:
                 self.runner.forward(plan)
         except torch.OutOfMemoryError as exc:
             raise self._fail_step(plan, f"out of memory in a step: {exc}".splitlines()[0]) from exc
-        # Read before advance(): a request that finishes in this step is gone after it.
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        # Read before the step completes: a request that finishes in it is forgotten then.
         out.cached_tokens = self.scheduler.cached_tokens(rows) if rows.shape[0] else np.zeros(0, np.int32)
-        finished_rows, reasons = self.scheduler.advance(out.tokens)
+        self.scheduler.commit()
+        return LaunchedStep(out=out, rows=rows, host=host, event=event, t0=t0)
+
+    def complete(self, launched: "LaunchedStep") -> StepOutput:
+        """Wait for a launched step's sampled tokens; finish and release its requests. Steps
+        complete in launch order. Tokens of requests that ended since the launch (aborted, or
+        finished by the previous step) are left out of the output."""
+        if launched.event is not None:
+            launched.event.synchronize()
+        out = launched.out
+        host = {name: tensor.numpy() for name, tensor in launched.host.items()}
+        tokens = host.pop("tokens", None)
+        tokens = np.zeros(0, dtype=np.int64) if tokens is None else tokens.astype(np.int64, copy=False)
+        finished_rows, reasons, live = self.scheduler.resolve(tokens)
+        if not live.all():
+            out.req_ids = out.req_ids[live]
+            out.cached_tokens = out.cached_tokens[live]
+            tokens = tokens[live]
+            host = {name: array[live] for name, array in host.items()}
+        out.tokens = tokens
+        for name, array in host.items():
+            setattr(out, name, array)
         out.finished_ids = self._server_id[finished_rows].copy()
         out.finish_reasons = np.asarray(reasons, dtype=np.int32)
         for row in finished_rows.tolist():
             self._release(row)
-        if rows.shape[0]:
-            self._tokens_window.append((time.monotonic(), int(rows.shape[0])))
+        if out.tokens.shape[0]:
+            self._tokens_window.append((time.monotonic(), int(out.tokens.shape[0])))
             if len(self._tokens_window) > 4096:
                 del self._tokens_window[:2048]
-        out.step_seconds = time.perf_counter() - t0
+        out.step_seconds = time.perf_counter() - launched.t0
         return out
 
     def _fail_step(self, plan, message: str) -> "StepFailed":
@@ -349,8 +415,7 @@ class EngineCore:
         failed = [int(self._server_id[row]) for row in plan.req_ids.tolist()]
         for row in plan.req_ids.tolist():
             self.scheduler.abort(row)
-        # Complete the schedule/advance protocol; the aborted rows' tokens are dropped.
-        self.scheduler.advance(np.zeros(len(plan.sample_rows), dtype=np.int64))
+        self.scheduler.drop_plan()  # every request in it is gone
         for row in plan.req_ids.tolist():
             self._release(row)
         if self.device.type == "cuda":
@@ -370,20 +435,46 @@ class EngineCore:
         if kind == "crash":
             os._exit(3)
 
-    def _sample(self, logits: torch.Tensor, rows: np.ndarray, out: StepOutput) -> None:
-        """Sample the rows' next tokens (and logprobs if any row asked) into `out`."""
+    def _sample(self, logits: torch.Tensor, rows: np.ndarray, host: dict) -> None:
+        """Sample the rows' next tokens (and logprobs if any row asked) on the device, keep the
+        tokens there for the next step's inputs, and start copying the results to `host`
+        (StepOutput field name -> CPU tensor, ready once the step's event fired)."""
         result = self.sampler.sample(logits, self.sampling.batch(rows))
         self.sampling.update(rows, result.tokens)
-        out.tokens = _host(result.tokens).astype(np.int64, copy=False)
-        if result.logprobs is not None:
-            out.logprobs = _host(result.logprobs)
-        if result.top_logprobs is not None:
-            out.top_logprobs = _host(result.top_logprobs)
-            out.top_logprob_ids = _host(result.top_logprob_ids)
-        if result.token_ids_logprobs is not None:
-            out.ids_logprobs = _host(result.token_ids_logprobs)
-            out.ids_logprob_ids = _host(result.token_ids_logprob_ids)
-            out.ids_logprob_counts = _host(result.token_ids_logprob_counts)
+        self.runner.record_sampled(result.tokens)
+        fields = {
+            "tokens": result.tokens,
+            "logprobs": result.logprobs,
+            "top_logprobs": result.top_logprobs,
+            "top_logprob_ids": result.top_logprob_ids,
+            "ids_logprobs": result.token_ids_logprobs,
+            "ids_logprob_ids": result.token_ids_logprob_ids,
+            "ids_logprob_counts": result.token_ids_logprob_counts,
+        }
+        for name, tensor in fields.items():
+            if tensor is not None:
+                host[name] = _to_host_async(tensor)
+
+
+@dataclass
+class LaunchedStep:
+    """A step enqueued on the device whose sampled tokens are not resolved yet (EngineCore.complete)."""
+
+    out: StepOutput
+    rows: np.ndarray
+    host: dict  # StepOutput field -> CPU tensor being filled by the device
+    event: object | None  # CUDA event after the step's copies; None on CPU
+    t0: float
+
+
+def resolve_overlap(setting: bool | None, device: torch.device) -> bool:
+    """Overlap scheduling: as configured, else env TOKENSPEED_OVERLAP_SCHEDULE (1/0), else on for CUDA."""
+    if setting is not None:
+        return bool(setting)
+    forced = os.environ.get("TOKENSPEED_OVERLAP_SCHEDULE", "")
+    if forced in ("0", "1"):
+        return forced == "1"
+    return device.type == "cuda"
 
 
 class StepFailed(RuntimeError):
@@ -405,8 +496,11 @@ def _parse_fault(spec: str) -> tuple[str, int] | None:
     return kind, int(step)
 
 
-def _host(t: torch.Tensor) -> np.ndarray:
-    return t.to("cpu").numpy()
+def _to_host_async(t: torch.Tensor) -> torch.Tensor:
+    """A CPU copy of t; from CUDA a non-blocking copy into pinned memory (read after the step's event)."""
+    if t.device.type == "cpu":
+        return t
+    return t.to("cpu", non_blocking=True)
 
 
 def _row_params(req: AddRequest):

@@ -1,7 +1,9 @@
 """The engine process: a busy loop around `EngineCore`, talking to the server over a pipe.
 
 Between two steps it takes every pending message (new requests, aborts, probes);
-when idle it blocks on the pipe. Each step sends one `StepOutput`. If a step
+when idle it blocks on the pipe. Each step sends one `StepOutput`. With overlap
+scheduling (the GPU default) the next step is launched before the last one's output
+is completed and sent. If a step
 raises, it reports `EngineDead` and exits non-zero so the server fails every
 in-flight request instead of leaving it hanging.
 """
@@ -99,25 +101,38 @@ def _handle(core, conn: Connection, msg) -> bool:
 
 
 def _loop(core, conn: Connection) -> None:
+    """With overlap scheduling, step N+1 is launched before step N is completed (its output
+    sent): the host schedules and prepares N+1 and routes N's output while the device runs."""
     from tokenspeed_worker.engine.core import StepFailed
 
+    pending = None  # a launched step not completed yet (overlap only)
     while True:
-        # Take everything pending; block only when there is nothing to compute.
-        if not core.has_work():
+        # Take everything pending; block only when there is nothing to compute or complete.
+        if pending is None and not core.has_work():
             conn.poll(None)
         while conn.poll(0):
             if not _handle(core, conn, conn.recv()):
                 return
-        try:
-            out = core.step()
-        except StepFailed as failed:
-            # Only this step's requests end; the engine keeps serving.
-            for req_id in failed.server_ids:
-                conn.send(RequestFailed(req_id, "RESOURCE_EXHAUSTED", failed.message))
-            core.publish_kv_events()
-            continue
-        if out is not None:
-            conn.send(out)
-            core.profiler.step_done()
+        launched = None
+        if core.has_work():
+            try:
+                launched = core.launch()
+            except StepFailed as failed:
+                # Only this step's requests end; the engine keeps serving.
+                for req_id in failed.server_ids:
+                    conn.send(RequestFailed(req_id, "RESOURCE_EXHAUSTED", failed.message))
+        if pending is not None:
+            _send_output(core, conn, core.complete(pending))
+            pending = None
+        if launched is not None:
+            if core.overlap_schedule:
+                pending = launched
+            else:
+                _send_output(core, conn, core.complete(launched))
         # KV cache events of this step (and of aborts applied before it): one batch, if any.
         core.publish_kv_events()
+
+
+def _send_output(core, conn: Connection, out) -> None:
+    conn.send(out)
+    core.profiler.step_done()

@@ -189,8 +189,11 @@ class DecodeGraphs:
         vocab_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        last_sampled: torch.Tensor | None = None,
         graph_class: type = CudaGraph,
     ) -> None:
+        """last_sampled: the runner's device buffer of the previous step's sampled tokens; an input
+        id -1 - i reads entry i of it inside the graph (overlap scheduling)."""
         if not sizes:
             raise ValueError("no capture sizes")
         self.model = model
@@ -214,6 +217,7 @@ class DecodeGraphs:
             self.seq_lens = torch.ones(self.max_batch, dtype=torch.int32, device=device)
             self.block_tables = torch.zeros((self.max_batch, max_table_width), dtype=torch.int32, device=device)
             self.logits = torch.zeros((self.max_batch, vocab_size), dtype=dtype, device=device)
+        self.last_sampled = last_sampled
         self.static_bytes = static_buffer_bytes(self.max_batch, max_table_width, vocab_size, dtype.itemsize)
 
     # -- capture ----------------------------------------------------------------------------
@@ -252,7 +256,10 @@ class DecodeGraphs:
         )
 
         def step() -> None:
-            hidden_states = self.model(self.input_ids[:size], self.positions[:size], metadata)
+            input_ids = self.input_ids[:size]
+            if self.last_sampled is not None:
+                input_ids = resolve_pending_ids(input_ids, self.last_sampled)
+            hidden_states = self.model(input_ids, self.positions[:size], metadata)
             self.logits[:size].copy_(self.model.compute_logits(hidden_states))
 
         return step
@@ -301,6 +308,11 @@ class DecodeGraphs:
             "static block table width %d (logged once per reason)",
             reason, plan.num_reqs, plan.block_tables.shape[1], self.max_batch, self.max_table_width,
         )
+
+
+def resolve_pending_ids(input_ids: torch.Tensor, last_sampled: torch.Tensor) -> torch.Tensor:
+    """Input ids with each -1 - i replaced by last_sampled[i] (overlap scheduling; device-side, no sync)."""
+    return torch.where(input_ids < 0, last_sampled[(-1 - input_ids).clamp(min=0)], input_ids)
 
 
 def max_table_width(max_model_len: int, block_size: int) -> int:

@@ -29,6 +29,7 @@ from tokenspeed_worker.model_executor.cuda_graph import (
     capture_sizes,
     graph_reserve_bytes,
     max_table_width,
+    resolve_pending_ids,
 )
 from tokenspeed_worker.model_executor.loader import load_model_weights
 from tokenspeed_worker.models.llama import head_dim_of
@@ -154,6 +155,10 @@ class ModelRunner:
         self.cuda_graphs_off_reason = self._cuda_graphs_off_reason(enforce_eager)
         self.use_cuda_graphs = self.cuda_graphs_off_reason is None
         self.cuda_graphs: DecodeGraphs | None = None
+        # The last step's sampled tokens, on the device: with overlap scheduling a plan's input
+        # id -1 - i stands for sample i of the previous step, not yet known on the host.
+        self.last_sampled = torch.zeros(max(1, max_num_seqs, *self.cudagraph_sizes), dtype=torch.int64,
+                                        device=self.device)
 
     def _cuda_graphs_off_reason(self, enforce_eager: bool) -> str | None:
         if enforce_eager:
@@ -262,6 +267,7 @@ class ModelRunner:
             vocab_size=self.vocab_size,
             dtype=self.dtype,
             device=self.device,
+            last_sampled=self.last_sampled,
             graph_class=EmulatedGraph if self.emulate_cuda_graphs else CudaGraph,
         )
         report = graphs.capture()
@@ -301,6 +307,13 @@ class ModelRunner:
         """float32 logits [T, V] of every token of the step (for tests and prompt logprobs)."""
         return self.model.compute_logits(self._hidden_states(plan)).float()
 
+    def record_sampled(self, tokens: torch.Tensor) -> None:
+        """Keep a step's sampled tokens on the device for the next plan's pending inputs (overlap)."""
+        n = tokens.shape[0]
+        if n > self.last_sampled.shape[0]:
+            raise ValueError(f"{n} sampled tokens, more than max_num_seqs ({self.last_sampled.shape[0]})")
+        self.last_sampled[:n].copy_(tokens, non_blocking=True)
+
     def _to_device(self, array: np.ndarray, dtype) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array, dtype=dtype)).to(self.device, non_blocking=True)
 
@@ -319,6 +332,8 @@ class ModelRunner:
         )
         attn_metadata = self.attention_backend.build_metadata(inputs)
         input_ids = self._to_device(plan.input_ids, np.int64)
+        if plan.num_tokens and int(plan.input_ids.min()) < 0:
+            input_ids = resolve_pending_ids(input_ids, self.last_sampled)
         positions = self._to_device(plan.positions, np.int64)
         return self.model(input_ids, positions, attn_metadata)
 

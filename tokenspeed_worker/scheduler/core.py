@@ -142,6 +142,32 @@ class Scheduler:
         already released their blocks and are forgotten."""
         return self._core.advance(np.ascontiguousarray(sampled, dtype=np.int64).reshape(-1))
 
+    # -- overlap scheduling (see kernels/scheduler_core/scheduler.hpp) -----------------
+
+    def commit(self) -> None:
+        """Records the last plan as computed before its sampled tokens are known (they are
+        *pending*); the next schedule() may already run. A request whose output is then
+        complete (max_new_tokens) is not scheduled again. At most two committed steps may
+        be unresolved; schedule() refuses to run with two."""
+        self._core.commit()
+
+    def resolve(self, sampled: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The tokens of the oldest committed step (one per its sample rows, in order).
+        Returns (finished_req_ids int64[F], reasons int32[F], live bool[S]): live[i] is False
+        when sample i belongs to a request aborted, or finished by an earlier step, since it
+        was scheduled: that token must be dropped."""
+        finished, reasons, live = self._core.resolve(np.ascontiguousarray(sampled, dtype=np.int64).reshape(-1))
+        return finished, reasons, live.astype(bool, copy=False)
+
+    def drop_plan(self) -> None:
+        """Forgets the scheduled, uncommitted plan once every request in it was aborted (a failed step)."""
+        self._core.drop_plan()
+
+    @property
+    def num_unresolved(self) -> int:
+        """Committed steps whose sampled tokens were not resolved yet."""
+        return self._core.num_unresolved
+
     # -- state ----------------------------------------------------------------------
 
     @property
