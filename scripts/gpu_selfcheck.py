@@ -270,12 +270,12 @@ def check_tiny_triton_vs_torch(ctx, path) -> dict:
 def decode_batches(runner: ModelRunner, batch_sizes: list[int], seed: int, block_size: int, greedy: bool = False):
     """Prefill 8 sequences, then decode steps of the given sizes; logits per step (greedy: feed argmax back)."""
     seqs = Seqs([5, 19, 3, 40, 11, 27, 8, 16], num_blocks=250, block_size=block_size, seed=seed)
-    out = [runner.forward(seqs.plan([(i, len(t)) for i, t in enumerate(seqs.tokens)]))]
+    out = [runner.forward(seqs.plan([(i, len(t)) for i, t in enumerate(seqs.tokens)])).clone()]
     for step, batch in enumerate(batch_sizes):
         for i in range(batch):
             token = int(out[-1][i].argmax()) if greedy and out[-1].shape[0] > i else 3 + (7 * step + i) % 400
             seqs.tokens[i].append(token)
-        out.append(runner.forward(seqs.plan([(i, 1) for i in range(batch)])))
+        out.append(runner.forward(seqs.plan([(i, 1) for i in range(batch)])).clone())
     return out, seqs
 
 
@@ -420,7 +420,7 @@ def bench_1b(ctx, model, load_format, batches: list[int]) -> None:
             for mode in ("torch_eager", "triton_eager", "triton_graphs"):
                 use_backend(runner, torch_backend if mode == "torch_eager" else triton_backend)
                 runner.cuda_graphs = graphs if mode == "triton_graphs" else None
-                logits[mode] = runner.forward(plan)
+                logits[mode] = runner.forward(plan).clone()
                 timings[mode] = round(time_steps(lambda: runner.forward(plan), ctx.device, ctx.iters), 3)
             runner.cuda_graphs = graphs
             use_backend(runner, triton_backend)

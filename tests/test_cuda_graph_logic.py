@@ -138,7 +138,8 @@ def _decode_run(runner: ModelRunner, batch_sizes: list[int], seed: int = 0, samp
     num_seqs = max(batch_sizes)
     seqs = random_seqs([int(n) for n in np.random.default_rng(seed).integers(3, 20, size=num_seqs)], seed=seed)
     plans = Plans(num_blocks=NUM_BLOCKS, seed=seed)
-    outputs = [runner.forward(plans.plan([(s, len(s.tokens)) for s in seqs]))]
+    # Logits may be a view of the graphs' static buffer, valid until the next forward: keep copies.
+    outputs = [runner.forward(plans.plan([(s, len(s.tokens)) for s in seqs])).clone()]
     for step, batch in enumerate(batch_sizes):
         work = [(s, 1) for s in seqs[:batch]]
         for seq, _ in work:
@@ -146,7 +147,7 @@ def _decode_run(runner: ModelRunner, batch_sizes: list[int], seed: int = 0, samp
         plan = plans.plan(work)
         if sample_subset:
             plan.sample_rows = np.arange(plan.num_reqs, dtype=np.int32)[::-2].copy()
-        outputs.append(runner.forward(plan))
+        outputs.append(runner.forward(plan).clone())
     return outputs
 
 
@@ -179,16 +180,25 @@ def test_emulated_graphs_return_sampling_rows_in_order(llama_path):
     assert graphs.cuda_graphs.num_replays == 2
 
 
-def test_returned_logits_survive_the_next_replay(llama_path):
+def test_replayed_logits_are_the_static_buffer_and_a_subset_is_a_copy(llama_path):
+    # Leading rows come back as a view of the static float32 logits (no copy per step; the
+    # sampler reads it before the next replay, in stream order); other rows as a gathered copy.
     runner = _runner(llama_path, emulate_cuda_graphs=True)
     runner.capture_cuda_graphs()
     seqs = random_seqs([5, 6])
     plans = Plans(num_blocks=NUM_BLOCKS)
     runner.forward(plans.plan([(s, len(s.tokens) - 2) for s in seqs]))
     first = runner.forward(plans.plan([(s, 1) for s in seqs]))
-    kept = first.clone()
+    assert first.dtype == torch.float32
+    assert first.data_ptr() == runner.cuda_graphs.logits.data_ptr()
+    for s in seqs:
+        s.tokens.extend([7, 8])
+    plan = plans.plan([(s, 1) for s in seqs])
+    plan.sample_rows = np.array([1], dtype=np.int32)
+    subset = runner.forward(plan)
+    kept = subset.clone()
     runner.forward(plans.plan([(s, 1) for s in seqs]))
-    assert torch.equal(first, kept)
+    assert torch.equal(subset, kept)
 
 
 def test_larger_batches_run_eagerly_and_say_so_once(llama_path, caplog):

@@ -6,9 +6,11 @@ first P rows) and share one memory pool, captured largest first so the smaller o
 reuse its memory. The P - B padded rows are dummies: token 0 at position 0, writing
 their K/V into a reserved *dummy block* that no request owns (the runner allocates
 the pool with one block more than the scheduler hands out) and attending only to it
-(sequence length 1). The LM head output is copied into a static logits buffer inside
-the graph; the real rows are copied out as float32 after the replay, so the sampler
-(never inside a graph) gets a tensor the next replay cannot overwrite.
+(sequence length 1). The LM head output is written as float32 into a static logits buffer
+inside the graph, and the sampler (never inside a graph) reads the real rows there: a view
+when they are the leading rows, else a gathered copy. The view is safe because everything
+that reads it (sampling, logprobs) is enqueued on the stream before the next replay, which
+is the only writer.
 
 Steps that are not decode-only run eagerly, as do decode batches larger than the
 largest captured size or with a block table wider than the static one; those reasons
@@ -130,8 +132,9 @@ def pad_decode_inputs(plan: SchedulePlan, size: int, dummy_block: int, block_siz
 
 
 def static_buffer_bytes(max_batch: int, max_table_width: int, vocab_size: int, logits_itemsize: int) -> int:
-    """Bytes of the static buffers: logits (model dtype), block tables, and the per-row inputs."""
-    return max_batch * (vocab_size * logits_itemsize + max_table_width * 4 + 3 * 8 + 4)
+    """Bytes of the static buffers: logits (float32), block tables, and the per-row inputs.
+    (logits_itemsize, the model dtype's, is kept for the callers; the buffer is float32.)"""
+    return max_batch * (vocab_size * 4 + max_table_width * 4 + 3 * 8 + 4)
 
 
 def graph_reserve_bytes(max_batch: int, max_table_width: int, vocab_size: int, logits_itemsize: int) -> int:
@@ -216,7 +219,7 @@ class DecodeGraphs:
             self.slot_mapping = torch.zeros(self.max_batch, dtype=torch.int64, device=device)
             self.seq_lens = torch.ones(self.max_batch, dtype=torch.int32, device=device)
             self.block_tables = torch.zeros((self.max_batch, max_table_width), dtype=torch.int32, device=device)
-            self.logits = torch.zeros((self.max_batch, vocab_size), dtype=dtype, device=device)
+            self.logits = torch.zeros((self.max_batch, vocab_size), dtype=torch.float32, device=device)
         self.last_sampled = last_sampled
         self.static_bytes = static_buffer_bytes(self.max_batch, max_table_width, vocab_size, dtype.itemsize)
 
@@ -295,9 +298,9 @@ class DecodeGraphs:
         self.num_replays += 1
         rows = np.asarray(plan.sample_rows)
         if rows.shape[0] == plan.num_reqs and np.array_equal(rows, np.arange(plan.num_reqs)):
-            return self.logits[: plan.num_reqs].to(torch.float32, copy=True)
+            return self.logits[: plan.num_reqs]
         index = torch.from_numpy(rows.astype(np.int64)).to(self.device, non_blocking=True)
-        return self.logits.index_select(0, index).float()
+        return self.logits.index_select(0, index)
 
     def _log_eager_once(self, reason: str, plan: SchedulePlan) -> None:
         if reason in self._logged_reasons:

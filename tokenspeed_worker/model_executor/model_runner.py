@@ -293,7 +293,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, plan: SchedulePlan) -> torch.Tensor:
-        """float32 logits [S, V] of the plan's sampling rows, in sample_rows order."""
+        """float32 logits [S, V] of the plan's sampling rows, in sample_rows order. After a graph replay
+        this may be a view of the graphs' static buffer: read it (or enqueue its readers) before the
+        next forward."""
         if self.cuda_graphs is not None:
             logits = self.cuda_graphs.run(plan)
             if logits is not None:
