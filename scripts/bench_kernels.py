@@ -1,6 +1,7 @@
-"""The Triton paged-attention kernels against the hardware's limits, measured in the same run.
+"""The Triton paged-attention and fused decoder-layer kernels against the hardware's limits, measured in the same run.
 
     python scripts/bench_kernels.py [--batches 1 64 256] [--contexts 1024 8192] [--prefill-lens 2048]
+    python scripts/bench_kernels.py --only fused [--fused-batches 1 256]
 
 Decode (Llama-3.1-8B attention: H=32, Hkv=8, D=128, bf16, block 16) is memory-bound: its
 figure is the bandwidth achieved (bytes of K/V read + q read + out written, divided by the
@@ -15,6 +16,16 @@ from L2), median of --iters after warmups; decode runs replayed from a CUDA grap
 (launch overhead excluded; --eager to include it). Progress goes to stdout, the result to a
 JSON file (--out). `--device cpu` runs tiny shapes in Triton's interpreter: a smoke test of the
 script only, its numbers mean nothing.
+
+Fused decoder-layer kernels (--only fused, or part of the default run; Llama-3.1-8B shapes:
+hidden 4096, intermediate 14336, H=32, Hkv=8, D=128, bf16), each against the torch code it
+replaces, through the layers with layers/fused_kernels.py's switch ("force" vs "off"): add +
+RMSNorm (RMSNorm(x, residual)), silu(gate) * up (SiluAndMul), and rotary + the KV-cache write
+(RotaryEmbedding.rope_and_write_kv: q, k, v strided views of a qkv projection, scattered slots;
+torch: rotary, q.contiguous() and two index_copy_). All are memory-bound: the figure is the
+bandwidth of the bytes each must move and its fraction of the copy bandwidth; at batch 1 both
+are launch-bound, so the time ratio (torch / fused) is the point. Timed from a CUDA graph, as
+decode runs (--eager to include launch overhead).
 """
 
 from __future__ import annotations
@@ -53,6 +64,11 @@ def parse_args() -> argparse.Namespace:
                     help="skip the torch decode reference when its gathered K/V copy would exceed this")
     ap.add_argument("--copy-gib", type=float, default=2.0, help="size of the bandwidth-probe copy")
     ap.add_argument("--matmul-size", type=int, default=8192)
+    ap.add_argument("--only", choices=["all", "attention", "fused"], default="all",
+                    help="attention: the paged-attention kernels; fused: the fused decoder-layer kernels")
+    ap.add_argument("--fused-batches", type=int, nargs="+", default=[1, 256], help="fused kernels: tokens per call")
+    ap.add_argument("--hidden", type=int, default=4096, help="fused kernels: hidden size")
+    ap.add_argument("--intermediate", type=int, default=14336, help="fused kernels: MLP intermediate size")
     ap.add_argument("--out", default=str(REPO / ".cache" / "bench_kernels.json"))
     return ap.parse_args()
 
@@ -148,6 +164,66 @@ def torch_reference(q, k_cache, v_cache, tables, query_lens: list[int], seq_lens
     return torch.cat(outputs)
 
 
+def bench_fused(device: torch.device, dtype: torch.dtype, timer: Timer, copy_bw: float) -> list[dict]:
+    """The fused decoder-layer kernels against the torch code they replace, through the layers."""
+    from tokenspeed_worker.layers.activation import SiluAndMul
+    from tokenspeed_worker.layers.fused_kernels import fused_kernels
+    from tokenspeed_worker.layers.layernorm import RMSNorm
+    from tokenspeed_worker.layers.rotary import RotaryEmbedding
+
+    hidden, inter = args.hidden, args.intermediate
+    H, Hkv, D, bs = args.heads, args.kv_heads, args.head_dim, args.block_size
+    elt = torch.empty((), dtype=dtype).element_size()
+    max_position = 8192
+    rms = RMSNorm(hidden, eps=1e-5).to(device=device, dtype=dtype)
+    with torch.no_grad():
+        rms.weight.normal_(1.0, 0.1)
+    act = SiluAndMul()
+    rope = RotaryEmbedding(D, max_position, dict(rope_type="llama3", rope_theta=500000.0, factor=8.0,
+                                                 low_freq_factor=1.0, high_freq_factor=4.0,
+                                                 original_max_position_embeddings=8192)).to(device)
+    rows = []
+    for batch in args.fused_batches:
+        x = torch.randn(batch, hidden, dtype=dtype, device=device)
+        residual = torch.randn(batch, hidden, dtype=dtype, device=device)
+        gate_up = 3 * torch.randn(batch, 2 * inter, dtype=dtype, device=device)
+        qkv = torch.randn(batch, (H + 2 * Hkv) * D, dtype=dtype, device=device)
+        q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
+        q, k, v = q.view(batch, H, D), k.view(batch, Hkv, D), v.view(batch, Hkv, D)
+        positions = torch.randint(0, max_position, (batch,), device=device)
+        num_blocks = max(64, 4 * batch)
+        k_cache = torch.zeros(num_blocks, bs, Hkv, D, dtype=dtype, device=device)
+        v_cache = torch.zeros_like(k_cache)
+        slots = torch.randperm(num_blocks * bs, device=device)[:batch]
+        cases = [
+            ("add_rms_norm", lambda: rms(x, residual), (4 * batch * hidden + hidden) * elt),
+            ("silu_and_mul", lambda: act(gate_up), 3 * batch * inter * elt),
+            ("rope_and_write_kv", lambda: rope.rope_and_write_kv(positions, q, k, v, k_cache, v_cache, slots),
+             2 * batch * (H + 2 * Hkv) * D * elt + 2 * batch * rope.rotary_dim * 4),
+        ]
+        for kernel, fn, moved in cases:
+            times, outputs = {}, {}
+            for mode in ("force", "off"):
+                with fused_kernels(mode):
+                    outputs[mode] = fn()
+                    times[mode] = timer(fn, graph=device.type == "cuda" and not args.eager)
+            fused_out, torch_out = (outputs[m][0] if isinstance(outputs[m], tuple) else outputs[m] for m in ("force", "off"))
+            row = {
+                "kernel": kernel, "batch": batch, "bytes": moved,
+                "time_us": times["force"] * 1e6, "GBps": moved / times["force"] / 1e9,
+                "fraction_of_copy": moved / times["force"] / copy_bw,
+                "torch_time_us": times["off"] * 1e6, "torch_GBps": moved / times["off"] / 1e9,
+                "speedup_vs_torch": times["off"] / times["force"],
+                "max_abs_err_vs_torch": (fused_out.float() - torch_out.float()).abs().max().item(),
+            }
+            rows.append(row)
+            print(f"fused {kernel:18s} B={batch:4d}: {row['time_us']:8.1f} us {row['GBps']:7.0f} GB/s "
+                  f"({100 * row['fraction_of_copy']:5.1f}% of copy)  torch {row['torch_time_us']:8.1f} us "
+                  f"{row['torch_GBps']:7.0f} GB/s  torch/fused {row['speedup_vs_torch']:5.2f}x  "
+                  f"err {row['max_abs_err_vs_torch']:.2e}", flush=True)
+    return rows
+
+
 def main() -> int:
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -168,23 +244,27 @@ def main() -> int:
     del src, dst
     print(f"copy bandwidth ({args.copy_gib:g} GiB read + written): {copy_bw / 1e9:.0f} GB/s", flush=True)
 
-    n = args.matmul_size
-    a = torch.randn(n, n, dtype=dtype, device=device)
-    b = torch.randn(n, n, dtype=dtype, device=device)
-    mm_s = timer(lambda: a @ b)
-    mm_flops = 2 * n**3 / mm_s
-    del a, b
-    print(f"{args.dtype} matmul {n}^3: {mm_flops / 1e12:.0f} TFLOP/s", flush=True)
+    run_attention = args.only in ("all", "attention")
+    mm_flops = None
+    if run_attention:
+        n = args.matmul_size
+        a = torch.randn(n, n, dtype=dtype, device=device)
+        b = torch.randn(n, n, dtype=dtype, device=device)
+        mm_s = timer(lambda: a @ b)
+        mm_flops = 2 * n**3 / mm_s
+        del a, b
+        print(f"{args.dtype} matmul {n}^3: {mm_flops / 1e12:.0f} TFLOP/s", flush=True)
 
     result = {
         "device": name, "date": time.strftime("%Y-%m-%d"), "dtype": args.dtype, "triton_interpret": os.environ.get(
             "TRITON_INTERPRET", "0"), "heads": H, "kv_heads": Hkv, "head_dim": D, "block_size": bs,
         "timing": "median of CUDA events, L2 flushed before each call; decode from a CUDA graph" + (
             " (eager)" if args.eager else ""),
-        "copy_GBps": copy_bw / 1e9, "matmul_TFLOPs": mm_flops / 1e12, "decode": [], "extend": [],
+        "copy_GBps": copy_bw / 1e9, "matmul_TFLOPs": mm_flops / 1e12 if mm_flops else None, "decode": [],
+        "extend": [], "fused": [],
     }
 
-    for context in args.contexts:
+    for context in args.contexts if run_attention else []:
         for batch in args.batches:
             k_cache, v_cache, tables = paged_cache([context] * batch, Hkv, D, bs, dtype, device, seed=batch)
             seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
@@ -225,7 +305,7 @@ def main() -> int:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
 
-    for qlen in args.prefill_lens:
+    for qlen in args.prefill_lens if run_attention else []:
         context = args.prefill_context
         k_cache, v_cache, tables = paged_cache([context + qlen], Hkv, D, bs, dtype, device, seed=qlen)
         q = torch.randn(qlen, H, D, dtype=dtype, device=device)
@@ -263,6 +343,9 @@ def main() -> int:
                  if "torch_time_us" in row else "")
               + (f"  dense sdpa {row['torch_dense_causal_TFLOPs']:.0f} TFLOP/s" if "torch_dense_causal_TFLOPs" in row
                  else ""), flush=True)
+
+    if args.only in ("all", "fused"):
+        result["fused"] = bench_fused(device, dtype, timer, copy_bw)
 
     out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)

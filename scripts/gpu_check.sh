@@ -42,13 +42,36 @@ if [ "${BENCH_PERF:-0}" = 1 ] && [ "${SKIP_SELFCHECK:-0}" != 1 ]; then
     tests/test_triton_backend.py tests/test_cuda_graph_logic.py 2>&1 | tail -15
 fi
 if [ "${BENCH_PERF:-0}" = 1 ]; then
-  for m in llama-3.2-1b llama-3.1-8b; do
+  # Where a decode step's time goes (kernels by device time, busy vs wall), then batch-1 latency
+  # with overlap scheduling (the default) and without it.
+  for m in llama-3.1-8b llama-3.2-1b; do
+    timeout 120 python3 scripts/profile_decode.py --model $m --batch 1 --steps 32 --top 14 \
+      --out "$OUT/profile_${m}_b1.json" 2>&1 | grep -v "^20..-\|^STAGE\|Warning\|warn" | tail -17
     timeout 120 python3 scripts/bench_latency.py --model $m --prompt-len 128 --new-tokens 128 \
-      --out "$OUT/latency_$m.json" 2>&1 | grep -E "decode:|TB/s|Error|error|graph" | tail -6
+      --out "$OUT/latency_$m.json" 2>&1 | grep -E "decode:|TB/s|Error|error" | tail -4
   done
+  timeout 120 python3 scripts/bench_latency.py --model llama-3.2-1b --prompt-len 128 --new-tokens 128 \
+    --engine-arg overlap_schedule=false --out "$OUT/latency_llama-3.2-1b_no_overlap.json" 2>&1 \
+    | grep -E "decode:|Error|error" | tail -3
   timeout 150 python3 scripts/bench_offline.py --model llama-3.2-1b --num-requests 1000 --input-len 128 \
     --output-len 128 --out "$OUT/offline_1b_128.json" 2>&1 | grep -E "tokens in|idle|Error|error" | tail -4
   timeout 200 python3 scripts/bench_offline.py --model llama-3.1-8b --num-requests 1000 --input-len 128 \
     --output-len 128 --out "$OUT/offline_8b_128.json" 2>&1 | grep -E "tokens in|idle|Error|error" | tail -4
+fi
+# Long offline runs and serving through gRPC (8B shape): BENCH_LONG=1.
+if [ "${BENCH_LONG:-0}" = 1 ]; then
+  for seqs in ${LONG_SEQS:-256 512}; do
+    timeout 240 python3 scripts/bench_offline.py --model llama-3.1-8b --num-requests 1000 --input-len 1000 \
+      --output-len 1000 --max-num-seqs $seqs --engine-arg max_cudagraph_capture_size=$seqs \
+      --out "$OUT/offline_8b_1000_s$seqs.json" 2>&1 | grep -E "tokens in|idle|Error|error" | tail -4
+  done
+  # Engine alone at concurrency 64 (waves of 64, as bench_serving sends them), then through gRPC.
+  timeout 120 python3 scripts/bench_offline.py --model llama-3.1-8b --num-requests 128 --input-len 128 \
+    --output-len 128 --max-num-seqs 64 --out "$OUT/offline_8b_128_c64.json" 2>&1 \
+    | grep -E "tokens in|idle|Error|error" | tail -3
+  timeout 300 python3 scripts/bench_serving.py --model scripts/model_configs/llama-3.1-8b \
+    --concurrency ${SERVING_C:-1 16 64 256} --prompt-len 128 --output-len 128 --rounds 2 \
+    --plot "$OUT/plots" --out "$OUT/serving_8b.json" -- --load-format dummy 2>&1 \
+    | grep -E "^C=|plots in|Error|error" | tail -10
 fi
 exit "$rc"

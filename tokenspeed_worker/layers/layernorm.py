@@ -1,9 +1,16 @@
-"""RMSNorm, numerically identical to Hugging Face's (statistics in float32, weight applied in the model dtype)."""
+"""RMSNorm, numerically identical to Hugging Face's (statistics in float32, weight applied in the model dtype).
+
+On CUDA the norm (and the residual add fused into it) runs as one Triton kernel
+(kernels_triton/norm.py) with the same roundings; the torch code below is the reference path,
+used on CPU, without triton, or when layers/fused_kernels.py says so (TOKENSPEED_FUSED_KERNELS).
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from tokenspeed_worker.layers.fused_kernels import FUSED_DTYPES, use_fused
 
 
 class RMSNorm(nn.Module):
@@ -21,8 +28,24 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """norm(x); or, given a residual, the fused pre-norm step: (norm(x + residual), x + residual)."""
+        """norm(x); or, given a residual, the fused pre-norm step: (norm(x + residual), x + residual).
+
+        Any leading shape (Qwen3's q/k norms get [T, heads, head_dim] views); the residual is not
+        modified (x + residual is a new tensor on both paths)."""
+        kernels = use_fused(x, "norm")
+        if kernels is not None and self._fusable(x, residual, kernels.MAX_HIDDEN):
+            if residual is None:
+                return kernels.rms_norm(x, self.weight, self.eps)
+            return kernels.fused_add_rms_norm(x, residual, self.weight, self.eps, inplace=False)
         if residual is None:
             return self._norm(x)
         x = x + residual
         return self._norm(x), x
+
+    def _fusable(self, x: torch.Tensor, residual: torch.Tensor | None, max_hidden: int) -> bool:
+        """What the kernel handles: x and weight of FUSED_DTYPES on one device, a residual of x's shape and dtype."""
+        if x.dtype not in FUSED_DTYPES or x.dim() == 0 or x.shape[-1] != self.weight.shape[0] or x.shape[-1] > max_hidden:
+            return False
+        if x.device != self.weight.device or self.weight.dtype not in FUSED_DTYPES:
+            return False
+        return residual is None or (residual.shape == x.shape and residual.dtype == x.dtype)

@@ -2,6 +2,12 @@
 
 cos/sin are precomputed in float32 for every position up to max_position_embeddings and
 cast to the activations' dtype when applied, the way Hugging Face does it.
+
+`rope_and_write_kv` also writes the rotated k and the raw v into a paged KV cache; on CUDA it
+is one Triton kernel (kernels_triton/rotary.py, same roundings), used by
+Attention.forward_with_rotary with backends that attend over K/V written beforehand. The torch
+code stays the reference path (CPU, no triton, or switched off in layers/fused_kernels.py:
+TOKENSPEED_FUSED_KERNELS).
 """
 
 from __future__ import annotations
@@ -11,6 +17,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from tokenspeed_worker.layers.fused_kernels import FUSED_DTYPES, use_fused
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
@@ -88,6 +96,32 @@ class RotaryEmbedding(nn.Module):
         cos = self.cos_cache[positions].to(q.dtype).unsqueeze(1)
         sin = self.sin_cache[positions].to(q.dtype).unsqueeze(1)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def fuses(self, q: torch.Tensor) -> bool:
+        """Whether rope_and_write_kv runs the fused kernel for q (the switch, the dtype, an even rotary_dim)."""
+        return q.dtype in FUSED_DTYPES and self.rotary_dim % 2 == 0 and use_fused(q, "rotary") is not None
+
+    def rope_and_write_kv(
+        self,
+        positions: torch.Tensor,  # [T]
+        q: torch.Tensor,  # [T, num_heads, head_dim]
+        k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        k_cache: torch.Tensor,  # views as [num_slots, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,  # [T]
+    ) -> torch.Tensor:
+        """Rotary on q (returned, contiguous) and k; the rotated k and v written into the caches at
+        slot_mapping. One kernel when `fuses(q)`, else forward + index_copy_ (the same values)."""
+        num_kv_heads, head_dim = k.shape[1], k.shape[2]
+        if self.fuses(q):
+            return use_fused(q, "rotary").rope_and_write_kv(
+                q, k, v, positions, self.cos_cache, self.sin_cache, k_cache, v_cache, slot_mapping
+            )
+        q, k = self.forward(positions, q, k)
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+        return q.contiguous()
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         if self.rotary_dim == self.head_dim:

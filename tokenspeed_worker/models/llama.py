@@ -54,8 +54,9 @@ class LlamaAttention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, attn_metadata))
+        # Rotary, the KV-cache write and attention: fused into one rotary kernel + attention on CUDA
+        # with the triton backend (Attention.forward_with_rotary), else rotary_emb then attn.
+        return self.o_proj(self.attn.forward_with_rotary(positions, q, k, v, self.rotary_emb, attn_metadata))
 
 
 class LlamaMLP(nn.Module):

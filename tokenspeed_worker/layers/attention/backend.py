@@ -3,7 +3,9 @@
 Per step the runner calls `build_metadata` once (index math shared by all layers);
 per layer, `Attention` calls `forward`, which writes the step's K/V into the paged
 cache at the slot mapping and attends each request's query tokens over its whole
-sequence (context + query) through its block table.
+sequence (context + query) through its block table. A backend with
+`supports_prewritten_kv` also offers `attend`, the same without the write, for callers
+that wrote K/V already (the fused rotary + KV-write kernel).
 """
 
 from __future__ import annotations
@@ -33,6 +35,10 @@ class AttentionBackend(ABC):
     # Whether decode steps can be captured as CUDA graphs: `decode_graph_metadata` must then
     # build metadata from device tensors alone (no host values that change between steps).
     supports_cuda_graphs: bool = False
+    # Whether `attend` can run over K/V the caller already wrote into the cache at the metadata's
+    # `slot_mapping` (the fused rotary + KV-write kernel, Attention.forward_with_rotary), in
+    # place of `forward`, which writes them itself.
+    supports_prewritten_kv: bool = False
     # The model's attention shape, told once by the runner (`setup`).
     num_heads: int = 0
     num_kv_heads: int = 0
@@ -69,3 +75,15 @@ class AttentionBackend(ABC):
         scale: float,
     ) -> torch.Tensor:
         """Store k, v at the step's slots, then return attention output [T, num_heads, head_dim]."""
+
+    def attend(
+        self,
+        q: torch.Tensor,  # [T, num_heads, head_dim]
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: object,
+        scale: float,
+    ) -> torch.Tensor:
+        """Attention output [T, num_heads, head_dim] over the cache, whose slots at
+        `metadata.slot_mapping` already hold the step's K/V (backends with supports_prewritten_kv)."""
+        raise NotImplementedError(f"attention backend {self.name!r} writes K/V itself: call forward")

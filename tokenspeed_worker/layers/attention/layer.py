@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from tokenspeed_worker.layers.attention.backend import AttentionBackend
+from tokenspeed_worker.layers.rotary import RotaryEmbedding
 
 
 class Attention(nn.Module):
@@ -22,6 +23,30 @@ class Attention(nn.Module):
 
     def bind_kv_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor, backend: AttentionBackend) -> None:
         self.k_cache, self.v_cache, self.backend = k_cache, v_cache, backend
+
+    def forward_with_rotary(
+        self,
+        positions: torch.Tensor,  # [T]
+        q: torch.Tensor,  # [T, H, D], may be a strided view
+        k: torch.Tensor,  # [T, Hkv, D], may be a strided view
+        v: torch.Tensor,  # [T, Hkv * D] or [T, Hkv, D]
+        rotary_emb: RotaryEmbedding,
+        attn_metadata: object,
+    ) -> torch.Tensor:
+        """Rotary on q and k, then attention -> [T, H * D].
+
+        With a backend that attends over K/V written beforehand and the fused kernels on
+        (rotary_emb.fuses, layers/fused_kernels.py), one kernel rotates q and writes the rotated k
+        and v into the cache, and the backend only attends; otherwise rotary_emb, then forward."""
+        if self.backend is not None and self.backend.supports_prewritten_kv and rotary_emb.fuses(q):
+            q = rotary_emb.rope_and_write_kv(
+                positions, q, k, v.view(-1, self.num_kv_heads, self.head_dim),
+                self.k_cache, self.v_cache, attn_metadata.slot_mapping,
+            )
+            out = self.backend.attend(q, self.k_cache, self.v_cache, attn_metadata, self.scale)
+            return out.view(-1, self.num_heads * self.head_dim)
+        q, k = rotary_emb(positions, q, k)
+        return self(q, k, v, attn_metadata)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_metadata: object) -> torch.Tensor:
         """q: [T, H * D], k/v: [T, Hkv * D] -> [T, H * D]."""

@@ -5,7 +5,9 @@ a decode-only batch (every query is one token) goes to `paged_decode_attention`
 (split-K over the sequence, graph-capturable with a fixed split count); any other
 batch goes to `paged_extend_attention` for all its rows (causal after each request's
 cached context; a decode row is simply a query of length 1). Each layer first writes
-its K/V at the step's slots with `index_copy_` (a device scatter, graph-safe).
+its K/V at the step's slots with `index_copy_` (a device scatter, graph-safe) in
+`forward`; or, with the fused kernels on (layers/fused_kernels.py), the rotary kernel
+already wrote them and the layer calls `attend`, which only attends.
 
 Decode batches replayed as CUDA graphs (model_executor/cuda_graph.py) get their
 metadata from `decode_graph_metadata`, built over the graph's static input buffers.
@@ -66,6 +68,7 @@ class TritonAttentionMetadata:
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graphs = True
+    supports_prewritten_kv = True
 
     def __init__(
         self, device: str | torch.device = "cuda", allow_reference: bool = False, kernels: object | None = None
@@ -166,6 +169,18 @@ class TritonAttentionBackend(AttentionBackend):
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, k.to(k_cache.dtype))
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, v.to(v_cache.dtype))
+        return self.attend(q, k_cache, v_cache, metadata, scale)
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: TritonAttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """The step's K/V are already in the cache at metadata.slot_mapping (written by `forward`,
+        or by the fused rotary + KV-write kernel)."""
         q = q.contiguous()
         out = torch.empty_like(q)
         if metadata.decode_only:
