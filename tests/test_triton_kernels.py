@@ -349,3 +349,23 @@ def test_decode_replays_in_a_cuda_graph():
         graph.replay()
         torch.cuda.synchronize()
         _assert_close(out, case.reference(), torch.bfloat16)
+
+
+# -- greedy argmax over the vocabulary (kernels_triton/sampling.py) ---------------------------
+
+
+@pytest.mark.parametrize("rows,vocab,block", [(1, 1000, 128), (5, 4096, 512), (3, 777, 64), (2, 1, 64)])
+def test_chunked_argmax_equals_torch_argmax_with_ties(rows, vocab, block):
+    from tokenspeed_worker.kernels_triton import sampling
+
+    gen = torch.Generator().manual_seed(rows * vocab)
+    scores = torch.randint(-3, 4, (rows, vocab), generator=gen).float()  # many ties across chunks
+    scores[0, vocab // 2:] = 3.0  # the row's maximum repeats in many chunks: the first must win
+    scores = scores.to(DEVICE)
+    got = sampling.argmax(scores, block=block)
+    assert got.dtype == torch.int64
+    assert torch.equal(got.cpu(), scores.cpu().argmax(dim=-1))
+    # A strided view (every other row) and -inf entries, as filtered scores have.
+    wide = torch.full((2 * rows, vocab), float("-inf"), device=DEVICE)
+    wide[::2] = scores
+    assert torch.equal(sampling.argmax(wide[::2], block=block).cpu(), scores.cpu().argmax(dim=-1))

@@ -5,8 +5,12 @@ logs, an add and an argmax. Here one pass reads each score once, hashes (row key
 with the same splitmix64 as layers/sampler.py, takes the same float32 -log(-log(u)) through
 libdevice's logf (what torch's CUDA log calls), and keeps a running (max, first index). The
 vocabulary is split into chunks across programs (grid S x chunks) so even one row fills the
-GPU; a tiny torch reduction over chunks finishes, taking the first chunk holding the maximum,
+GPU; a second tiny kernel reduces over the chunks, taking the first chunk holding the maximum,
 so ties resolve to the lowest index exactly like torch.argmax.
+
+`argmax` is the same two kernels without the noise: the greedy path. torch's argmax runs one
+row's 128k-entry reduction on too few blocks (about 27 us at batch 1 on an H200, where the
+whole 1B-model decode step is about 1 ms); split over chunks it takes a few microseconds.
 
 Importable without triton (CPU machines): AVAILABLE says whether the kernel can be used.
 """
@@ -55,6 +59,7 @@ if AVAILABLE:
         num_chunks,
         BLOCK: tl.constexpr,
         LIBDEVICE_LOG: tl.constexpr,
+        NOISE: tl.constexpr,
     ):
         row = tl.program_id(0)
         chunk = tl.program_id(1)
@@ -62,20 +67,32 @@ if AVAILABLE:
         in_vocab = offsets < vocab_size
         scores = tl.load(
             scores_ptr + row.to(tl.int64) * score_row_stride + offsets, mask=in_vocab, other=float("-inf")
-        )
-        key = tl.load(row_keys_ptr + row).to(tl.uint64, bitcast=True)
-        bits = _splitmix64(key + (offsets.to(tl.uint64) + 1) * 0x9E3779B97F4A7C15)
-        top24 = (bits >> 40).to(tl.int32).to(tl.float32)  # 24 bits: exact in float32
-        uniform = (top24 + 0.5) * (1.0 / 16777216.0)
-        if LIBDEVICE_LOG:
-            perturbed = scores - libdevice.log(-libdevice.log(uniform))
-        else:  # the interpreter (TRITON_INTERPRET=1) has no libdevice
-            perturbed = scores - tl.log(-tl.log(uniform))
+        ).to(tl.float32)
+        if NOISE:
+            key = tl.load(row_keys_ptr + row).to(tl.uint64, bitcast=True)
+            bits = _splitmix64(key + (offsets.to(tl.uint64) + 1) * 0x9E3779B97F4A7C15)
+            top24 = (bits >> 40).to(tl.int32).to(tl.float32)  # 24 bits: exact in float32
+            uniform = (top24 + 0.5) * (1.0 / 16777216.0)
+            if LIBDEVICE_LOG:
+                perturbed = scores - libdevice.log(-libdevice.log(uniform))
+            else:  # the interpreter (TRITON_INTERPRET=1) has no libdevice
+                perturbed = scores - tl.log(-tl.log(uniform))
+        else:
+            perturbed = scores
         perturbed = tl.where(in_vocab, perturbed, float("-inf"))
         best = tl.max(perturbed, axis=0)
         arg = tl.argmax(perturbed, axis=0, tie_break_left=True)
         tl.store(chunk_max_ptr + row * num_chunks + chunk, best)
         tl.store(chunk_arg_ptr + row * num_chunks + chunk, chunk * BLOCK + arg)
+
+    @triton.jit
+    def _argmax_over_chunks(chunk_max_ptr, chunk_arg_ptr, out_ptr, num_chunks, BLOCK_CHUNKS: tl.constexpr):
+        row = tl.program_id(0)
+        offsets = tl.arange(0, BLOCK_CHUNKS)
+        valid = offsets < num_chunks
+        best = tl.load(chunk_max_ptr + row * num_chunks + offsets, mask=valid, other=float("-inf"))
+        first = tl.argmax(best, axis=0, tie_break_left=True)  # the first chunk holding the maximum
+        tl.store(out_ptr + row, tl.load(chunk_arg_ptr + row * num_chunks + first).to(tl.int64))
 
 
 def gumbel_argmax(scores: torch.Tensor, row_keys: torch.Tensor, block: int = BLOCK_VOCAB) -> torch.Tensor:
@@ -84,21 +101,32 @@ def gumbel_argmax(scores: torch.Tensor, row_keys: torch.Tensor, block: int = BLO
     scores: float32 [S, V] (contiguous along V; -inf = filtered out); row_keys: int64 [S] from
     layers.sampler.row_keys. Equals the torch backend's draw for the same inputs.
     """
+    row_keys = row_keys.to(device=scores.device, dtype=torch.int64).contiguous()
+    return _chunked_argmax(scores, row_keys, block)
+
+
+def argmax(scores: torch.Tensor, block: int = BLOCK_VOCAB) -> torch.Tensor:
+    """int64 [S]: the first index of each row's maximum (torch.argmax(scores, -1)), for [S, V] float scores."""
+    return _chunked_argmax(scores, None, block)
+
+
+def _chunked_argmax(scores: torch.Tensor, row_keys: torch.Tensor | None, block: int) -> torch.Tensor:
     if not AVAILABLE:
         raise RuntimeError("triton is not installed")
     num_rows, vocab_size = scores.shape
     if scores.stride(1) != 1:
         scores = scores.contiguous()
-    scores = scores.float()
-    row_keys = row_keys.to(device=scores.device, dtype=torch.int64).contiguous()
+    if num_rows == 0:
+        return torch.zeros(0, dtype=torch.int64, device=scores.device)
     num_chunks = triton.cdiv(vocab_size, block)
     chunk_max = torch.empty((num_rows, num_chunks), dtype=torch.float32, device=scores.device)
     chunk_arg = torch.empty((num_rows, num_chunks), dtype=torch.int32, device=scores.device)
-    if num_rows == 0:
-        return torch.zeros(0, dtype=torch.int64, device=scores.device)
+    out = torch.empty(num_rows, dtype=torch.int64, device=scores.device)
+    noise = row_keys is not None
     _gumbel_argmax_chunks[(num_rows, num_chunks)](
-        scores, scores.stride(0), row_keys, vocab_size, chunk_max, chunk_arg, num_chunks,
-        BLOCK=block, LIBDEVICE_LOG=os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
+        scores, scores.stride(0), row_keys if noise else chunk_arg, vocab_size, chunk_max, chunk_arg, num_chunks,
+        BLOCK=block, LIBDEVICE_LOG=os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), NOISE=noise,
     )
-    best_chunk = chunk_max.argmax(dim=-1, keepdim=True)  # first chunk with the maximum
-    return chunk_arg.gather(1, best_chunk).squeeze(1).to(torch.int64)
+    _argmax_over_chunks[(num_rows,)](chunk_max, chunk_arg, out, num_chunks,
+                                     BLOCK_CHUNKS=max(2, triton.next_power_of_2(num_chunks)))
+    return out

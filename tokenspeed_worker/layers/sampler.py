@@ -243,10 +243,10 @@ class Sampler:
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
         """logits float32 [S, V] -> SampleOutput (tokens int64 [S] and the logprobs asked for)."""
         if batch.plain_argmax:
-            tokens = logits.argmax(dim=-1)
+            tokens = self._argmax(logits)
         else:
             scores = self.process_logits(logits, batch)
-            greedy_tokens = scores.argmax(dim=-1)
+            greedy_tokens = self._argmax(scores)
             if batch.all_greedy:
                 tokens = greedy_tokens
             else:
@@ -264,6 +264,14 @@ class Sampler:
             out.token_ids_logprobs, out.token_ids_logprob_ids = lp.ids_values, lp.ids
             out.token_ids_logprob_counts = lp.ids_counts
         return out
+
+    def _argmax(self, scores: torch.Tensor) -> torch.Tensor:
+        """First index of each row's maximum; the triton backend splits each row over many programs."""
+        if self.backend == "triton" and scores.is_cuda:
+            from tokenspeed_worker.kernels_triton.sampling import argmax
+
+            return argmax(scores)
+        return scores.argmax(dim=-1)
 
     def _draw(self, scores: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """Gumbel-max over filtered, temperature-scaled scores [S, V] -> int64 [S]."""
