@@ -119,6 +119,17 @@ def sync(device) -> None:
         torch.cuda.synchronize()
 
 
+def free_engine_memory() -> None:
+    """After `del core`: collect the engine's reference cycles and hand its device memory back, so a
+    baseline model can load in the same process."""
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
 def hf_generate_tok_s(model_path: str, device: str, batch: int, prompt_len: int, new_tokens: int,
                       dummy: bool) -> float:
     """transformers generate, greedy, same shape: output tokens per second."""

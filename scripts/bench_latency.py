@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from bench_common import MODEL_SHAPES, ModelArithmetic, add_engine_args, build_engine, greedy_request, \
+from bench_common import free_engine_memory, MODEL_SHAPES, ModelArithmetic, add_engine_args, build_engine, greedy_request, \
     hf_generate_tok_s, sync, write_result
 from roofline import copy_bandwidth
 
@@ -71,7 +71,8 @@ def main() -> int:
           f"tok/s; {100 * roofline_step / median:.1f}% of it", flush=True)
     if args.hf_baseline:
         print("transformers generate at batch 1...", flush=True)
-        del core
+        del core, arithmetic
+        free_engine_memory()
         result["transformers_tok_s"] = hf_generate_tok_s(str(MODEL_SHAPES.get(args.model, args.model)), args.device,
                                                          1, args.prompt_len, min(args.new_tokens, 64),
                                                          args.model in MODEL_SHAPES)

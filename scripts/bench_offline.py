@@ -15,7 +15,7 @@ import time
 import numpy as np
 import torch
 
-from bench_common import MODEL_SHAPES, ModelArithmetic, add_engine_args, build_engine, greedy_request, \
+from bench_common import free_engine_memory, MODEL_SHAPES, ModelArithmetic, add_engine_args, build_engine, greedy_request, \
     hf_generate_tok_s, plan_recorder, sync, write_result
 from roofline import copy_bandwidth, matmul_flops
 
@@ -120,8 +120,10 @@ def main() -> int:
     if idle[0] is not None:
         print(f"GPU idle between steps: median {idle[0]:.3f} ms, mean {idle[1]:.3f} ms; busy {idle[2]:.3f} ms per step",
               flush=True)
+    write_result(args.out, result)  # before the baseline, which may run out of memory
     if args.hf_baseline_batch:
-        del core
+        del core, arithmetic, gpu_marks
+        free_engine_memory()
         print(f"transformers generate at batch {args.hf_baseline_batch}...", flush=True)
         result["transformers_batch"] = args.hf_baseline_batch
         result["transformers_tok_s"] = hf_generate_tok_s(

@@ -49,19 +49,52 @@ def one_stream(stub, rid, prompt, output_len, results):
                     "itl": list(np.diff(stamps)) if len(stamps) > 1 else []})
 
 
-def run_level(stub, concurrency, prompt_len, output_len, rounds, vocab, seed):
+_CLIENT_STUB = None
+
+
+def _client_stub(address: str):
+    """One channel per client process (made after the process started: gRPC channels do not survive fork)."""
+    global _CLIENT_STUB
+    if _CLIENT_STUB is None:
+        from tokenspeed_worker.proto import tokenspeed_scheduler_pb2_grpc as pb_grpc
+
+        _CLIENT_STUB = pb_grpc.TokenSpeedSchedulerStub(grpc.insecure_channel(address))
+    return _CLIENT_STUB
+
+
+def client_wave(address, jobs, output_len):
+    """Run streams (rid, prompt) concurrently, one thread each, in this (client) process."""
+    stub = _client_stub(address)
+    results: list[dict] = []
+    threads = [threading.Thread(target=one_stream, args=(stub, rid, prompt, output_len, results)) for rid, prompt in jobs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+def run_level(stub, concurrency, prompt_len, output_len, rounds, vocab, seed, address=None, pool=None):
+    """`rounds` waves of `concurrency` streams. With a process pool (--client-procs) each wave is split
+    across the client processes, so one Python client's GIL does not cap the message rate."""
     rng = np.random.default_rng(seed)
     results: list[dict] = []
     total = concurrency * rounds
     t0 = time.perf_counter()
     for r in range(rounds):
-        threads = [threading.Thread(target=one_stream, args=(
-            stub, f"bench-{concurrency}-{r}-{i}", rng.integers(10, vocab - 10, prompt_len).tolist(), output_len,
-            results)) for i in range(concurrency)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        jobs = [(f"bench-{concurrency}-{r}-{i}", rng.integers(10, vocab - 10, prompt_len).tolist())
+                for i in range(concurrency)]
+        if pool is None:
+            threads = [threading.Thread(target=one_stream, args=(stub, rid, prompt, output_len, results))
+                       for rid, prompt in jobs]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        else:
+            parts = [jobs[k::pool.procs] for k in range(pool.procs)]
+            for part in pool.map(client_wave, [address] * len(parts), parts, [output_len] * len(parts)):
+                results.extend(part)
         print(f"  concurrency {concurrency}: {len(results)}/{total} requests done", flush=True)
     wall = time.perf_counter() - t0
     tokens = sum(x["tokens"] for x in results)
@@ -140,6 +173,9 @@ def main() -> int:
     ap.add_argument("--hf-baseline", action="store_true",
                     help="also time transformers generate at the same lengths (batch 1 and the largest C)")
     ap.add_argument("--plot", help="folder for PNG plots (needs matplotlib)")
+    ap.add_argument("--client-procs", type=int, default=1,
+                    help="client processes sharing each wave's streams (a single Python client tops out at "
+                         "several thousand streamed messages per second)")
     ap.add_argument("worker_args", nargs="*", help="extra worker flags (after --)")
     args = ap.parse_args()
 
@@ -159,12 +195,23 @@ def main() -> int:
         channel)
     info = stub.GetModelInfo(pb.GetModelInfoRequest())
     server = stub.GetServerInfo(pb.GetServerInfoRequest())
+    pool = None
+    if args.client_procs > 1:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        pool = ProcessPoolExecutor(args.client_procs, mp_context=multiprocessing.get_context("spawn"))
+        pool.procs = args.client_procs
     try:
-        # Warm once so the first level does not pay one-time costs.
+        # Warm once so the first level does not pay one-time costs (and the client processes start).
         run_level(stub, 1, args.prompt_len, 4, 1, info.vocab_size, 0)
-        levels = [run_level(stub, c, args.prompt_len, args.output_len, args.rounds, info.vocab_size, 1)
+        if pool is not None:
+            run_level(stub, args.client_procs, args.prompt_len, 4, 1, info.vocab_size, 0, address, pool)
+        levels = [run_level(stub, c, args.prompt_len, args.output_len, args.rounds, info.vocab_size, 1, address, pool)
                   for c in args.concurrency]
     finally:
+        if pool is not None:
+            pool.shutdown()
         channel.close()
         if worker:
             worker.stop()
@@ -190,7 +237,7 @@ def main() -> int:
         "batch1_roofline_tok_s": roofline_tok_s,
         "model": info.served_model_name, "device": server.scheduler_info["device"],
         "dtype": server.scheduler_info["dtype"], "machine": f"{platform.node()} {os.cpu_count()} cpus",
-        "date": time.strftime("%Y-%m-%d"), "levels": levels,
+        "date": time.strftime("%Y-%m-%d"), "client_procs": args.client_procs, "levels": levels,
     }
     if args.plot:
         plot(levels, Path(args.plot))
