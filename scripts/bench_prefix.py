@@ -114,7 +114,7 @@ def main() -> int:
     results = {}
     for mode in ("--enable-prefix-caching", "--no-enable-prefix-caching"):
         print(f"{mode}: starting worker for {model}", flush=True)
-        worker = Worker(model, mode, "--max-model-len", "8192", *args.worker_args)
+        worker = Worker(model, mode, "--max-model-len", "8192", "--enable-cache-report", *args.worker_args)
         try:
             vocab = worker.stub.GetModelInfo(pb.GetModelInfoRequest()).vocab_size
             info = worker.stub.GetServerInfo(pb.GetServerInfoRequest())

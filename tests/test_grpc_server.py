@@ -27,7 +27,8 @@ def model_dir():
 @pytest.fixture(scope="module")
 def worker(model_dir):
     w = Worker(model_dir, "--max-model-len", str(MAX_MODEL_LEN), "--max-total-tokens", "2048",
-               "--block-size", "8", "--chunked-prefill-size", "64", "--served-model-name", "tiny-llama")
+               "--block-size", "8", "--chunked-prefill-size", "64", "--served-model-name", "tiny-llama",
+               "--enable-cache-report")
     yield w
     assert w.stop() == 0, w.log()
 
@@ -382,3 +383,16 @@ def test_cached_tokens_and_hit_rate_are_real_and_flush_empties_the_cache(worker)
     assert worker.stub.FlushCache(common_pb2.FlushCacheRequest()).success
     third = run(worker, gen(LONG_PROMPT, max_new_tokens=2, temperature=0.0))[0].complete
     assert third.cached_tokens == 0
+
+
+def test_without_cache_report_cached_tokens_go_out_as_zero(model_dir):
+    # --enable-cache-report off (the default): the hit happens (GetLoads, metrics) but is not reported.
+    w = Worker(model_dir, "--max-model-len", str(MAX_MODEL_LEN), "--max-total-tokens", "2048", "--block-size", "8")
+    try:
+        run(w, gen(LONG_PROMPT, max_new_tokens=2, temperature=0.0))
+        second = run(w, gen(LONG_PROMPT, max_new_tokens=2, temperature=0.0, stream=True))
+        assert second[-1].complete.cached_tokens == 0
+        assert all(r.chunk.cached_tokens == 0 for r in second[:-1])
+        assert w.stub.GetLoads(pb.GetLoadsRequest()).loads[0].cache_hit_rate > 0
+    finally:
+        assert w.stop() == 0, w.log()

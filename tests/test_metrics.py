@@ -27,6 +27,7 @@ def model_dir():
 def worker(model_dir):
     port = free_port()
     w = Worker(model_dir, "--max-model-len", "4096", "--max-total-tokens", "16384", "--block-size", "8",
+               "--enable-cache-report",
                "--served-model-name", MODEL, "--enable-metrics", "--metrics-reporters", "prometheus",
                "--metrics-host", "127.0.0.1", "--metrics-port", str(port), "--enable-log-request-stats",
                "--enable-log-requests", "--log-requests-level", "1")

@@ -545,7 +545,14 @@ class ServerArgs:
         default_doc="--grpc-port + 1000",
     )
     decode_log_interval: int = _not_yet(40, OBSERVABILITY, "Decode batch log interval.", parse=_positive_int)
-    enable_cache_report: bool = _not_yet(False, OBSERVABILITY, "Report cached-token counts in usage details.")
+    enable_cache_report: bool = _option(
+        False,
+        OBSERVABILITY,
+        "Report each request's prefix-cache hit (cached_tokens in GenerateComplete and stream chunks), "
+        "which the smg gateway puts into the OpenAI usage as prompt_tokens_details.cached_tokens. Off, "
+        "the worker reports 0 there (the gateway still prints the field): a client cannot learn what "
+        "other requests left in the cache. Metrics and request logs count cache hits either way.",
+    )
     kv_events_config: str | None = _option(
         None,
         OBSERVABILITY,

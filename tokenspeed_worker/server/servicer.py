@@ -42,9 +42,10 @@ class _SampleOutput:
     of a stop string, batches tokens per --stream-interval, and builds chunks and the complete.
     Token ids and their logprob entries travel together so they stay aligned."""
 
-    def __init__(self, state, v, matcher) -> None:
+    def __init__(self, state, v, matcher, cache_report: bool = True) -> None:
         self.state = state
         self.matcher = matcher
+        self.cache_report = cache_report  # --enable-cache-report: else cached_tokens go out as 0
         self.no_stop_trim = v.no_stop_trim
         self.logprobs = v.logprobs
         self.pending: list[tuple[int, tuple | None]] = []  # held back by the stop-string matcher
@@ -106,7 +107,7 @@ class _SampleOutput:
             token_ids=[t for t, _ in items],
             prompt_tokens=st.prompt_len,
             completion_tokens=st.num_output_tokens,
-            cached_tokens=st.cached_tokens,
+            cached_tokens=st.cached_tokens if self.cache_report else 0,
             output_logprobs=self._logprobs(items),
             index=st.index,
         )
@@ -120,7 +121,7 @@ class _SampleOutput:
             finish_reason=_FINISH_NAMES[self.finish_reason],
             prompt_tokens=st.prompt_len,
             completion_tokens=st.num_output_tokens,
-            cached_tokens=st.cached_tokens,
+            cached_tokens=st.cached_tokens if self.cache_report else 0,
             output_logprobs=self._logprobs(items),
             index=st.index,
         )
@@ -147,6 +148,9 @@ class TokenSpeedSchedulerServicer(pb_grpc.TokenSpeedSchedulerServicer):
         self.facts = facts
         self.server_args = server_args
         self.stream_interval = max(1, int(getattr(server_args, "stream_interval", 1) or 1))
+        # --enable-cache-report: the prefix-cache hit of each request goes to the gateway (which puts it
+        # into usage.prompt_tokens_details.cached_tokens); off, 0 does. Metrics and logs count it either way.
+        self.cache_report = bool(getattr(server_args, "enable_cache_report", False))
         self.max_queued_requests = getattr(server_args, "max_queued_requests", None)
         self.active_calls = 0  # Generate handlers running (the drain waits for them)
         self.tokenizer = None
@@ -183,7 +187,7 @@ class TokenSpeedSchedulerServicer(pb_grpc.TokenSpeedSchedulerServicer):
         except EngineUnavailable as e:
             await self._reject(context, rid, grpc.StatusCode.UNAVAILABLE, f"engine unavailable: {e}")
 
-        samples = [_SampleOutput(st, v, self._stop_matcher(v, st)) for st in states]
+        samples = [_SampleOutput(st, v, self._stop_matcher(v, st), self.cache_report) for st in states]
         interval = self.stream_interval
         event = states[0].event
         open_samples = set(range(len(states)))
