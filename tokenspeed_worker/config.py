@@ -430,12 +430,26 @@ class ServerArgs:
     )
 
     # ---- Parallelism
-    tensor_parallel_size: int = _not_yet(
-        1, PARALLELISM, "Tensor parallel size (sets the attention TP size).", aliases=("--tp",), parse=_positive_int
+    tensor_parallel_size: int = _option(
+        1,
+        PARALLELISM,
+        "Tensor parallel size: one engine process per rank (one GPU each; gloo on CPU), attention heads, "
+        "MLP and vocabulary split across them; rank 0 schedules and samples.",
+        aliases=("--tp",),
+        parse=_positive_int,
     )
-    attn_tp_size: int | None = _not_yet(None, PARALLELISM, "Tensor parallel size for attention.", parse=_positive_int)
-    dense_tp_size: int | None = _not_yet(None, PARALLELISM, "Tensor parallel size for dense layers.", parse=_positive_int)
-    moe_tp_size: int | None = _not_yet(None, PARALLELISM, "Tensor parallel size for MoE layers.", parse=_positive_int)
+    attn_tp_size: int | None = _option(
+        None, PARALLELISM, "Tensor parallel size for attention; only the tensor parallel size is supported.",
+        parse=_positive_int, default_doc="the tensor parallel size",
+    )
+    dense_tp_size: int | None = _option(
+        None, PARALLELISM, "Tensor parallel size for dense layers; only the tensor parallel size is supported.",
+        parse=_positive_int, default_doc="the tensor parallel size",
+    )
+    moe_tp_size: int | None = _option(
+        None, PARALLELISM, "Tensor parallel size for MoE layers; only the tensor parallel size is supported.",
+        parse=_positive_int, default_doc="the tensor parallel size",
+    )
     data_parallel_size: int = _not_yet(1, PARALLELISM, "Number of data-parallel replicas.", parse=_positive_int)
     enable_expert_parallel: bool = _not_yet(False, PARALLELISM, "Expert parallelism across the world size.")
     expert_parallel_size: int = _not_yet(
@@ -875,6 +889,12 @@ def _resolve(args: ServerArgs) -> None:
         args.attention_backend = "triton" if args.device == "cuda" and _triton_importable() else "torch"
     elif args.attention_backend == "triton" and args.device != "cuda":
         raise ValueError("argument --attention-backend: triton needs --device cuda")
+    if args.device == "cuda" and args.tensor_parallel_size > 1:
+        import torch
+
+        if torch.cuda.device_count() < args.tensor_parallel_size:
+            raise ValueError(f"argument --tensor-parallel-size: {args.tensor_parallel_size} ranks need as many GPUs, "
+                             f"{torch.cuda.device_count()} visible")
 
 
 def _triton_importable() -> bool:
@@ -924,11 +944,19 @@ class UnsupportedOptionError(ValueError):
 
 def unsupported_settings(args: ServerArgs) -> list[str]:
     """One message per parameter whose value the worker does not implement, in table order."""
-    return [
+    messages = [
         option.unsupported_message(getattr(args, option.dest))
         for option in OPTIONS
         if option.is_offending(getattr(args, option.dest))
     ]
+    tp = getattr(args, "tensor_parallel_size", 1)
+    for dest in ("attn_tp_size", "dense_tp_size", "moe_tp_size"):
+        value = getattr(args, dest, None)
+        if value is not None and value != tp:
+            flag = "--" + dest.replace("_", "-")
+            messages.append(f"{flag} {value} differs from --tensor-parallel-size {tp}: not supported yet "
+                            "(only one tensor-parallel size for every layer)")
+    return messages
 
 
 def check_supported(args: ServerArgs) -> None:

@@ -65,6 +65,11 @@ class EngineConfig:
     # Overlap scheduling (host work of step N+1 while the device runs step N); None: on for CUDA
     # devices (env TOKENSPEED_OVERLAP_SCHEDULE=1/0 forces it on/off, for tests), off on CPU.
     overlap_schedule: bool | None = None
+    # Tensor parallelism (engine/tp_worker.py): ranks, this process's rank, and the rendezvous address
+    # (tcp://host:port) the ranks meet at; the device of rank r is the configured CUDA device + r.
+    tensor_parallel_size: int = 1
+    tp_rank: int = 0
+    dist_init_method: str | None = None
 
 
 def size_kv_pool_tokens(cfg: EngineConfig, kv_bytes_per_token: int, device: torch.device, runner=None) -> int:
@@ -118,39 +123,62 @@ def size_kv_pool_tokens(cfg: EngineConfig, kv_bytes_per_token: int, device: torc
     return int(max(cfg.max_model_len, min(tokens, cfg.max_model_len * cfg.max_num_seqs)))
 
 
+def rank_device(cfg: EngineConfig) -> str:
+    """The device of this tensor-parallel rank: the configured CUDA device's index + tp_rank."""
+    device = torch.device(cfg.device)
+    if device.type != "cuda" or cfg.tensor_parallel_size == 1:
+        return cfg.device
+    return f"cuda:{(device.index or 0) + cfg.tp_rank}"
+
+
+def build_runner(cfg: EngineConfig):
+    """The model runner of this rank with its KV pool allocated and its CUDA graphs captured;
+    returns (runner, num_blocks). Every tensor-parallel rank runs this in lockstep (the profiling
+    forward and the graph captures hold collectives); the pool size is the smallest any rank can hold."""
+    from tokenspeed_worker import distributed
+    from tokenspeed_worker.model_executor.model_runner import ModelRunner
+
+    torch.manual_seed(cfg.seed)
+    runner = ModelRunner(
+        cfg.model_path,
+        dtype=cfg.dtype,
+        device=rank_device(cfg),
+        load_format=cfg.load_format,
+        attention_backend=cfg.attention_backend,
+        block_size=cfg.block_size,
+        seed=cfg.seed,
+        enforce_eager=cfg.enforce_eager,
+        cudagraph_capture_sizes=cfg.cudagraph_capture_sizes,
+        max_cudagraph_capture_size=cfg.max_cudagraph_capture_size,
+        max_num_seqs=cfg.max_num_seqs,
+        max_model_len=cfg.max_model_len,
+    )
+    device = torch.device(runner.device)
+    if cfg.max_total_tokens:
+        pool_tokens = int(cfg.max_total_tokens)
+    else:
+        pool_tokens = size_kv_pool_tokens(cfg, runner.kv_bytes_per_token(), device, runner)
+    if distributed.size() > 1:
+        smallest = torch.tensor([pool_tokens], dtype=torch.int64, device=device)
+        torch.distributed.all_reduce(smallest, op=torch.distributed.ReduceOp.MIN)
+        pool_tokens = int(smallest.item())
+    num_blocks = max(1, pool_tokens // cfg.block_size)
+    runner.allocate_kv_cache(num_blocks)
+    runner.capture_cuda_graphs()
+    return runner, num_blocks
+
+
 class EngineCore:
     def __init__(self, cfg: EngineConfig) -> None:
         from tokenspeed_worker.layers.sampler import Sampler, default_sampling_backend
         from tokenspeed_worker.layers.sampling_state import SamplingState
-        from tokenspeed_worker.model_executor.model_runner import ModelRunner
         from tokenspeed_worker.scheduler.core import Scheduler
 
         self.cfg = cfg
-        torch.manual_seed(cfg.seed)
-        self.runner = ModelRunner(
-            cfg.model_path,
-            dtype=cfg.dtype,
-            device=cfg.device,
-            load_format=cfg.load_format,
-            attention_backend=cfg.attention_backend,
-            block_size=cfg.block_size,
-            seed=cfg.seed,
-            enforce_eager=cfg.enforce_eager,
-            cudagraph_capture_sizes=cfg.cudagraph_capture_sizes,
-            max_cudagraph_capture_size=cfg.max_cudagraph_capture_size,
-            max_num_seqs=cfg.max_num_seqs,
-            max_model_len=cfg.max_model_len,
-        )
+        self.runner, self.num_blocks = build_runner(cfg)
         self.device = torch.device(self.runner.device)
-        kv_bytes = self.runner.kv_bytes_per_token()
-        if cfg.max_total_tokens:
-            pool_tokens = int(cfg.max_total_tokens)
-        else:
-            pool_tokens = size_kv_pool_tokens(cfg, kv_bytes, self.device, self.runner)
-        self.num_blocks = max(1, pool_tokens // cfg.block_size)
-        self.runner.allocate_kv_cache(self.num_blocks)
-        self.runner.capture_cuda_graphs()
-        self.kv_cache_bytes = self.num_blocks * cfg.block_size * kv_bytes
+        self.kv_cache_bytes = self.num_blocks * cfg.block_size * self.runner.kv_bytes_per_token()
+        self.tp_size = cfg.tensor_parallel_size
 
         chunked = cfg.chunked_prefill_size is not None and cfg.chunked_prefill_size > 0
         self.scheduler = Scheduler(
@@ -204,6 +232,16 @@ class EngineCore:
         )
 
     # ---- facts ------------------------------------------------------------
+
+    def stop_followers(self) -> None:
+        """Tell the other tensor-parallel ranks to exit (they also exit when this rank dies)."""
+        if self.tp_size > 1:
+            from tokenspeed_worker import distributed
+
+            try:
+                distributed.broadcast_object(("stop",))
+            except Exception:  # a rank already gone: nothing to stop
+                pass
 
     def ready_message(self) -> EngineReady:
         return EngineReady(
@@ -364,6 +402,10 @@ class EngineCore:
         try:
             if self._fault is not None:
                 self._inject_fault()
+            if self.tp_size > 1:  # the other ranks run the same forward (engine/tp_worker.py)
+                from tokenspeed_worker import distributed
+
+                distributed.broadcast_object(("step", plan, int(rows.shape[0])))
             if rows.shape[0] > 0:
                 logits = self.runner.forward(plan)
                 self._sample(logits, rows, host)
@@ -442,6 +484,10 @@ class EngineCore:
         result = self.sampler.sample(logits, self.sampling.batch(rows))
         self.sampling.update(rows, result.tokens)
         self.runner.record_sampled(result.tokens)
+        if self.tp_size > 1:  # the next plan's pending input ids read them on every rank
+            from tokenspeed_worker import distributed
+
+            distributed.broadcast_tensor(self.runner.last_sampled[: rows.shape[0]])
         fields = {
             "tokens": result.tokens,
             "logprobs": result.logprobs,

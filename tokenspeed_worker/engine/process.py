@@ -48,6 +48,13 @@ def engine_main(cfg, conn: Connection, log_level: str = "info") -> None:
     try:
         from tokenspeed_worker.engine.core import EngineCore
 
+        if cfg.tensor_parallel_size > 1:  # the server started the other ranks; join them (engine/tp_worker.py)
+            import torch
+
+            from tokenspeed_worker import distributed
+            from tokenspeed_worker.engine.core import rank_device
+
+            distributed.init(0, cfg.tensor_parallel_size, cfg.dist_init_method, torch.device(rank_device(cfg)))
         core = EngineCore(cfg)
     except Exception as exc:  # startup failure: say why, in one line, and exit
         logger.error("engine failed to start: %s", exc)
@@ -59,8 +66,10 @@ def engine_main(cfg, conn: Connection, log_level: str = "info") -> None:
     conn.send(core.ready_message())
     try:
         _loop(core, conn)
+        core.stop_followers()
     except (EOFError, BrokenPipeError, ConnectionResetError):
         logger.info("server went away; engine exiting")
+        core.stop_followers()
         os._exit(0)
     except Exception as exc:
         logger.error("engine step failed: %s\n%s", exc, traceback.format_exc())

@@ -1,8 +1,22 @@
-"""Linear layers, with the fused (stacked) projections the models load HF weights into.
+"""Linear layers, with the fused (stacked) projections the models load HF weights into, split for
+tensor parallelism.
 
 HF checkpoints store q_proj, k_proj and v_proj (and gate_proj, up_proj) as separate
 matrices; one fused matmul is faster, so the loader copies each shard into its rows
 of the fused weight through `weight_loader(param, loaded, shard_id)`.
+
+Tensor parallelism (tokenspeed_worker/distributed.py; a group size of 1 changes nothing):
+- column-parallel (`MergedLinear`, `QKVLinear`): each rank holds its slice of the output rows of
+  every stacked matrix (its attention heads; KV heads are replicated when there are fewer of them
+  than ranks) and computes its slice of the output, no communication;
+- row-parallel (`RowParallelLinear`: o_proj, down_proj): each rank holds a slice of the input
+  columns, matching the column-parallel layer before it; the partial products are summed with one
+  all-reduce, then the bias is added once;
+- vocabulary-parallel (`VocabParallelEmbedding`, the LM head in models/llama.py): each rank holds a
+  slice of the vocabulary rows (padded to a multiple of the group size); lookups outside it give 0
+  and one all-reduce completes them; the LM head's logits are gathered across ranks.
+Every loader narrows the full checkpoint tensor to this rank's part and returns how many elements
+it filled, so a model can check that every parameter was filled exactly once.
 """
 
 from __future__ import annotations
@@ -11,15 +25,30 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenspeed_worker import distributed
 
-def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> int:
     if param.shape != loaded.shape:
         raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(loaded.shape)}")
     param.data.copy_(loaded)
+    return param.numel()
+
+
+def load_into(param: nn.Parameter, loaded: torch.Tensor) -> int:
+    """A non-stacked parameter's loader: its own (sharding) one if it has one, else an exact copy."""
+    loader = getattr(param, "shard_loader", None)
+    return loader(param, loaded) if loader is not None else default_weight_loader(param, loaded)
+
+
+def _divide(total: int, parts: int, what: str) -> int:
+    if total % parts:
+        raise ValueError(f"{what} ({total}) is not divisible by the tensor-parallel size {parts}")
+    return total // parts
 
 
 class Linear(nn.Module):
-    """y = x W^T (+ b), weights in HF's [out_features, in_features] layout."""
+    """y = x W^T (+ b), weights in HF's [out_features, in_features] layout (replicated on every rank)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
@@ -33,12 +62,16 @@ class Linear(nn.Module):
 
 
 class MergedLinear(Linear):
-    """Several linears sharing one input, stacked along the output dimension."""
+    """Several linears sharing one input, stacked along the output dimension; column-parallel: each
+    rank holds rows [rank * size / tp, (rank + 1) * size / tp) of every stacked matrix."""
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False) -> None:
-        super().__init__(in_features, sum(output_sizes), bias)
-        self.output_sizes = list(output_sizes)
-        self.shard_offsets = [sum(output_sizes[:i]) for i in range(len(output_sizes))]
+        tp = distributed.size()
+        self.full_sizes = list(output_sizes)
+        local = [_divide(size, tp, "an output size") for size in output_sizes]
+        super().__init__(in_features, sum(local), bias)
+        self.output_sizes = local
+        self.shard_offsets = [sum(local[:i]) for i in range(len(local))]
         # The loader finds the shard-aware copy on the parameter itself (as vLLM does).
         self.weight.weight_loader = self.weight_loader
         if self.bias is not None:
@@ -47,22 +80,131 @@ class MergedLinear(Linear):
     def shard_index(self, shard_id: int | str) -> int:
         return int(shard_id)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str) -> None:
+    def source_rows(self, index: int) -> tuple[int, int]:
+        """(start, count) of the checkpoint matrix `index`'s rows this rank holds."""
+        count = self.output_sizes[index]
+        return distributed.rank() * count, count
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str) -> int:
         index = self.shard_index(shard_id)
         offset, size = self.shard_offsets[index], self.output_sizes[index]
         target = param.data.narrow(0, offset, size)
-        if target.shape != loaded.shape:
-            raise ValueError(f"shape mismatch for shard {shard_id!r}: {tuple(target.shape)} vs {tuple(loaded.shape)}")
-        target.copy_(loaded)
+        if loaded.shape[0] != self.full_sizes[index] or loaded.shape[1:] != target.shape[1:]:
+            raise ValueError(
+                f"shape mismatch for shard {shard_id!r}: expected {(self.full_sizes[index], *target.shape[1:])}, "
+                f"checkpoint has {tuple(loaded.shape)}"
+            )
+        start, count = self.source_rows(index)
+        target.copy_(loaded.narrow(0, start, count))
+        return target.numel()
 
 
 class QKVLinear(MergedLinear):
-    """q, k and v projections in one matmul; shards are named "q", "k", "v"."""
+    """q, k and v projections in one matmul; shards are named "q", "k", "v". Each rank holds
+    num_heads / tp query heads and num_kv_heads / tp KV heads, or, with fewer KV heads than ranks,
+    the one KV head its query heads use (replicated across the ranks sharing it)."""
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False) -> None:
-        self.q_size = num_heads * head_dim
-        self.kv_size = num_kv_heads * head_dim
-        super().__init__(hidden_size, [self.q_size, self.kv_size, self.kv_size], bias)
+        tp = distributed.size()
+        self.head_dim = head_dim
+        self.num_heads = _divide(num_heads, tp, "num_attention_heads")
+        if num_kv_heads >= tp:
+            self.num_kv_heads = _divide(num_kv_heads, tp, "num_key_value_heads")
+            self.kv_head_start = distributed.rank() * self.num_kv_heads
+        else:
+            if tp % num_kv_heads:
+                raise ValueError(
+                    f"num_key_value_heads ({num_kv_heads}) must divide the tensor-parallel size {tp} when smaller")
+            self.num_kv_heads = 1
+            self.kv_head_start = distributed.rank() * num_kv_heads // tp
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
+        # Build with the full sizes scaled to what this rank holds (MergedLinear divides by tp).
+        Linear.__init__(self, hidden_size, self.q_size + 2 * self.kv_size, bias)
+        self.full_sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
+        self.output_sizes = [self.q_size, self.kv_size, self.kv_size]
+        self.shard_offsets = [0, self.q_size, self.q_size + self.kv_size]
+        self.weight.weight_loader = self.weight_loader
+        if self.bias is not None:
+            self.bias.weight_loader = self.weight_loader
 
     def shard_index(self, shard_id: int | str) -> int:
         return {"q": 0, "k": 1, "v": 2}[shard_id]
+
+    def source_rows(self, index: int) -> tuple[int, int]:
+        if index == 0:
+            return distributed.rank() * self.q_size, self.q_size
+        return self.kv_head_start * self.head_dim, self.kv_size
+
+
+class RowParallelLinear(Linear):
+    """y = all_reduce(x_local W_local^T) (+ b): each rank holds in_features / tp input columns."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        self.full_in_features = in_features
+        super().__init__(_divide(in_features, distributed.size(), "an input size"), out_features, bias)
+        self.weight.shard_loader = self._load_weight
+
+    def _load_weight(self, param: nn.Parameter, loaded: torch.Tensor) -> int:
+        if tuple(loaded.shape) != (self.out_features, self.full_in_features):
+            raise ValueError(f"shape mismatch: expected {(self.out_features, self.full_in_features)}, "
+                             f"checkpoint has {tuple(loaded.shape)}")
+        param.data.copy_(loaded.narrow(1, distributed.rank() * self.in_features, self.in_features))
+        return param.numel()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if distributed.size() == 1:
+            return F.linear(x, self.weight, self.bias)
+        y = distributed.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embeddings; each rank holds ceil(vocab / tp) rows (the last rank's tail is zero padding)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__()
+        tp = distributed.size()
+        self.num_embeddings = num_embeddings
+        self.rows_per_rank = -(-num_embeddings // tp)
+        self.start = distributed.rank() * self.rows_per_rank
+        self.weight = nn.Parameter(torch.empty(self.rows_per_rank, embedding_dim))
+        self.weight.shard_loader = self._load_weight
+
+    def _load_weight(self, param: nn.Parameter, loaded: torch.Tensor) -> int:
+        if tuple(loaded.shape) != (self.num_embeddings, param.shape[1]):
+            raise ValueError(f"shape mismatch: expected {(self.num_embeddings, param.shape[1])}, "
+                             f"checkpoint has {tuple(loaded.shape)}")
+        count = max(0, min(self.rows_per_rank, self.num_embeddings - self.start))
+        param.data.zero_()
+        param.data[:count].copy_(loaded.narrow(0, self.start, count))
+        return param.numel()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if distributed.size() == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.start
+        outside = (local < 0) | (local >= self.rows_per_rank)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out.masked_fill_(outside.unsqueeze(-1), 0)
+        return distributed.all_reduce(out)
+
+
+class ParallelLMHead(nn.Module):
+    """logits = x W^T over the vocabulary; each rank computes its vocabulary rows, then they are
+    gathered (and the padding dropped). May share its weight with a VocabParallelEmbedding (tied)."""
+
+    def __init__(self, embedding_dim: int, num_embeddings: int, embedding: VocabParallelEmbedding | None = None) -> None:
+        super().__init__()
+        self.num_embeddings = num_embeddings
+        if embedding is not None:
+            self.weight = embedding.weight
+        else:
+            shard = VocabParallelEmbedding(num_embeddings, embedding_dim)
+            self.weight = shard.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(x, self.weight)
+        if distributed.size() == 1:
+            return logits
+        return distributed.all_gather_last_dim(logits)[..., : self.num_embeddings]

@@ -138,13 +138,13 @@ class ModelRunner:
 
         self.vocab_size: int = self.hf_config.vocab_size
         self.num_layers: int = self.hf_config.num_hidden_layers
-        self.num_kv_heads: int = self.hf_config.num_key_value_heads
         self.head_dim: int = head_dim_of(self.hf_config)
         self.max_model_len: int = max_model_len or self.hf_config.max_position_embeddings
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        self.attention_backend.setup(
-            self.hf_config.num_attention_heads, self.num_kv_heads, self.head_dim, self.block_size
-        )
+        # This rank's heads (with tensor parallelism a share of the model's; distributed.py).
+        self.num_heads: int = self.attention_layers[0].num_heads
+        self.num_kv_heads: int = self.attention_layers[0].num_kv_heads
+        self.attention_backend.setup(self.num_heads, self.num_kv_heads, self.head_dim, self.block_size)
         self.kv_cache: torch.Tensor | None = None
         self.num_blocks = 0  # blocks the scheduler may hand out (the pool may hold one dummy block more)
         self.dummy_block: int | None = None

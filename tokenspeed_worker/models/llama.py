@@ -15,7 +15,14 @@ from torch import nn
 from tokenspeed_worker.layers.activation import SiluAndMul
 from tokenspeed_worker.layers.attention import Attention
 from tokenspeed_worker.layers.layernorm import RMSNorm
-from tokenspeed_worker.layers.linear import Linear, MergedLinear, QKVLinear, default_weight_loader
+from tokenspeed_worker.layers.linear import (
+    MergedLinear,
+    ParallelLMHead,
+    QKVLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    load_into,
+)
 from tokenspeed_worker.layers.rotary import RotaryEmbedding, get_rope
 
 
@@ -34,13 +41,13 @@ class LlamaAttention(nn.Module):
         self, config, rotary_emb: RotaryEmbedding, qkv_bias: bool, o_bias: bool, qk_norm: bool
     ) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
         self.head_dim = head_dim_of(config)
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = QKVLinear(config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, bias=qkv_bias)
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=o_bias)
+        # This rank's heads (all of them without tensor parallelism): QKVLinear decides the split.
+        self.qkv_proj = QKVLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
+                                  config.num_key_value_heads, bias=qkv_bias)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=o_bias)
         self.rotary_emb = rotary_emb
         self.qk_norm = qk_norm
         if qk_norm:  # Qwen3: RMSNorm over each head of q and k, before rotary
@@ -66,7 +73,7 @@ class LlamaMLP(nn.Module):
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (supported: silu)")
         size = config.intermediate_size
         self.gate_up_proj = MergedLinear(config.hidden_size, [size, size], bias=bias)
-        self.down_proj = Linear(size, config.hidden_size, bias=bias)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, bias=bias)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -97,7 +104,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config, qkv_bias: bool, o_bias: bool, mlp_bias: bool, qk_norm: bool) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         rotary_emb = get_rope(config, head_dim_of(config))  # one cos/sin table shared by all layers
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, rotary_emb, qkv_bias, o_bias, mlp_bias, qk_norm)
@@ -127,10 +134,9 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config, **self.layer_options(config))
-        self.lm_head = Linear(config.hidden_size, config.vocab_size)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size,
+                                      embedding=self.model.embed_tokens if self.tie_word_embeddings else None)
 
     @staticmethod
     def layer_options(config) -> dict:
@@ -156,14 +162,14 @@ class LlamaForCausalLM(nn.Module):
                     param_name = name.replace(f".{shard_name}.", f".{fused}.")
                     if param_name not in params:
                         raise ValueError(f"checkpoint weight {name!r} has no parameter in {type(self).__name__}")
-                    params[param_name].weight_loader(params[param_name], tensor, shard_id)
+                    filled = params[param_name].weight_loader(params[param_name], tensor, shard_id)
                     break
             else:
                 param_name = name
                 if param_name not in params:
                     raise ValueError(f"checkpoint weight {name!r} has no parameter in {type(self).__name__}")
-                default_weight_loader(params[param_name], tensor)
-            loaded_numel[param_name] += tensor.numel()
+                filled = load_into(params[param_name], tensor)
+            loaded_numel[param_name] += filled  # this rank's part (all of it without tensor parallelism)
         incomplete = [name for name, param in params.items() if loaded_numel[name] != param.numel()]
         if incomplete:
             raise ValueError(f"checkpoint is missing (or repeats) weights for: {', '.join(incomplete)}")

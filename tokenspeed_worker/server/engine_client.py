@@ -89,6 +89,7 @@ class EngineClient:
         self.ready: EngineReady | None = None
         self.dead_message: str | None = None
         self._proc = None
+        self._followers: list = []  # tensor-parallel ranks 1..N-1 (engine/tp_worker.py)
         self._conn = None
         self._closing = False
         self.on_dead = None  # optional callback(message) run on the loop
@@ -106,6 +107,10 @@ class EngineClient:
         from tokenspeed_worker.engine.process import engine_main
 
         ctx = mp.get_context("spawn")
+        if self._cfg.tensor_parallel_size > 1:  # ranks 1..N-1 first; rank 0 (the engine) joins them
+            from tokenspeed_worker.engine.tp_worker import start_followers
+
+            self._followers = start_followers(self._cfg, self._log_level)
         parent, child = ctx.Pipe(duplex=True)
         self._proc = ctx.Process(
             target=engine_main, args=(self._cfg, child, self._log_level), name="tokenspeed-engine", daemon=True
@@ -117,18 +122,27 @@ class EngineClient:
             if not parent.poll(timeout if timeout is not None else 1.0):
                 if timeout is not None or not self._proc.is_alive():
                     self._proc.kill()
+                    self._kill_followers()
                     raise EngineUnavailable("engine process did not become ready")
                 continue
             try:
                 msg = parent.recv()
             except EOFError:
+                self._kill_followers()
                 raise EngineUnavailable(f"engine process exited during startup (code {self._proc.exitcode})")
             if isinstance(msg, EngineDead):
                 self._proc.join(5)
+                self._kill_followers()
                 raise EngineUnavailable(msg.message)
             if isinstance(msg, EngineReady):
                 self.ready = msg
                 return msg
+
+    def _kill_followers(self) -> None:
+        for proc in self._followers:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(5)
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
         """Start the pipe threads; messages are delivered on `loop` from now on."""
@@ -146,6 +160,9 @@ class EngineClient:
         if self._proc.is_alive():
             self._proc.kill()
             self._proc.join(5)
+        for proc in self._followers:  # told to stop by rank 0; otherwise they see it gone
+            proc.join(max(1.0, timeout / 2))
+        self._kill_followers()
         self._outbox.put(None)
 
     @property

@@ -86,6 +86,7 @@ def engine_config_from_args(args, max_model_len: int, device: str, dtype: str) -
         sampling_backend=args.sampling_backend,
         enforce_eager=args.enforce_eager,
         overlap_schedule=False if getattr(args, "disable_overlap_schedule", False) else None,
+        tensor_parallel_size=getattr(args, "tensor_parallel_size", 1) or 1,
         cudagraph_capture_sizes=args.cudagraph_capture_sizes,
         max_cudagraph_capture_size=args.max_cudagraph_capture_size,
         seed=getattr(args, "seed", 0) or 0,

@@ -1,0 +1,118 @@
+"""Tensor parallelism on CPU (gloo), through the gRPC worker: `--tensor-parallel-size 2` (and 4, where
+the two KV heads of the tiny models are replicated) gives Hugging Face's greedy tokens and its
+logprobs for every model family; a rank killed mid-request ends every request with a status and
+the worker exits non-zero; the per-layer TP flags are accepted only at the TP size."""
+
+from __future__ import annotations
+
+import re
+import signal
+import os
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from test_grpc_sampling import complete, gen, hf_log_softmax
+from tokenspeed_worker.config import check_supported, parse_args, UnsupportedOptionError
+from tokenspeed_worker.proto import tokenspeed_scheduler_pb2 as pb
+from worker_harness import Worker, hf_greedy, tiny_models
+
+PROMPTS = [[5, 17, 42, 99, 7, 3, 250, 11, 64, 300], [9, 8, 7], list(range(20, 61))]
+FLAGS = ("--max-model-len", "256", "--max-total-tokens", "4096")
+
+
+def check_against_transformers(worker: Worker, model_dir, max_new: int = 10) -> None:
+    for prompt in PROMPTS:
+        c, _ = complete(worker, gen(prompt, max_new_tokens=max_new, logprobs=True, top=3))
+        out = list(c.output_ids)
+        assert out == hf_greedy(model_dir, prompt, max_new), prompt
+        ref = hf_log_softmax(model_dir, prompt + out)
+        for i, token in enumerate(out):
+            row = ref[len(prompt) - 1 + i]
+            assert c.output_logprobs.token_logprobs[i] == pytest.approx(row[token].item(), abs=1e-4)
+            top_values, top_ids = row.topk(3)
+            assert list(c.output_logprobs.top_logprobs[i].token_ids[:3]) == top_ids.tolist()
+            assert np.allclose(c.output_logprobs.top_logprobs[i].values[:3], top_values.numpy(), atol=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama-gqa-tied", "qwen2-bias", "qwen3-qknorm"])
+def test_tp2_equals_transformers(name):
+    model_dir = tiny_models()[name]
+    w = Worker(model_dir, *FLAGS, "--tensor-parallel-size", "2")
+    try:
+        assert "tensor-parallel rank 1 of 2 ready" in w.log()
+        check_against_transformers(w, model_dir)
+        # A batch of concurrent streams (mixed prefill and decode steps) gives the same tokens.
+        results: dict[int, list[int]] = {}
+
+        def one(i: int) -> None:
+            c, _ = complete(w, gen(PROMPTS[i % 3], max_new_tokens=8))
+            results[i] = list(c.output_ids)
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for i, out in results.items():
+            assert out == hf_greedy(model_dir, PROMPTS[i % 3], 8)
+        load = w.stub.GetLoads(pb.GetLoadsRequest()).loads[0]
+        assert load.num_used_tokens == 0
+    finally:
+        assert w.stop() == 0, w.log()
+
+
+@pytest.mark.slow
+def test_tp4_replicates_kv_heads_and_equals_transformers():
+    # Two KV heads over four ranks: each rank holds the one its query heads use.
+    model_dir = tiny_models()["llama-gqa-tied"]
+    w = Worker(model_dir, *FLAGS, "--tp", "4", env={"TOKENSPEED_OVERLAP_SCHEDULE": "1"})
+    try:
+        check_against_transformers(w, model_dir, max_new=6)
+    finally:
+        assert w.stop() == 0, w.log()
+
+
+@pytest.mark.slow
+def test_killing_a_rank_ends_every_request_and_the_worker_exits_non_zero():
+    model_dir = tiny_models()["llama-gqa-tied"]
+    w = Worker(model_dir, "--max-model-len", "4096", "--max-total-tokens", "16384", "--tp", "2")
+    codes: list = []
+
+    def stream() -> None:
+        try:
+            for _ in w.stub.Generate(gen(PROMPTS[0], max_new_tokens=4000, stream=True), timeout=120):
+                pass
+            codes.append(grpc.StatusCode.OK)
+        except grpc.RpcError as error:
+            codes.append(error.code())
+
+    try:
+        pid = int(re.search(r"tensor-parallel rank 1 of 2 ready on \S+ \(pid (\d+)\)", w.log()).group(1))
+        threads = [threading.Thread(target=stream) for _ in range(3)]
+        for t in threads:
+            t.start()
+        time.sleep(2.0)
+        os.kill(pid, signal.SIGKILL)
+        for t in threads:
+            t.join(60)
+        assert codes == [grpc.StatusCode.INTERNAL] * 3, (codes, w.log())
+        w.proc.wait(60)
+        assert w.proc.returncode not in (0, None), w.log()
+    finally:
+        if w.proc.poll() is None:
+            w.stop()
+
+
+def test_per_layer_tp_sizes_are_accepted_only_at_the_tp_size():
+    args = parse_args(["m", "--tp", "2", "--attn-tp-size", "2", "--dense-tp-size", "2", "--moe-tp-size", "2"])
+    check_supported(args)
+    assert args.tensor_parallel_size == 2
+    with pytest.raises(UnsupportedOptionError, match="--attn-tp-size 4 differs from --tensor-parallel-size 2"):
+        check_supported(parse_args(["m", "--tp", "2", "--attn-tp-size", "4"]))
+    with pytest.raises(UnsupportedOptionError, match="--dense-tp-size 2 differs"):
+        check_supported(parse_args(["m", "--dense-tp-size", "2"]))

@@ -1,0 +1,81 @@
+"""Tensor parallelism across engine processes: rank 0 is the engine process the server talks to; the
+server also starts ranks 1..N-1 (this module's `follower_main`), and all of them meet over
+torch.distributed (distributed.py). Rank 0 owns the scheduler, the sampler and the pipe to the server; before each
+forward it broadcasts the step's plan on the gloo control group, every rank runs the same forward
+over its shard of the weights (the model's collectives keep them in lockstep), and after sampling
+rank 0 broadcasts the sampled tokens so every rank holds them for the next plan's pending input
+ids (overlap scheduling).
+
+Failure: a rank that dies closes its sockets, so the others' next collective fails; rank 0 then
+reports the engine dead (the server fails every request and exits 1) and the followers exit
+non-zero. A follower whose rank 0 went away exits the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing
+import os
+import socket
+import sys
+
+logger = logging.getLogger(__name__)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_followers(cfg, log_level: str = "info") -> list:
+    """Pick a rendezvous address (unless given) and start ranks 1..N-1; returns the processes.
+    `cfg.dist_init_method` is filled in, for rank 0 to use too."""
+    if not cfg.dist_init_method:
+        cfg.dist_init_method = f"tcp://127.0.0.1:{free_port()}"
+    ctx = multiprocessing.get_context("spawn")
+    procs = []
+    for rank in range(1, cfg.tensor_parallel_size):
+        rank_cfg = dataclasses.replace(cfg, tp_rank=rank)
+        proc = ctx.Process(target=follower_main, args=(rank_cfg, log_level), name=f"tokenspeed-tp{rank}", daemon=True)
+        proc.start()
+        procs.append(proc)
+    return procs
+
+
+def follower_main(cfg, log_level: str = "info") -> None:
+    """Ranks 1..N-1: build the same runner in lockstep with rank 0, then run every plan it broadcasts."""
+    logging.basicConfig(
+        level=getattr(logging, log_level.upper(), logging.INFO),
+        format=f"%(asctime)s %(levelname)s [tp{cfg.tp_rank}] %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    import torch
+
+    from tokenspeed_worker import distributed
+    from tokenspeed_worker.engine.core import build_runner, rank_device
+
+    try:
+        distributed.init(cfg.tp_rank, cfg.tensor_parallel_size, cfg.dist_init_method, torch.device(rank_device(cfg)))
+        runner, _ = build_runner(cfg)
+        logger.info("tensor-parallel rank %d of %d ready on %s (pid %d)", cfg.tp_rank, cfg.tensor_parallel_size,
+                    runner.device, os.getpid())
+        run_follower(runner)
+    except Exception as exc:  # rank 0 went away, or this rank failed: the others notice through their collectives
+        logger.error("tensor-parallel rank %d stopping: %s: %s", cfg.tp_rank, type(exc).__name__, exc)
+        os._exit(1)
+    os._exit(0)
+
+
+def run_follower(runner) -> None:
+    from tokenspeed_worker import distributed
+
+    while True:
+        message = distributed.broadcast_object(None)
+        if message[0] == "stop":
+            return
+        _, plan, num_samples = message
+        runner.forward(plan)
+        if num_samples:
+            distributed.broadcast_tensor(runner.last_sampled[:num_samples])
