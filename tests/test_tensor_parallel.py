@@ -116,3 +116,45 @@ def test_per_layer_tp_sizes_are_accepted_only_at_the_tp_size():
         check_supported(parse_args(["m", "--tp", "2", "--attn-tp-size", "4"]))
     with pytest.raises(UnsupportedOptionError, match="--dense-tp-size 2 differs"):
         check_supported(parse_args(["m", "--dense-tp-size", "2"]))
+
+
+@pytest.mark.slow
+def test_two_nodes_over_loopback_serve_requests():
+    # Two processes play two nodes: node 0 (rank 0, gRPC) and node 1 (rank 1, no gRPC), meeting at
+    # --dist-init-addr. Node 1 exits cleanly when node 0 stops.
+    import subprocess
+    import sys
+
+    from worker_harness import REPO, free_port
+
+    model_dir = tiny_models()["qwen2-bias"]
+    addr = f"127.0.0.1:{free_port()}"
+    dist = ("--tp", "2", "--nnodes", "2", "--dist-init-addr", addr)
+    log = open(REPO / ".cache" / "logs" / f"node1-{addr.split(':')[1]}.log", "wb")
+    node1 = subprocess.Popen([sys.executable, "-m", "tokenspeed_worker", str(model_dir), *FLAGS, *dist, "--node-rank", "1"],
+                             stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    try:
+        w = Worker(model_dir, *FLAGS, *dist, "--node-rank", "0")
+        try:
+            assert "tensor-parallel rank 1 of 2 ready" not in w.log()  # that rank runs on "node 1"
+            check_against_transformers(w, model_dir, max_new=6)
+        finally:
+            assert w.stop() == 0, w.log()
+        assert node1.wait(60) == 0
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+        log.close()
+
+
+def test_multi_node_flags_are_checked():
+    with pytest.raises(SystemExit):
+        parse_args(["m", "--tp", "2", "--nnodes", "2"])  # no --dist-init-addr
+    with pytest.raises(SystemExit):
+        parse_args(["m", "--tp", "3", "--nnodes", "2", "--dist-init-addr", "h:1"])  # 3 ranks over 2 nodes
+    with pytest.raises(SystemExit):
+        parse_args(["m", "--nnodes", "2", "--node-rank", "2", "--dist-init-addr", "h:1", "--tp", "2"])
+    with pytest.raises(SystemExit):
+        parse_args(["m", "--dist-init-addr", "nocolon"])
+    args = parse_args(["m", "--tp", "4", "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "10.0.0.1:29500"])
+    check_supported(args)

@@ -17,6 +17,7 @@ import argparse
 import dataclasses
 import enum
 import json
+import re
 import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -457,9 +458,18 @@ class ServerArgs:
     )
     world_size: int | None = _not_yet(None, PARALLELISM, "Total worker process count across all nodes.", parse=_positive_int)
     nprocs_per_node: int | None = _not_yet(None, PARALLELISM, "Worker process count per node.", parse=_positive_int)
-    nnodes: int = _not_yet(1, PARALLELISM, "Number of nodes.", parse=_positive_int)
-    node_rank: int = _not_yet(0, PARALLELISM, "Rank of the current node.", parse=_non_negative_int)
-    dist_init_addr: str | None = _not_yet(None, PARALLELISM, "Distributed initialization address (host:port).")
+    nnodes: int = _option(
+        1, PARALLELISM, "Number of nodes the tensor-parallel ranks of this worker span (each node runs "
+        "tensor-parallel-size / nnodes ranks; only node 0 serves gRPC).", parse=_positive_int,
+    )
+    node_rank: int = _option(
+        0, PARALLELISM, "Rank of this node (0 serves gRPC; the others run their ranks and exit when node 0 stops).",
+        parse=_non_negative_int,
+    )
+    dist_init_addr: str | None = _option(
+        None, PARALLELISM, "Address (host:port) where the ranks meet; node 0 listens there. Required with "
+        "--nnodes > 1; default for one node: a free loopback port.", default_doc="a free loopback port",
+    )
 
     # ---- Backend Selection
     attention_backend: str | None = _option(
@@ -889,11 +899,22 @@ def _resolve(args: ServerArgs) -> None:
         args.attention_backend = "triton" if args.device == "cuda" and _triton_importable() else "torch"
     elif args.attention_backend == "triton" and args.device != "cuda":
         raise ValueError("argument --attention-backend: triton needs --device cuda")
-    if args.device == "cuda" and args.tensor_parallel_size > 1:
+    if args.nnodes > 1:
+        if args.tensor_parallel_size % args.nnodes:
+            raise ValueError(f"argument --nnodes: --tensor-parallel-size {args.tensor_parallel_size} must be a "
+                             f"multiple of --nnodes {args.nnodes}")
+        if not args.dist_init_addr:
+            raise ValueError("argument --dist-init-addr: required with --nnodes > 1 (host:port of node 0)")
+    if args.node_rank >= args.nnodes:
+        raise ValueError(f"argument --node-rank: {args.node_rank} must be below --nnodes {args.nnodes}")
+    if args.dist_init_addr is not None and not re.fullmatch(r"\[?[\w.:-]+\]?:\d+", args.dist_init_addr):
+        raise ValueError(f"argument --dist-init-addr: expected host:port, got {args.dist_init_addr!r}")
+    per_node = args.tensor_parallel_size // args.nnodes
+    if args.device == "cuda" and per_node > 1:
         import torch
 
-        if torch.cuda.device_count() < args.tensor_parallel_size:
-            raise ValueError(f"argument --tensor-parallel-size: {args.tensor_parallel_size} ranks need as many GPUs, "
+        if torch.cuda.device_count() < per_node:
+            raise ValueError(f"argument --tensor-parallel-size: {per_node} ranks on this node need as many GPUs, "
                              f"{torch.cuda.device_count()} visible")
 
 

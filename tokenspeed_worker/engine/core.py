@@ -70,6 +70,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     tp_rank: int = 0
     dist_init_method: str | None = None
+    nnodes: int = 1  # the ranks span this many nodes, tensor_parallel_size / nnodes on each
 
 
 def size_kv_pool_tokens(cfg: EngineConfig, kv_bytes_per_token: int, device: torch.device, runner=None) -> int:
@@ -124,11 +125,12 @@ def size_kv_pool_tokens(cfg: EngineConfig, kv_bytes_per_token: int, device: torc
 
 
 def rank_device(cfg: EngineConfig) -> str:
-    """The device of this tensor-parallel rank: the configured CUDA device's index + tp_rank."""
+    """The device of this tensor-parallel rank: the configured CUDA device's index + its rank on its node."""
     device = torch.device(cfg.device)
     if device.type != "cuda" or cfg.tensor_parallel_size == 1:
         return cfg.device
-    return f"cuda:{(device.index or 0) + cfg.tp_rank}"
+    local_rank = cfg.tp_rank % (cfg.tensor_parallel_size // max(1, cfg.nnodes))
+    return f"cuda:{(device.index or 0) + local_rank}"
 
 
 def build_runner(cfg: EngineConfig):

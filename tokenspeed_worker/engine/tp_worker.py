@@ -29,19 +29,41 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_followers(cfg, log_level: str = "info") -> list:
-    """Pick a rendezvous address (unless given) and start ranks 1..N-1; returns the processes.
-    `cfg.dist_init_method` is filled in, for rank 0 to use too."""
+def node_ranks(cfg, node_rank: int) -> range:
+    """The tensor-parallel ranks node `node_rank` runs (tensor_parallel_size / nnodes consecutive ones)."""
+    per_node = cfg.tensor_parallel_size // max(1, cfg.nnodes)
+    return range(node_rank * per_node, (node_rank + 1) * per_node)
+
+
+def start_followers(cfg, log_level: str = "info", node_rank: int = 0) -> list:
+    """Start this node's follower ranks (on node 0, all its ranks but rank 0); returns the processes.
+    Without a rendezvous address, picks a free loopback port (one node) and fills in
+    `cfg.dist_init_method` for rank 0 to use too."""
     if not cfg.dist_init_method:
         cfg.dist_init_method = f"tcp://127.0.0.1:{free_port()}"
     ctx = multiprocessing.get_context("spawn")
     procs = []
-    for rank in range(1, cfg.tensor_parallel_size):
+    for rank in node_ranks(cfg, node_rank):
+        if rank == 0:
+            continue
         rank_cfg = dataclasses.replace(cfg, tp_rank=rank)
         proc = ctx.Process(target=follower_main, args=(rank_cfg, log_level), name=f"tokenspeed-tp{rank}", daemon=True)
         proc.start()
         procs.append(proc)
     return procs
+
+
+def run_node(cfg, node_rank: int, log_level: str = "info") -> int:
+    """A node other than 0 (`--node-rank N`): run its ranks until they end (node 0 stops them, or the
+    group fails). Returns 0 when every rank stopped cleanly, else 1."""
+    procs = start_followers(cfg, log_level, node_rank)
+    logger.info("node %d of %d: ranks %s started, meeting at %s", node_rank, cfg.nnodes,
+                list(node_ranks(cfg, node_rank)), cfg.dist_init_method)
+    for proc in procs:
+        proc.join()
+    codes = [proc.exitcode for proc in procs]
+    logger.info("node %d: ranks ended with exit codes %s", node_rank, codes)
+    return 0 if all(code == 0 for code in codes) else 1
 
 
 def follower_main(cfg, log_level: str = "info") -> None:

@@ -87,6 +87,8 @@ def engine_config_from_args(args, max_model_len: int, device: str, dtype: str) -
         enforce_eager=args.enforce_eager,
         overlap_schedule=False if getattr(args, "disable_overlap_schedule", False) else None,
         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1) or 1,
+        nnodes=getattr(args, "nnodes", 1) or 1,
+        dist_init_method=f"tcp://{args.dist_init_addr}" if getattr(args, "dist_init_addr", None) else None,
         cudagraph_capture_sizes=args.cudagraph_capture_sizes,
         max_cudagraph_capture_size=args.max_cudagraph_capture_size,
         seed=getattr(args, "seed", 0) or 0,
@@ -295,6 +297,10 @@ def run_server(args) -> int:
     except ValueError as e:
         logger.error("%s", e)
         return 2
+    if getattr(args, "node_rank", 0) > 0:  # a node that only runs its tensor-parallel ranks
+        from tokenspeed_worker.engine.tp_worker import run_node
+
+        return run_node(engine_cfg, args.node_rank, args.log_level)
     engine = EngineClient(engine_cfg, args.log_level)
     try:
         ready = engine.start()
