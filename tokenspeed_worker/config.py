@@ -451,7 +451,11 @@ class ServerArgs:
         None, PARALLELISM, "Tensor parallel size for MoE layers; only the tensor parallel size is supported.",
         parse=_positive_int, default_doc="the tensor parallel size",
     )
-    data_parallel_size: int = _not_yet(1, PARALLELISM, "Number of data-parallel replicas.", parse=_positive_int)
+    data_parallel_size: int = _option(
+        1, PARALLELISM, "Number of data-parallel replicas: independent engines (each its own scheduler, KV "
+        "cache and tensor-parallel-size GPUs) behind the one gRPC port; a new request goes to the least "
+        "loaded replica unless data_parallel_rank pins one.", aliases=("--dp-size", "--dp"), parse=_positive_int,
+    )
     enable_expert_parallel: bool = _not_yet(False, PARALLELISM, "Expert parallelism across the world size.")
     expert_parallel_size: int = _not_yet(
         1, PARALLELISM, "Explicit expert parallel size.", aliases=("--ep-size",), parse=_positive_int
@@ -910,12 +914,12 @@ def _resolve(args: ServerArgs) -> None:
     if args.dist_init_addr is not None and not re.fullmatch(r"\[?[\w.:-]+\]?:\d+", args.dist_init_addr):
         raise ValueError(f"argument --dist-init-addr: expected host:port, got {args.dist_init_addr!r}")
     per_node = args.tensor_parallel_size // args.nnodes
-    if args.device == "cuda" and per_node > 1:
+    if args.device == "cuda" and per_node * args.data_parallel_size > 1:
         import torch
 
-        if torch.cuda.device_count() < per_node:
-            raise ValueError(f"argument --tensor-parallel-size: {per_node} ranks on this node need as many GPUs, "
-                             f"{torch.cuda.device_count()} visible")
+        if torch.cuda.device_count() < per_node * args.data_parallel_size:
+            raise ValueError(f"argument --tensor-parallel-size: {per_node * args.data_parallel_size} ranks on this "
+                             f"node need as many GPUs, {torch.cuda.device_count()} visible")
 
 
 def _triton_importable() -> bool:
@@ -970,6 +974,11 @@ def unsupported_settings(args: ServerArgs) -> list[str]:
         for option in OPTIONS
         if option.is_offending(getattr(args, option.dest))
     ]
+    if getattr(args, "data_parallel_size", 1) > 1 and getattr(args, "kv_events_config", None):
+        messages.append("--kv-events-config with --data-parallel-size > 1 is not supported yet "
+                        "(one event stream per replica)")
+    if getattr(args, "data_parallel_size", 1) > 1 and getattr(args, "nnodes", 1) > 1:
+        messages.append("--data-parallel-size > 1 with --nnodes > 1 is not supported yet")
     tp = getattr(args, "tensor_parallel_size", 1)
     for dest in ("attn_tp_size", "dense_tp_size", "moe_tp_size"):
         value = getattr(args, dest, None)

@@ -1,15 +1,22 @@
-"""The server's handle on the engine process: start it, send to it, route what it sends back.
+"""The server's handle on the engine processes: start them, send to them, route what they send back.
 
-The pipe is served by two threads so the asyncio loop never blocks on it: a
-writer drains an outbound queue (a long prompt can exceed the pipe buffer while
-the engine is mid-step), a reader hands every inbound message to the loop.
-Each request in flight has a `RequestState` the Generate handler waits on; one
-`StepOutput` from the engine touches many states but wakes each handler once.
+Each engine process (one per data-parallel replica, `--data-parallel-size`; each may lead its own
+tensor-parallel ranks) has a pipe served by two threads so the asyncio loop never blocks on it: a
+writer drains the replica's outbound queue (a long prompt can exceed the pipe buffer while the
+engine is mid-step), a reader hands every inbound message to the loop. Each request in flight
+has a `RequestState` the Generate handler waits on; one `StepOutput` from an engine touches many
+states but wakes each handler once. Engine-side request ids are unique across replicas.
+
+Replicas: a new request goes to the replica with the fewest requests in flight (ties: the next
+one in turn), or to `data_parallel_rank` when the client pins it; all n samples of a request go
+to the same replica (they share its prefill). Probes, flushes and profiles go to every replica.
+If any replica dies, every request fails and the worker exits (as with one engine).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import multiprocessing as mp
@@ -58,6 +65,7 @@ class RequestState:
     new_tokens: list[int] = field(default_factory=list)
     # With logprobs: one (logprob, top values, top ids) per new token, aligned with new_tokens.
     new_logprobs: list[tuple[float, list[float], list[int]]] = field(default_factory=list)
+    replica: int = 0  # the data-parallel replica (engine process) serving it
     finish_reason: int | None = None  # a FINISH_* code once finished
     error: tuple[str, str] | None = None  # (grpc status code name, message)
     num_output_tokens: int = 0
@@ -74,8 +82,44 @@ class RequestState:
         return self.finish_reason is not None or self.error is not None
 
 
+class _Replica:
+    """One engine process (a data-parallel replica) and its pipe, outbox and tensor-parallel followers."""
+
+    def __init__(self, index: int, cfg) -> None:
+        self.index = index
+        self.cfg = cfg
+        self.proc = None
+        self.conn = None
+        self.followers: list = []  # tensor-parallel ranks 1..N-1 (engine/tp_worker.py)
+        self.outbox: queue.Queue = queue.Queue()
+        self.ready: EngineReady | None = None
+        self.in_flight = 0  # request states submitted to it and not finished
+
+    def kill_followers(self) -> None:
+        for proc in self.followers:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(5)
+
+
+def replica_config(cfg, index: int):
+    """Replica `index`'s engine config: on GPUs its own block of tensor_parallel_size devices."""
+    import dataclasses
+
+    import torch
+
+    if index == 0:
+        return cfg
+    device = torch.device(cfg.device)
+    if device.type == "cuda":
+        device = f"cuda:{(device.index or 0) + index * cfg.tensor_parallel_size}"
+    else:
+        device = cfg.device
+    return dataclasses.replace(cfg, device=device, dist_init_method=None)
+
+
 class EngineClient:
-    def __init__(self, engine_cfg, log_level: str = "info") -> None:
+    def __init__(self, engine_cfg, log_level: str = "info", data_parallel_size: int = 1) -> None:
         self._cfg = engine_cfg
         self._log_level = log_level
         self._ids = itertools.count(1)
@@ -84,13 +128,12 @@ class EngineClient:
         # request_id -> its n samples (one state each), while any of them is in flight
         self.by_request_id: dict[str, list[RequestState]] = {}
         self._waiters: dict[int, asyncio.Future] = {}
-        self._outbox: queue.Queue = queue.Queue()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.ready: EngineReady | None = None
+        self.ready: EngineReady | None = None  # replica 0's (every replica has the same shape)
         self.dead_message: str | None = None
-        self._proc = None
-        self._followers: list = []  # tensor-parallel ranks 1..N-1 (engine/tp_worker.py)
-        self._conn = None
+        self.data_parallel_size = max(1, int(data_parallel_size))
+        self._replicas = [_Replica(k, replica_config(engine_cfg, k)) for k in range(self.data_parallel_size)]
+        self._turn = 0  # round-robin among equally loaded replicas
         self._closing = False
         self.on_dead = None  # optional callback(message) run on the loop
         # Optional server/metrics.RequestObserver (metrics, request stats, request logs);
@@ -103,97 +146,113 @@ class EngineClient:
     # ---- lifecycle ---------------------------------------------------------
 
     def start(self, timeout: float | None = None) -> EngineReady:
-        """Spawn the engine process and block until it reports ready (or failed)."""
+        """Spawn the engine processes and block until each reports ready (or one failed)."""
+        try:
+            for replica in self._replicas:
+                self._start_replica(replica, timeout)
+        except EngineUnavailable:
+            self.shutdown(5.0)
+            raise
+        self.ready = self._replicas[0].ready
+        return self.ready
+
+    def _start_replica(self, replica: _Replica, timeout: float | None) -> None:
         from tokenspeed_worker.engine.process import engine_main
 
         ctx = mp.get_context("spawn")
-        if self._cfg.tensor_parallel_size > 1:  # ranks 1..N-1 first; rank 0 (the engine) joins them
+        cfg = replica.cfg
+        if cfg.tensor_parallel_size > 1:  # ranks 1..N-1 first; rank 0 (the engine) joins them
             from tokenspeed_worker.engine.tp_worker import start_followers
 
-            self._followers = start_followers(self._cfg, self._log_level)
+            replica.followers = start_followers(cfg, self._log_level)
         parent, child = ctx.Pipe(duplex=True)
-        self._proc = ctx.Process(
-            target=engine_main, args=(self._cfg, child, self._log_level), name="tokenspeed-engine", daemon=True
-        )
-        self._proc.start()
+        name = "tokenspeed-engine" if self.data_parallel_size == 1 else f"tokenspeed-engine-dp{replica.index}"
+        replica.proc = ctx.Process(target=engine_main, args=(cfg, child, self._log_level), name=name, daemon=True)
+        replica.proc.start()
         child.close()
-        self._conn = parent
+        replica.conn = parent
+        where = "" if self.data_parallel_size == 1 else f" (data-parallel replica {replica.index})"
         while True:
             if not parent.poll(timeout if timeout is not None else 1.0):
-                if timeout is not None or not self._proc.is_alive():
-                    self._proc.kill()
-                    self._kill_followers()
-                    raise EngineUnavailable("engine process did not become ready")
+                if timeout is not None or not replica.proc.is_alive():
+                    replica.proc.kill()
+                    replica.kill_followers()
+                    raise EngineUnavailable(f"engine process did not become ready{where}")
                 continue
             try:
                 msg = parent.recv()
             except EOFError:
-                self._kill_followers()
-                raise EngineUnavailable(f"engine process exited during startup (code {self._proc.exitcode})")
+                replica.kill_followers()
+                raise EngineUnavailable(
+                    f"engine process exited during startup (code {replica.proc.exitcode}){where}")
             if isinstance(msg, EngineDead):
-                self._proc.join(5)
-                self._kill_followers()
-                raise EngineUnavailable(msg.message)
+                replica.proc.join(5)
+                replica.kill_followers()
+                raise EngineUnavailable(msg.message + where)
             if isinstance(msg, EngineReady):
-                self.ready = msg
-                return msg
-
-    def _kill_followers(self) -> None:
-        for proc in self._followers:
-            if proc.is_alive():
-                proc.kill()
-            proc.join(5)
+                replica.ready = msg
+                return
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
         """Start the pipe threads; messages are delivered on `loop` from now on."""
         self._loop = loop
-        threading.Thread(target=self._writer, name="engine-writer", daemon=True).start()
-        threading.Thread(target=self._reader, name="engine-reader", daemon=True).start()
+        for replica in self._replicas:
+            threading.Thread(target=self._writer, args=(replica,), name=f"engine-writer-{replica.index}",
+                             daemon=True).start()
+            threading.Thread(target=self._reader, args=(replica,), name=f"engine-reader-{replica.index}",
+                             daemon=True).start()
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        if self._proc is None:
-            return
         self._closing = True
-        if self._proc.is_alive():
-            self._outbox.put(Shutdown())
-            self._proc.join(timeout)
-        if self._proc.is_alive():
-            self._proc.kill()
-            self._proc.join(5)
-        for proc in self._followers:  # told to stop by rank 0; otherwise they see it gone
-            proc.join(max(1.0, timeout / 2))
-        self._kill_followers()
-        self._outbox.put(None)
+        for replica in self._replicas:
+            if replica.proc is not None and replica.proc.is_alive():
+                replica.outbox.put(Shutdown())
+        for replica in self._replicas:
+            if replica.proc is None:
+                continue
+            replica.proc.join(timeout)
+            if replica.proc.is_alive():
+                replica.proc.kill()
+                replica.proc.join(5)
+            for proc in replica.followers:  # told to stop by rank 0; otherwise they see it gone
+                proc.join(max(1.0, timeout / 2))
+            replica.kill_followers()
+            replica.outbox.put(None)
 
     @property
     def alive(self) -> bool:
-        return self.dead_message is None and self._proc is not None and self._proc.is_alive()
+        return self.dead_message is None and all(r.proc is not None and r.proc.is_alive() for r in self._replicas)
 
     @property
     def pid(self) -> int | None:
-        return self._proc.pid if self._proc else None
+        return self._replicas[0].proc.pid if self._replicas[0].proc else None
+
+    @property
+    def pids(self) -> list[int]:
+        return [r.proc.pid for r in self._replicas if r.proc is not None]
 
     # ---- pipe threads -------------------------------------------------------
 
-    def _writer(self) -> None:
+    def _writer(self, replica: _Replica) -> None:
         while True:
-            msg = self._outbox.get()
+            msg = replica.outbox.get()
             if msg is None:
                 return
             try:
-                self._conn.send(msg)
+                replica.conn.send(msg)
             except (OSError, ValueError):
                 return
 
-    def _reader(self) -> None:
+    def _reader(self, replica: _Replica) -> None:
+        where = "" if self.data_parallel_size == 1 else f" (data-parallel replica {replica.index})"
         while True:
             try:
-                msg = self._conn.recv()
+                msg = replica.conn.recv()
             except (EOFError, OSError):
                 if self._closing:
                     return
-                self._proc.join(1.0)
-                msg = EngineDead(f"engine process exited unexpectedly (exit code {self._proc.exitcode})")
+                replica.proc.join(1.0)
+                msg = EngineDead(f"engine process exited unexpectedly (exit code {replica.proc.exitcode}){where}")
             try:
                 self._loop.call_soon_threadsafe(self._on_message, msg)
             except RuntimeError:  # the event loop is gone: the server is shutting down
@@ -276,22 +335,38 @@ class EngineClient:
             self.on_dead(message)
 
     def _forget(self, st: RequestState) -> None:
-        if self.requests.pop(st.engine_id, None) is not None and self.observer is not None:
-            self.observer.on_end(st)
+        if self.requests.pop(st.engine_id, None) is not None:
+            self._replicas[st.replica].in_flight -= 1
+            if self.observer is not None:
+                self.observer.on_end(st)
         group = self.by_request_id.get(st.request_id)
         if group is not None and st in group and all(s.done for s in group):
             del self.by_request_id[st.request_id]
 
     # ---- outbound -----------------------------------------------------------
 
-    def submit(self, request_id: str, adds: list[AddRequest]) -> list[RequestState]:
-        """Register and send a request's samples (n >= 1; `req_id`s are filled in here).
+    def pick_replica(self, dp_rank: int | None = None) -> int:
+        """`dp_rank` when given, else the replica with the fewest requests in flight (ties in turn)."""
+        if dp_rank is not None:
+            if not 0 <= dp_rank < self.data_parallel_size:
+                raise ValueError(f"data_parallel_rank: {dp_rank} does not exist (ranks 0..{self.data_parallel_size - 1})")
+            return dp_rank
+        n = self.data_parallel_size
+        order = [(self._turn + k) % n for k in range(n)]
+        best = min(order, key=lambda k: self._replicas[k].in_flight)
+        self._turn = (best + 1) % n
+        return best
+
+    def submit(self, request_id: str, adds: list[AddRequest], dp_rank: int | None = None) -> list[RequestState]:
+        """Register and send a request's samples (n >= 1; `req_id`s are filled in here) to one replica
+        (`pick_replica`).
 
         Samples after the first wait for the first's prefill and share its prompt blocks.
         All samples share one event, so the handler wakes once per step for all of them.
         """
         if self.dead_message is not None:
             raise EngineUnavailable(self.dead_message)
+        replica = self._replicas[self.pick_replica(dp_rank)]
         if not self.requests:
             self.last_progress = time.monotonic()
         event = asyncio.Event()
@@ -304,14 +379,15 @@ class EngineClient:
                 add.wait_for = adds[0].req_id
             st = RequestState(engine_id=add.req_id, request_id=request_id, prompt_len=int(len(add.prompt_ids)),
                               index=index, event=event, top_logprobs_num=add.top_logprobs_num,
-                              wants_logprobs=add.return_logprob, recv_ts=recv_ts)
+                              wants_logprobs=add.return_logprob, recv_ts=recv_ts, replica=replica.index)
             self.requests[st.engine_id] = st
             states.append(st)
+        replica.in_flight += len(states)
         self.by_request_id[request_id] = states
         if obs is not None:
             obs.on_arrival(request_id, adds)
         for add in adds:
-            self._outbox.put(add)
+            replica.outbox.put(add)
         return states
 
     def num_queued(self) -> int:
@@ -321,8 +397,9 @@ class EngineClient:
     def fail_everything(self, message: str) -> None:
         """End every request with INTERNAL and stop the engine process (watchdog)."""
         self._fail_everything(message)
-        if self._proc is not None and self._proc.is_alive():
-            self._proc.kill()
+        for replica in self._replicas:
+            if replica.proc is not None and replica.proc.is_alive():
+                replica.proc.kill()
 
     def in_flight(self, request_id: str) -> bool:
         return request_id in self.by_request_id
@@ -333,7 +410,7 @@ class EngineClient:
             return
         st.finish_reason = reason
         self._forget(st)
-        self._outbox.put(AbortRequests([st.engine_id]))
+        self._replicas[st.replica].outbox.put(AbortRequests([st.engine_id]))
 
     def abort(self, states: list[RequestState]) -> bool:
         """End every unfinished sample with finish reason abort and free them in the engine.
@@ -345,38 +422,63 @@ class EngineClient:
         for st in live:
             self._forget(st)
         if live:
-            self._outbox.put(AbortRequests([st.engine_id for st in live]))
+            for replica in {st.replica for st in live}:
+                self._replicas[replica].outbox.put(
+                    AbortRequests([st.engine_id for st in live if st.replica == replica]))
             live[0].event.set()
             for st in live[1:]:
                 if st.event is not live[0].event:
                     st.event.set()
         return bool(live)
 
-    async def _ask(self, make, timeout: float):
+    async def _ask(self, make, timeout: float, replica: int = 0):
         if self.dead_message is not None:
             raise EngineUnavailable(self.dead_message)
         nonce = next(self._nonces)
         fut = asyncio.get_running_loop().create_future()
         self._waiters[nonce] = fut
-        self._outbox.put(make(nonce))
+        self._replicas[replica].outbox.put(make(nonce))
         try:
             return await asyncio.wait_for(fut, timeout)
         finally:
             self._waiters.pop(nonce, None)
 
+    async def _ask_all(self, make, timeout: float) -> list:
+        return list(await asyncio.gather(*(self._ask(make, timeout, k) for k in range(self.data_parallel_size))))
+
+    async def probe_all(self, timeout: float) -> list[Loads]:
+        """Round trip through every replica's engine loop (proves each is stepping); their loads in rank order."""
+        return [reply.loads for reply in await self._ask_all(Probe, timeout)]
+
     async def probe(self, timeout: float) -> Loads:
-        """Round trip through the engine loop; proves it is stepping. Returns its loads."""
-        reply = await self._ask(Probe, timeout)
-        return reply.loads
+        """Round trip through every engine loop; the loads of all replicas together (sums; the hit
+        rate and throughput as the replicas' mean and sum)."""
+        loads = await self.probe_all(timeout)
+        if len(loads) == 1:
+            return loads[0]
+        total = Loads(**{f.name: getattr(loads[0], f.name) for f in dataclasses.fields(Loads)})
+        for name in ("num_running", "num_waiting", "num_used_tokens", "num_free_blocks", "num_total_blocks",
+                     "waiting_tokens", "num_preemptions", "gen_throughput", "num_cached_blocks"):
+            setattr(total, name, sum(getattr(x, name) for x in loads))
+        total.cache_hit_rate = sum(x.cache_hit_rate for x in loads) / len(loads)
+        return total
 
     async def flush_cache(self, timeout: float) -> FlushReply:
-        return await self._ask(FlushCache, timeout)
+        return _combined(await self._ask_all(FlushCache, timeout))
 
     async def start_profile(self, timeout: float, **options) -> ProfileReply:
-        return await self._ask(lambda nonce: StartProfile(nonce, **options), timeout)
+        return _combined(await self._ask_all(lambda nonce: StartProfile(nonce, **options), timeout))
 
     async def stop_profile(self, timeout: float) -> ProfileReply:
-        return await self._ask(StopProfile, timeout)
+        return _combined(await self._ask_all(StopProfile, timeout))
+
+
+def _combined(replies: list):
+    """One reply for every replica's: success if all succeeded, their messages joined (with ranks)."""
+    if len(replies) == 1:
+        return replies[0]
+    message = "; ".join(f"replica {k}: {r.message}" for k, r in enumerate(replies))
+    return type(replies[0])(replies[0].nonce, all(r.success for r in replies), message)
 
 
 def _logprob_entry(msg: StepOutput, i: int, top_k: int) -> tuple[float, list[float], list[int]]:

@@ -301,7 +301,8 @@ def run_server(args) -> int:
         from tokenspeed_worker.engine.tp_worker import run_node
 
         return run_node(engine_cfg, args.node_rank, args.log_level)
-    engine = EngineClient(engine_cfg, args.log_level)
+    facts.data_parallel_size = getattr(args, "data_parallel_size", 1) or 1
+    engine = EngineClient(engine_cfg, args.log_level, facts.data_parallel_size)
     try:
         ready = engine.start()
     except EngineUnavailable as e:

@@ -183,7 +183,7 @@ class TokenSpeedSchedulerServicer(pb_grpc.TokenSpeedSchedulerServicer):
                 f"{self.max_queued_requests}); retry on another worker",
             )
         try:
-            states = self.engine.submit(rid, v.adds)
+            states = self.engine.submit(rid, v.adds, v.dp_rank)
         except EngineUnavailable as e:
             await self._reject(context, rid, grpc.StatusCode.UNAVAILABLE, f"engine unavailable: {e}")
 
@@ -326,8 +326,10 @@ class TokenSpeedSchedulerServicer(pb_grpc.TokenSpeedSchedulerServicer):
         )
 
     async def GetLoads(self, request, context):
-        if request.HasField("dp_rank") and request.dp_rank != 0:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"dp_rank: {request.dp_rank} does not exist")
+        dp_size = self.engine.data_parallel_size
+        if request.HasField("dp_rank") and not 0 <= request.dp_rank < dp_size:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"dp_rank: {request.dp_rank} does not exist (ranks 0..{dp_size - 1})")
         sections = {s.lower() for s in request.include} or {"core"}
         unknown = sections - {"core", "memory", "queues", "disagg", "all"}
         if unknown:
@@ -336,16 +338,38 @@ class TokenSpeedSchedulerServicer(pb_grpc.TokenSpeedSchedulerServicer):
                 f"include: unknown section(s) {sorted(unknown)}; use core, memory, queues or all",
             )
         try:
-            loads = await self.engine.probe(LOADS_TIMEOUT_S)
+            per_replica = await self.engine.probe_all(LOADS_TIMEOUT_S)
         except asyncio.TimeoutError:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "engine did not report its loads in time")
         except EngineUnavailable as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"engine unavailable: {e}")
+        loads = [self._scheduler_load(rank, x, sections) for rank, x in enumerate(per_replica)]
+        if request.HasField("dp_rank"):
+            loads = [loads[request.dp_rank]]
+        n = len(loads)
+        running = sum(x.num_running_reqs for x in loads)
+        waiting = sum(x.num_waiting_reqs for x in loads)
+        return pb.GetLoadsResponse(
+            timestamp=datetime.now(timezone.utc).isoformat(),
+            version=__version__,
+            dp_rank_count=dp_size,
+            loads=loads,
+            aggregate=pb.AggregateMetrics(
+                total_running_reqs=running,
+                total_waiting_reqs=waiting,
+                total_reqs=running + waiting,
+                avg_token_usage=sum(x.token_usage for x in loads) / n,
+                avg_throughput=sum(x.gen_throughput for x in loads) / n,
+                avg_utilization=sum(x.utilization for x in loads) / n,
+            ),
+        )
+
+    def _scheduler_load(self, dp_rank: int, loads, sections: set[str]) -> pb.SchedulerLoad:
         r = self.engine.ready
         capacity = loads.num_total_blocks * loads.block_size
         usage = loads.num_used_tokens / capacity if capacity else 0.0
         load = pb.SchedulerLoad(
-            dp_rank=0,
+            dp_rank=dp_rank,
             num_running_reqs=loads.num_running,
             num_waiting_reqs=loads.num_waiting,
             num_total_reqs=loads.num_running + loads.num_waiting,
@@ -370,20 +394,7 @@ class TokenSpeedSchedulerServicer(pb_grpc.TokenSpeedSchedulerServicer):
             )
         if sections & {"queues", "all"}:
             load.queues.CopyFrom(pb.QueueMetrics(waiting=loads.num_waiting, grammar=0, paused=0, retracted=0))
-        return pb.GetLoadsResponse(
-            timestamp=datetime.now(timezone.utc).isoformat(),
-            version=__version__,
-            dp_rank_count=1,
-            loads=[load],
-            aggregate=pb.AggregateMetrics(
-                total_running_reqs=loads.num_running,
-                total_waiting_reqs=loads.num_waiting,
-                total_reqs=loads.num_running + loads.num_waiting,
-                avg_token_usage=usage,
-                avg_throughput=loads.gen_throughput,
-                avg_utilization=load.utilization,
-            ),
-        )
+        return load
 
     # ---- admin --------------------------------------------------------------------
 

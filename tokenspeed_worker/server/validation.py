@@ -49,6 +49,7 @@ class ValidatedRequest:
     spaces_between_special_tokens: bool = True
     logprobs: bool = False  # any logprob output asked for
     top_logprobs_num: int = 0
+    dp_rank: int | None = None  # data_parallel_rank: the replica the client pinned, if any
 
 
 _MASK63 = (1 << 63) - 1
@@ -74,8 +75,10 @@ def validate_generate(req, facts: ModelFacts) -> ValidatedRequest:
         raise _unimplemented("encode_bootstrap_info: encode/prefill disaggregation is not supported")
     if req.HasField("kv_bootstrap_info"):
         raise _unimplemented("kv_bootstrap_info: prefill/decode disaggregation is not supported")
-    if req.HasField("data_parallel_rank") and req.data_parallel_rank != 0:
-        raise _invalid(f"data_parallel_rank: {req.data_parallel_rank} does not exist (this worker has rank 0 only)")
+    dp_size = getattr(facts, "data_parallel_size", 1)
+    if req.HasField("data_parallel_rank") and not 0 <= req.data_parallel_rank < dp_size:
+        raise _invalid(f"data_parallel_rank: {req.data_parallel_rank} does not exist "
+                       f"(this worker has ranks 0..{dp_size - 1})")
     if not req.HasField("tokenized"):
         raise _invalid("tokenized: missing (the worker takes token ids; tokenized.input_ids is required)")
     ids = np.fromiter(req.tokenized.input_ids, dtype=np.int64, count=len(req.tokenized.input_ids))
@@ -211,4 +214,5 @@ def validate_generate(req, facts: ModelFacts) -> ValidatedRequest:
         spaces_between_special_tokens=bool(sp.spaces_between_special_tokens),
         logprobs=bool(req.return_logprob or req.top_logprobs_num or logprob_ids),
         top_logprobs_num=int(req.top_logprobs_num),
+        dp_rank=int(req.data_parallel_rank) if req.HasField("data_parallel_rank") else None,
     )
