@@ -158,3 +158,29 @@ def test_multi_node_flags_are_checked():
         parse_args(["m", "--dist-init-addr", "nocolon"])
     args = parse_args(["m", "--tp", "4", "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "10.0.0.1:29500"])
     check_supported(args)
+
+
+def test_nvlink_multicast_is_off_by_default_for_nccl(monkeypatch):
+    # init() on a CUDA device sets these before NCCL starts; checked without a GPU by stubbing the
+    # device and process-group calls. An operator's explicit setting is kept.
+    import torch
+
+    from tokenspeed_worker import distributed
+
+    for name in distributed.MULTICAST_OFF:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("NVSHMEM_DISABLE_NVLS", "0")
+    calls = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append(("device", device)))
+    monkeypatch.setattr(torch.distributed, "init_process_group", lambda backend, **kw: calls.append(backend))
+    monkeypatch.setattr(torch.distributed, "new_group", lambda **kw: "control")
+    try:
+        distributed.init(1, 2, "tcp://127.0.0.1:1", torch.device("cuda", 1))
+        assert calls == [("device", torch.device("cuda", 1)), "nccl"]
+        assert os.environ["NCCL_NVLS_ENABLE"] == "0" and os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1"
+        assert os.environ["NVSHMEM_DISABLE_NVLS"] == "0"
+        assert distributed.rank() == 1 and distributed.size() == 2
+    finally:
+        monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
+        distributed.shutdown()
+    assert distributed.size() == 1

@@ -17,6 +17,10 @@ import os
 import torch
 import torch.distributed as dist
 
+# NVLink multicast stays off unless the operator turned it on explicitly: it is not needed for
+# these collectives, and on shared hosts a program using it can take the GPUs out of service.
+MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
 _RANK = 0
 _SIZE = 1
 _CONTROL = None  # gloo group for host objects (plans)
@@ -35,6 +39,8 @@ def init(rank: int, size: int, init_method: str, device: torch.device, timeout_s
     timeout = datetime.timedelta(seconds=timeout_s)
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
+        for name, value in MULTICAST_OFF.items():
+            os.environ.setdefault(name, value)
         torch.cuda.set_device(device)
     dist.init_process_group(backend, init_method=init_method, rank=_RANK, world_size=_SIZE, timeout=timeout)
     _CONTROL = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
