@@ -186,11 +186,19 @@ def test_invalid_logprob_options(worker):
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field_name in e.value.details()
 
 
-def test_constraints_are_unimplemented(worker):
-    for kwargs in (dict(regex="a+"), dict(ebnf_grammar="root ::= 'a'"), dict(structural_tag="{}")):
-        with pytest.raises(grpc.RpcError) as e:
-            complete(worker, gen(**kwargs))
-        assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
+def test_constraints_apply_with_the_tiny_models_tokenizer(worker, model_dir):
+    # Structured output (engine/grammar.py; tests/test_structured_output.py has the full set). A
+    # grammar that completes ends the request with "stop" even under ignore_eos.
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    c, _ = complete(worker, gen(regex="(ab)+", max_new_tokens=8))
+    assert c.finish_reason == "length" and tok.decode(c.output_ids) == "abababab"
+    c, _ = complete(worker, gen(ebnf_grammar='root ::= "a" "b"', max_new_tokens=8))
+    assert c.finish_reason == "stop" and tok.decode(c.output_ids, skip_special_tokens=True) == "ab"
+    with pytest.raises(grpc.RpcError) as e:
+        complete(worker, gen(structural_tag="{}"))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "sampling_params.structural_tag" in e.value.details()
 
 
 def test_default_sampling_params_come_from_generation_config(model_dir):

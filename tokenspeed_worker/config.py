@@ -502,6 +502,15 @@ class ServerArgs:
         unsupported_values=("greedy", "flashinfer", "flashinfer_full", "triton_full"),
         default_doc="triton on a GPU, else torch",
     )
+    grammar_backend: str = _option(
+        "xgrammar",
+        BACKENDS,
+        "Structured output backend for the json_schema, regex, ebnf_grammar and structural_tag "
+        "constraints the gateway sends (response_format, forced tool choice): 'xgrammar' (needs the "
+        "xgrammar package and the model's tokenizer), or 'none' to refuse constraints (UNIMPLEMENTED).",
+        choices=("xgrammar", "none", "llguidance", "outlines"),
+        unsupported_values=("llguidance", "outlines"),
+    )
 
     # ---- Reasoning And Tool Calling
     reasoning_parser: str | None = _gateway(None, REASONING, "Reasoning content parser.")

@@ -26,6 +26,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -67,6 +68,9 @@ class EngineConfig:
     overlap_schedule: bool | None = None
     # Tensor parallelism (engine/tp_worker.py): ranks, this process's rank, and the rendezvous address
     # (tcp://host:port) the ranks meet at; the device of rank r is the configured CUDA device + r.
+    # Structured output (engine/grammar.py): "xgrammar" or "none"; the tokenizer it is built from.
+    grammar_backend: str = "xgrammar"
+    tokenizer_path: str | None = None
     tensor_parallel_size: int = 1
     tp_rank: int = 0
     dist_init_method: str | None = None
@@ -202,6 +206,9 @@ class EngineCore:
         self.overlap_schedule = resolve_overlap(cfg.overlap_schedule, self.device)
         self.sampling_backend = cfg.sampling_backend or default_sampling_backend(self.device)
         self.sampler = Sampler(self.sampling_backend)
+        self.grammars = self._make_grammars(cfg)
+        self._grammar_pending: dict[int, tuple[AddRequest, object]] = {}  # req_id -> (request, future)
+        self._failures: list[tuple[int, str, str]] = []  # (req_id, status code name, message) to report
 
         # Per-row request state (see module docstring): the server's id here, everything
         # sampling needs (parameters, output positions, penalty counts) in SamplingState.
@@ -280,7 +287,38 @@ class EngineCore:
         )
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self._grammar_pending)
+
+    @property
+    def waiting_for_grammar(self) -> bool:
+        """Requests whose grammar is still compiling (not in the scheduler yet)."""
+        return bool(self._grammar_pending)
+
+    @property
+    def requires_sync(self) -> bool:
+        """Complete each step before launching the next: a constrained request's next mask needs the
+        token it just sampled (engine/grammar.py)."""
+        return self.grammars is not None and (self.grammars.active or bool(self._grammar_pending))
+
+    def take_failures(self) -> list[tuple[int, str, str]]:
+        """Requests that failed outside a step (a grammar that did not compile): (id, code, message)."""
+        failures, self._failures = self._failures, []
+        return failures
+
+    @staticmethod
+    def _make_grammars(cfg: EngineConfig):
+        from tokenspeed_worker.engine.grammar import Grammars, xgrammar_available
+
+        if cfg.grammar_backend == "none" or not cfg.tokenizer_path or not xgrammar_available():
+            return None
+        if not (Path(cfg.tokenizer_path) / "tokenizer.json").exists() and not (
+                Path(cfg.tokenizer_path) / "tokenizer_config.json").exists():
+            return None
+        try:
+            return Grammars(cfg.tokenizer_path, _vocab_size(cfg))
+        except Exception as exc:  # a tokenizer xgrammar cannot read: constraints are refused upstream
+            logger.warning("structured output unavailable: %s", exc)
+            return None
 
     @property
     def num_requests(self) -> int:
@@ -301,9 +339,40 @@ class EngineCore:
         self._free_rows.extend(range(new - 1, old - 1, -1))
 
     def add_request(self, req: AddRequest) -> None:
-        """Queue a request. Raises ValueError (message names the problem) if it can't be served."""
-        if req.req_id in self._row_of:
+        """Queue a request. Raises ValueError (message names the problem) if it can't be served.
+        A constrained request waits outside the scheduler until its grammar compiled (poll_grammars)."""
+        if req.req_id in self._row_of or req.req_id in self._grammar_pending:
             raise ValueError(f"request {req.req_id} is already in flight")
+        if req.constraint is not None:
+            if self.grammars is None:
+                raise ValueError(f"sampling_params.{req.constraint[0]}: structured output is not available "
+                                 "(--grammar-backend none, no tokenizer, or xgrammar not installed)")
+            self._grammar_pending[req.req_id] = (req, self.grammars.submit(*req.constraint))
+            return
+        self._admit(req)
+
+    def poll_grammars(self) -> None:
+        """Move requests whose grammar finished compiling into the scheduler (or fail them)."""
+        for req_id, (req, future) in list(self._grammar_pending.items()):
+            if not future.done():
+                continue
+            del self._grammar_pending[req_id]
+            kind = req.constraint[0]
+            try:
+                compiled = future.result()
+            except Exception as exc:  # noqa: BLE001 - xgrammar's errors name the problem
+                from tokenspeed_worker.engine.grammar import error_text
+
+                self._failures.append((req_id, "INVALID_ARGUMENT", f"sampling_params.{kind}: {error_text(exc)}"))
+                continue
+            try:
+                self._admit(req)
+            except ValueError as exc:
+                self._failures.append((req_id, "INVALID_ARGUMENT", str(exc)))
+                continue
+            self.grammars.start(self._row_of[req_id], compiled)
+
+    def _admit(self, req: AddRequest) -> None:
         if not self._free_rows:
             self._grow()
         row = self._free_rows.pop()
@@ -327,6 +396,8 @@ class EngineCore:
         self._was_scheduled[row] = False
 
     def _release(self, row: int) -> None:
+        if self.grammars is not None:
+            self.grammars.release(row)
         sid = int(self._server_id[row])
         self._row_of.pop(sid, None)
         self._server_id[row] = -1
@@ -345,6 +416,8 @@ class EngineCore:
             self.kv_publisher.publish(self.scheduler.drain_kv_events())
 
     def abort(self, req_id: int) -> bool:
+        if self._grammar_pending.pop(req_id, None) is not None:
+            return True
         row = self._row_of.get(req_id)
         if row is None:
             return False
@@ -361,6 +434,9 @@ class EngineCore:
         with its messages in between.)"""
         pending = None
         while self.has_work() or pending is not None:
+            if pending is not None and self.requires_sync:
+                yield self.complete(pending)
+                pending = None
             launched = self.launch() if self.has_work() else None
             if pending is not None:
                 yield self.complete(pending)
@@ -383,6 +459,8 @@ class EngineCore:
         Raises StepFailed (its requests freed) when the step cannot run."""
         t0 = time.perf_counter()
         start_ts = time.time()
+        if self._grammar_pending:
+            self.poll_grammars()
         plan = self.scheduler.schedule()
         if plan.num_reqs == 0:
             return None
@@ -441,6 +519,19 @@ class EngineCore:
             tokens = tokens[live]
             host = {name: array[live] for name, array in host.items()}
         out.tokens = tokens
+        if self.grammars is not None and self.grammars.active and tokens.shape[0]:
+            live_rows = launched.rows if live.all() else launched.rows[live]
+            self.grammars.accept(live_rows, tokens)
+            done = set(finished_rows.tolist())
+            ended = [row for row in self.grammars.terminated(live_rows) if row not in done]
+            for row in ended:  # the grammar is complete: end the request with "stop" now
+                self.scheduler.abort(row)
+            if ended:
+                from tokenspeed_worker.scheduler.core import FinishReason
+
+                finished_rows = np.concatenate([finished_rows, np.asarray(ended, dtype=finished_rows.dtype)])
+                reasons = np.concatenate([np.asarray(reasons, dtype=np.int32),
+                                          np.full(len(ended), int(FinishReason.STOP), dtype=np.int32)])
         for name, array in host.items():
             setattr(out, name, array)
         out.finished_ids = self._server_id[finished_rows].copy()
@@ -483,7 +574,12 @@ class EngineCore:
         """Sample the rows' next tokens (and logprobs if any row asked) on the device, keep the
         tokens there for the next step's inputs, and start copying the results to `host`
         (StepOutput field name -> CPU tensor, ready once the step's event fired)."""
-        result = self.sampler.sample(logits, self.sampling.batch(rows))
+        batch = self.sampling.batch(rows)
+        if self.grammars is not None and self.grammars.active:
+            masks = self.grammars.fill_bitmask(rows)
+            if masks is not None:
+                batch.grammar_bitmask, batch.grammar_positions = masks
+        result = self.sampler.sample(logits, batch)
         self.sampling.update(rows, result.tokens)
         self.runner.record_sampled(result.tokens)
         if self.tp_size > 1:  # the next plan's pending input ids read them on every rank
@@ -513,6 +609,13 @@ class LaunchedStep:
     host: dict  # StepOutput field -> CPU tensor being filled by the device
     event: object | None  # CUDA event after the step's copies; None on CPU
     t0: float
+
+
+def _vocab_size(cfg: EngineConfig) -> int:
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(cfg.model_path)
+    return int(getattr(config, "vocab_size", None) or config.get_text_config().vocab_size)
 
 
 def resolve_overlap(setting: bool | None, device: torch.device) -> bool:

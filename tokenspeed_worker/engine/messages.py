@@ -42,6 +42,8 @@ class AddRequest:
     return_logprob: bool = False
     top_logprobs_num: int = 0
     token_ids_logprob: tuple[int, ...] = ()
+    # Structured output: (kind, text) with kind one of engine/grammar.CONSTRAINT_KINDS, or None.
+    constraint: tuple[str, str] | None = None
 
 
 @dataclass

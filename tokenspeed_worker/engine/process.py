@@ -124,12 +124,17 @@ def _loop(core, conn: Connection) -> None:
                 return
         launched = None
         if core.has_work():
+            if pending is not None and core.requires_sync:  # a grammar's next mask needs this step's tokens
+                _send_output(core, conn, core.complete(pending))
+                pending = None
             try:
                 launched = core.launch()
             except StepFailed as failed:
                 # Only this step's requests end; the engine keeps serving.
                 for req_id in failed.server_ids:
                     conn.send(RequestFailed(req_id, "RESOURCE_EXHAUSTED", failed.message))
+        for req_id, code, message in core.take_failures():  # e.g. a grammar that did not compile
+            conn.send(RequestFailed(req_id, code, message))
         if pending is not None:
             _send_output(core, conn, core.complete(pending))
             pending = None
@@ -138,6 +143,8 @@ def _loop(core, conn: Connection) -> None:
                 pending = launched
             else:
                 _send_output(core, conn, core.complete(launched))
+        elif pending is None and core.waiting_for_grammar and not core.scheduler.has_work():
+            conn.poll(0.002)  # only grammars compiling: wait a little (or for a message) instead of spinning
         # KV cache events of this step (and of aborts applied before it): one batch, if any.
         core.publish_kv_events()
 

@@ -125,6 +125,10 @@ class SamplingBatch:
     top_logprobs_num: int = 0  # K: the largest top_logprobs_num in the batch
     logprob_token_ids: torch.Tensor | None = None  # int64 [S, M] padded requested ids
     logprob_token_counts: torch.Tensor | None = None  # int64 [S]
+    # Structured output (engine/grammar.py): int32 [S, ceil(V/32)] allowed-token bitmask on the host
+    # and the batch positions it constrains; applied after steps 1-3, before temperature.
+    grammar_bitmask: torch.Tensor | None = None
+    grammar_positions: list[int] | None = None
 
     @property
     def size(self) -> int:
@@ -134,7 +138,7 @@ class SamplingBatch:
     def plain_argmax(self) -> bool:
         """All greedy and nothing changes the logits: the token is argmax of the raw logits."""
         return self.all_greedy and self.bias_positions is None and self.penalty_positions is None and (
-            self.stop_positions is None
+            self.stop_positions is None and self.grammar_bitmask is None
         )
 
     @property
@@ -246,6 +250,12 @@ class Sampler:
             tokens = self._argmax(logits)
         else:
             scores = self.process_logits(logits, batch)
+            if batch.grammar_bitmask is not None:
+                from tokenspeed_worker.engine.grammar import apply_bitmask
+
+                if scores is logits:  # logprobs stay raw: mask a copy
+                    scores = scores.clone()
+                apply_bitmask(scores, batch.grammar_bitmask, batch.grammar_positions)
             greedy_tokens = self._argmax(scores)
             if batch.all_greedy:
                 tokens = greedy_tokens

@@ -87,6 +87,8 @@ def engine_config_from_args(args, max_model_len: int, device: str, dtype: str) -
         enforce_eager=args.enforce_eager,
         overlap_schedule=False if getattr(args, "disable_overlap_schedule", False) else None,
         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1) or 1,
+        grammar_backend=getattr(args, "grammar_backend", "xgrammar") or "xgrammar",
+        tokenizer_path=getattr(args, "tokenizer", None) or args.model,
         nnodes=getattr(args, "nnodes", 1) or 1,
         dist_init_method=f"tcp://{args.dist_init_addr}" if getattr(args, "dist_init_addr", None) else None,
         cudagraph_capture_sizes=args.cudagraph_capture_sizes,
@@ -94,6 +96,20 @@ def engine_config_from_args(args, max_model_len: int, device: str, dtype: str) -
         seed=getattr(args, "seed", 0) or 0,
         kv_events=_kv_events(args),
     )
+
+
+def structured_output_available(args, facts) -> bool:
+    """Whether constraints are applied: --grammar-backend xgrammar, the xgrammar package, a tokenizer.
+    Logged once at startup when the backend is on but cannot work."""
+    if getattr(args, "grammar_backend", "xgrammar") == "none":
+        return False
+    if importlib.util.find_spec("xgrammar") is None:
+        logger.warning("structured output off: the xgrammar package is not installed (pip install xgrammar)")
+        return False
+    if not facts.has_tokenizer:
+        logger.warning("structured output off: no tokenizer.json next to the model")
+        return False
+    return True
 
 
 def _kv_events(args) -> dict | None:
@@ -302,6 +318,7 @@ def run_server(args) -> int:
 
         return run_node(engine_cfg, args.node_rank, args.log_level)
     facts.data_parallel_size = getattr(args, "data_parallel_size", 1) or 1
+    facts.structured_output = structured_output_available(args, facts)
     engine = EngineClient(engine_cfg, args.log_level, facts.data_parallel_size)
     try:
         ready = engine.start()

@@ -47,6 +47,7 @@ class ModelFacts:
     default_sampling_params: dict = field(default_factory=dict)
     has_tokenizer: bool = False  # a tokenizer.json to detokenize with (stop strings)
     data_parallel_size: int = 1  # engine replicas behind this worker (--data-parallel-size)
+    structured_output: bool = False  # constraints are applied (--grammar-backend xgrammar, its package, a tokenizer)
 
     @property
     def default_sampling_params_json(self) -> str:

@@ -322,7 +322,7 @@ class TokenSpeedSchedulerServicer(pb_grpc.TokenSpeedSchedulerServicer):
             max_total_num_tokens=self.engine.ready.max_total_tokens,
             tokenspeed_version=__version__,
             start_time=start,
-            constrained_decoding="",
+            constrained_decoding="requested" if getattr(self.facts, "structured_output", False) else "",
         )
 
     async def GetLoads(self, request, context):

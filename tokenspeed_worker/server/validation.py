@@ -6,6 +6,7 @@ holds nothing. Messages name the field as it is spelled on the wire.
 
 from __future__ import annotations
 
+import json
 import math
 import secrets
 from dataclasses import dataclass, field
@@ -153,8 +154,20 @@ def validate_generate(req, facts: ModelFacts) -> ValidatedRequest:
     if sp.HasField("custom_params") and len(sp.custom_params.fields):
         raise _invalid("sampling_params.custom_params: no custom parameters are supported")
     constraint = sp.WhichOneof("constraint")
+    constraint_spec = None
     if constraint is not None:
-        raise _unimplemented(f"sampling_params.{constraint}: structured output is not supported yet")
+        text = getattr(sp, constraint)
+        if not getattr(facts, "structured_output", False):
+            raise _unimplemented(f"sampling_params.{constraint}: structured output is off on this worker "
+                                 "(--grammar-backend none, no tokenizer, or the xgrammar package is missing)")
+        if not text.strip():
+            raise _invalid(f"sampling_params.{constraint}: must not be empty")
+        if constraint in ("json_schema", "structural_tag"):
+            try:
+                json.loads(text)
+            except ValueError as exc:
+                raise _invalid(f"sampling_params.{constraint}: not valid JSON ({exc})") from None
+        constraint_spec = (constraint, text)
     n = sp.n
     if n == 0:
         raise _invalid("sampling_params.n: must be at least 1")
@@ -201,6 +214,7 @@ def validate_generate(req, facts: ModelFacts) -> ValidatedRequest:
             return_logprob=bool(req.return_logprob or req.top_logprobs_num or logprob_ids),
             top_logprobs_num=int(req.top_logprobs_num),
             token_ids_logprob=tuple(logprob_ids),
+            constraint=constraint_spec,
         )
         for i in range(n)
     ]
