@@ -137,12 +137,7 @@ def test_worker_errors_reach_the_client_as_http_400(stack):
              {"model": "smollm2", "messages": QUESTION, "max_tokens": 4, "stop_token_ids": [999999]})
     assert e.value.code == 400
     assert "stop_token_ids" in e.value.read().decode()
-    # UNIMPLEMENTED (structured output, until it exists) -> 501 with the worker's message.
-    with pytest.raises(urllib.error.HTTPError) as e:
-        post(gateway, "/v1/chat/completions",
-             {"model": "smollm2", "messages": QUESTION, "max_tokens": 4, "response_format": {"type": "json_object"}})
-    assert e.value.code == 501
-    assert "structured output" in e.value.read().decode()
+    # UNIMPLEMENTED -> 501: tests/test_structured_output.py (a worker with --grammar-backend none).
 
 
 def test_logprobs_and_top_logprobs(stack):

@@ -257,7 +257,7 @@ BAD = [
     ("max_new_tokens zero", lambda: gen(PROMPT, max_new_tokens=0), "INVALID_ARGUMENT", "max_new_tokens"),
     ("stop token out of vocab", lambda: gen(PROMPT, stop_token_ids=[10**6]), "INVALID_ARGUMENT", "stop_token_ids"),
     ("n too large", lambda: gen(PROMPT, n=1000), "INVALID_ARGUMENT", "sampling_params.n"),
-    ("json schema", lambda: gen(PROMPT, json_schema="{}"), "UNIMPLEMENTED", "json_schema"),
+    ("json schema", lambda: gen(PROMPT, json_schema="{not json"), "INVALID_ARGUMENT", "json_schema"),
     ("prompt logprobs", lambda: pb.GenerateRequest(request_id="b2", tokenized=pb.TokenizedInput(input_ids=PROMPT),
                                                      logprob_start_len=0), "UNIMPLEMENTED", "logprob_start_len"),
     ("multimodal", lambda: pb.GenerateRequest(request_id="b3", tokenized=pb.TokenizedInput(input_ids=PROMPT),

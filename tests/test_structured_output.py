@@ -307,3 +307,25 @@ def test_gateway_regex_ebnf_and_invalid_schema(stack):
         post(stack, "/v1/chat/completions", chat_body("x", response_format=bad))
     assert e.value.code == 400
     assert "sampling_params.json_schema" in e.value.read().decode()
+
+
+@pytest.mark.e2e
+def test_gateway_maps_structured_output_off_to_501():
+    # UNIMPLEMENTED from the worker reaches the client as HTTP 501 with the worker's message.
+    import urllib.error
+
+    from test_gateway_e2e import post
+    from worker_harness import Gateway
+
+    w = Worker(smollm2_dir(), "--served-model-name", "smollm2", "--max-model-len", "1024", "--grammar-backend", "none")
+    try:
+        g = Gateway(smollm2_dir(), [w.address])
+        try:
+            with pytest.raises(urllib.error.HTTPError) as e:
+                post(g, "/v1/chat/completions", chat_body("x", response_format={"type": "json_object"}))
+            assert e.value.code == 501
+            assert "structured output is off" in e.value.read().decode()
+        finally:
+            g.stop()
+    finally:
+        assert w.stop() == 0, w.log()
