@@ -45,7 +45,34 @@ def build_engine(args, **overrides) -> EngineCore:
         if key not in fields:
             raise SystemExit(f"--engine-arg: unknown EngineConfig field {key!r} (known: {sorted(fields)})")
         setattr(cfg, key, json.loads(raw) if raw[:1] in "[{0123456789-tfn" and raw not in ("torch", "triton") else raw)
+    if cfg.tensor_parallel_size > 1:
+        start_tensor_parallel(cfg)
     return EngineCore(cfg)
+
+
+def start_tensor_parallel(cfg: EngineConfig) -> None:
+    """`--engine-arg tensor_parallel_size=N`: start ranks 1..N-1 (engine/tp_worker.py) and join them as
+    rank 0 in this process, as the worker's engine process does; they stop when this process exits."""
+    import atexit
+
+    from tokenspeed_worker import distributed
+    from tokenspeed_worker.engine.core import rank_device
+    from tokenspeed_worker.engine.tp_worker import start_followers
+
+    followers = start_followers(cfg)
+    distributed.init(0, cfg.tensor_parallel_size, cfg.dist_init_method, torch.device(rank_device(cfg)))
+
+    def stop() -> None:
+        try:
+            distributed.broadcast_object(("stop",))
+        except Exception:
+            pass
+        for proc in followers:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+
+    atexit.register(stop)
 
 
 class ModelArithmetic:

@@ -113,7 +113,8 @@ def main() -> int:
         # scheduling the GPU does not wait for it unless the host falls behind.
         "host_scheduler_ms_per_step": 1000 * sum(host_times) / max(steps, 1),
         "step_ms_mean": 1000 * wall / max(steps, 1),
-        "overlap_schedule": core.overlap_schedule, "cuda_graphs": core.runner.cuda_graphs is not None,
+        "overlap_schedule": core.overlap_schedule,
+        "tensor_parallel_size": core.cfg.tensor_parallel_size, "cuda_graphs": core.runner.cuda_graphs is not None,
     }
     print(f"{produced} output tokens in {wall:.1f}s = {produced / wall:.0f} tok/s; step roofline {minimum:.1f}s "
           f"({100 * minimum / wall:.1f}% of it)", flush=True)

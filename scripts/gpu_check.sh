@@ -74,4 +74,30 @@ if [ "${BENCH_LONG:-0}" = 1 ]; then
     --plot "$OUT/plots" --out "$OUT/serving_8b.json" -- --load-format dummy 2>&1 \
     | grep -E "^C=|plots in|Error|error" | tail -10
 fi
+# Structured output: per-step cost of grammar masks at batch 64, half constrained (1B shape). The
+# grammar needs a tokenizer: carry one as .cache/grammar_tokenizer, e.g.
+#   mkdir -p .cache/grammar_tokenizer && cp ~/.cache/tokenspeed_worker/models/SmolLM2-135M-Instruct/tokenizer* \
+#     .cache/grammar_tokenizer/   (and carry .whl with xgrammar, apache-tvm-ffi and pydantic wheels)
+if [ "${BENCH_GRAMMAR:-0}" = 1 ]; then
+  timeout 200 python3 scripts/bench_grammar.py --model llama-3.2-1b --tokenizer .cache/grammar_tokenizer \
+    --batch 64 --steps 32 --out "$OUT/grammar_1b.json" 2>&1 | grep -E "^step|rror|note" | tail -4
+fi
+# Past one GPU (kind nvidia-h200-x2): TP=2 equality tests on CUDA, TP=2 vs TP=1 latency and offline
+# throughput for the 8B shape, DP=2 vs DP=1 serving throughput.
+if [ "${BENCH_TP:-0}" = 1 ]; then
+  timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_tensor_parallel.py tests/test_data_parallel.py \
+    2>&1 | tail -4
+  for tp in 1 2; do
+    timeout 150 python3 scripts/bench_latency.py --model llama-3.1-8b --prompt-len 128 --new-tokens 128 \
+      --engine-arg tensor_parallel_size=$tp --out "$OUT/latency_8b_tp$tp.json" 2>&1 | grep -E "decode:|rror" | tail -2
+    timeout 200 python3 scripts/bench_offline.py --model llama-3.1-8b --num-requests 1000 --input-len 128 \
+      --output-len 128 --engine-arg tensor_parallel_size=$tp --out "$OUT/offline_8b_128_tp$tp.json" 2>&1 \
+      | grep -E "tokens in|rror" | tail -2
+  done
+  for dp in 1 2; do
+    timeout 200 python3 scripts/bench_serving.py --model scripts/model_configs/llama-3.2-1b --concurrency 64 256 \
+      --prompt-len 128 --output-len 128 --rounds 2 --client-procs 8 --out "$OUT/serving_1b_dp$dp.json" \
+      -- --load-format dummy --dp $dp 2>&1 | grep -E "^C=|rror" | tail -3
+  done
+fi
 exit "$rc"

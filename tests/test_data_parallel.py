@@ -19,6 +19,15 @@ from worker_harness import Worker, child_pids, hf_greedy, tiny_models
 PROMPT = list(range(30, 94))  # 64 tokens: 4 full blocks of 16 to hit in the prefix cache
 
 
+@pytest.fixture(scope="module", autouse=True)
+def enough_devices():
+    """The replicas pick CUDA when it is there (one GPU each): skip where there are too few."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 GPUs, {torch.cuda.device_count()} visible")
+
+
 @pytest.fixture(scope="module")
 def model_dir():
     return tiny_models()["llama-gqa-tied"]

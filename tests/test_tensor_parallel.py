@@ -21,6 +21,14 @@ from tokenspeed_worker.proto import tokenspeed_scheduler_pb2 as pb
 from worker_harness import Worker, hf_greedy, tiny_models
 
 PROMPTS = [[5, 17, 42, 99, 7, 3, 250, 11, 64, 300], [9, 8, 7], list(range(20, 61))]
+
+
+def needs_devices(n: int) -> None:
+    """The workers pick CUDA when it is there (one GPU per rank): skip where there are too few."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.device_count() < n:
+        pytest.skip(f"needs {n} GPUs, {torch.cuda.device_count()} visible")
 FLAGS = ("--max-model-len", "256", "--max-total-tokens", "4096")
 
 
@@ -41,6 +49,7 @@ def check_against_transformers(worker: Worker, model_dir, max_new: int = 10) -> 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["llama-gqa-tied", "qwen2-bias", "qwen3-qknorm"])
 def test_tp2_equals_transformers(name):
+    needs_devices(2)
     model_dir = tiny_models()[name]
     w = Worker(model_dir, *FLAGS, "--tensor-parallel-size", "2")
     try:
@@ -69,6 +78,7 @@ def test_tp2_equals_transformers(name):
 @pytest.mark.slow
 def test_tp4_replicates_kv_heads_and_equals_transformers():
     # Two KV heads over four ranks: each rank holds the one its query heads use.
+    needs_devices(4)
     model_dir = tiny_models()["llama-gqa-tied"]
     w = Worker(model_dir, *FLAGS, "--tp", "4", env={"TOKENSPEED_OVERLAP_SCHEDULE": "1"})
     try:
@@ -79,6 +89,7 @@ def test_tp4_replicates_kv_heads_and_equals_transformers():
 
 @pytest.mark.slow
 def test_killing_a_rank_ends_every_request_and_the_worker_exits_non_zero():
+    needs_devices(2)
     model_dir = tiny_models()["llama-gqa-tied"]
     w = Worker(model_dir, "--max-model-len", "4096", "--max-total-tokens", "16384", "--tp", "2")
     codes: list = []
@@ -127,6 +138,7 @@ def test_two_nodes_over_loopback_serve_requests():
 
     from worker_harness import REPO, free_port
 
+    needs_devices(2)
     model_dir = tiny_models()["qwen2-bias"]
     addr = f"127.0.0.1:{free_port()}"
     dist = ("--tp", "2", "--nnodes", "2", "--dist-init-addr", addr)
