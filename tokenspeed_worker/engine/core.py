@@ -26,11 +26,11 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 
+from tokenspeed_worker import distributed
 from tokenspeed_worker.engine.messages import AddRequest, EngineReady, Loads, StepOutput
 
 logger = logging.getLogger(__name__)
@@ -141,7 +141,6 @@ def build_runner(cfg: EngineConfig):
     """The model runner of this rank with its KV pool allocated and its CUDA graphs captured;
     returns (runner, num_blocks). Every tensor-parallel rank runs this in lockstep (the profiling
     forward and the graph captures hold collectives); the pool size is the smallest any rank can hold."""
-    from tokenspeed_worker import distributed
     from tokenspeed_worker.model_executor.model_runner import ModelRunner
 
     torch.manual_seed(cfg.seed)
@@ -245,8 +244,6 @@ class EngineCore:
     def stop_followers(self) -> None:
         """Tell the other tensor-parallel ranks to exit (they also exit when this rank dies)."""
         if self.tp_size > 1:
-            from tokenspeed_worker import distributed
-
             try:
                 distributed.broadcast_object(("stop",))
             except Exception:  # a rank already gone: nothing to stop
@@ -309,10 +306,9 @@ class EngineCore:
     def _make_grammars(cfg: EngineConfig):
         from tokenspeed_worker.engine.grammar import Grammars, xgrammar_available
 
+        # The server decided whether constraints are served (launch.structured_output_available) and
+        # set grammar_backend "none" if not; engines built directly (tests, benchmarks) check here.
         if cfg.grammar_backend == "none" or not cfg.tokenizer_path or not xgrammar_available():
-            return None
-        if not (Path(cfg.tokenizer_path) / "tokenizer.json").exists() and not (
-                Path(cfg.tokenizer_path) / "tokenizer_config.json").exists():
             return None
         try:
             return Grammars(cfg.tokenizer_path, _vocab_size(cfg))
@@ -428,26 +424,43 @@ class EngineCore:
     # ---- the step ---------------------------------------------------------
 
     def run_steps(self):
-        """Step until no work is left, overlapping launches and completions when overlap scheduling is
-        on; yields each step's StepOutput in order, or None for a pass that could not schedule
-        anything. Requests may be added between yields. (The engine process runs the same pattern,
-        with its messages in between.)"""
+        """Step until no work is left (`pipeline_step`); yields each step's StepOutput in order, or
+        None for a pass that could not schedule anything. Requests may be added between yields."""
         pending = None
         while self.has_work() or pending is not None:
-            if pending is not None and self.requires_sync:
-                yield self.complete(pending)
-                pending = None
-            launched = self.launch() if self.has_work() else None
-            if pending is not None:
-                yield self.complete(pending)
-                pending = None
-            elif launched is None:
+            outputs, pending, failed, launched = self.pipeline_step(pending)
+            if failed is not None:
+                raise failed
+            yield from outputs
+            if not outputs and not launched:
                 yield None
-            if launched is not None:
-                if self.overlap_schedule:
-                    pending = launched
-                else:
-                    yield self.complete(launched)
+
+    def pipeline_step(self, pending: "LaunchedStep | None"):
+        """One turn of the engine loop (the engine process and run_steps share it). With overlap
+        scheduling, launch step N+1 before completing step N, the `pending` one; without it, or while a
+        constrained request needs each step's tokens for its next mask, complete every step first.
+        Returns (outputs completed, in order; the step now pending or None; StepFailed if the launch
+        failed (its requests already freed) or None; whether a step was launched)."""
+        outputs: list[StepOutput] = []
+        failed = None
+        launched = None
+        if self.has_work():
+            if pending is not None and self.requires_sync:
+                outputs.append(self.complete(pending))
+                pending = None
+            try:
+                launched = self.launch()
+            except StepFailed as exc:
+                failed = exc
+        if pending is not None:
+            outputs.append(self.complete(pending))
+            pending = None
+        if launched is not None:
+            if self.overlap_schedule:
+                pending = launched
+            else:
+                outputs.append(self.complete(launched))
+        return outputs, pending, failed, launched is not None
 
     def step(self) -> StepOutput | None:
         """One step, start to finish (no overlap)."""
@@ -483,8 +496,6 @@ class EngineCore:
             if self._fault is not None:
                 self._inject_fault()
             if self.tp_size > 1:  # the other ranks run the same forward (engine/tp_worker.py)
-                from tokenspeed_worker import distributed
-
                 distributed.broadcast_object(("step", plan, int(rows.shape[0])))
             if rows.shape[0] > 0:
                 logits = self.runner.forward(plan)
@@ -583,8 +594,6 @@ class EngineCore:
         self.sampling.update(rows, result.tokens)
         self.runner.record_sampled(result.tokens)
         if self.tp_size > 1:  # the next plan's pending input ids read them on every rank
-            from tokenspeed_worker import distributed
-
             distributed.broadcast_tensor(self.runner.last_sampled[: rows.shape[0]])
         fields = {
             "tokens": result.tokens,

@@ -111,9 +111,8 @@ def _handle(core, conn: Connection, msg) -> bool:
 
 def _loop(core, conn: Connection) -> None:
     """With overlap scheduling, step N+1 is launched before step N is completed (its output
-    sent): the host schedules and prepares N+1 and routes N's output while the device runs."""
-    from tokenspeed_worker.engine.core import StepFailed
-
+    sent): the host schedules and prepares N+1 and routes N's output while the device runs
+    (EngineCore.pipeline_step)."""
     pending = None  # a launched step not completed yet (overlap only)
     while True:
         # Take everything pending; block only when there is nothing to compute or complete.
@@ -122,28 +121,15 @@ def _loop(core, conn: Connection) -> None:
         while conn.poll(0):
             if not _handle(core, conn, conn.recv()):
                 return
-        launched = None
-        if core.has_work():
-            if pending is not None and core.requires_sync:  # a grammar's next mask needs this step's tokens
-                _send_output(core, conn, core.complete(pending))
-                pending = None
-            try:
-                launched = core.launch()
-            except StepFailed as failed:
-                # Only this step's requests end; the engine keeps serving.
-                for req_id in failed.server_ids:
-                    conn.send(RequestFailed(req_id, "RESOURCE_EXHAUSTED", failed.message))
+        outputs, pending, failed, launched = core.pipeline_step(pending)
+        for out in outputs:
+            _send_output(core, conn, out)
+        if failed is not None:  # only this step's requests end; the engine keeps serving
+            for req_id in failed.server_ids:
+                conn.send(RequestFailed(req_id, "RESOURCE_EXHAUSTED", failed.message))
         for req_id, code, message in core.take_failures():  # e.g. a grammar that did not compile
             conn.send(RequestFailed(req_id, code, message))
-        if pending is not None:
-            _send_output(core, conn, core.complete(pending))
-            pending = None
-        if launched is not None:
-            if core.overlap_schedule:
-                pending = launched
-            else:
-                _send_output(core, conn, core.complete(launched))
-        elif pending is None and core.waiting_for_grammar and not core.scheduler.has_work():
+        if not launched and pending is None and core.waiting_for_grammar and not core.scheduler.has_work():
             conn.poll(0.002)  # only grammars compiling: wait a little (or for a message) instead of spinning
         # KV cache events of this step (and of aborts applied before it): one batch, if any.
         core.publish_kv_events()

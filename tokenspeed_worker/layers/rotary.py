@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from tokenspeed_worker.layers.fused_kernels import FUSED_DTYPES, use_fused
+from tokenspeed_worker.layers.kv_cache import write_kv_cache
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
@@ -113,14 +114,12 @@ class RotaryEmbedding(nn.Module):
     ) -> torch.Tensor:
         """Rotary on q (returned, contiguous) and k; the rotated k and v written into the caches at
         slot_mapping. One kernel when `fuses(q)`, else forward + index_copy_ (the same values)."""
-        num_kv_heads, head_dim = k.shape[1], k.shape[2]
         if self.fuses(q):
             return use_fused(q, "rotary").rope_and_write_kv(
                 q, k, v, positions, self.cos_cache, self.sin_cache, k_cache, v_cache, slot_mapping
             )
         q, k = self.forward(positions, q, k)
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+        write_kv_cache(k_cache, v_cache, slot_mapping, k, v)
         return q.contiguous()
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tokenspeed_worker.layers.logprobs import TokenLogprobs, token_logprobs
+from tokenspeed_worker.layers.logprobs import token_logprobs
 
 SAMPLING_BACKENDS = ("torch", "triton")
 

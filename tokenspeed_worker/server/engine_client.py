@@ -104,8 +104,6 @@ class _Replica:
 
 def replica_config(cfg, index: int):
     """Replica `index`'s engine config: on GPUs its own block of tensor_parallel_size devices."""
-    import dataclasses
-
     import torch
 
     if index == 0:

@@ -319,6 +319,8 @@ def run_server(args) -> int:
         return run_node(engine_cfg, args.node_rank, args.log_level)
     facts.data_parallel_size = getattr(args, "data_parallel_size", 1) or 1
     facts.structured_output = structured_output_available(args, facts)
+    if not facts.structured_output:  # one decision: the server refuses constraints, the engine builds nothing
+        engine_cfg.grammar_backend = "none"
     engine = EngineClient(engine_cfg, args.log_level, facts.data_parallel_size)
     try:
         ready = engine.start()

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenspeed_worker.layers.attention.backend import AttentionBackend, AttentionInputs
+from tokenspeed_worker.layers.kv_cache import write_kv_cache
 
 
 @dataclass
@@ -111,10 +112,9 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         num_heads, head_dim = q.shape[1], q.shape[2]
         num_kv_heads = k.shape[1]
+        write_kv_cache(k_cache, v_cache, metadata.slot_mapping, k, v)
         k_slots = k_cache.view(-1, num_kv_heads, head_dim)
         v_slots = v_cache.view(-1, num_kv_heads, head_dim)
-        k_slots.index_copy_(0, metadata.slot_mapping, k.to(k_slots.dtype))
-        v_slots.index_copy_(0, metadata.slot_mapping, v.to(v_slots.dtype))
 
         out = torch.empty_like(q)
         for group in metadata.groups:

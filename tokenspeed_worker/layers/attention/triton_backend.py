@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenspeed_worker.layers.attention.backend import AttentionBackend, AttentionInputs
+from tokenspeed_worker.layers.kv_cache import write_kv_cache
 
 TRITON_UNAVAILABLE = "triton attention needs a CUDA device and the triton package"
 
@@ -166,9 +167,7 @@ class TritonAttentionBackend(AttentionBackend):
         metadata: TritonAttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        num_kv_heads, head_dim = k.shape[1], k.shape[2]
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, k.to(k_cache.dtype))
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, v.to(v_cache.dtype))
+        write_kv_cache(k_cache, v_cache, metadata.slot_mapping, k, v)
         return self.attend(q, k_cache, v_cache, metadata, scale)
 
     def attend(
