@@ -138,7 +138,7 @@ def test_a_dead_replica_ends_every_request_and_the_worker_exits_non_zero(model_d
 def test_combinations_not_supported_yet_are_refused():
     from tokenspeed_worker.config import UnsupportedOptionError, check_supported, parse_args
 
-    check_supported(parse_args(["m", "--dp", "2", "--tp", "2"]))
+    check_supported(parse_args(["m", "--dp", "2", "--tp", "2", "--device", "cpu"]))  # 4 GPUs on a GPU machine
     with pytest.raises(UnsupportedOptionError, match="--kv-events-config with --data-parallel-size"):
         check_supported(parse_args(["m", "--dp-size", "2", "--kv-events-config", '{"enable_kv_cache_events": true}']))
     with pytest.raises(UnsupportedOptionError, match="--data-parallel-size > 1 with --nnodes"):

@@ -143,7 +143,12 @@ def test_two_nodes_over_loopback_serve_requests():
     addr = f"127.0.0.1:{free_port()}"
     dist = ("--tp", "2", "--nnodes", "2", "--dist-init-addr", addr)
     log = open(REPO / ".cache" / "logs" / f"node1-{addr.split(':')[1]}.log", "wb")
-    node1 = subprocess.Popen([sys.executable, "-m", "tokenspeed_worker", str(model_dir), *FLAGS, *dist, "--node-rank", "1"],
+    # One machine plays both nodes: on GPUs, "node 1" takes the second GPU (each node's ranks start at
+    # its --base-gpu-id, 0 by default, as on separate machines).
+    import torch
+
+    gpu = ("--base-gpu-id", "1") if torch.cuda.is_available() else ()
+    node1 = subprocess.Popen([sys.executable, "-m", "tokenspeed_worker", str(model_dir), *FLAGS, *dist, "--node-rank", "1", *gpu],
                              stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
     try:
         w = Worker(model_dir, *FLAGS, *dist, "--node-rank", "0")

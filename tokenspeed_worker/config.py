@@ -470,6 +470,11 @@ class ServerArgs:
         0, PARALLELISM, "Rank of this node (0 serves gRPC; the others run their ranks and exit when node 0 stops).",
         parse=_non_negative_int,
     )
+    base_gpu_id: int = _option(
+        0, PARALLELISM, "First GPU this worker uses (its ranks and data-parallel replicas take the next ones in "
+        "order); for several workers, or several nodes played by one machine, on one host.",
+        parse=_non_negative_int,
+    )
     dist_init_addr: str | None = _option(
         None, PARALLELISM, "Address (host:port) where the ranks meet; node 0 listens there. Required with "
         "--nnodes > 1; default for one node: a free loopback port.", default_doc="a free loopback port",
@@ -926,9 +931,10 @@ def _resolve(args: ServerArgs) -> None:
     if args.device == "cuda" and per_node * args.data_parallel_size > 1:
         import torch
 
-        if torch.cuda.device_count() < per_node * args.data_parallel_size:
+        if torch.cuda.device_count() < args.base_gpu_id + per_node * args.data_parallel_size:
             raise ValueError(f"argument --tensor-parallel-size: {per_node * args.data_parallel_size} ranks on this "
-                             f"node need as many GPUs, {torch.cuda.device_count()} visible")
+                             f"node from --base-gpu-id {args.base_gpu_id} need as many GPUs, "
+                             f"{torch.cuda.device_count()} visible")
 
 
 def _triton_importable() -> bool:

@@ -144,10 +144,15 @@ def build_runner(cfg: EngineConfig):
     from tokenspeed_worker.model_executor.model_runner import ModelRunner
 
     torch.manual_seed(cfg.seed)
+    device = rank_device(cfg)
+    if torch.device(device).type == "cuda":
+        # Triton launches and CUDA-graph captures use the current device: a data-parallel replica
+        # or tensor-parallel rank on cuda:1 must make it current, not just place its tensors there.
+        torch.cuda.set_device(torch.device(device))
     runner = ModelRunner(
         cfg.model_path,
         dtype=cfg.dtype,
-        device=rank_device(cfg),
+        device=device,
         load_format=cfg.load_format,
         attention_backend=cfg.attention_backend,
         block_size=cfg.block_size,

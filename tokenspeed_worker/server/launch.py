@@ -72,7 +72,7 @@ def engine_config_from_args(args, max_model_len: int, device: str, dtype: str) -
     return EngineConfig(
         model_path=args.model,
         dtype=dtype,
-        device=device,
+        device=f"cuda:{args.base_gpu_id}" if device == "cuda" and args.base_gpu_id else device,
         load_format=args.load_format,
         attention_backend=args.attention_backend or "auto",
         block_size=args.block_size,
