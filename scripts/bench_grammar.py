@@ -36,15 +36,25 @@ RECORD = {"type": "object", "properties": {
 SCHEMA = {"type": "array", "items": RECORD, "minItems": 64}
 
 
-def run(core, batch: int, constrained: int, steps: int, prompt_len: int, rng, timings: dict) -> float:
-    """Mean decode step seconds over `steps` steps, after the prefill and a few warm steps."""
+def run(core, batch: int, constrained: int, steps: int, prompt_len: int, rng, timings: dict,
+        tokens: dict | None = None) -> float:
+    """Mean decode step seconds over `steps` steps, after the prefill and a few warm steps.
+    tokens: filled with {request index: [token ids]} of the constrained requests."""
     vocab = core.runner.vocab_size
     base = 10_000 * (1 + len(timings.setdefault("runs", [])))
+
+    def seen(out):
+        if out is not None and tokens is not None:
+            for rid, token in zip(out.req_ids.tolist(), out.tokens.tolist()):
+                if 0 <= rid - base < constrained:
+                    tokens.setdefault(rid - base, []).append(int(token))
+        return out
+
     for i in range(batch):
         constraint = ("json_schema", json.dumps(SCHEMA)) if i < constrained else None
         core.add_request(AddRequest(base + i, rng.integers(10, min(vocab, 30_000), prompt_len).astype(np.int32),
                                     steps + 16, [], 0.0, -1, 1.0, 0.0, i, constraint=constraint))
-    gen = core.run_steps()
+    gen = (seen(out) for out in core.run_steps())
     while core.waiting_for_grammar or core.scheduler.num_waiting:  # compiles and prefills
         next(gen)
     for _ in range(4):
@@ -103,8 +113,18 @@ def main() -> int:
     plain = run(core, args.batch, 0, args.steps, args.prompt_len, rng, timings)
     host.update(fill=0.0, accept=0.0, calls=0)
     print(f"batch {args.batch}, {args.batch // 2} constrained by a JSON schema...", flush=True)
-    mixed = run(core, args.batch, args.batch // 2, args.steps, args.prompt_len, rng, timings)
+    tokens: dict = {}
+    mixed = run(core, args.batch, args.batch // 2, args.steps, args.prompt_len, rng, timings, tokens)
     calls = max(1, host["calls"])
+    # Correctness on this device: replay each constrained output through a fresh matcher of the
+    # same grammar; every token must be accepted (the masks applied on the device kept them legal).
+    compiled = grammars._compile("json_schema", json.dumps(SCHEMA))
+    valid = 0
+    for ids in tokens.values():
+        matcher = grammars._xgr.GrammarMatcher(compiled)
+        valid += all(matcher.accept_token(t) for t in ids)
+    print(f"constrained outputs accepted by a fresh matcher: {valid} of {len(tokens)} "
+          f"({sum(map(len, tokens.values()))} tokens)", flush=True)
     if core.scheduler.num_preemptions:
         print(f"note: {core.scheduler.num_preemptions} preemptions", flush=True)
     result = {
@@ -115,6 +135,8 @@ def main() -> int:
         "host_fill_bitmask_ms_per_step": 1000 * host["fill"] / calls,
         "host_accept_ms_per_step": 1000 * host["accept"] / calls,
         "overlap_schedule": core.overlap_schedule,
+        "constrained_outputs_valid": valid, "constrained_outputs": len(tokens),
+        "constrained_tokens_checked": sum(map(len, tokens.values())),
     }
     print(f"step {1000 * plain:.2f} ms unconstrained, {1000 * mixed:.2f} ms with half constrained "
           f"({100 * result['grammar_overhead_fraction']:+.1f}%); host: fill bitmask "

@@ -2,6 +2,7 @@
 
     python scripts/bench_kernels.py [--batches 1 64 256] [--contexts 1024 8192] [--prefill-lens 2048]
     python scripts/bench_kernels.py --only fused [--fused-batches 1 256]
+    python scripts/bench_kernels.py --only skinny [--skinny-rows 1 4 16] [--skinny-shapes 8b 1b]
 
 Decode (Llama-3.1-8B attention: H=32, Hkv=8, D=128, bf16, block 16) is memory-bound: its
 figure is the bandwidth achieved (bytes of K/V read + q read + out written, divided by the
@@ -26,6 +27,14 @@ torch: rotary, q.contiguous() and two index_copy_). All are memory-bound: the fi
 bandwidth of the bytes each must move and its fraction of the copy bandwidth; at batch 1 both
 are launch-bound, so the time ratio (torch / fused) is the point. Timed from a CUDA graph, as
 decode runs (--eager to include launch overhead).
+
+Skinny products (--only skinny, or part of the default run): the decode-step kernels of
+kernels_triton/gemv.py at each site of a decoder layer (add + RMSNorm + qkv_proj, o_proj,
+add + RMSNorm + gate_up_proj + SiLU·mul, down_proj) for Llama-3.1-8B and Llama-3.2-1B shapes,
+every configuration, against the unfused path they replace (the norm kernel + cuBLAS, cuBLAS +
+the SiLU kernel, cuBLAS alone with its split-K reduce). Weight-bandwidth bound: the figure is the
+bytes moved (weights, rows in and out) over the time and its fraction of the copy bandwidth;
+timed from a CUDA graph with L2 flushed.
 """
 
 from __future__ import annotations
@@ -64,7 +73,10 @@ def parse_args() -> argparse.Namespace:
                     help="skip the torch decode reference when its gathered K/V copy would exceed this")
     ap.add_argument("--copy-gib", type=float, default=2.0, help="size of the bandwidth-probe copy")
     ap.add_argument("--matmul-size", type=int, default=8192)
-    ap.add_argument("--only", choices=["all", "attention", "fused"], default="all",
+    ap.add_argument("--skinny-rows", type=int, nargs="+", default=[1, 4, 16], help="skinny products: rows per call")
+    ap.add_argument("--skinny-shapes", nargs="+", default=["8b", "1b"], choices=["8b", "1b"],
+                    help="skinny products: Llama-3.1-8B and/or Llama-3.2-1B layer shapes")
+    ap.add_argument("--only", choices=["all", "attention", "fused", "skinny"], default="all",
                     help="attention: the paged-attention kernels; fused: the fused decoder-layer kernels")
     ap.add_argument("--fused-batches", type=int, nargs="+", default=[1, 256], help="fused kernels: tokens per call")
     ap.add_argument("--hidden", type=int, default=4096, help="fused kernels: hidden size")
@@ -224,6 +236,83 @@ def bench_fused(device: torch.device, dtype: torch.dtype, timer: Timer, copy_bw:
     return rows
 
 
+SKINNY_SHAPES = {"8b": (4096, 6144, 4096, 14336), "1b": (2048, 3072, 2048, 8192)}  # hidden, qkv out, o in, intermediate
+
+
+def bench_skinny(device: torch.device, dtype: torch.dtype, timer: Timer, copy_bw: float) -> list[dict]:
+    """Each site's skinny kernel (every config) against the unfused path it replaces."""
+    from tokenspeed_worker.kernels_triton import gemv
+    from tokenspeed_worker.layers.activation import SiluAndMul
+    from tokenspeed_worker.layers.fused_kernels import fused_kernels
+    from tokenspeed_worker.layers.layernorm import RMSNorm
+
+    elt = torch.empty((), dtype=dtype).element_size()
+    act = SiluAndMul()
+    rows_out = []
+    for shape in args.skinny_shapes:
+        hidden, qkv_out, o_in, inter = SKINNY_SHAPES[shape]
+        norm = RMSNorm(hidden, eps=1e-5).to(device=device, dtype=dtype)
+        w = {"qkv": 0.02 * torch.randn(qkv_out, hidden, dtype=dtype, device=device),
+             "o": 0.02 * torch.randn(hidden, o_in, dtype=dtype, device=device),
+             "gate_up": 0.02 * torch.randn(2 * inter, hidden, dtype=dtype, device=device),
+             "down": 0.02 * torch.randn(hidden, inter, dtype=dtype, device=device)}
+        for m in args.skinny_rows:
+            x = torch.randn(m, hidden, dtype=dtype, device=device)
+            residual = torch.randn(m, hidden, dtype=dtype, device=device)
+            attn_out = torch.randn(m, o_in, dtype=dtype, device=device)
+            mlp_in = torch.randn(m, inter, dtype=dtype, device=device)
+
+            def unfused_qkv():
+                h, r = norm(x, residual)
+                return F.linear(h, w["qkv"])
+
+            def unfused_mlp():
+                h, r = norm(x, residual)
+                return act(F.linear(h, w["gate_up"]))
+
+            sites = [
+                ("add_norm_qkv", unfused_qkv, lambda c: gemv.skinny_linear(
+                    x, w["qkv"], norm_weight=norm.weight, residual=residual, eps=1e-5, config=c)[0],
+                 w["qkv"].numel() * elt + (3 * m * hidden + m * qkv_out) * elt),
+                ("o_proj", lambda: F.linear(attn_out, w["o"]), lambda c: gemv.skinny_linear(attn_out, w["o"], config=c)[0],
+                 w["o"].numel() * elt + m * (o_in + hidden) * elt),
+                ("add_norm_gate_up_silu", unfused_mlp, lambda c: gemv.skinny_linear(
+                    x, w["gate_up"], norm_weight=norm.weight, residual=residual, eps=1e-5, silu=True, config=c)[0],
+                 w["gate_up"].numel() * elt + (3 * m * hidden + m * inter) * elt),
+                ("down_proj", lambda: F.linear(mlp_in, w["down"]), lambda c: gemv.skinny_linear(mlp_in, w["down"], config=c)[0],
+                 w["down"].numel() * elt + m * (inter + hidden) * elt),
+            ]
+            graph = device.type == "cuda" and not args.eager
+            for site, unfused, fused, moved in sites:
+                with fused_kernels("auto"):
+                    expected = unfused()
+                    unfused_s = timer(unfused, graph=graph)
+                best = None
+                for config in gemv.CONFIGS:
+                    try:
+                        got = fused(config)
+                        seconds = timer(lambda: fused(config), graph=graph)
+                    except Exception as error:  # noqa: BLE001 - a config this GPU cannot run
+                        print(f"skinny {shape} {site} m={m} {config}: {type(error).__name__}: {error}", flush=True)
+                        continue
+                    err = (got.float() - expected.float()).abs().max().item()
+                    if best is None or seconds < best[1]:
+                        best = (config, seconds, err)
+                if best is None:
+                    continue
+                config, seconds, err = best
+                row = {"shape": shape, "site": site, "rows": m, "bytes": moved, "best_config": list(config),
+                       "time_us": seconds * 1e6, "GBps": moved / seconds / 1e9, "fraction_of_copy": moved / seconds / copy_bw,
+                       "unfused_time_us": unfused_s * 1e6, "unfused_GBps": moved / unfused_s / 1e9,
+                       "speedup_vs_unfused": unfused_s / seconds, "max_abs_err_vs_unfused": err}
+                rows_out.append(row)
+                print(f"skinny {shape} {site:22s} m={m:2d}: {row['time_us']:7.1f} us {row['GBps']:6.0f} GB/s "
+                      f"({100 * row['fraction_of_copy']:5.1f}% of copy) {config}  unfused {row['unfused_time_us']:7.1f} us "
+                      f"{row['unfused_GBps']:6.0f} GB/s  unfused/skinny {row['speedup_vs_unfused']:4.2f}x  err {err:.1e}",
+                      flush=True)
+    return rows_out
+
+
 def main() -> int:
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -261,7 +350,7 @@ def main() -> int:
         "timing": "median of CUDA events, L2 flushed before each call; decode from a CUDA graph" + (
             " (eager)" if args.eager else ""),
         "copy_GBps": copy_bw / 1e9, "matmul_TFLOPs": mm_flops / 1e12 if mm_flops else None, "decode": [],
-        "extend": [], "fused": [],
+        "extend": [], "fused": [], "skinny": [],
     }
 
     for context in args.contexts if run_attention else []:
@@ -346,6 +435,8 @@ def main() -> int:
 
     if args.only in ("all", "fused"):
         result["fused"] = bench_fused(device, dtype, timer, copy_bw)
+    if args.only in ("all", "skinny"):
+        result["skinny"] = bench_skinny(device, dtype, timer, copy_bw)
 
     out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)

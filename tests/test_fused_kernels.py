@@ -340,7 +340,10 @@ def test_tiny_model_bfloat16_logits_fused_match_torch_path(tiny_model_paths):
 
     from tokenspeed_worker.model_executor.model_runner import ModelRunner
 
+    from tokenspeed_worker.layers import skinny
+
     logits = []
+    skinny_was = skinny.set_enabled(False)  # its products sum in another order (tests/test_skinny_kernels.py)
     for mode in ("off", "force"):
         runner = ModelRunner(
             str(tiny_model_paths["qwen3-qknorm"]), dtype="bfloat16", device=DEVICE.type, block_size=BLOCK_SIZE,
@@ -354,6 +357,7 @@ def test_tiny_model_bfloat16_logits_fused_match_torch_path(tiny_model_paths):
             for seq in seqs:
                 seq.tokens.append(7)
             logits.append(runner.forward_all_logits(plans.plan([(s, 1) for s in seqs])))
+    skinny.set_enabled(skinny_was)
     for got, expected in zip(logits[2:], logits[:2]):
         if ON_CUDA:
             torch.testing.assert_close(got, expected, atol=3e-2, rtol=3e-2)

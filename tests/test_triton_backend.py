@@ -217,8 +217,9 @@ def test_decode_only_step_takes_the_decode_path():
     assert metadata.seq_lens.dtype == torch.int32 and metadata.seq_lens.tolist() == [9, 14, 3]
     assert metadata.num_splits == triton_kernels.choose_num_splits(3, 2, 14, "cpu")  # longest sequence: 14
     if metadata.num_splits > 1:
-        partial_out, partial_lse = metadata.workspace
+        partial_out, partial_lse, counter = metadata.workspace
         assert partial_out.shape == (3, 4, metadata.num_splits, 16) and partial_lse.shape == (3, 4, metadata.num_splits)
+        assert counter.shape == (3, 2) and not counter.any()
     assert metadata.block_tables.dtype == torch.int32 and metadata.block_tables.is_contiguous()
 
 

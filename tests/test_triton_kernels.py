@@ -149,7 +149,8 @@ def test_decode_fixed_num_splits_ignores_empty_splits_and_stale_workspace():
     # replay. Most splits are empty for these short sequences; the workspace starts as NaN and
     # keeps the previous call's entries, none of which may reach the output.
     num_splits = 32
-    partial_out, partial_lse = attention.decode_workspace(6, 8, 64, num_splits, DEVICE)
+    workspace = attention.decode_workspace(6, 8, 64, num_splits, DEVICE, num_kv_heads=2)
+    partial_out, partial_lse, counter = workspace
     partial_out.fill_(float("nan"))
     partial_lse.fill_(float("nan"))
     for seed, seq_lens in enumerate(([300, 1, 40], [1, 17, 2], [129, 5, 64])):
@@ -157,9 +158,99 @@ def test_decode_fixed_num_splits_ignores_empty_splits_and_stale_workspace():
         out = torch.empty_like(case.q)
         attention.paged_decode_attention(
             case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens_t, case.scale, out,
-            num_splits=num_splits, workspace=(partial_out, partial_lse),
+            num_splits=num_splits, workspace=workspace,
         )
         _assert_close(out, case.reference(), torch.float32)
+        assert (counter == 0).all()
+
+
+def _used_splits(case: PagedCase, num_splits: int) -> list[int]:
+    block_n = attention._decode_block_n(case.head_dim, case.k_cache.element_size())
+    return [attention._decode_split_tokens(n, num_splits, block_n)[1] for n in case.seq_lens]
+
+
+@pytest.mark.parametrize(
+    "group,dtype", [(1, torch.float32), (4, torch.float32), (4, torch.bfloat16), (3, torch.float32)]
+)
+def test_decode_fused_reduce_mixes_one_split_and_many_split_requests(group, dtype):
+    # One launch: requests of <= MIN_TOKENS_PER_SPLIT keys write `out` from their single program,
+    # longer ones are combined by whichever of their splits arrives last. The same workspace
+    # serves two calls in a row: each must leave every arrival counter back at 0.
+    seq_lens, num_splits = [1, 5, 130, 300, 700], 8
+    workspace = attention.decode_workspace(len(seq_lens), 2 * group, 32, num_splits, DEVICE, num_kv_heads=2)
+    partial_out, partial_lse, counter = workspace
+    partial_out.fill_(float("nan"))
+    partial_lse.fill_(float("nan"))
+    for seed in (1, 2):
+        case = _decode_case(seq_lens, group=group, head_dim=32, dtype=dtype, seed=seed + group)
+        assert _used_splits(case, num_splits) == [1, 1, 3, 5, 6]  # splits of >= 64 keys
+        out = torch.full_like(case.q, float("nan"))
+        attention.paged_decode_attention(
+            case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens_t, case.scale, out,
+            num_splits=num_splits, workspace=workspace,
+        )
+        _assert_close(out, case.reference(), dtype)
+        assert counter.shape == (len(seq_lens), 2) and (counter == 0).all()
+
+
+@pytest.mark.parametrize("num_splits", [16, 64])
+def test_decode_with_many_more_splits_than_the_sequences_need(num_splits):
+    # What a batch-1/2 CUDA graph captures (64 splits): nearly all splits are empty, the
+    # short request still takes the direct path, the long ones reduce over their used splits only.
+    case = _decode_case([129, 700, 3], group=4, head_dim=32, dtype=torch.float32, seed=7, num_kv_heads=1)
+    assert _used_splits(case, num_splits) == [3, 11, 1]
+    workspace = attention.decode_workspace(8, case.num_heads, 32, num_splits, DEVICE)  # larger batch, Hkv = H
+    workspace[0].fill_(float("nan"))
+    for _ in range(2):
+        out = torch.full_like(case.q, float("nan"))
+        attention.paged_decode_attention(
+            case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens_t, case.scale, out,
+            workspace=workspace,  # num_splits from the workspace
+        )
+        _assert_close(out, case.reference(), torch.float32)
+        assert (workspace[2] == 0).all()
+
+
+def test_decode_reduces_more_splits_than_one_reduce_tile():
+    # 20 used splits: the reducing program combines them over two SPLIT_TILE (16) steps.
+    case = _decode_case([2500, 40], group=4, head_dim=32, dtype=torch.float32, seed=8, num_kv_heads=1)
+    assert _used_splits(case, 24) == [20, 1]
+    assert attention._reduce_split_tile(4, 32) == 16
+    workspace = attention.decode_workspace(2, case.num_heads, 32, 24, DEVICE, num_kv_heads=1)
+    out = torch.empty_like(case.q)
+    attention.paged_decode_attention(
+        case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens_t, case.scale, out,
+        num_splits=24, workspace=workspace,
+    )
+    _assert_close(out, case.reference(), torch.float32)
+    assert (workspace[2] == 0).all()
+
+
+def test_decode_of_short_sequences_never_touches_the_workspace():
+    # Every request fits in one split (<= MIN_TOKENS_PER_SPLIT = 64 keys): the kernel writes `out`
+    # directly even with num_splits 16, so the NaN-poisoned partials stay as they were and the counter stays 0.
+    case = _decode_case([1, 30, 50, 64], group=2, head_dim=32, dtype=torch.float32, seed=4)
+    assert _used_splits(case, 16) == [1, 1, 1, 1]
+    partial_out, partial_lse, counter = attention.decode_workspace(4, case.num_heads, 32, 16, DEVICE, 2)
+    partial_out.fill_(float("nan"))
+    partial_lse.fill_(float("nan"))
+    out = torch.empty_like(case.q)
+    attention.paged_decode_attention(
+        case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens_t, case.scale, out,
+        num_splits=16, workspace=(partial_out, partial_lse, counter),
+    )
+    _assert_close(out, case.reference(), torch.float32)
+    assert partial_out.isnan().all() and partial_lse.isnan().all() and (counter == 0).all()
+
+
+def test_decode_split_boundaries_never_make_splits_shorter_than_the_minimum():
+    for block_n in (32, 64):
+        for num_splits in (1, 2, 8, 64):
+            for seq_len in (1, 5, 127, 128, 129, 256, 257, 1000, 8192):
+                tokens, used = attention._decode_split_tokens(seq_len, num_splits, block_n)
+                assert tokens % block_n == 0 and tokens >= attention.MIN_TOKENS_PER_SPLIT
+                assert 1 <= used <= num_splits and (used - 1) * tokens < seq_len <= used * tokens
+                assert (used == 1) == (seq_len <= attention.MIN_TOKENS_PER_SPLIT or num_splits == 1)
 
 
 def test_decode_takes_num_splits_from_the_workspace():
@@ -188,9 +279,14 @@ def test_decode_reads_strided_q_and_writes_strided_out():
     assert (out_buffer[:, 1::2] == 7.0).all()
 
 
-def test_decode_rejects_a_workspace_too_small():
+@pytest.mark.parametrize("which", ["batch", "counter", "pair"])
+def test_decode_rejects_a_workspace_too_small(which):
     case = _decode_case([20, 20], group=1, head_dim=32, dtype=torch.float32)
-    workspace = attention.decode_workspace(1, case.num_heads, 32, 4, DEVICE)
+    workspace = attention.decode_workspace(1 if which == "batch" else 2, case.num_heads, 32, 4, DEVICE)
+    if which == "counter":
+        workspace = (workspace[0], workspace[1], workspace[2][:, :1])  # Hkv is 2
+    elif which == "pair":
+        workspace = workspace[:2]  # no arrival counter: the pre-fusion (partial_out, partial_lse)
     with pytest.raises(ValueError, match="workspace"):
         attention.paged_decode_attention(
             case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens_t, case.scale,
@@ -202,7 +298,7 @@ def test_choose_num_splits_fills_the_gpu_without_splitting_short_contexts():
     assert attention.choose_num_splits(1, 8, 8192, "cpu") > 8  # batch 1: split to fill 132 SMs
     assert attention.choose_num_splits(1, 8, 8192, "cpu") <= attention.MAX_SPLITS
     assert attention.choose_num_splits(256, 8, 8192, "cpu") == 1  # already 2048 programs
-    assert attention.choose_num_splits(1, 8, 100, "cpu") == 1  # one short split is enough
+    assert attention.choose_num_splits(1, 8, 60, "cpu") == 1  # one short split is enough
 
 
 EXTEND_CASES = {
@@ -349,6 +445,41 @@ def test_decode_replays_in_a_cuda_graph():
         graph.replay()
         torch.cuda.synchronize()
         _assert_close(out, case.reference(), torch.bfloat16)
+        assert (workspace[2] == 0).all()  # every replay leaves the arrival counters at 0
+
+
+@pytest.mark.gpu
+@gpu
+def test_decode_batch_1_graph_with_64_splits_on_gpu():
+    # The serving shape this launch was fused for: batch 1, Llama-8B heads, a graph captured with
+    # 64 splits replayed for short and long contexts (one split, a few, all 64 busy), many times
+    # in a row so that a missed counter reset or a reduce that reads unfinished partials shows.
+    case = _decode_case([8192], group=4, head_dim=128, dtype=torch.bfloat16, num_kv_heads=8)
+    out = torch.empty_like(case.q)
+    workspace = attention.decode_workspace(1, case.num_heads, 128, 64, DEVICE, num_kv_heads=8)
+    seq_lens = case.seq_lens_t.clone()
+
+    def step():
+        attention.paged_decode_attention(
+            case.q, case.k_cache, case.v_cache, case.block_tables, seq_lens, case.scale, out,
+            num_splits=64, workspace=workspace,
+        )
+
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for seq_len in (128, 129, 200, 256, 1000, 8192, 77):
+        case.seq_lens = [seq_len]
+        seq_lens.fill_(seq_len)
+        expected = case.reference()
+        for _ in range(50):
+            out.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            _assert_close(out, expected, torch.bfloat16)
+        assert (workspace[2] == 0).all()
 
 
 # -- greedy argmax over the vocabulary (kernels_triton/sampling.py) ---------------------------

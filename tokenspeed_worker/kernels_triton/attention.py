@@ -6,13 +6,17 @@ copy, and both handle GQA by giving one program all `group = num_heads // num_kv
 of a kv head, so each K/V element is read once per kv head instead of once per query head.
 
 Decode (one query token per request) is memory-bound: the whole game is reading K/V at full
-bandwidth. One request's keys are split into `num_splits` contiguous ranges (flash-decoding) so
-that even batch 1 fills the GPU; each (request, kv head, split) program writes a partial result
-normalized by its own softmax sum plus its log-sum-exp (base 2), and a small reduce kernel combines
-the splits. The split boundaries are computed on the device from seq_lens, so a fixed num_splits
-(what a CUDA graph captures) works for every replay: splits past a short sequence do nothing and
-the reduce, computing the same boundaries, never looks at them. Nothing here reads a tensor on the
-host, so both calls are graph-capturable.
+bandwidth. One request's keys are split into up to `num_splits` contiguous ranges of at least
+MIN_TOKENS_PER_SPLIT keys (flash-decoding) so that even batch 1 fills the GPU; each (request, kv
+head, split) program writes a partial result normalized by its own softmax sum plus its
+log-sum-exp (base 2) to a workspace, then bumps a per-(request, kv head) arrival counter, and the
+program that arrives last combines the splits, writes `out` and sets the counter back to 0: one
+launch, no separate reduce kernel. A request whose keys fit in one split skips the workspace and
+the counter and writes `out` directly. The split boundaries are computed on the device from
+seq_lens, so a fixed num_splits (what a CUDA graph captures) works for every replay: splits past a
+short sequence exit at once without touching the counter, and the last arrival knows how many to
+wait for from the same boundaries. Nothing here reads a tensor on the host, so the call is
+graph-capturable.
 
 Extend (prefill chunks, mixed with decodes) is a tiled kernel: each program takes BLOCK_Q query
 tokens x `group` heads as its BLOCK_M rows, walks the keys in BLOCK_N tiles (first the tiles every
@@ -40,14 +44,16 @@ except ImportError:  # pragma: no cover - depends on the machine
 
 LOG2E = 1.4426950408889634
 
-# Decode tunables. A split is never shorter than MIN_TOKENS_PER_SPLIT keys (shorter ones spend more
-# on the workspace round trip than they save); num_splits=None aims for about
+# Decode tunables. A split is never shorter than MIN_TOKENS_PER_SPLIT keys (rounded up to whole
+# BLOCK_N tiles; shorter ones spend more on the workspace round trip than they save, and a sequence
+# of at most that many keys is done by one program with no workspace); num_splits=None aims for about
 # DECODE_PROGRAMS_PER_SM resident programs per multiprocessor, at most MAX_SPLITS.
-MIN_TOKENS_PER_SPLIT = 128
+MIN_TOKENS_PER_SPLIT = 64
 DECODE_PROGRAMS_PER_SM = 4
 MAX_SPLITS = 64
 DEFAULT_NUM_SMS = 132  # H200; used when there is no CUDA device (interpreter)
-REDUCE_SPLIT_TILE = 16  # splits combined per step of the reduce kernel
+REDUCE_SPLIT_TILE = 16  # splits combined per step by the program that reduces (at most)
+REDUCE_TILE_ELEMENTS = 8192  # its [group, splits, head_dim] tile, float32
 
 
 def fix_triton_interpreter() -> None:
@@ -137,18 +143,43 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, device: t
 
 
 def decode_workspace(
-    batch: int, num_heads: int, head_dim: int, num_splits: int, device: torch.device | str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The decode kernels' scratch: (partial_out float32 [B, H, num_splits, D], partial_lse float32 [B, H, num_splits]).
+    batch: int,
+    num_heads: int,
+    head_dim: int,
+    num_splits: int,
+    device: torch.device | str,
+    num_kv_heads: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The decode kernel's scratch: (partial_out float32 [B, H, num_splits, D],
+    partial_lse float32 [B, H, num_splits], counter int32 [B, Hkv]).
 
     partial_out holds each split's output already divided by its softmax sum; partial_lse its
-    log2-sum-exp2 of the scaled scores. A workspace made for a larger batch (or more splits) can
-    be passed for a smaller one: only the leading [:B, :, :num_splits] part is used. Never needs
-    zeroing: entries of empty splits are neither written nor read.
+    log2-sum-exp2 of the scaled scores; counter how many splits of each (request, kv head) have
+    written theirs so far. A workspace made for a larger batch (or more splits) can be passed for
+    a smaller one: only the leading [:B, :, :num_splits] part (counter [:B, :Hkv]) is used.
+    partial_out and partial_lse never need zeroing: entries of empty splits are neither written
+    nor read. counter starts at zero and every call leaves it at zero (the program that reduces
+    resets its entry), so one workspace serves every call and CUDA-graph replay; allocate it once,
+    outside any capture. num_kv_heads: Hkv (None: num_heads, which fits any Hkv).
     """
     partial_out = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=device)
     partial_lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=device)
-    return partial_out, partial_lse
+    counter_width = num_heads if num_kv_heads is None else num_kv_heads
+    counter = torch.zeros((batch, counter_width), dtype=torch.int32, device=device)
+    return partial_out, partial_lse, counter
+
+
+def _min_split_tokens(block_n: int) -> int:
+    """The shortest split, in keys: MIN_TOKENS_PER_SPLIT rounded up to whole BLOCK_N tiles."""
+    return -(-MIN_TOKENS_PER_SPLIT // block_n) * block_n
+
+
+def _decode_split_tokens(seq_len: int, num_splits: int, block_n: int) -> tuple[int, int]:
+    """(tokens_per_split, used_splits) of one request: the host mirror of the decode kernel's
+    device computation (tests use it to know which requests take several splits)."""
+    per_split = -(-seq_len // num_splits)
+    tokens_per_split = max(-(-per_split // block_n) * block_n, _min_split_tokens(block_n))
+    return tokens_per_split, -(-seq_len // tokens_per_split)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -176,7 +207,7 @@ if AVAILABLE:
     @triton.jit
     def _decode_split_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-        out_ptr, partial_out_ptr, partial_lse_ptr,
+        out_ptr, partial_out_ptr, partial_lse_ptr, counter_ptr,
         scale_log2,
         stride_q_batch, stride_q_head,
         stride_k_block, stride_k_offset, stride_k_head,
@@ -185,12 +216,16 @@ if AVAILABLE:
         stride_out_batch, stride_out_head,
         stride_po_batch, stride_po_head, stride_po_split,
         stride_pl_batch, stride_pl_head,
+        stride_counter_batch,
         num_splits,
         GROUP: tl.constexpr,
         GROUP_BLOCK: tl.constexpr,
         HEAD_DIM: tl.constexpr,
         BLOCK_SIZE: tl.constexpr,
         BLOCK_N: tl.constexpr,
+        MIN_SPLIT_TOKENS: tl.constexpr,
+        GROUP_PAD: tl.constexpr,
+        SPLIT_TILE: tl.constexpr,
         WRITE_OUT: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
     ):
@@ -198,8 +233,10 @@ if AVAILABLE:
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
         seq_len = tl.load(seq_lens_ptr + batch)
-        # Splits cover whole BLOCK_N tiles; the reduce kernel derives the same boundaries.
-        tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+        # Splits cover whole BLOCK_N tiles, at least MIN_SPLIT_TOKENS keys each (_decode_split_tokens
+        # mirrors this on the host). Splits [0, used_splits) all hold keys; the rest are empty.
+        tokens_per_split = tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N, MIN_SPLIT_TOKENS)
+        used_splits = tl.cdiv(seq_len, tokens_per_split)
         start = split * tokens_per_split
         end = tl.minimum(start + tokens_per_split, seq_len)  # <= start for an empty split
 
@@ -243,60 +280,62 @@ if AVAILABLE:
             m_i = m_new
 
         l_i = tl.where(l_i > 0, l_i, 1.0)  # an empty split (nothing stored) must not divide by zero
-        if WRITE_OUT:  # one split: the result is final
-            out = acc / l_i[:, None]
-            tl.store(
-                out_ptr + batch.to(tl.int64) * stride_out_batch + heads[:, None] * stride_out_head + offs_d[None, :],
-                out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None],
-            )
-        else:
-            store_ok = head_ok & (start < seq_len)
-            out = acc / l_i[:, None]
-            row = batch.to(tl.int64) * stride_po_batch + heads * stride_po_head + split * stride_po_split
-            tl.store(partial_out_ptr + row[:, None] + offs_d[None, :], out, mask=store_ok[:, None])
-            lse_at = partial_lse_ptr + batch.to(tl.int64) * stride_pl_batch + heads * stride_pl_head + split
-            tl.store(lse_at, m_i + tl.log2(l_i), mask=store_ok)
-
-    @triton.jit
-    def _decode_reduce_kernel(
-        seq_lens_ptr, partial_out_ptr, partial_lse_ptr, out_ptr,
-        stride_po_batch, stride_po_head, stride_po_split,
-        stride_pl_batch, stride_pl_head,
-        stride_out_batch, stride_out_head,
-        num_splits,
-        HEAD_DIM: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        SPLIT_TILE: tl.constexpr,
-    ):
-        batch = tl.program_id(0)
-        head = tl.program_id(1)
-        seq_len = tl.load(seq_lens_ptr + batch)
-        tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-        used_splits = tl.cdiv(seq_len, tokens_per_split)  # the rest were empty and wrote nothing
-
-        offs_s = tl.arange(0, SPLIT_TILE)
-        offs_d = tl.arange(0, HEAD_DIM)
-        out_row = partial_out_ptr + batch.to(tl.int64) * stride_po_batch + head * stride_po_head
-        lse_row = partial_lse_ptr + batch.to(tl.int64) * stride_pl_batch + head * stride_pl_head
-        m_i = float("-inf")
-        l_i = 0.0
-        acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
-        for first in range(0, used_splits, SPLIT_TILE):
-            splits = first + offs_s
-            split_ok = splits < used_splits
-            lse = tl.load(lse_row + splits, mask=split_ok, other=float("-inf"))
-            part = tl.load(out_row + splits[:, None] * stride_po_split + offs_d[None, :], mask=split_ok[:, None], other=0.0)
-            m_new = tl.maximum(m_i, tl.max(lse, axis=0))
-            alpha = tl.exp2(m_i - m_new)
-            weight = tl.exp2(lse - m_new)
-            acc = acc * alpha + tl.sum(weight[:, None] * part, axis=0)
-            l_i = l_i * alpha + tl.sum(weight, axis=0)
-            m_i = m_new
-        out = acc / l_i
-        tl.store(
-            out_ptr + batch.to(tl.int64) * stride_out_batch + head * stride_out_head + offs_d,
-            out.to(out_ptr.dtype.element_ty),
-        )
+        split_out = acc / l_i[:, None]
+        out_rows = out_ptr + batch.to(tl.int64) * stride_out_batch + heads[:, None] * stride_out_head + offs_d[None, :]
+        if start < seq_len:  # an empty split stores nothing and never touches the counter
+            if WRITE_OUT:  # one split per request (num_splits == 1): the result is final
+                tl.store(out_rows, split_out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
+            elif used_splits == 1:  # this request's keys fit in one split: no workspace, no counter
+                tl.store(out_rows, split_out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
+            else:
+                po_batch = partial_out_ptr + batch.to(tl.int64) * stride_po_batch
+                pl_batch = partial_lse_ptr + batch.to(tl.int64) * stride_pl_batch
+                row = heads * stride_po_head + split * stride_po_split
+                tl.store(po_batch + row[:, None] + offs_d[None, :], split_out, mask=head_ok[:, None])
+                tl.store(pl_batch + heads * stride_pl_head + split, m_i + tl.log2(l_i), mask=head_ok)
+                # Every thread's partial stores before the one thread's release of the counter
+                # (a scalar atomic is issued by one thread; the barrier makes the others' stores
+                # part of what it releases, as in CUDA's threadFenceReduction).
+                tl.debug_barrier()
+                counter = counter_ptr + batch.to(tl.int64) * stride_counter_batch + kv_head
+                arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+                if arrived == used_splits - 1:
+                    # The last split to arrive: its acquire makes every used split's partials
+                    # visible. Combine them as a separate reduce would, all GROUP heads at once
+                    # (one round trip to L2 per SPLIT_TILE splits, not one per head).
+                    offs_r = tl.arange(0, GROUP_PAD)
+                    r_heads = kv_head * GROUP + offs_r
+                    r_head_ok = offs_r < GROUP
+                    offs_s = tl.arange(0, SPLIT_TILE)
+                    lse_rows = pl_batch + r_heads[:, None] * stride_pl_head  # [GROUP_PAD, 1]
+                    part_rows = po_batch + r_heads[:, None, None] * stride_po_head  # [GROUP_PAD, 1, 1]
+                    r_m = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+                    r_l = tl.zeros([GROUP_PAD], dtype=tl.float32)
+                    r_acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
+                    for first in range(0, used_splits, SPLIT_TILE):
+                        splits = first + offs_s
+                        ok = r_head_ok[:, None] & (splits < used_splits)[None, :]
+                        # .cg: from L2, where the other programs' partials are (not a stale L1 line).
+                        lse = tl.load(lse_rows + splits[None, :], mask=ok, other=float("-inf"), cache_modifier=".cg")
+                        lse = tl.where(r_head_ok[:, None], lse, 0.0)  # padding heads: finite, never stored
+                        part = tl.load(
+                            part_rows + splits[None, :, None] * stride_po_split + offs_d[None, None, :],
+                            mask=ok[:, :, None], other=0.0, cache_modifier=".cg",
+                        )
+                        r_m_new = tl.maximum(r_m, tl.max(lse, axis=1))  # finite: the tile holds a used split
+                        r_alpha = tl.exp2(r_m - r_m_new)
+                        weight = tl.exp2(lse - r_m_new[:, None])
+                        r_acc = r_acc * r_alpha[:, None] + tl.sum(weight[:, :, None] * part, axis=1)
+                        r_l = r_l * r_alpha + tl.sum(weight, axis=1)
+                        r_m = r_m_new
+                    tl.store(
+                        out_ptr + batch.to(tl.int64) * stride_out_batch + r_heads[:, None] * stride_out_head
+                        + offs_d[None, :],
+                        (r_acc / r_l[:, None]).to(out_ptr.dtype.element_ty), mask=r_head_ok[:, None],
+                    )
+                    # Every used split has arrived and no empty one ever will: back to 0 for the
+                    # next launch (or graph replay), which the kernel boundary orders after this.
+                    tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
     @triton.jit
     def _extend_kernel(
@@ -400,6 +439,15 @@ def _decode_block_n(head_dim: int, element_size: int = 2) -> int:
     return 64 if head_dim * element_size <= 256 else 32
 
 
+def _reduce_split_tile(group_pad: int, head_dim: int) -> int:
+    """Splits combined per step by the reducing program: its [group_pad, tile, head_dim] float32
+    tile stays at most REDUCE_TILE_ELEMENTS (64 registers a thread at 4 warps)."""
+    tile = REDUCE_SPLIT_TILE
+    while tile > 2 and group_pad * tile * head_dim > REDUCE_TILE_ELEMENTS:
+        tile //= 2
+    return tile
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -409,7 +457,7 @@ def paged_decode_attention(
     scale: float,
     out: torch.Tensor,
     num_splits: int | None = None,
-    workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
+    workspace: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """One query token per request attends its whole sequence in the paged cache; writes `out` in place.
 
@@ -418,17 +466,24 @@ def paged_decode_attention(
     ceil(seq_len / block_size) are never read); seq_lens int32 [B], each >= 1, counting the
     current token, whose K/V is already in the cache.
 
-    num_splits: key ranges per request. None takes the workspace's split count when a workspace
-    is given, else choose_num_splits(B, Hkv, W * block_size). Any value works for any seq_lens:
-    splits past a short sequence exit at once and the reduce skips them. 1 writes `out` directly
-    (no workspace, no reduce). workspace: decode_workspace(...) made for at least B requests and
-    num_splits splits; made here when None (allocate it up front for CUDA-graph capture).
+    num_splits: at most this many key ranges per request, each of at least MIN_TOKENS_PER_SPLIT
+    keys (whole BLOCK_N tiles). None takes the workspace's split count when a workspace is given,
+    else choose_num_splits(B, Hkv, W * block_size). Any value works for any seq_lens: splits past
+    a short sequence exit at once, and a request whose keys fit in one split writes `out` directly
+    (decided per request on the device, so also inside a CUDA graph captured with many splits).
+    The splits of a longer request write partials to the workspace and the last of them to finish
+    combines them into `out`, in the same launch. 1 writes `out` directly for every request (no
+    workspace). workspace: decode_workspace(...) made for at least B requests, Hkv kv heads and
+    num_splits splits, whose counter is zero (every call leaves it so); made here when None
+    (allocate it up front for CUDA-graph capture: nothing is allocated per call then).
     """
     _require_triton()
     block_size, num_kv_heads, group, head_dim = _check_cache(q, k_cache, v_cache)
     batch, num_heads = q.shape[0], q.shape[1]
     if out.shape != q.shape or out.stride(2) != 1:
         raise ValueError(f"out must be [B, H, D] like q {tuple(q.shape)}, contiguous along D")
+    if workspace is not None and len(workspace) != 3:
+        raise ValueError("workspace must be (partial_out, partial_lse, counter) as decode_workspace makes it")
     if num_splits is None:
         if workspace is not None:
             num_splits = workspace[1].shape[2]
@@ -439,25 +494,32 @@ def paged_decode_attention(
     if batch == 0:
         return
     block_n = _decode_block_n(head_dim, k_cache.element_size())
+    group_pad = triton.next_power_of_2(group)
     write_out = num_splits == 1
     if write_out:
         partial_out = partial_lse = out  # unused by the kernel
+        counter = seq_lens
+        stride_counter = 0
     else:
         if workspace is None:
-            workspace = decode_workspace(batch, num_heads, head_dim, num_splits, q.device)
-        partial_out, partial_lse = workspace
+            workspace = decode_workspace(batch, num_heads, head_dim, num_splits, q.device, num_kv_heads)
+        partial_out, partial_lse, counter = workspace
         if (partial_out.shape[0] < batch or partial_out.shape[1] != num_heads or partial_out.shape[2] < num_splits
                 or partial_out.shape[3] != head_dim or partial_out.stride(3) != 1 or partial_lse.stride(2) != 1
-                or partial_lse.shape[0] < batch or partial_lse.shape[1] != num_heads or partial_lse.shape[2] < num_splits):
+                or partial_lse.shape[0] < batch or partial_lse.shape[1] != num_heads or partial_lse.shape[2] < num_splits
+                or partial_out.dtype != torch.float32 or partial_lse.dtype != torch.float32
+                or counter.dtype != torch.int32 or counter.dim() != 2 or counter.shape[0] < batch
+                or counter.shape[1] < num_kv_heads or counter.stride(1) != 1):
             raise ValueError(
-                f"workspace {tuple(partial_out.shape)}, {tuple(partial_lse.shape)} does not fit "
-                f"B={batch} H={num_heads} splits={num_splits} D={head_dim}; see decode_workspace"
+                f"workspace {tuple(partial_out.shape)}, {tuple(partial_lse.shape)}, {tuple(counter.shape)} does not "
+                f"fit B={batch} H={num_heads} Hkv={num_kv_heads} splits={num_splits} D={head_dim}; "
+                "see decode_workspace"
             )
-    scale_log2 = float(scale) * LOG2E
+        stride_counter = counter.stride(0)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens,
-        out, partial_out, partial_lse,
-        scale_log2,
+        out, partial_out, partial_lse, counter,
+        float(scale) * LOG2E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -465,29 +527,21 @@ def paged_decode_attention(
         out.stride(0), out.stride(1),
         partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
         partial_lse.stride(0), partial_lse.stride(1),
+        stride_counter,
         num_splits,
         GROUP=group,
         GROUP_BLOCK=max(16, triton.next_power_of_2(group)),  # tl.dot wants >= 16 rows
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
         BLOCK_N=block_n,
+        MIN_SPLIT_TOKENS=_min_split_tokens(block_n),
+        GROUP_PAD=group_pad,
+        SPLIT_TILE=_reduce_split_tile(group_pad, head_dim),
         WRITE_OUT=write_out,
         DOT_PRECISION=_dot_precision(q.dtype),
         num_warps=4,
         num_stages=2,
     )
-    if not write_out:
-        _decode_reduce_kernel[(batch, num_heads)](
-            seq_lens, partial_out, partial_lse, out,
-            partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
-            partial_lse.stride(0), partial_lse.stride(1),
-            out.stride(0), out.stride(1),
-            num_splits,
-            HEAD_DIM=head_dim,
-            BLOCK_N=block_n,
-            SPLIT_TILE=REDUCE_SPLIT_TILE,
-            num_warps=4 if head_dim >= 128 else 2,
-        )
 
 
 def _extend_config(head_dim: int, group: int, max_query_len: int, element_size: int = 2) -> tuple[int, int, int, int]:

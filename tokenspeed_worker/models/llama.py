@@ -12,6 +12,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from tokenspeed_worker.layers import skinny
 from tokenspeed_worker.layers.activation import SiluAndMul
 from tokenspeed_worker.layers.attention import Attention
 from tokenspeed_worker.layers.layernorm import RMSNorm
@@ -56,7 +57,11 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, scale=self.head_dim**-0.5)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, attn_metadata: object) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return self.forward_qkv(positions, self.qkv_proj(hidden_states), attn_metadata)
+
+    def forward_qkv(self, positions: torch.Tensor, qkv: torch.Tensor, attn_metadata: object) -> torch.Tensor:
+        """The rest of forward, from qkv_proj's output (the decoder layer fuses the norm into qkv_proj)."""
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
@@ -91,14 +96,15 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None, attn_metadata: object
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # The residual add of the previous sublayer is fused into the next norm.
-        if residual is None:
-            residual, hidden_states = hidden_states, self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states, attn_metadata)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
+        # The residual add of the previous sublayer is fused into the next norm, and for steps of
+        # few rows on CUDA the norm into the projection after it, and SiLU·mul into gate_up
+        # (layers/skinny.py decides by timing; otherwise the unfused layers run).
+        qkv, residual = skinny.norm_linear(self.input_layernorm, self.self_attn.qkv_proj, hidden_states, residual)
+        hidden_states = self.self_attn.forward_qkv(positions, qkv, attn_metadata)
+        mlp = self.mlp
+        hidden_states, residual = skinny.norm_gate_up_silu(
+            self.post_attention_layernorm, mlp.gate_up_proj, mlp.act_fn, hidden_states, residual)
+        return mlp.down_proj(hidden_states), residual
 
 
 class LlamaModel(nn.Module):

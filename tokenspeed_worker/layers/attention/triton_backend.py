@@ -63,7 +63,7 @@ class TritonAttentionMetadata:
     max_query_len: int  # from the host plan
     decode_only: bool
     num_splits: int | None = None  # decode path only
-    workspace: object | None = None  # decode path only: preallocated split-K partials
+    workspace: object | None = None  # decode path only: preallocated split-K partials and arrival counters
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -153,7 +153,9 @@ class TritonAttentionBackend(AttentionBackend):
         """Allocated with the metadata: once per step, or once per graph before its capture."""
         if self._decode_workspace is None or num_splits == 1:
             return None
-        return self._decode_workspace(batch_size, self.num_heads, self.head_dim, num_splits, self.device)
+        return self._decode_workspace(
+            batch_size, self.num_heads, self.head_dim, num_splits, self.device, num_kv_heads=self.num_kv_heads
+        )
 
     # -- per layer ------------------------------------------------------------------------
 

@@ -1,0 +1,190 @@
+"""The skinny decode kernels (kernels_triton/gemv.py: norm / residual prologue, SiLU·mul epilogue)
+against the torch code they replace, and the choice between them (layers/skinny.py).
+
+On CPU the kernel runs in Triton's interpreter (TRITON_INTERPRET=1) on small, ragged shapes; on
+CUDA the same tests run compiled, plus Llama-8B shapes and the timed choice.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+ON_CUDA = torch.cuda.is_available()
+if not ON_CUDA:
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        raise RuntimeError("triton was imported before TRITON_INTERPRET=1 was set; run with TRITON_INTERPRET=1")
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import triton  # noqa: E402,F401  (no skip: CI must have triton)
+
+from tokenspeed_worker.kernels_triton import gemv  # noqa: E402
+from tokenspeed_worker.layers import skinny  # noqa: E402
+from tokenspeed_worker.layers.activation import SiluAndMul  # noqa: E402
+from tokenspeed_worker.layers.fused_kernels import fused_kernels as fused_mode  # noqa: E402
+from tokenspeed_worker.layers.layernorm import RMSNorm  # noqa: E402
+from tokenspeed_worker.layers.linear import Linear  # noqa: E402
+
+DEVICE = torch.device("cuda" if ON_CUDA else "cpu")
+DTYPE = torch.bfloat16
+
+
+def _randn(*shape, seed: int, scale: float = 1.0, dtype=DTYPE) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (scale * torch.randn(*shape, generator=g)).to(dtype).to(DEVICE)
+
+
+def _matmul_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ w^T in float64 from the same (rounded) inputs: what any correct kernel approximates."""
+    y = x.double() @ w.double().T
+    return y if bias is None else y + bias.double()
+
+
+def _close(got: torch.Tensor, expected64: torch.Tensor) -> None:
+    # bf16 output: one rounding of the float32 sum (whose order differs from the reference's).
+    torch.testing.assert_close(got.double(), expected64, atol=2e-2, rtol=1.6e-2)
+
+
+def _norm(hidden: int, seed: int) -> RMSNorm:
+    norm = RMSNorm(hidden, eps=1e-5).to(DEVICE, DTYPE)
+    with torch.no_grad():
+        norm.weight.copy_(_randn(hidden, seed=seed, scale=0.1) + 1)
+    return norm
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("config", [gemv.CONFIGS[0], gemv.CONFIGS[2]])
+def test_plain_product_with_ragged_shapes_and_bias(rows, config):
+    k, n = 300, 40  # neither a multiple of the blocks
+    x, w, b = _randn(rows, k, seed=1), _randn(n, k, seed=2, scale=0.05), _randn(n, seed=3)
+    out, residual_out = gemv.skinny_linear(x, w, b, config=config)
+    assert out.shape == (rows, n) and out.dtype == DTYPE and residual_out is None
+    _close(out, _matmul_reference(x, w, b))
+
+
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_norm_prologue_rounds_like_the_norm_layer(with_residual):
+    rows, k, n = 5, 264, 48
+    norm = _norm(k, seed=4)
+    x, residual = _randn(rows, k, seed=5, scale=2.0), _randn(rows, k, seed=6)
+    w = _randn(n, k, seed=7, scale=0.05)
+    out, residual_out = gemv.skinny_linear(x, w, norm_weight=norm.weight, residual=residual if with_residual else None,
+                                           eps=norm.eps, config=(16, 128, 4, 2))
+    with fused_mode("off"):
+        if with_residual:
+            normed, expected_residual = norm(x, residual)
+        else:
+            normed, expected_residual = norm(x), x
+    assert torch.equal(residual_out, expected_residual)  # the sum is rounded to bf16 exactly as torch does
+    _close(out, _matmul_reference(normed, w))
+
+
+def test_silu_epilogue_over_gate_up_rows():
+    rows, k, inter = 2, 192, 40
+    norm = _norm(k, seed=8)
+    x, residual = _randn(rows, k, seed=9), _randn(rows, k, seed=10)
+    w = _randn(2 * inter, k, seed=11, scale=0.1)
+    out, residual_out = gemv.skinny_linear(x, w, norm_weight=norm.weight, residual=residual, eps=norm.eps, silu=True,
+                                           config=(16, 64, 4, 2))
+    with fused_mode("off"):
+        normed, expected_residual = norm(x, residual)
+        gate_up = F.linear(normed.double(), w.double()).to(DTYPE)  # one rounding, as cuBLAS's bf16 output
+        expected = SiluAndMul()(gate_up)
+    assert out.shape == (rows, inter) and torch.equal(residual_out, expected_residual)
+    torch.testing.assert_close(out.double(), expected.double(), atol=2e-2, rtol=2e-2)
+
+
+def test_refusals():
+    x = _randn(17, 64, seed=12)
+    with pytest.raises(ValueError, match="at most 16 rows"):
+        gemv.skinny_linear(x, _randn(8, 64, seed=13))
+    with pytest.raises(ValueError, match="does not fit"):
+        gemv.skinny_linear(x[:2], _randn(8, 32, seed=13))
+    with pytest.raises(ValueError, match="silu"):
+        gemv.skinny_linear(x[:2], _randn(9, 64, seed=13), silu=True)
+
+
+def test_the_layers_take_the_kernel_only_when_told_and_for_few_rows(monkeypatch):
+    calls = []
+    real = gemv.skinny_linear
+    monkeypatch.setattr(gemv, "skinny_linear", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
+    layer = Linear(64, 32).to(DEVICE, DTYPE)
+    with torch.no_grad():
+        layer.weight.copy_(_randn(32, 64, seed=14, scale=0.1))
+    few, many = _randn(4, 64, seed=15), _randn(17, 64, seed=16)
+    with fused_mode("off"):
+        layer(few)
+    assert calls == []
+    with fused_mode("force"):
+        _close(layer(few), _matmul_reference(few, layer.weight))
+        layer(many)  # more rows than one tile: F.linear
+        previous = skinny.set_enabled(False)
+        try:
+            layer(few)
+        finally:
+            skinny.set_enabled(previous)
+    assert calls == [few.shape]
+    if not ON_CUDA:  # "auto" never fuses on a CPU
+        layer(few)
+        assert calls == [few.shape] and skinny.decisions() == {}
+
+
+def test_tiny_bf16_model_decode_logits_match_the_unfused_path(tiny_model_paths):
+    """A whole bf16 model: prefill (more than 16 rows: unfused either way), then two decode steps
+    of two rows, which take the skinny kernels when forced."""
+    from test_triton_backend import BLOCK_SIZE, Plans, random_seqs, reference_triton_backend
+
+    from tokenspeed_worker.model_executor.model_runner import ModelRunner
+
+    logits = []
+    for mode in ("off", "force"):
+        runner = ModelRunner(
+            str(tiny_model_paths["qwen2-bias"]), dtype="bfloat16", device=DEVICE.type, block_size=BLOCK_SIZE,
+            attention_backend="triton" if ON_CUDA else reference_triton_backend(),
+        )
+        runner.allocate_kv_cache(32)
+        seqs = random_seqs([20, 9], seed=1)
+        plans = Plans(num_blocks=32, seed=1)
+        with fused_mode(mode):
+            runner.forward_all_logits(plans.plan([(s, len(s.tokens)) for s in seqs]))
+            for token in (7, 9):
+                for seq in seqs:
+                    seq.tokens.append(token)
+                logits.append(runner.forward_all_logits(plans.plan([(s, 1) for s in seqs])))
+    for got, expected in zip(logits[2:], logits[:2]):
+        torch.testing.assert_close(got, expected, atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("rows", [1, 8])
+def test_llama_8b_shapes_and_the_timed_choice(rows):
+    hidden, inter = 4096, 14336
+    norm = _norm(hidden, seed=20)
+    x, residual = _randn(rows, hidden, seed=21), _randn(rows, hidden, seed=22)
+    w_qkv = _randn(6144, hidden, seed=23, scale=0.02)
+    w_gate_up = _randn(2 * inter, hidden, seed=24, scale=0.02)
+    w_down = _randn(hidden, inter, seed=25, scale=0.02)
+    for config in gemv.CONFIGS:
+        out, new_residual = gemv.skinny_linear(x, w_qkv, norm_weight=norm.weight, residual=residual, eps=norm.eps,
+                                               config=config)
+        normed, expected_residual = norm(x, residual)
+        assert torch.equal(new_residual, expected_residual)
+        _close(out, _matmul_reference(normed, w_qkv))
+        _close(gemv.skinny_linear(normed, w_down[:, :hidden], config=config)[0],
+               _matmul_reference(normed, w_down[:, :hidden]))
+        act = gemv.skinny_linear(x, w_gate_up, norm_weight=norm.weight, residual=residual, eps=norm.eps, silu=True,
+                                 config=config)[0]
+        torch.testing.assert_close(act, SiluAndMul()(F.linear(normed, w_gate_up)), atol=3e-2, rtol=3e-2)
+    skinny.reset()
+    layer = Linear(inter, hidden).to(DEVICE, DTYPE)
+    with torch.no_grad():
+        layer.weight.copy_(w_down)
+    h = _randn(rows, inter, seed=26)
+    _close(layer(h), _matmul_reference(h, w_down))
+    (key, chosen), = skinny.decisions().items()
+    assert key.startswith(f"linear/{rows}/{hidden}/{inter}") and "unfused" in chosen["us"]

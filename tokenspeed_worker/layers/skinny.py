@@ -1,0 +1,166 @@
+"""Decode steps of few rows: the fused skinny kernels (kernels_triton/gemv.py) or the unfused path.
+
+Three call sites in a decoder layer:
+- `norm_linear`: (add +) RMSNorm then a projection (input_layernorm + qkv_proj);
+- `norm_gate_up_silu`: (add +) RMSNorm, gate_up_proj, SiLU·mul (post_attention_layernorm + MLP up half);
+- `linear`: a plain projection (o_proj, down_proj), replacing cuBLAS's split-K + reduce pair.
+
+Which path runs is a measured choice, like a GEMM library's tactic selection: the first time a
+(site, rows, shape, dtype) is seen outside a CUDA-graph capture, every kernel configuration and
+the unfused path run a few times under CUDA events, and the fastest is kept for the process. The
+CUDA-graph warm-up step before each capture is where that happens, so graphs capture the winner.
+A shape first seen while capturing takes the unfused path (logged once). The fused kernel must
+beat the unfused path by MARGIN to be chosen, so timing noise cannot make a step slower.
+
+Respects layers/fused_kernels.py's switch (TOKENSPEED_FUSED_KERNELS): "off" always takes the
+unfused path; "force" takes the fused kernel with its default configuration on any device
+(CPU tests, in Triton's interpreter); "auto" decides by timing on CUDA and never fuses on CPU.
+TOKENSPEED_SKINNY_KERNELS=0 (or `set_enabled(False)`) turns these kernels alone off, leaving the
+other fused kernels as they are (for measuring what they bring).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from tokenspeed_worker.layers.fused_kernels import fused_kernels_mode, use_fused
+
+logger = logging.getLogger(__name__)
+
+ENV_VAR = "TOKENSPEED_SKINNY_KERNELS"
+_enabled = os.environ.get(ENV_VAR, "1").strip().lower() not in ("0", "off", "false")
+MARGIN = 0.97  # a fused configuration is chosen only at <= 97 % of the unfused path's time
+WARMUP, REPS = 2, 10
+_UNFUSED = "unfused"
+_decisions: dict[tuple, Any] = {}  # key -> a config tuple, or _UNFUSED
+_timings: dict[tuple, dict[str, float]] = {}  # key -> {path: microseconds per call}
+_logged_capture: set[tuple] = set()
+
+
+def decisions() -> dict[str, dict[str, Any]]:
+    """What was chosen where, with the timings (µs per call) behind it: for benchmarks and logs."""
+    return {
+        "/".join(str(p) for p in key): {"chosen": str(choice), "us": _timings.get(key, {})}
+        for key, choice in _decisions.items()
+    }
+
+
+def set_enabled(on: bool) -> bool:
+    """Turn the skinny kernels on or off (the other fused kernels keep their mode); returns the previous setting."""
+    global _enabled
+    previous, _enabled = _enabled, bool(on)
+    return previous
+
+
+def reset() -> None:
+    _decisions.clear()
+    _timings.clear()
+    _logged_capture.clear()
+
+
+def _time_us(fn: Callable[[], Any]) -> float:
+    for _ in range(WARMUP):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(REPS):
+        fn()
+    end.record()
+    end.synchronize()
+    return 1000.0 * start.elapsed_time(end) / REPS
+
+
+def _choose(key: tuple, fused: Callable[[tuple], Any], plain: Callable[[], Any], configs) -> Any:
+    timings = {_UNFUSED: _time_us(plain)}
+    best, best_us = _UNFUSED, timings[_UNFUSED] * MARGIN
+    for config in configs:
+        try:
+            us = _time_us(lambda: fused(config))
+        except Exception as error:  # a configuration that cannot compile or launch here (shared memory)
+            logger.debug("skinny %s: config %s unusable: %s", key, config, error)
+            continue
+        timings[str(config)] = us
+        if us < best_us:
+            best, best_us = config, us
+    _timings[key] = timings
+    logger.debug("skinny %s: chose %s from %s", key, best, timings)
+    return best
+
+
+def _run(site: str, x: torch.Tensor, weight: torch.Tensor, fused: Callable[[tuple], Any], plain: Callable[[], Any]):
+    kernels = use_fused(x, "gemv") if _enabled else None
+    if kernels is None or x.dim() == 0 or x.numel() // max(1, x.shape[-1]) > kernels.MAX_ROWS:
+        return plain()
+    if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype:
+        return plain()
+    if fused_kernels_mode() == "force" or not x.is_cuda:
+        return fused(kernels.CONFIGS[0])
+    rows = x.numel() // x.shape[-1]
+    key = (site, rows, *weight.shape, str(x.dtype).replace("torch.", ""), x.device.index)
+    choice = _decisions.get(key)
+    if choice is None:
+        if torch.cuda.is_current_stream_capturing():
+            if key not in _logged_capture:
+                _logged_capture.add(key)
+                logger.info("skinny %s first seen while capturing a CUDA graph: unfused path", key)
+            return plain()
+        choice = _decisions[key] = _choose(key, fused, plain, kernels.CONFIGS)
+    return plain() if choice == _UNFUSED else fused(choice)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight^T (+ bias), by the skinny kernel when that is faster for these few rows."""
+    def fused(config):
+        from tokenspeed_worker.kernels_triton import gemv
+
+        return gemv.skinny_linear(x, weight, bias, config=config)[0]
+
+    return _run("linear", x, weight, fused, lambda: F.linear(x, weight, bias))
+
+
+def norm_linear(norm, proj, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(proj(norm(x + residual)), x + residual); without a residual (proj(norm(x)), x).
+
+    norm: an RMSNorm; proj: a Linear whose forward is x @ weight^T (+ bias) on this rank."""
+
+    def plain():
+        if residual is None:
+            return proj(norm(x)), x
+        hidden, new_residual = norm(x, residual)
+        return proj(hidden), new_residual
+
+    def fused(config):
+        from tokenspeed_worker.kernels_triton import gemv
+
+        return gemv.skinny_linear(x, proj.weight, proj.bias, norm_weight=norm.weight, residual=residual,
+                                  eps=norm.eps, config=config)
+
+    return _run("norm_linear" if residual is None else "add_norm_linear", x, proj.weight, fused, plain)
+
+
+def norm_gate_up_silu(norm, gate_up, act, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(act(gate_up(norm(x + residual))), x + residual) with act = SiLU·mul over [gate | up]."""
+
+    def plain():
+        hidden, new_residual = norm(x, residual)
+        return act(gate_up(hidden)), new_residual
+
+    if gate_up.bias is not None:
+        return plain()
+
+    def fused(config):
+        from tokenspeed_worker.kernels_triton import gemv
+
+        return gemv.skinny_linear(x, gate_up.weight, norm_weight=norm.weight, residual=residual, eps=norm.eps,
+                                  silu=True, config=config)
+
+    return _run("norm_gate_up_silu", x, gate_up.weight, fused, plain)
+
+
+__all__ = ["ENV_VAR", "decisions", "linear", "norm_gate_up_silu", "norm_linear", "reset", "set_enabled"]
