@@ -18,6 +18,7 @@ import numpy as np
 
 from bench_common import free_engine_memory, MODEL_SHAPES, ModelArithmetic, add_engine_args, build_engine, greedy_request, \
     hf_generate_tok_s, sync, write_result
+from tokenspeed_worker.layers import skinny  # noqa: E402
 from roofline import copy_bandwidth
 
 
@@ -67,6 +68,7 @@ def main() -> int:
         "decode_tok_s": 1 / median, "roofline_tok_s": 1 / roofline_step,
         "fraction_of_bandwidth_roofline": roofline_step / median,
         "ttft_ms": 1000 * step_times[0],
+        "skinny_kernels": skinny.decisions(),  # per site and row count: chosen path and its timings (µs)
     }
     print(f"batch-1 decode: {1000 * median:.2f} ms/step = {1 / median:.1f} tok/s; roofline {1 / roofline_step:.1f} "
           f"tok/s; {100 * roofline_step / median:.1f}% of it", flush=True)

@@ -58,6 +58,19 @@ if [ "${BENCH_PERF:-0}" = 1 ]; then
   timeout 200 python3 scripts/bench_offline.py --model llama-3.1-8b --num-requests 1000 --input-len 128 \
     --output-len 128 --out "$OUT/offline_8b_128.json" 2>&1 | grep -E "tokens in|idle|Error|error" | tail -4
 fi
+# Decode-step kernels (BENCH_DECODE=1): the skinny kernels' and fused kernels' GPU tests, batch-1
+# latency for both shapes (the JSON records which skinny path each site chose, with its timings),
+# and the skinny kernels against the unfused path per site and row count.
+if [ "${BENCH_DECODE:-0}" = 1 ]; then
+  timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_skinny_kernels.py tests/test_fused_kernels.py \
+    2>&1 | tail -4
+  for m in llama-3.1-8b llama-3.2-1b; do
+    timeout ${LATENCY_TIMEOUT:-100} python3 scripts/bench_latency.py --model $m --prompt-len 128 --new-tokens 128 \
+      --out "$OUT/latency_$m.json" 2>&1 | grep -E "decode:|rror" | tail -3
+  done
+  timeout 60 python3 scripts/bench_kernels.py --only skinny --skinny-rows 1 4 16 --out "$OUT/kernels_skinny.json" \
+    2>&1 | grep -E "^skinny|copy|rror" | tail -30
+fi
 # Long offline runs and serving through gRPC (8B shape): BENCH_LONG=1.
 if [ "${BENCH_LONG:-0}" = 1 ]; then
   for seqs in ${LONG_SEQS:-256 512}; do
@@ -79,8 +92,16 @@ fi
 #   mkdir -p .cache/grammar_tokenizer && cp ~/.cache/tokenspeed_worker/models/SmolLM2-135M-Instruct/tokenizer* \
 #     .cache/grammar_tokenizer/   (and carry .whl with xgrammar, apache-tvm-ffi and pydantic wheels)
 if [ "${BENCH_GRAMMAR:-0}" = 1 ]; then
-  timeout 200 python3 scripts/bench_grammar.py --model llama-3.2-1b --tokenizer .cache/grammar_tokenizer \
-    --batch 64 --steps 32 --out "$OUT/grammar_1b.json" 2>&1 | grep -E "^step|rror|note" | tail -4
+  timeout ${GRAMMAR_TIMEOUT:-200} python3 scripts/bench_grammar.py --model llama-3.2-1b --tokenizer .cache/grammar_tokenizer \
+    --batch 64 --steps 32 --out "$OUT/grammar_1b.json" 2>&1 | grep -E "^step|^constrained|rror|note" | tail -5
+fi
+# Data-parallel replicas and two "nodes" on one host (kind nvidia-h200-x2), and DP=2 serving: DP_CHECK=1.
+if [ "${DP_CHECK:-0}" = 1 ]; then
+  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_data_parallel.py \
+    tests/test_tensor_parallel.py::test_two_nodes_over_loopback_serve_requests 2>&1 | tail -6
+  timeout 90 python3 scripts/bench_serving.py --model scripts/model_configs/llama-3.2-1b --concurrency 64 256 \
+    --prompt-len 128 --output-len 128 --rounds 2 --client-procs 8 --out "$OUT/serving_1b_dp2.json" \
+    -- --load-format dummy --dp 2 2>&1 | grep -E "^C=|rror" | tail -3
 fi
 # Past one GPU (kind nvidia-h200-x2): TP=2 equality tests on CUDA, TP=2 vs TP=1 latency and offline
 # throughput for the 8B shape, DP=2 vs DP=1 serving throughput.
