@@ -33,6 +33,14 @@ DEVICE = torch.device("cuda" if ON_CUDA else "cpu")
 DTYPE = torch.bfloat16
 
 
+@pytest.fixture(autouse=True)
+def skinny_on():
+    """The kernels are off by default (layers/skinny.py says why): these tests turn them on."""
+    previous = skinny.set_enabled(True)
+    yield
+    skinny.set_enabled(previous)
+
+
 def _randn(*shape, seed: int, scale: float = 1.0, dtype=DTYPE) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return (scale * torch.randn(*shape, generator=g)).to(dtype).to(DEVICE)

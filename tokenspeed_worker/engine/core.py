@@ -145,7 +145,7 @@ def build_runner(cfg: EngineConfig):
 
     torch.manual_seed(cfg.seed)
     device = rank_device(cfg)
-    if torch.device(device).type == "cuda":
+    if torch.device(device).type == "cuda" and torch.device(device).index is not None:
         # Triton launches and CUDA-graph captures use the current device: a data-parallel replica
         # or tensor-parallel rank on cuda:1 must make it current, not just place its tensors there.
         torch.cuda.set_device(torch.device(device))
