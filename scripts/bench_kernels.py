@@ -2,7 +2,7 @@
 
     python scripts/bench_kernels.py [--batches 1 64 256] [--contexts 1024 8192] [--prefill-lens 2048]
     python scripts/bench_kernels.py --only fused [--fused-batches 1 256]
-    python scripts/bench_kernels.py --only skinny [--skinny-rows 1 4 16] [--skinny-shapes 8b 1b]
+    python scripts/bench_kernels.py --only skinny [--skinny-rows 1 4] [--skinny-shapes 8b 1b]
 
 Decode (Llama-3.1-8B attention: H=32, Hkv=8, D=128, bf16, block 16) is memory-bound: its
 figure is the bandwidth achieved (bytes of K/V read + q read + out written, divided by the
@@ -73,7 +73,7 @@ def parse_args() -> argparse.Namespace:
                     help="skip the torch decode reference when its gathered K/V copy would exceed this")
     ap.add_argument("--copy-gib", type=float, default=2.0, help="size of the bandwidth-probe copy")
     ap.add_argument("--matmul-size", type=int, default=8192)
-    ap.add_argument("--skinny-rows", type=int, nargs="+", default=[1, 4, 16], help="skinny products: rows per call")
+    ap.add_argument("--skinny-rows", type=int, nargs="+", default=[1, 4], help="skinny products: rows per call")
     ap.add_argument("--skinny-shapes", nargs="+", default=["8b", "1b"], choices=["8b", "1b"],
                     help="skinny products: Llama-3.1-8B and/or Llama-3.2-1B layer shapes")
     ap.add_argument("--only", choices=["all", "attention", "fused", "skinny"], default="all",

@@ -68,7 +68,7 @@ if [ "${BENCH_DECODE:-0}" = 1 ]; then
     timeout ${LATENCY_TIMEOUT:-100} python3 scripts/bench_latency.py --model $m --prompt-len 128 --new-tokens 128 \
       --out "$OUT/latency_$m.json" 2>&1 | grep -E "decode:|rror" | tail -3
   done
-  timeout 60 python3 scripts/bench_kernels.py --only skinny --skinny-rows 1 4 16 --out "$OUT/kernels_skinny.json" \
+  timeout 60 python3 scripts/bench_kernels.py --only skinny --skinny-rows 1 4 --out "$OUT/kernels_skinny.json" \
     2>&1 | grep -E "^skinny|copy|rror" | tail -30
 fi
 # Long offline runs and serving through gRPC (8B shape): BENCH_LONG=1.

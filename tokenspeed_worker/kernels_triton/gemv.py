@@ -1,6 +1,6 @@
 """Skinny matrix products for decode steps of few rows, with the neighbouring small ops folded in.
 
-At batch 1 to 16 a decoder layer's matrix products are weight-bandwidth bound and the small
+At batch 1 to 4 a decoder layer's matrix products are weight-bandwidth bound and the small
 kernels around them (add + RMSNorm before q/k/v and before gate/up, SiLU·mul after gate/up, and
 cuBLAS's own split-K reduction after o_proj and down_proj) cost a launch each: on an H200 about
 650 µs of a 4.5 ms Llama-8B step. One kernel here does
@@ -13,8 +13,11 @@ cuBLAS's own split-K reduction after o_proj and down_proj) cost a launch each: o
 - epilogue SILU: W holds [gate | up] rows (the fused gate_up_proj); each program computes matching
   gate and up columns and writes silu(gate) * up rounded like kernels_triton/activation.py.
 
-The rows are padded to 16 for the tensor cores (tl.dot); the weight tiles stream through the
-software pipeline (num_stages), which is what keeps enough bytes in flight per multiprocessor. No
+Each program streams a strip of weight rows once for all input rows (up to MAX_ROWS), on the
+CUDA cores: at so few rows the product is bound by the weight bytes, and a grid of many small
+programs (all resident at once) keeps enough loads in flight. A first version on the tensor cores
+(rows padded to 16, tl.dot, software-pipelined tiles) reached only 35-65 % of the copy bandwidth
+on an H200, its few large programs leaving multiprocessors idle (docs/benchmarks.md). No
 library offers these fusions for a skinny product (cuBLAS and cuBLASLt epilogues cannot normalize
 the input rows), hence a kernel of our own. layers/skinny.py decides, per shape and row count,
 whether this kernel or the unfused torch/cuBLAS path is faster on the machine, by timing both
@@ -43,82 +46,56 @@ except ImportError:  # pragma: no cover - depends on the machine
     libdevice = None
     AVAILABLE = False
 
-MAX_ROWS = 16  # rows (tokens) the kernel takes: one tensor-core tile of rows
-# (BLOCK_N, BLOCK_K, num_warps, num_stages) tried per shape by layers/skinny.py; the first is the
-# default where nothing was timed (CPU, interpreter, or a shape first seen while capturing).
-CONFIGS = ((32, 256, 4, 4), (16, 256, 4, 4), (64, 128, 4, 4), (32, 128, 4, 6))
+MAX_ROWS = 4  # rows (tokens) the kernel takes: each row is its own accumulator (CUDA cores, not tensor cores)
+# (BLOCK_N, BLOCK_K, num_warps) tried per shape by layers/skinny.py; the first is the default
+# where nothing was timed (CPU, interpreter, or a shape first seen while capturing).
+CONFIGS = ((8, 512, 4), (16, 512, 4), (4, 1024, 4), (16, 256, 4), (32, 256, 8))
 
 
 if AVAILABLE:
 
     @triton.jit
-    def _skinny_kernel(
-        x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, w_ptr, bias_ptr, out_ptr,
-        M, N, K, up_offset,
-        stride_x, stride_residual, stride_residual_out, stride_w, stride_out,
-        eps,
-        NORM: tl.constexpr,
-        ADD_RESIDUAL: tl.constexpr,
-        SILU: tl.constexpr,
-        HAS_BIAS: tl.constexpr,
-        LIBDEVICE: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-    ):
-        pid_n = tl.program_id(0)
-        dtype = x_ptr.dtype.element_ty
-        offs_m = tl.arange(0, 16)
-        m_ok = offs_m < M
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < N
+    def _row_in(x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, row, kk, k_ok, rstd, pid_n,
+                stride_x, stride_residual, stride_residual_out,
+                NORM: tl.constexpr, ADD_RESIDUAL: tl.constexpr):
+        """Row `row`'s input over columns kk, float32: x, or the normalized x (+ residual)."""
+        xt = tl.load(x_ptr + row * stride_x + kk, mask=k_ok, other=0.0)
+        if NORM:
+            if ADD_RESIDUAL:
+                rt = tl.load(residual_ptr + row * stride_residual + kk, mask=k_ok, other=0.0)
+                xt = (xt.to(tl.float32) + rt.to(tl.float32)).to(x_ptr.dtype.element_ty)
+                tl.store(residual_out_ptr + row * stride_residual_out + kk, xt, mask=k_ok & (pid_n == 0))
+            nw = tl.load(norm_weight_ptr + kk, mask=k_ok, other=0.0)
+            normed = (xt.to(tl.float32) * rstd).to(x_ptr.dtype.element_ty)
+            xt = (normed.to(tl.float32) * nw.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        return xt.to(tl.float32)
+
+    @triton.jit
+    def _row_rstd(x_ptr, residual_ptr, row, K, stride_x, stride_residual, eps,
+                  ADD_RESIDUAL: tl.constexpr, LIBDEVICE: tl.constexpr, BLOCK_K: tl.constexpr):
+        """1 / sqrt(mean((x + residual)^2) + eps) of one row, the sum rounded to the dtype first."""
         offs_k = tl.arange(0, BLOCK_K)
-        x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_x
-        r_rows = residual_ptr + offs_m.to(tl.int64)[:, None] * stride_residual
-        w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w
-        up_rows = w_ptr + (up_offset + offs_n).to(tl.int64)[:, None] * stride_w
-
-        if NORM:  # first pass over the (small) rows: their mean square
-            sum_sq = tl.zeros([16], dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                kk = k0 + offs_k
-                mask = m_ok[:, None] & (kk < K)[None, :]
-                xt = tl.load(x_rows + kk[None, :], mask=mask, other=0.0)
-                if ADD_RESIDUAL:
-                    rt = tl.load(r_rows + kk[None, :], mask=mask, other=0.0)
-                    xt = (xt.to(tl.float32) + rt.to(tl.float32)).to(dtype)
-                x32 = xt.to(tl.float32)
-                sum_sq += tl.sum(x32 * x32, axis=1)
-            mean_sq = sum_sq / K + eps
-            if LIBDEVICE:
-                rstd = libdevice.rsqrt(mean_sq)
-            else:
-                rstd = 1.0 / tl.sqrt_rn(mean_sq)
-
-        acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
-        acc_up = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+        sum_sq = tl.zeros([BLOCK_K], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + offs_k
             k_ok = kk < K
-            mask = m_ok[:, None] & k_ok[None, :]
-            xt = tl.load(x_rows + kk[None, :], mask=mask, other=0.0)
-            if NORM:
-                if ADD_RESIDUAL:
-                    rt = tl.load(r_rows + kk[None, :], mask=mask, other=0.0)
-                    xt = (xt.to(tl.float32) + rt.to(tl.float32)).to(dtype)
-                    tl.store(residual_out_ptr + offs_m.to(tl.int64)[:, None] * stride_residual_out + kk[None, :], xt,
-                             mask=mask & (pid_n == 0))
-                nw = tl.load(norm_weight_ptr + kk, mask=k_ok, other=0.0)
-                normed = (xt.to(tl.float32) * rstd[:, None]).to(dtype)
-                xt = (normed.to(tl.float32) * nw.to(tl.float32)[None, :]).to(dtype)
-            w_mask = n_ok[:, None] & k_ok[None, :]
-            w = tl.load(w_rows + kk[None, :], mask=w_mask, other=0.0)
-            acc += tl.dot(xt, tl.trans(w))
-            if SILU:
-                wu = tl.load(up_rows + kk[None, :], mask=w_mask, other=0.0)
-                acc_up += tl.dot(xt, tl.trans(wu))
+            xt = tl.load(x_ptr + row * stride_x + kk, mask=k_ok, other=0.0)
+            if ADD_RESIDUAL:
+                rt = tl.load(residual_ptr + row * stride_residual + kk, mask=k_ok, other=0.0)
+                xt = (xt.to(tl.float32) + rt.to(tl.float32)).to(x_ptr.dtype.element_ty)
+            x32 = xt.to(tl.float32)
+            sum_sq += x32 * x32
+        mean_sq = tl.sum(sum_sq, axis=0) / K + eps
+        if LIBDEVICE:
+            return libdevice.rsqrt(mean_sq)
+        return 1.0 / tl.sqrt_rn(mean_sq)
 
+    @triton.jit
+    def _epilogue(acc, acc_up, bias_ptr, out_ptr, row, offs_n, n_ok, stride_out,
+                  SILU: tl.constexpr, HAS_BIAS: tl.constexpr, LIBDEVICE: tl.constexpr):
+        dtype = out_ptr.dtype.element_ty
         if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
         if SILU:  # the unfused path rounds gate_up's output, then silu, then the product
             gate = acc.to(dtype).to(tl.float32)
             up = acc_up.to(dtype).to(tl.float32)
@@ -128,9 +105,95 @@ if AVAILABLE:
                 e = tl.exp(-gate)
             act = tl.math.div_rn(gate, 1.0 + e).to(dtype).to(tl.float32)
             acc = act * up
-        out_mask = m_ok[:, None] & n_ok[None, :]
-        tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_out + offs_n[None, :],
-                 acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+        tl.store(out_ptr + row * stride_out + offs_n, acc.to(dtype), mask=n_ok)
+
+    @triton.jit
+    def _skinny_kernel(
+        x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, w_ptr, bias_ptr, out_ptr,
+        N, K, up_offset,
+        stride_x, stride_residual, stride_residual_out, stride_w, stride_out,
+        eps,
+        ROWS: tl.constexpr,
+        NORM: tl.constexpr,
+        ADD_RESIDUAL: tl.constexpr,
+        SILU: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        LIBDEVICE: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        # One program: BLOCK_N output columns (weight rows) over the whole of K, for every input
+        # row. Each step loads a [BLOCK_N, BLOCK_K] weight tile with 16-byte vector loads and
+        # multiplies it on the CUDA cores by each row's slice (a few kB, L2-resident); the grid is
+        # N / BLOCK_N programs, small enough to all be resident at once, so the loads of many
+        # programs are in flight together (no shared memory, no tensor cores: at <= 4 rows the
+        # product is bound by the weight bytes alone).
+        pid_n = tl.program_id(0)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        offs_k = tl.arange(0, BLOCK_K)
+        w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w
+        up_rows = w_ptr + (up_offset + offs_n).to(tl.int64)[:, None] * stride_w
+        rstd0 = 1.0
+        rstd1 = 1.0
+        rstd2 = 1.0
+        rstd3 = 1.0
+        if NORM:
+            rstd0 = _row_rstd(x_ptr, residual_ptr, 0, K, stride_x, stride_residual, eps, ADD_RESIDUAL, LIBDEVICE, BLOCK_K)
+            if ROWS > 1:
+                rstd1 = _row_rstd(x_ptr, residual_ptr, 1, K, stride_x, stride_residual, eps, ADD_RESIDUAL, LIBDEVICE,
+                                  BLOCK_K)
+            if ROWS > 2:
+                rstd2 = _row_rstd(x_ptr, residual_ptr, 2, K, stride_x, stride_residual, eps, ADD_RESIDUAL, LIBDEVICE,
+                                  BLOCK_K)
+            if ROWS > 3:
+                rstd3 = _row_rstd(x_ptr, residual_ptr, 3, K, stride_x, stride_residual, eps, ADD_RESIDUAL, LIBDEVICE,
+                                  BLOCK_K)
+        acc0 = tl.zeros([BLOCK_N], dtype=tl.float32)
+        acc1 = tl.zeros([BLOCK_N], dtype=tl.float32)
+        acc2 = tl.zeros([BLOCK_N], dtype=tl.float32)
+        acc3 = tl.zeros([BLOCK_N], dtype=tl.float32)
+        up0 = tl.zeros([BLOCK_N], dtype=tl.float32)
+        up1 = tl.zeros([BLOCK_N], dtype=tl.float32)
+        up2 = tl.zeros([BLOCK_N], dtype=tl.float32)
+        up3 = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + offs_k
+            k_ok = kk < K
+            w_mask = n_ok[:, None] & k_ok[None, :]
+            w = tl.load(w_rows + kk[None, :], mask=w_mask, other=0.0).to(tl.float32)
+            if SILU:
+                wu = tl.load(up_rows + kk[None, :], mask=w_mask, other=0.0).to(tl.float32)
+            x0 = _row_in(x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, 0, kk, k_ok, rstd0, pid_n,
+                         stride_x, stride_residual, stride_residual_out, NORM, ADD_RESIDUAL)
+            acc0 += tl.sum(w * x0[None, :], axis=1)
+            if SILU:
+                up0 += tl.sum(wu * x0[None, :], axis=1)
+            if ROWS > 1:
+                x1 = _row_in(x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, 1, kk, k_ok, rstd1, pid_n,
+                             stride_x, stride_residual, stride_residual_out, NORM, ADD_RESIDUAL)
+                acc1 += tl.sum(w * x1[None, :], axis=1)
+                if SILU:
+                    up1 += tl.sum(wu * x1[None, :], axis=1)
+            if ROWS > 2:
+                x2 = _row_in(x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, 2, kk, k_ok, rstd2, pid_n,
+                             stride_x, stride_residual, stride_residual_out, NORM, ADD_RESIDUAL)
+                acc2 += tl.sum(w * x2[None, :], axis=1)
+                if SILU:
+                    up2 += tl.sum(wu * x2[None, :], axis=1)
+            if ROWS > 3:
+                x3 = _row_in(x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, 3, kk, k_ok, rstd3, pid_n,
+                             stride_x, stride_residual, stride_residual_out, NORM, ADD_RESIDUAL)
+                acc3 += tl.sum(w * x3[None, :], axis=1)
+                if SILU:
+                    up3 += tl.sum(wu * x3[None, :], axis=1)
+        _epilogue(acc0, up0, bias_ptr, out_ptr, 0, offs_n, n_ok, stride_out, SILU, HAS_BIAS, LIBDEVICE)
+        if ROWS > 1:
+            _epilogue(acc1, up1, bias_ptr, out_ptr, 1, offs_n, n_ok, stride_out, SILU, HAS_BIAS, LIBDEVICE)
+        if ROWS > 2:
+            _epilogue(acc2, up2, bias_ptr, out_ptr, 2, offs_n, n_ok, stride_out, SILU, HAS_BIAS, LIBDEVICE)
+        if ROWS > 3:
+            _epilogue(acc3, up3, bias_ptr, out_ptr, 3, offs_n, n_ok, stride_out, SILU, HAS_BIAS, LIBDEVICE)
 
 
 def _rows(t: torch.Tensor, k: int) -> torch.Tensor:
@@ -147,7 +210,7 @@ def skinny_linear(
     residual: torch.Tensor | None = None,
     eps: float = 1e-6,
     silu: bool = False,
-    config: tuple[int, int, int, int] = CONFIGS[0],
+    config: tuple[int, int, int] = CONFIGS[0],
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(out, residual_out) for x of at most MAX_ROWS rows.
 
@@ -184,15 +247,16 @@ def skinny_linear(
             residual_out = x
     if m == 0 or n == 0:
         return out, residual_out
-    block_n, block_k, num_warps, num_stages = config
+    block_n, block_k, num_warps = config
     out_rows = out.view(-1, n)
     _skinny_kernel[(triton.cdiv(n, block_n),)](
         rows, residual_rows, residual_out_rows,
         norm_weight if norm_weight is not None else weight, weight,
         bias if bias is not None else weight, out_rows,
-        m, n, k, n if silu else 0,
+        n, k, n if silu else 0,
         rows.stride(0), residual_rows.stride(0), residual_out_rows.stride(0), weight.stride(0), out_rows.stride(0),
         float(eps),
+        ROWS=m,
         NORM=norm_weight is not None,
         ADD_RESIDUAL=norm_weight is not None and residual is not None,
         SILU=silu,
@@ -201,7 +265,6 @@ def skinny_linear(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         num_warps=num_warps,
-        num_stages=num_stages,
     )
     return out, residual_out
 
