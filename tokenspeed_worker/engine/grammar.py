@@ -22,7 +22,6 @@ allowed next and accepts the sampled one.
 from __future__ import annotations
 
 import logging
-import os
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -60,10 +59,6 @@ class Grammars:
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grammar")
         self.matchers: dict[int, object] = {}  # engine row -> GrammarMatcher
         self._bitmask: torch.Tensor | None = None
-        # A step's masks are filled by xgrammar's batch matcher, in C++ threads without the GIL
-        # (one Python call per step, not one per row); older xgrammar: row by row.
-        batch = getattr(xgr, "BatchGrammarMatcher", None)
-        self._batch = batch(max_threads=max(1, min(8, (os.cpu_count() or 2) // 2))) if batch is not None else None
 
     # -- compile ----------------------------------------------------------------------------
 
@@ -107,31 +102,19 @@ class Grammars:
             self._bitmask = self._xgr.allocate_token_bitmask(max(size, 8), self.vocab_size)
         bitmask = self._bitmask[:size]
         bitmask.fill_(-1)  # all allowed
-        live = [(i, self.matchers[int(rows[i])]) for i in positions]
-        live = [(i, m) for i, m in live if not m.is_terminated()]  # a finished grammar is ended, never masked
-        if self._batch is not None and live:
-            self._batch.batch_fill_next_token_bitmask([m for _, m in live], bitmask, [i for i, _ in live])
-        else:
-            for i, matcher in live:
+        for i in positions:
+            matcher = self.matchers[int(rows[i])]
+            if not matcher.is_terminated():  # a finished grammar is ended by the engine, never masked
                 matcher.fill_next_token_bitmask(bitmask, i)
         return bitmask, positions
 
     def accept(self, rows, tokens) -> None:
         """Advance each constrained row's matcher by its sampled token."""
-        live = []
         for row, token in zip(rows.tolist(), tokens.tolist()):
             matcher = self.matchers.get(row)
             if matcher is not None and not matcher.is_terminated():
-                live.append((row, matcher, int(token)))
-        if not live:
-            return
-        if self._batch is not None:
-            accepted = self._xgr.BatchGrammarMatcher.batch_accept_token([m for _, m, _ in live], [t for _, _, t in live])
-        else:
-            accepted = [m.accept_token(t) for _, m, t in live]
-        for (row, _, token), ok in zip(live, accepted):
-            if not ok:
-                logger.warning("grammar rejected token %d of row %d (it was masked in)", token, row)
+                if not matcher.accept_token(int(token)):
+                    logger.warning("grammar rejected token %d of row %d (it was masked in)", token, row)
 
     def terminated(self, rows) -> list[int]:
         """Rows whose grammar is complete (it accepted its stop token): the engine ends them with

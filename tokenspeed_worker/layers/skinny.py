@@ -7,7 +7,9 @@ Three call sites in a decoder layer:
 
 Which path runs is a measured choice, like a GEMM library's tactic selection: the first time a
 (site, rows, shape, dtype) is seen outside a CUDA-graph capture, every kernel configuration and
-the unfused path run a few times under CUDA events, and the fastest is kept for the process. The
+the unfused path are captured into a CUDA graph each and replayed a few times under CUDA events,
+L2 flushed before each replay (a decode step's conditions: no Python launch overhead, weights
+from memory), and the fastest is kept for the process. The
 CUDA-graph warm-up step before each capture is where that happens, so graphs capture the winner.
 A shape first seen while capturing takes the unfused path (logged once). The fused kernel must
 beat the unfused path by MARGIN to be chosen, so timing noise cannot make a step slower.
@@ -67,37 +69,58 @@ def reset() -> None:
     _logged_capture.clear()
 
 
-def _time_us(fn: Callable[[], Any]) -> float:
+def _time_us(fn: Callable[[], Any], flush: torch.Tensor) -> float:
+    """Device time of one call as a decode step runs it: from a CUDA graph (no launch overhead
+    from Python), with L2 flushed before each replay (the weights come from memory, as they do
+    when every layer runs in turn); the median of REPS replays."""
     for _ in range(WARMUP):
         fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(REPS):
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
         fn()
-    end.record()
-    end.synchronize()
-    return 1000.0 * start.elapsed_time(end) / REPS
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(REPS)]
+    for start, end in events:
+        flush.zero_()
+        start.record()
+        graph.replay()
+        end.record()
+    torch.cuda.synchronize()
+    times = sorted(start.elapsed_time(end) for start, end in events)
+    del graph
+    return 1000.0 * times[len(times) // 2]
 
 
-def _choose(key: tuple, fused: Callable[[tuple], Any], plain: Callable[[], Any], configs) -> Any:
-    timings = {_UNFUSED: _time_us(plain)}
-    best, best_us = _UNFUSED, timings[_UNFUSED] * MARGIN
-    for config in configs:
-        try:
-            us = _time_us(lambda: fused(config))
-        except Exception as error:  # a configuration that cannot compile or launch here (shared memory)
-            logger.debug("skinny %s: config %s unusable: %s", key, config, error)
-            continue
-        timings[str(config)] = us
-        if us < best_us:
-            best, best_us = config, us
+_choosing = False  # while timing, nested sites (a norm_linear's own projection) take the unfused path
+
+
+def _choose(key: tuple, x: torch.Tensor, fused: Callable[[tuple], Any], plain: Callable[[], Any], configs) -> Any:
+    global _choosing
+    l2 = getattr(torch.cuda.get_device_properties(x.device), "L2_cache_size", 64 * 2**20)
+    flush = torch.empty(2 * l2, dtype=torch.int8, device=x.device)
+    _choosing = True
+    try:
+        timings = {_UNFUSED: _time_us(plain, flush)}
+        best, best_us = _UNFUSED, timings[_UNFUSED] * MARGIN
+        for config in configs:
+            try:
+                us = _time_us(lambda: fused(config), flush)
+            except Exception as error:  # a configuration that cannot compile or launch here (shared memory)
+                logger.debug("skinny %s: config %s unusable: %s", key, config, error)
+                continue
+            timings[str(config)] = us
+            if us < best_us:
+                best, best_us = config, us
+    finally:
+        _choosing = False
+        del flush
     _timings[key] = timings
     logger.debug("skinny %s: chose %s from %s", key, best, timings)
     return best
 
 
 def _run(site: str, x: torch.Tensor, weight: torch.Tensor, fused: Callable[[tuple], Any], plain: Callable[[], Any]):
-    kernels = use_fused(x, "gemv") if _enabled else None
+    kernels = use_fused(x, "gemv") if _enabled and not _choosing else None
     if kernels is None or x.dim() == 0 or x.numel() // max(1, x.shape[-1]) > kernels.MAX_ROWS:
         return plain()
     if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype:
@@ -113,7 +136,7 @@ def _run(site: str, x: torch.Tensor, weight: torch.Tensor, fused: Callable[[tupl
                 _logged_capture.add(key)
                 logger.info("skinny %s first seen while capturing a CUDA graph: unfused path", key)
             return plain()
-        choice = _decisions[key] = _choose(key, fused, plain, kernels.CONFIGS)
+        choice = _decisions[key] = _choose(key, x, fused, plain, kernels.CONFIGS)
     return plain() if choice == _UNFUSED else fused(choice)
 
 
