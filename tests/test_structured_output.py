@@ -106,6 +106,48 @@ def test_every_constraint_kind_in_one_batch_with_an_unconstrained_request(core, 
     assert not core.grammars.active and core.scheduler.num_used_tokens == 0
 
 
+def test_constrained_batches_keep_overlap_scheduling_and_match_synchronous_steps(core, tok):
+    # With overlap, step N+1 is launched before step N completes; its mask waits (inside the launch)
+    # only for step N's tokens. Greedy outputs must equal those of synchronous steps, token for token.
+    m = str(smollm2_dir())
+    sync = EngineCore(EngineConfig(model_path=m, dtype="float32", max_model_len=1024, max_num_seqs=8,
+                                   max_total_tokens=16384, tokenizer_path=m, overlap_schedule=False))
+    ebnf = 'root ::= "The answer is " ("yes" | "no") "."'
+
+    def reqs(base):
+        return [
+            request(tok, base + 1, chat(tok, "Describe a person as JSON."), ("json_schema", json.dumps(PERSON))),
+            request(tok, base + 2, chat(tok, "Give me a phone number."), ("regex", r"[0-9]{3}-[0-9]{4}")),
+            request(tok, base + 3, chat(tok, "Is the sky blue?"), ("ebnf_grammar", ebnf)),
+            request(tok, base + 4, chat(tok, "Tell me a story."), None, max_new=20),
+        ]
+
+    events = []
+    launch, complete = core.launch, core.complete
+
+    def logged_launch():
+        launched = launch()
+        if launched is not None:
+            events.append(("launch", core.grammars.active))
+        return launched
+
+    def logged_complete(launched):
+        events.append(("complete", None))
+        return complete(launched)
+
+    core.launch, core.complete = logged_launch, logged_complete
+    try:
+        got, got_reasons, failures, _ = run(core, reqs(300))
+    finally:
+        del core.launch, core.complete
+    expected, expected_reasons, _, _ = run(sync, reqs(300))
+    assert failures == [] and got == expected and got_reasons == expected_reasons
+    overlapped = [a for a, b in zip(events, events[1:]) if a[0] == b[0] == "launch" and b[1]]
+    assert overlapped, "no step was launched while the previous one was pending under a constraint"
+    check_person(text(tok, got[301]))
+    assert core.scheduler.num_used_tokens == 0 and not core.grammars.active
+
+
 def test_invalid_constraints_fail_naming_the_field(core, tok):
     reqs = [request(tok, 11, chat(tok, "x"), ("json_schema", '{"type": "bogus"}')),
             request(tok, 12, chat(tok, "x"), ("regex", "(unclosed")),

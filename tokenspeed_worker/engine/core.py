@@ -221,6 +221,7 @@ class EngineCore:
         self._was_scheduled = np.zeros(cap, dtype=bool)  # row already in a forward batch once
         self.sampling = SamplingState(cap, self.runner.vocab_size, self.device)
         self._free_rows: list[int] = list(range(cap - 1, -1, -1))
+        self._last_launched: LaunchedStep | None = None  # the grammar matchers follow its tokens
         self._row_of: dict[int, int] = {}
 
         self._tokens_window: list[tuple[float, int]] = []
@@ -296,11 +297,6 @@ class EngineCore:
         """Requests whose grammar is still compiling (not in the scheduler yet)."""
         return bool(self._grammar_pending)
 
-    @property
-    def requires_sync(self) -> bool:
-        """Complete each step before launching the next: a constrained request's next mask needs the
-        token it just sampled (engine/grammar.py)."""
-        return self.grammars is not None and (self.grammars.active or bool(self._grammar_pending))
 
     def take_failures(self) -> list[tuple[int, str, str]]:
         """Requests that failed outside a step (a grammar that did not compile): (id, code, message)."""
@@ -442,17 +438,15 @@ class EngineCore:
 
     def pipeline_step(self, pending: "LaunchedStep | None"):
         """One turn of the engine loop (the engine process and run_steps share it). With overlap
-        scheduling, launch step N+1 before completing step N, the `pending` one; without it, or while a
-        constrained request needs each step's tokens for its next mask, complete every step first.
+        scheduling, launch step N+1 before completing step N, the `pending` one; without it, complete
+        every step first. Constrained requests keep the overlap: step N+1's mask waits, inside its
+        launch, only for step N's tokens (`_accept_grammar_tokens`), while N+1's forward runs.
         Returns (outputs completed, in order; the step now pending or None; StepFailed if the launch
         failed (its requests already freed) or None; whether a step was launched)."""
         outputs: list[StepOutput] = []
         failed = None
         launched = None
         if self.has_work():
-            if pending is not None and self.requires_sync:
-                outputs.append(self.complete(pending))
-                pending = None
             try:
                 launched = self.launch()
             except StepFailed as exc:
@@ -516,7 +510,28 @@ class EngineCore:
         # Read before the step completes: a request that finishes in it is forgotten then.
         out.cached_tokens = self.scheduler.cached_tokens(rows) if rows.shape[0] else np.zeros(0, np.int32)
         self.scheduler.commit()
-        return LaunchedStep(out=out, rows=rows, host=host, event=event, t0=t0)
+        launched = LaunchedStep(out=out, rows=rows, host=host, event=event, t0=t0)
+        self._last_launched = launched
+        return launched
+
+    def _accept_grammar_tokens(self, launched: "LaunchedStep") -> None:
+        """Advance the constrained rows' matchers by the tokens `launched` sampled, once per step, in
+        launch order. Called when the next step's mask needs them (in its launch, after its forward
+        was enqueued, so the wait overlaps that forward) or, at the latest, when `launched` completes.
+        A row whose request ended since the launch (released, or its row given to another request:
+        engine request ids are unique) is skipped."""
+        if launched.grammar_accepted:
+            return
+        launched.grammar_accepted = True
+        tokens = launched.host.get("tokens")
+        if self.grammars is None or not self.grammars.active or tokens is None or not launched.rows.shape[0]:
+            return
+        if launched.event is not None:
+            launched.event.synchronize()
+        same = self._server_id[launched.rows] == launched.out.req_ids
+        rows, tokens = launched.rows[same], tokens.numpy()[same]
+        if rows.shape[0]:
+            self.grammars.accept(rows, tokens)
 
     def complete(self, launched: "LaunchedStep") -> StepOutput:
         """Wait for a launched step's sampled tokens; finish and release its requests. Steps
@@ -524,6 +539,7 @@ class EngineCore:
         finished by the previous step) are left out of the output."""
         if launched.event is not None:
             launched.event.synchronize()
+        self._accept_grammar_tokens(launched)  # before out.req_ids is narrowed to the live rows
         out = launched.out
         host = {name: tensor.numpy() for name, tensor in launched.host.items()}
         tokens = host.pop("tokens", None)
@@ -537,7 +553,6 @@ class EngineCore:
         out.tokens = tokens
         if self.grammars is not None and self.grammars.active and tokens.shape[0]:
             live_rows = launched.rows if live.all() else launched.rows[live]
-            self.grammars.accept(live_rows, tokens)
             done = set(finished_rows.tolist())
             ended = [row for row in self.grammars.terminated(live_rows) if row not in done]
             for row in ended:  # the grammar is complete: end the request with "stop" now
@@ -592,6 +607,10 @@ class EngineCore:
         (StepOutput field name -> CPU tensor, ready once the step's event fired)."""
         batch = self.sampling.batch(rows)
         if self.grammars is not None and self.grammars.active:
+            # The previous step, possibly still pending (overlap): its tokens advance the matchers
+            # this mask is built from. The device already has this step's forward queued behind it.
+            if self._last_launched is not None:
+                self._accept_grammar_tokens(self._last_launched)
             masks = self.grammars.fill_bitmask(rows)
             if masks is not None:
                 batch.grammar_bitmask, batch.grammar_positions = masks
@@ -623,6 +642,7 @@ class LaunchedStep:
     host: dict  # StepOutput field -> CPU tensor being filled by the device
     event: object | None  # CUDA event after the step's copies; None on CPU
     t0: float
+    grammar_accepted: bool = False  # its tokens advanced the grammar matchers (_accept_grammar_tokens)
 
 
 def _vocab_size(cfg: EngineConfig) -> int:
