@@ -44,7 +44,11 @@ def build_engine(args, **overrides) -> EngineCore:
         key, _, raw = item.partition("=")
         if key not in fields:
             raise SystemExit(f"--engine-arg: unknown EngineConfig field {key!r} (known: {sorted(fields)})")
-        setattr(cfg, key, json.loads(raw) if raw[:1] in "[{0123456789-tfn" and raw not in ("torch", "triton") else raw)
+        try:  # numbers, booleans, lists as JSON; anything else (torch, fp8, ...) as the string it is
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        setattr(cfg, key, value)
     if cfg.tensor_parallel_size > 1:
         start_tensor_parallel(cfg)
     return EngineCore(cfg)

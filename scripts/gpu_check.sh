@@ -71,6 +71,16 @@ if [ "${BENCH_DECODE:-0}" = 1 ]; then
   timeout 60 python3 scripts/bench_kernels.py --only skinny --skinny-rows 1 4 --out "$OUT/kernels_skinny.json" \
     2>&1 | grep -E "^skinny|copy|rror" | tail -30
 fi
+# The fp8 KV cache (BENCH_FP8=1): its kernel and model tests on CUDA, batch-1 latency and the
+# 1000/1000 offline run with --kv-cache-dtype fp8 (compare with BENCH_LONG's bf16 figures).
+if [ "${BENCH_FP8:-0}" = 1 ]; then
+  timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_kv_cache.py 2>&1 | tail -3
+  timeout 100 python3 scripts/bench_latency.py --model llama-3.1-8b --prompt-len 128 --new-tokens 128 \
+    --engine-arg kv_cache_dtype=fp8 --out "$OUT/latency_8b_fp8.json" 2>&1 | grep -E "decode:|rror" | tail -2
+  timeout 240 python3 scripts/bench_offline.py --model llama-3.1-8b --num-requests 1000 --input-len 1000 \
+    --output-len 1000 --max-num-seqs 512 --engine-arg max_cudagraph_capture_size=512 --engine-arg kv_cache_dtype=fp8 \
+    --out "$OUT/offline_8b_1000_s512_fp8.json" 2>&1 | grep -E "tokens in|idle|rror" | tail -3
+fi
 # Long offline runs and serving through gRPC (8B shape): BENCH_LONG=1.
 if [ "${BENCH_LONG:-0}" = 1 ]; then
   for seqs in ${LONG_SEQS:-256 512}; do

@@ -316,8 +316,11 @@ class ServerArgs:
         "float16/half/fp16, float32/float/fp32.",
         parse=_dtype,
     )
-    kv_cache_dtype: str = _not_yet(
-        "auto", PRECISION, "KV cache dtype; 'auto' uses the model dtype.", choices=("auto", "fp8", "fp8_e4m3")
+    kv_cache_dtype: str = _option(
+        "auto", PRECISION, "KV cache dtype; 'auto' uses the model dtype. 'fp8' / 'fp8_e4m3': float8 e4m3, half "
+        "the bytes of bf16 (twice the tokens in the pool, half the KV reads per decode step), stored unscaled "
+        "(values saturate at +-448; per-tensor scales from --quantization-param-path are not supported yet).",
+        choices=("auto", "fp8", "fp8_e4m3"),
     )
     kv_cache_quant_method: str = _not_yet(
         "none", PRECISION, "KV cache quantization method.", choices=("none", "per_token_head")

@@ -59,6 +59,7 @@ class EngineConfig:
     sampling_backend: str | None = None  # None: triton on CUDA when available, else torch
     seed: int = 0
     enforce_eager: bool = False  # no CUDA graphs
+    kv_cache_dtype: str = "auto"  # or "fp8"/"fp8_e4m3": the KV pool in float8 e4m3 (model_runner)
     cudagraph_capture_sizes: list[int] | None = None  # None: 1, 2, 4, 8, 16, 24, ... up to the max
     max_cudagraph_capture_size: int | None = None  # None: min(256, max_num_seqs)
     # --kv-events-config, resolved (config.kv_events_settings) when it turns publishing on, else None.
@@ -158,6 +159,7 @@ def build_runner(cfg: EngineConfig):
         block_size=cfg.block_size,
         seed=cfg.seed,
         enforce_eager=cfg.enforce_eager,
+        kv_cache_dtype=cfg.kv_cache_dtype,
         cudagraph_capture_sizes=cfg.cudagraph_capture_sizes,
         max_cudagraph_capture_size=cfg.max_cudagraph_capture_size,
         max_num_seqs=cfg.max_num_seqs,

@@ -57,13 +57,15 @@ REDUCE_TILE_ELEMENTS = 8192  # its [group, splits, head_dim] tile, float32
 
 
 def fix_triton_interpreter() -> None:
-    """Three fixes to Triton 3.6's interpreter (TRITON_INTERPRET=1, how CI runs these kernels on CPU).
+    """Four fixes to Triton 3.6's interpreter (TRITON_INTERPRET=1, how CI runs these kernels on CPU).
 
     - It keeps scalars as 1-element arrays and takes int() of them for loop bounds, which NumPy
       2.4 refuses (triton-lang/triton#9171, fixed after 3.6).
     - Its tl.dot multiplies bfloat16 operands as their raw uint16 storage; widened to float32
       first, the products are exact, as on the GPU's tensor cores.
     - It casts float32 to bfloat16 by truncation; the GPU rounds to nearest even.
+    - Its casts to float8 e4m3 (an fp8 KV cache) round wrongly (31.125 -> 16); the GPU rounds to
+      nearest even, as torch's cast does, which the interpreter now calls.
     Compiled kernels never go through the interpreter, so nothing changes on the GPU.
     """
     try:
@@ -110,6 +112,23 @@ def fix_triton_interpreter() -> None:
 
         cast_impl_rounded._tokenspeed_fixed = True
         builder.cast_impl = cast_impl_rounded
+
+    fp_to_fp = getattr(builder, "create_fp_to_fp", None)
+    if fp_to_fp is not None and not getattr(fp_to_fp, "_tokenspeed_fixed", False):
+
+        def fp_to_fp_rounded(self, src, dst_type, rounding_mode):
+            if dst_type.scalar == tl.float8e4nv and src.dtype.scalar in (tl.float32, tl.float16, tl.bfloat16):
+                import torch as _torch
+
+                values = src.data
+                if src.dtype.scalar == tl.bfloat16:  # stored as its raw uint16 bits
+                    values = (values.astype(np.uint32) << 16).view(np.float32)
+                wide = _torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+                return interpreter.TensorHandle(wide.to(_torch.float8_e4m3fn).view(_torch.uint8).numpy(), tl.float8e4nv)
+            return fp_to_fp(self, src, dst_type, rounding_mode)
+
+        fp_to_fp_rounded._tokenspeed_fixed = True
+        builder.create_fp_to_fp = fp_to_fp_rounded
 
 
 if AVAILABLE:
@@ -266,7 +285,7 @@ if AVAILABLE:
                 k_head + (block_id * stride_k_block + in_block * stride_k_offset)[:, None] + offs_d[None, :],
                 mask=key_ok[:, None], other=0.0,
             )
-            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+            scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale_log2
             scores = tl.where(key_ok[None, :], scores, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, axis=1))  # finite: every tile holds a key
             alpha = tl.exp2(m_i - m_new)
@@ -276,7 +295,7 @@ if AVAILABLE:
                 v_head + (block_id * stride_v_block + in_block * stride_v_offset)[:, None] + offs_d[None, :],
                 mask=key_ok[:, None], other=0.0,
             )
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
             m_i = m_new
 
         l_i = tl.where(l_i > 0, l_i, 1.0)  # an empty split (nothing stored) must not divide by zero
@@ -395,13 +414,13 @@ if AVAILABLE:
             block_id = tl.load(table_row + pos // BLOCK_SIZE).to(tl.int64)
             in_block = (pos % BLOCK_SIZE).to(tl.int64)
             k = tl.load(k_head + (block_id * stride_k_block + in_block * stride_k_offset)[:, None] + offs_d[None, :])
-            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+            scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale_log2
             m_new = tl.maximum(m_i, tl.max(scores, axis=1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(scores - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
             v = tl.load(v_head + (block_id * stride_v_block + in_block * stride_v_offset)[:, None] + offs_d[None, :])
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
             m_i = m_new
         for tile_start in range(full_end, kv_end, BLOCK_N):
             pos = tile_start + offs_n
@@ -412,7 +431,7 @@ if AVAILABLE:
                 k_head + (block_id * stride_k_block + in_block * stride_k_offset)[:, None] + offs_d[None, :],
                 mask=key_ok[:, None], other=0.0,
             )
-            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+            scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale_log2
             # Key 0 is in the first tile walked and visible to every row, so m_i is finite from there on.
             visible = (pos[None, :] <= row_pos[:, None]) & key_ok[None, :]
             scores = tl.where(visible, scores, float("-inf"))
@@ -424,7 +443,7 @@ if AVAILABLE:
                 v_head + (block_id * stride_v_block + in_block * stride_v_offset)[:, None] + offs_d[None, :],
                 mask=key_ok[:, None], other=0.0,
             )
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
             m_i = m_new
 
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # rows of an empty tile are not stored
@@ -493,7 +512,7 @@ def paged_decode_attention(
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     if batch == 0:
         return
-    block_n = _decode_block_n(head_dim, k_cache.element_size())
+    block_n = _decode_block_n(head_dim, max(q.element_size(), k_cache.element_size()))  # an fp8 cache is widened to q
     group_pad = triton.next_power_of_2(group)
     write_out = num_splits == 1
     if write_out:
@@ -588,7 +607,8 @@ def paged_extend_attention(
         raise ValueError(f"out must be [T, H, D] like q {tuple(q.shape)}, contiguous along D")
     if batch == 0 or max_query_len <= 0 or q.shape[0] == 0:
         return
-    block_m, block_n, num_warps, num_stages = _extend_config(head_dim, group, max_query_len, k_cache.element_size())
+    element_size = max(q.element_size(), k_cache.element_size())  # an fp8 cache is widened to q
+    block_m, block_n, num_warps, num_stages = _extend_config(head_dim, group, max_query_len, element_size)
     block_q = block_m // group
     grid = (triton.cdiv(max_query_len, block_q), num_kv_heads, batch)
     _extend_kernel[grid](

@@ -36,8 +36,10 @@ if AVAILABLE:
         src, stride_src_h, dst, stride_dst_h, heads, num_heads,
         cos1, sin1, cos2, sin2,
         HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, PASS: tl.constexpr, BLOCK_PASS: tl.constexpr,
+        SATURATE: tl.constexpr = 0.0,
     ):
-        """Rotate heads `heads` (those < num_heads) of one token from src into dst."""
+        """Rotate heads `heads` (those < num_heads) of one token from src into dst. SATURATE > 0:
+        clamp to +-SATURATE before the store (an fp8 KV cache: e4m3 has no infinity)."""
         dtype = src.dtype.element_ty
         in_heads = heads < num_heads
         d = tl.arange(0, BLOCK_HALF)
@@ -49,12 +51,17 @@ if AVAILABLE:
         # x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2 | x1]; negation is exact.
         out1 = _round(_round(x1 * cos1, dtype) - _round(x2 * sin1, dtype), dtype)
         out2 = _round(_round(x2 * cos2, dtype) + _round(x1 * sin2, dtype), dtype)
+        if SATURATE > 0:
+            out1 = tl.clamp(out1, -SATURATE, SATURATE)
+            out2 = tl.clamp(out2, -SATURATE, SATURATE)
         tl.store(dst_rows + d[None, :], out1.to(dst.dtype.element_ty), mask=mask)
         tl.store(dst_rows + HALF + d[None, :], out2.to(dst.dtype.element_ty), mask=mask)
         if PASS > 0:
             p = tl.arange(0, BLOCK_PASS)
             pass_mask = in_heads[:, None] & (p < PASS)[None, :]
             rest = tl.load(src_rows + 2 * HALF + p[None, :], mask=pass_mask, other=0.0)
+            if SATURATE > 0:
+                rest = tl.clamp(rest.to(tl.float32), -SATURATE, SATURATE)
             tl.store(dst_rows + 2 * HALF + p[None, :], rest.to(dst.dtype.element_ty), mask=pass_mask)
 
     @triton.jit
@@ -67,6 +74,7 @@ if AVAILABLE:
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, PASS: tl.constexpr, BLOCK_PASS: tl.constexpr,
         BLOCK_H: tl.constexpr,
+        KV_SATURATE: tl.constexpr,
     ):
         """Program (t, j): token t; j < cdiv(H, BLOCK_H) rotates a block of q heads, the rest a
         block of k heads (into the cache) and copy the same v heads."""
@@ -95,15 +103,22 @@ if AVAILABLE:
                 k_ptr + t * stride_k_t, stride_k_h, k_cache_ptr + slot * stride_kc_slot, stride_kc_h,
                 heads, num_kv_heads,
                 cos1[None, :], sin1[None, :], cos2[None, :], sin2[None, :],
-                HALF, BLOCK_HALF, PASS, BLOCK_PASS,
+                HALF, BLOCK_HALF, PASS, BLOCK_PASS, KV_SATURATE,
             )
             dd = tl.arange(0, BLOCK_D)
             v_mask = (heads < num_kv_heads)[:, None] & (dd < HEAD_DIM)[None, :]
             v = tl.load(v_ptr + t * stride_v_t + heads[:, None] * stride_v_h + dd[None, :], mask=v_mask, other=0.0)
+            if KV_SATURATE > 0:
+                v = tl.clamp(v.to(tl.float32), -KV_SATURATE, KV_SATURATE)
             tl.store(
                 v_cache_ptr + slot * stride_vc_slot + heads[:, None] * stride_vc_h + dd[None, :],
                 v.to(v_cache_ptr.dtype.element_ty), mask=v_mask,
             )
+
+
+def fp8_max(dtype: torch.dtype) -> float:
+    """The largest finite value of an fp8 cache dtype (stores saturate there); 0.0 for other dtypes."""
+    return float(torch.finfo(dtype).max) if dtype.itemsize == 1 and dtype.is_floating_point else 0.0
 
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -160,6 +175,7 @@ def rope_and_write_kv(
         HALF=half, BLOCK_HALF=triton.next_power_of_2(max(half, 1)), PASS=rest,
         BLOCK_PASS=triton.next_power_of_2(max(rest, 1)),
         BLOCK_H=block_h,
+        KV_SATURATE=fp8_max(k_cache.dtype),
         num_warps=4 if block_h * block_d >= 1024 else max(1, block_h * block_d // 256),
         enable_fp_fusion=False,  # float32: x * cos + ... rounded after each product, as torch
     )

@@ -5,10 +5,24 @@ from __future__ import annotations
 import torch
 
 
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in the cache's dtype; into an fp8 cache saturated at its largest finite value (e4m3 has no
+    infinity), as the Triton write kernel does (kernels_triton/rotary.py)."""
+    if x.dtype == dtype:
+        return x
+    if dtype.itemsize == 1 and dtype.is_floating_point:
+        limit = float(torch.finfo(dtype).max)
+        return x.clamp(-limit, limit).to(dtype)
+    return x.to(dtype)
+
+
 def write_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                    k: torch.Tensor, v: torch.Tensor) -> None:
     """k/v [T, Hkv, D] into the caches (viewed as [slots, Hkv, D]) at slot_mapping [T]: a device scatter,
-    graph-safe."""
+    graph-safe. An fp8 cache is written through byte views (torch has no fp8 index_copy_ on CPU)."""
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    for cache, x in ((k_cache, k), (v_cache, v)):
+        rows, values = cache.view(-1, num_kv_heads, head_dim), to_cache_dtype(x, cache.dtype)
+        if cache.element_size() == 1:
+            rows, values = rows.view(torch.uint8), values.view(torch.uint8)
+        rows.index_copy_(0, slot_mapping, values)

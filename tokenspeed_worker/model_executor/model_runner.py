@@ -68,6 +68,8 @@ def resolve_dtype(dtype: str | torch.dtype, hf_config) -> torch.dtype:
     return DTYPES[dtype]
 
 
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+
 def resolve_device(device: str | torch.device) -> torch.device:
     device = torch.device(device)
     if device.type == "cuda":
@@ -106,12 +108,15 @@ class ModelRunner:
         max_num_seqs: int = 256,
         max_model_len: int | None = None,
         emulate_cuda_graphs: bool = False,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         """attention_backend: "torch", "triton", "auto" (triton on CUDA when its kernels can run, else
         torch) or a backend instance. max_model_len: the longest sequence (default: the model's
         max_position_embeddings); it sets the CUDA graphs' block table width. emulate_cuda_graphs:
         "capture" by recording the decode step and "replay" by re-running it on the static buffers,
-        so CPU tests exercise the graph path (padding, dummy block, static buffers)."""
+        so CPU tests exercise the graph path (padding, dummy block, static buffers). kv_cache_dtype:
+        "auto" (the model's dtype) or "fp8"/"fp8_e4m3" (float8 e4m3, unscaled: values saturate at
+        +-448; the attention kernels widen it to the model's dtype as they read)."""
         from transformers import AutoConfig
 
         if block_size < 1:
@@ -122,6 +127,9 @@ class ModelRunner:
         self.hf_config = AutoConfig.from_pretrained(self.model_path)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.hf_config)
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+        self.kv_dtype = self.dtype if kv_cache_dtype == "auto" else torch.float8_e4m3fn
         if isinstance(attention_backend, AttentionBackend):
             self.attention_backend = attention_backend
         else:
@@ -177,7 +185,7 @@ class ModelRunner:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
 
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_dtype.itemsize
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """One tensor [2 (K, V), layers, *backend's per-layer shape]; each attention layer gets its slices.
@@ -192,7 +200,7 @@ class ModelRunner:
         pool_blocks = num_blocks + (1 if self.use_cuda_graphs else 0)
         shape = self.attention_backend.kv_cache_shape(pool_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         self.kv_cache = None  # free the old pool before allocating the new one
-        self.kv_cache = torch.zeros((2, self.num_layers, *shape), dtype=self.dtype, device=self.device)
+        self.kv_cache = torch.zeros((2, self.num_layers, *shape), dtype=self.kv_dtype, device=self.device)
         self.num_blocks = num_blocks
         self.dummy_block = num_blocks if self.use_cuda_graphs else None
         for layer_index, attn in enumerate(self.attention_layers):

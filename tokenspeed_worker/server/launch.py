@@ -85,6 +85,7 @@ def engine_config_from_args(args, max_model_len: int, device: str, dtype: str) -
         enable_prefix_caching=args.enable_prefix_caching,
         sampling_backend=args.sampling_backend,
         enforce_eager=args.enforce_eager,
+        kv_cache_dtype=args.kv_cache_dtype,
         overlap_schedule=False if getattr(args, "disable_overlap_schedule", False) else None,
         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1) or 1,
         grammar_backend=getattr(args, "grammar_backend", "xgrammar") or "xgrammar",

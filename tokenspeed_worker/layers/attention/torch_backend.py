@@ -119,8 +119,8 @@ class TorchAttentionBackend(AttentionBackend):
         out = torch.empty_like(q)
         for group in metadata.groups:
             q_group = q[group.token_index].transpose(1, 2)  # [G, H, Lq, D]
-            k_group = k_slots[group.kv_slots].transpose(1, 2)  # [G, Hkv, Lk, D]
-            v_group = v_slots[group.kv_slots].transpose(1, 2)
+            k_group = k_slots[group.kv_slots].to(q.dtype).transpose(1, 2)  # [G, Hkv, Lk, D] (an fp8 cache widened)
+            v_group = v_slots[group.kv_slots].to(q.dtype).transpose(1, 2)
             o = F.scaled_dot_product_attention(
                 q_group, k_group, v_group, attn_mask=group.mask, scale=scale, enable_gqa=num_heads != num_kv_heads
             )
