@@ -148,6 +148,49 @@ def test_constrained_batches_keep_overlap_scheduling_and_match_synchronous_steps
     assert core.scheduler.num_used_tokens == 0 and not core.grammars.active
 
 
+def test_aborts_and_row_reuse_under_overlap_keep_every_grammar_consistent(core, tok):
+    # Overlap with constraints: a step's tokens reach the matchers during the next launch, after the
+    # server may have aborted requests and their rows gone to new ones (4 rows, constant churn).
+    # Every request must end exactly once, finished outputs must match their regex, and nothing may
+    # stay allocated.
+    import random
+
+    rng = random.Random(7)
+    pattern = r"[0-9]{3}-[0-9]{4}"
+    prompts = [chat(tok, f"Give me phone number {i}.") for i in range(24)]
+    small = EngineCore(EngineConfig(model_path=str(smollm2_dir()), dtype="float32", max_model_len=512, max_num_seqs=4,
+                                    max_total_tokens=4096, tokenizer_path=str(smollm2_dir()), overlap_schedule=True))
+    outs, ended, aborted = {}, {}, set()
+    next_id, pending = 500, None
+    for turn in range(400):
+        live = [rid for rid in outs if rid not in ended and rid not in aborted]
+        if next_id < 524 and len(live) < 6:
+            constraint = ("regex", pattern) if next_id % 3 else None
+            small.add_request(request(tok, next_id, prompts[next_id - 500], constraint, max_new=12))
+            outs[next_id] = []
+            next_id += 1
+        if live and rng.random() < 0.15:
+            victim = rng.choice(live)
+            assert small.abort(victim)
+            aborted.add(victim)
+        results, pending, failed, _ = small.pipeline_step(pending)
+        assert failed is None
+        for out in results:
+            for rid, token in zip(out.req_ids.tolist(), out.tokens.tolist()):
+                assert rid not in ended and rid not in aborted, f"a token for request {rid} after it ended"
+                outs[rid].append(token)
+            for rid, reason in zip(out.finished_ids.tolist(), out.finish_reasons.tolist()):
+                assert rid not in ended, f"request {rid} ended twice"
+                ended[rid] = reason
+        if next_id == 524 and pending is None and not small.has_work():
+            break
+    assert set(ended) | aborted == set(outs) and not set(ended) & aborted
+    for rid, reason in ended.items():
+        if (rid - 500) % 3 and reason == 1:
+            assert re.fullmatch(pattern, text(tok, outs[rid])), (rid, text(tok, outs[rid]))
+    assert len(aborted) > 2 and small.scheduler.num_used_tokens == 0 and not small.grammars.active
+
+
 def test_invalid_constraints_fail_naming_the_field(core, tok):
     reqs = [request(tok, 11, chat(tok, "x"), ("json_schema", '{"type": "bogus"}')),
             request(tok, 12, chat(tok, "x"), ("regex", "(unclosed")),
