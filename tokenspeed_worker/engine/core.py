@@ -299,7 +299,6 @@ class EngineCore:
         """Requests whose grammar is still compiling (not in the scheduler yet)."""
         return bool(self._grammar_pending)
 
-
     def take_failures(self) -> list[tuple[int, str, str]]:
         """Requests that failed outside a step (a grammar that did not compile): (id, code, message)."""
         failures, self._failures = self._failures, []
