@@ -64,9 +64,14 @@ fi
 if [ "${BENCH_DECODE:-0}" = 1 ]; then
   timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_skinny_kernels.py tests/test_fused_kernels.py \
     2>&1 | tail -4
+  # Each shape with the skinny kernels off (the default) and on (their per-site choice, timed from
+  # CUDA graphs, is recorded in the JSON as skinny_kernels).
   for m in llama-3.1-8b llama-3.2-1b; do
-    timeout ${LATENCY_TIMEOUT:-100} python3 scripts/bench_latency.py --model $m --prompt-len 128 --new-tokens 128 \
-      --out "$OUT/latency_$m.json" 2>&1 | grep -E "decode:|rror" | tail -3
+    for skinny in 0 1; do
+      TOKENSPEED_SKINNY_KERNELS=$skinny timeout ${LATENCY_TIMEOUT:-100} python3 scripts/bench_latency.py --model $m \
+        --prompt-len 128 --new-tokens 128 --out "$OUT/latency_${m}_skinny$skinny.json" 2>&1 \
+        | grep -E "decode:|rror" | sed "s/^/skinny=$skinny /" | tail -3
+    done
   done
   timeout 60 python3 scripts/bench_kernels.py --only skinny --skinny-rows 1 4 --out "$OUT/kernels_skinny.json" \
     2>&1 | grep -E "^skinny|copy|rror" | tail -30
