@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from tokenspeed_worker.kernels_triton.norm import AVAILABLE
+from tokenspeed_worker.layers.kv_cache import saturation_limit
 
 if AVAILABLE:
     import triton
@@ -116,11 +117,6 @@ if AVAILABLE:
             )
 
 
-def fp8_max(dtype: torch.dtype) -> float:
-    """The largest finite value of an fp8 cache dtype (stores saturate there); 0.0 for other dtypes."""
-    return float(torch.finfo(dtype).max) if dtype.itemsize == 1 and dtype.is_floating_point else 0.0
-
-
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
@@ -175,7 +171,7 @@ def rope_and_write_kv(
         HALF=half, BLOCK_HALF=triton.next_power_of_2(max(half, 1)), PASS=rest,
         BLOCK_PASS=triton.next_power_of_2(max(rest, 1)),
         BLOCK_H=block_h,
-        KV_SATURATE=fp8_max(k_cache.dtype),
+        KV_SATURATE=saturation_limit(k_cache.dtype),
         num_warps=4 if block_h * block_d >= 1024 else max(1, block_h * block_d // 256),
         enable_fp_fusion=False,  # float32: x * cos + ... rounded after each product, as torch
     )

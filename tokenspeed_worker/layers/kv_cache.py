@@ -5,15 +5,19 @@ from __future__ import annotations
 import torch
 
 
+def saturation_limit(dtype: torch.dtype) -> float:
+    """Where writes into a cache of this dtype saturate: an fp8 dtype's largest finite value (e4m3 has
+    no infinity); 0.0 (no saturation) for wider dtypes. Both write paths use it (here and the Triton
+    write kernel, kernels_triton/rotary.py)."""
+    return float(torch.finfo(dtype).max) if dtype.itemsize == 1 and dtype.is_floating_point else 0.0
+
+
 def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """x in the cache's dtype; into an fp8 cache saturated at its largest finite value (e4m3 has no
-    infinity), as the Triton write kernel does (kernels_triton/rotary.py)."""
+    """x in the cache's dtype, saturated into an fp8 cache (saturation_limit)."""
     if x.dtype == dtype:
         return x
-    if dtype.itemsize == 1 and dtype.is_floating_point:
-        limit = float(torch.finfo(dtype).max)
-        return x.clamp(-limit, limit).to(dtype)
-    return x.to(dtype)
+    limit = saturation_limit(dtype)
+    return x.clamp(-limit, limit).to(dtype) if limit else x.to(dtype)
 
 
 def write_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,

@@ -17,8 +17,9 @@ beat the unfused path by MARGIN to be chosen, so timing noise cannot make a step
 Respects layers/fused_kernels.py's switch (TOKENSPEED_FUSED_KERNELS): "off" always takes the
 unfused path; "force" takes the fused kernel with its default configuration on any device
 (CPU tests, in Triton's interpreter); "auto" decides by timing on CUDA and never fuses on CPU.
-TOKENSPEED_SKINNY_KERNELS=1 (or `set_enabled(True)`) turns these kernels on; they are off by default (below). Off leaves the
-other fused kernels as they are (for measuring what they bring).
+TOKENSPEED_SKINNY_KERNELS=1 (or `set_enabled(True)`) turns these kernels on; they are off by
+default (below). Off, every site is the unfused layers' own call, and the other fused kernels keep
+their mode.
 """
 
 from __future__ import annotations
@@ -36,9 +37,9 @@ from tokenspeed_worker.layers.fused_kernels import fused_kernels_mode, use_fused
 logger = logging.getLogger(__name__)
 
 ENV_VAR = "TOKENSPEED_SKINNY_KERNELS"
-# Off by default: on an H200 the kernel measured 35-65 % of the copy bandwidth against cuBLAS's
-# 45-75 % at these shapes (docs/benchmarks.md), so the timed choice kept the unfused path nearly
-# everywhere while costing compile and timing at startup. TOKENSPEED_SKINNY_KERNELS=1 turns it on.
+# Off by default: on an H200 the kernel beats the unfused path at 1 row (1.02-1.20x at 7 of 8 sites)
+# but loses at 4, and the engine has not yet shown an end-to-end gain with the graph-timed choice
+# (docs/benchmarks.md). TOKENSPEED_SKINNY_KERNELS=1 turns it on.
 _enabled = os.environ.get(ENV_VAR, "0").strip().lower() in ("1", "on", "true", "auto")
 MARGIN = 0.97  # a fused configuration is chosen only at <= 97 % of the unfused path's time
 WARMUP, REPS = 2, 10
@@ -119,12 +120,19 @@ def _choose(key: tuple, x: torch.Tensor, fused: Callable[[tuple], Any], plain: C
     return best
 
 
-def _run(site: str, x: torch.Tensor, weight: torch.Tensor, fused: Callable[[tuple], Any], plain: Callable[[], Any]):
-    kernels = use_fused(x, "gemv") if _enabled and not _choosing else None
-    if kernels is None or x.dim() == 0 or x.numel() // max(1, x.shape[-1]) > kernels.MAX_ROWS:
-        return plain()
-    if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype:
-        return plain()
+def _kernels(x: torch.Tensor, weight: torch.Tensor):
+    """kernels_triton.gemv when the skinny kernel may run on x (few rows, 16-bit, switched on), else None."""
+    if not _enabled or _choosing or x.dim() == 0 or x.dtype not in (torch.bfloat16, torch.float16):
+        return None
+    kernels = use_fused(x, "gemv")
+    if kernels is None or weight.dtype != x.dtype or x.numel() // max(1, x.shape[-1]) > kernels.MAX_ROWS:
+        return None
+    return kernels
+
+
+def _run(site: str, x: torch.Tensor, weight: torch.Tensor, kernels, fused: Callable[[tuple], Any],
+         plain: Callable[[], Any]):
+    """The chosen path for this site (kernels: from _kernels, not None)."""
     if fused_kernels_mode() == "force" or not x.is_cuda:
         return fused(kernels.CONFIGS[0])
     rows = x.numel() // x.shape[-1]
@@ -142,12 +150,11 @@ def _run(site: str, x: torch.Tensor, weight: torch.Tensor, fused: Callable[[tupl
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight^T (+ bias), by the skinny kernel when that is faster for these few rows."""
-    def fused(config):
-        from tokenspeed_worker.kernels_triton import gemv
-
-        return gemv.skinny_linear(x, weight, bias, config=config)[0]
-
-    return _run("linear", x, weight, fused, lambda: F.linear(x, weight, bias))
+    kernels = _kernels(x, weight)
+    if kernels is None:  # the common case (off, or many rows): no closures on the eager path
+        return F.linear(x, weight, bias)
+    return _run("linear", x, weight, kernels, lambda config: kernels.skinny_linear(x, weight, bias, config=config)[0],
+                lambda: F.linear(x, weight, bias))
 
 
 def norm_linear(norm, proj, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -161,13 +168,15 @@ def norm_linear(norm, proj, x: torch.Tensor, residual: torch.Tensor | None) -> t
         hidden, new_residual = norm(x, residual)
         return proj(hidden), new_residual
 
+    kernels = _kernels(x, proj.weight)
+    if kernels is None:
+        return plain()
+
     def fused(config):
-        from tokenspeed_worker.kernels_triton import gemv
+        return kernels.skinny_linear(x, proj.weight, proj.bias, norm_weight=norm.weight, residual=residual,
+                                     eps=norm.eps, config=config)
 
-        return gemv.skinny_linear(x, proj.weight, proj.bias, norm_weight=norm.weight, residual=residual,
-                                  eps=norm.eps, config=config)
-
-    return _run("norm_linear" if residual is None else "add_norm_linear", x, proj.weight, fused, plain)
+    return _run("norm_linear" if residual is None else "add_norm_linear", x, proj.weight, kernels, fused, plain)
 
 
 def norm_gate_up_silu(norm, gate_up, act, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -177,16 +186,15 @@ def norm_gate_up_silu(norm, gate_up, act, x: torch.Tensor, residual: torch.Tenso
         hidden, new_residual = norm(x, residual)
         return act(gate_up(hidden)), new_residual
 
-    if gate_up.bias is not None:
+    kernels = _kernels(x, gate_up.weight)
+    if kernels is None or gate_up.bias is not None:
         return plain()
 
     def fused(config):
-        from tokenspeed_worker.kernels_triton import gemv
+        return kernels.skinny_linear(x, gate_up.weight, norm_weight=norm.weight, residual=residual, eps=norm.eps,
+                                     silu=True, config=config)
 
-        return gemv.skinny_linear(x, gate_up.weight, norm_weight=norm.weight, residual=residual, eps=norm.eps,
-                                  silu=True, config=config)
-
-    return _run("norm_gate_up_silu", x, gate_up.weight, fused, plain)
+    return _run("norm_gate_up_silu", x, gate_up.weight, kernels, fused, plain)
 
 
 __all__ = ["ENV_VAR", "decisions", "linear", "norm_gate_up_silu", "norm_linear", "reset", "set_enabled"]

@@ -70,6 +70,7 @@ def resolve_dtype(dtype: str | torch.dtype, hf_config) -> torch.dtype:
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
+
 def resolve_device(device: str | torch.device) -> torch.device:
     device = torch.device(device)
     if device.type == "cuda":
