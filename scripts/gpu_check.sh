@@ -76,6 +76,32 @@ if [ "${BENCH_DECODE:-0}" = 1 ]; then
   timeout 60 python3 scripts/bench_kernels.py --only skinny --skinny-rows 1 4 --out "$OUT/kernels_skinny.json" \
     2>&1 | grep -E "^skinny|copy|rror" | tail -30
 fi
+# Programmatic dependent launch (BENCH_PDL=1): the kernel and graph tests on CUDA (PDL on and off
+# give the same bits), batch-1 latency for both shapes with PDL on (the default) and off
+# (TOKENSPEED_PDL=0), and the skinny kernels against the unfused path.
+if [ "${BENCH_PDL:-0}" = 1 ]; then
+  timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_cuda_graph_logic.py tests/test_skinny_kernels.py \
+    tests/test_fused_kernels.py tests/test_triton_kernels.py tests/test_triton_backend.py tests/test_fp8_kv_cache.py \
+    2>&1 | tail -4
+  for m in llama-3.2-1b llama-3.1-8b; do
+    for p in 1 0; do
+      TOKENSPEED_PDL=$p timeout ${LATENCY_TIMEOUT:-100} python3 scripts/bench_latency.py --model $m \
+        --prompt-len 128 --new-tokens 128 --out "$OUT/latency_${m}_pdl$p.json" 2>&1 \
+        | grep -E "decode:|rror" | sed "s/^/pdl=$p /" | tail -3
+    done
+  done
+  timeout 90 python3 scripts/bench_kernels.py --only skinny --skinny-rows 1 --out "$OUT/kernels_skinny_pdl.json" \
+    2>&1 | grep -E "^skinny|rror" | tail -10
+fi
+# Where a large decode step's time goes (PROFILE_LARGE=1): 8B, 256 requests of 1024 prompt tokens,
+# bf16 and fp8 KV caches.
+if [ "${PROFILE_LARGE:-0}" = 1 ]; then
+  for kv in auto fp8; do
+    timeout 150 python3 scripts/profile_decode.py --model llama-3.1-8b --batch 256 --prompt-len 1024 --steps 8 \
+      --top 16 --engine-arg kv_cache_dtype=$kv --engine-arg max_cudagraph_capture_size=256 \
+      --out "$OUT/profile_8b_b256_$kv.json" 2>&1 | grep -v "^20..-\|^STAGE\|Warning\|warn" | tail -18
+  done
+fi
 # The fp8 KV cache (BENCH_FP8=1): its kernel and model tests on CUDA, batch-1 latency and the
 # 1000/1000 offline run with --kv-cache-dtype fp8 (compare with BENCH_LONG's bf16 figures).
 if [ "${BENCH_FP8:-0}" = 1 ]; then

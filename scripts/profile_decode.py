@@ -30,14 +30,19 @@ def main() -> int:
     args = ap.parse_args()
     if torch.device(args.device).type != "cuda":
         raise SystemExit("profile_decode needs a CUDA device (--device cuda)")
-    total = args.prompt_len + args.steps + 64
+    # Enough new tokens that no request finishes before the profiled steps, however many steps the
+    # prompts take to prefill (chunks of at least 2048 tokens).
+    new_tokens = args.steps + 48 + args.batch * args.prompt_len // 2048
+    total = args.prompt_len + new_tokens + 16
     core = build_engine(args, max_model_len=total + 16, max_num_seqs=max(args.batch, 1))
     rng = np.random.default_rng(0)
     vocab = core.runner.vocab_size
     for i in range(args.batch):
-        core.add_request(greedy_request(i + 1, rng.integers(10, vocab - 10, args.prompt_len), args.steps + 48))
+        core.add_request(greedy_request(i + 1, rng.integers(10, vocab - 10, args.prompt_len), new_tokens))
     steps = core.run_steps()
-    for _ in range(16):  # prefill and warm decode steps
+    while core.scheduler.num_waiting:  # every prompt admitted and (chunked) prefilling
+        next(steps)
+    for _ in range(16):  # the last prefill chunks, then warm decode steps
         next(steps)
     torch.cuda.synchronize()
     from torch.profiler import ProfilerActivity, profile

@@ -119,6 +119,31 @@ def test_graph_reserve_counts_the_static_buffers():
 # -- the runner's graph path, emulated on CPU ----------------------------------------------------
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_programmatic_dependent_launch_changes_no_logit(llama_path, monkeypatch):
+    # PDL (kernels_triton/pdl.py) lets a kernel start before the previous one ends; each waits
+    # before reading what a neighbour writes, so graphs captured with and without it compute the
+    # same bits (the same kernels, the same skinny choices).
+    from tokenspeed_worker.kernels_triton import pdl
+
+    def run(flag):
+        monkeypatch.setenv(pdl.ENV_VAR, flag)
+        r = ModelRunner(
+            str(llama_path), dtype="bfloat16", device="cuda", block_size=BLOCK_SIZE, attention_backend="triton",
+            max_model_len=MAX_MODEL_LEN, max_num_seqs=8,
+        )
+        r.allocate_kv_cache(NUM_BLOCKS)
+        r.capture_cuda_graphs()
+        assert pdl.enabled(torch.device("cuda")) == (flag == "1" and torch.cuda.get_device_capability()[0] >= 9)
+        return _decode_run(r, [1, 2, 4, 3, 8, 1]), r.kv_cache[:, :, :NUM_BLOCKS].clone()
+
+    (off, off_cache), (on, on_cache) = run("0"), run("1")
+    for expected, got in zip(off, on):
+        assert torch.equal(got, expected)
+    assert torch.equal(on_cache, off_cache)
+
+
 def _runner(path, **kwargs) -> ModelRunner:
     kwargs.setdefault("attention_backend", reference_triton_backend())
     runner = ModelRunner(

@@ -32,6 +32,8 @@ import functools
 
 import torch
 
+from tokenspeed_worker.kernels_triton import pdl
+
 try:
     import triton
     import triton.language as tl
@@ -247,6 +249,7 @@ if AVAILABLE:
         SPLIT_TILE: tl.constexpr,
         WRITE_OUT: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         batch = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -264,6 +267,9 @@ if AVAILABLE:
         offs_n = tl.arange(0, BLOCK_N)
         heads = kv_head * GROUP + offs_g
         head_ok = offs_g < GROUP
+        if PDL:  # seq_lens and block tables are inputs of the step; q and the new keys come from the kernels before
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         q = tl.load(
             q_ptr + batch.to(tl.int64) * stride_q_batch + heads[:, None] * stride_q_head + offs_d[None, :],
             mask=head_ok[:, None], other=0.0,
@@ -535,6 +541,7 @@ def paged_decode_attention(
                 "see decode_workspace"
             )
         stride_counter = counter.stride(0)
+    pdl_on = pdl.enabled(q.device)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens,
         out, partial_out, partial_lse, counter,
@@ -558,8 +565,10 @@ def paged_decode_attention(
         SPLIT_TILE=_reduce_split_tile(group_pad, head_dim),
         WRITE_OUT=write_out,
         DOT_PRECISION=_dot_precision(q.dtype),
+        PDL=pdl_on,
         num_warps=4,
         num_stages=2,
+        **pdl.launch_options(pdl_on),
     )
 
 

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import torch
 
+from tokenspeed_worker.kernels_triton import pdl
+
 try:
     import triton
     import triton.language as tl
@@ -49,7 +51,10 @@ except ImportError:  # pragma: no cover - depends on the machine
 MAX_ROWS = 4  # rows (tokens) the kernel takes: each row is its own accumulator (CUDA cores, not tensor cores)
 # (BLOCK_N, BLOCK_K, num_warps) tried per shape by layers/skinny.py; the first is the default
 # where nothing was timed (CPU, interpreter, or a shape first seen while capturing).
-CONFIGS = ((8, 512, 4), (16, 512, 4), (4, 1024, 4), (16, 256, 4), (32, 256, 8))
+# The wide-K ones (2048) are for long rows such as down_proj's (K = 8192 at 1B, 14336 at 8B), where
+# more bytes per program and iteration keep more loads in flight.
+CONFIGS = ((8, 512, 4), (16, 512, 4), (4, 1024, 4), (16, 256, 4), (32, 256, 8), (4, 2048, 4), (2, 2048, 4),
+           (8, 1024, 8), (4, 2048, 8))
 
 
 if AVAILABLE:
@@ -121,6 +126,7 @@ if AVAILABLE:
         LIBDEVICE: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         # One program: BLOCK_N output columns (weight rows) over the whole of K, for every input
         # row. Each step loads a [BLOCK_N, BLOCK_K] weight tile with 16-byte vector loads and
@@ -134,6 +140,16 @@ if AVAILABLE:
         offs_k = tl.arange(0, BLOCK_K)
         w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w
         up_rows = w_ptr + (up_offset + offs_n).to(tl.int64)[:, None] * stride_w
+        # The first weight tile, loaded before waiting on the previous kernel (kernels_triton/pdl.py:
+        # weights are never written by a step); each iteration then loads the next tile before
+        # using the current one, so a tile's loads are in flight while the last one is multiplied.
+        w_next = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & (offs_k < K)[None, :], other=0.0)
+        wu_next = w_next
+        if SILU:
+            wu_next = tl.load(up_rows + offs_k[None, :], mask=n_ok[:, None] & (offs_k < K)[None, :], other=0.0)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         rstd0 = 1.0
         rstd1 = 1.0
         rstd2 = 1.0
@@ -160,10 +176,13 @@ if AVAILABLE:
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + offs_k
             k_ok = kk < K
-            w_mask = n_ok[:, None] & k_ok[None, :]
-            w = tl.load(w_rows + kk[None, :], mask=w_mask, other=0.0).to(tl.float32)
+            w = w_next.to(tl.float32)
+            wu = wu_next.to(tl.float32)
+            k_next = kk + BLOCK_K
+            next_mask = n_ok[:, None] & (k_next < K)[None, :]  # past K: no load, no traffic
+            w_next = tl.load(w_rows + k_next[None, :], mask=next_mask, other=0.0)
             if SILU:
-                wu = tl.load(up_rows + kk[None, :], mask=w_mask, other=0.0).to(tl.float32)
+                wu_next = tl.load(up_rows + k_next[None, :], mask=next_mask, other=0.0)
             x0 = _row_in(x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, 0, kk, k_ok, rstd0, pid_n,
                          stride_x, stride_residual, stride_residual_out, NORM, ADD_RESIDUAL)
             acc0 += tl.sum(w * x0[None, :], axis=1)
@@ -249,6 +268,7 @@ def skinny_linear(
         return out, residual_out
     block_n, block_k, num_warps = config
     out_rows = out.view(-1, n)
+    pdl_on = pdl.enabled(x.device)
     _skinny_kernel[(triton.cdiv(n, block_n),)](
         rows, residual_rows, residual_out_rows,
         norm_weight if norm_weight is not None else weight, weight,
@@ -264,7 +284,9 @@ def skinny_linear(
         LIBDEVICE=not interpreting(),
         BLOCK_N=block_n,
         BLOCK_K=block_k,
+        PDL=pdl_on,
         num_warps=num_warps,
+        **pdl.launch_options(pdl_on),
     )
     return out, residual_out
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from tokenspeed_worker.kernels_triton.norm import AVAILABLE
+from tokenspeed_worker.kernels_triton import pdl
 from tokenspeed_worker.layers.kv_cache import saturation_limit
 
 if AVAILABLE:
@@ -76,6 +77,7 @@ if AVAILABLE:
         HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, PASS: tl.constexpr, BLOCK_PASS: tl.constexpr,
         BLOCK_H: tl.constexpr,
         KV_SATURATE: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         """Program (t, j): token t; j < cdiv(H, BLOCK_H) rotates a block of q heads, the rest a
         block of k heads (into the cache) and copy the same v heads."""
@@ -90,6 +92,10 @@ if AVAILABLE:
         sin1 = _round(tl.load(sin_ptr + position * stride_sin + d, mask=in_half, other=0.0), dtype)
         sin2 = _round(tl.load(sin_ptr + position * stride_sin + HALF + d, mask=in_half, other=0.0), dtype)
         num_q_blocks = tl.cdiv(num_heads, BLOCK_H)
+        slot = tl.load(slots_ptr + t).to(tl.int64)
+        if PDL:  # positions, slots and the tables are inputs of the step; q, k, v come from the kernel before
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         if j < num_q_blocks:
             heads = j * BLOCK_H + tl.arange(0, BLOCK_H)
             _rotate_heads(
@@ -99,7 +105,6 @@ if AVAILABLE:
             )
         else:
             heads = (j - num_q_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
-            slot = tl.load(slots_ptr + t).to(tl.int64)
             _rotate_heads(
                 k_ptr + t * stride_k_t, stride_k_h, k_cache_ptr + slot * stride_kc_slot, stride_kc_h,
                 heads, num_kv_heads,
@@ -161,6 +166,7 @@ def rope_and_write_kv(
     # About 1024 elements of q (or of k and of v) per program: H=32, Hkv=8, D=128 is 4 + 1 programs a token.
     block_h = max(1, min(triton.next_power_of_2(max(num_kv_heads, 1)), 1024 // block_d))
     grid = (num_tokens, triton.cdiv(num_heads, block_h) + triton.cdiv(num_kv_heads, block_h))
+    pdl_on = pdl.enabled(q.device)
     _rope_and_write_kv_kernel[grid](
         q, k, v, positions, cos_cache, sin_cache, q_out, k_slots, v_slots, slot_mapping,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -172,6 +178,8 @@ def rope_and_write_kv(
         BLOCK_PASS=triton.next_power_of_2(max(rest, 1)),
         BLOCK_H=block_h,
         KV_SATURATE=saturation_limit(k_cache.dtype),
+        PDL=pdl_on,
+        **pdl.launch_options(pdl_on),
         num_warps=4 if block_h * block_d >= 1024 else max(1, block_h * block_d // 256),
         enable_fp_fusion=False,  # float32: x * cos + ... rounded after each product, as torch
     )

@@ -17,9 +17,8 @@ beat the unfused path by MARGIN to be chosen, so timing noise cannot make a step
 Respects layers/fused_kernels.py's switch (TOKENSPEED_FUSED_KERNELS): "off" always takes the
 unfused path; "force" takes the fused kernel with its default configuration on any device
 (CPU tests, in Triton's interpreter); "auto" decides by timing on CUDA and never fuses on CPU.
-TOKENSPEED_SKINNY_KERNELS=1 (or `set_enabled(True)`) turns these kernels on; they are off by
-default (below). Off, every site is the unfused layers' own call, and the other fused kernels keep
-their mode.
+On by default; TOKENSPEED_SKINNY_KERNELS=0 (or `set_enabled(False)`) turns these kernels off, and
+then every site is the unfused layers' own call (the other fused kernels keep their mode).
 """
 
 from __future__ import annotations
@@ -37,10 +36,10 @@ from tokenspeed_worker.layers.fused_kernels import fused_kernels_mode, use_fused
 logger = logging.getLogger(__name__)
 
 ENV_VAR = "TOKENSPEED_SKINNY_KERNELS"
-# Off by default: on an H200 the kernel beats the unfused path at 1 row (1.02-1.20x at 7 of 8 sites)
-# but loses at 4, and the engine has not yet shown an end-to-end gain with the graph-timed choice
-# (docs/benchmarks.md). TOKENSPEED_SKINNY_KERNELS=1 turns it on.
-_enabled = os.environ.get(ENV_VAR, "0").strip().lower() in ("1", "on", "true", "auto")
+# On by default: on an H200 the graph-timed choice takes the kernel at 3 or 4 of the 5 sites at 1 row
+# and the unfused path where it loses (4 rows, 1B's down_proj); batch-1 decode went from 225.3 to
+# 233.1 tok/s (8B) and 948.5 to 983.7 (1B) (docs/benchmarks.md). TOKENSPEED_SKINNY_KERNELS=0 turns it off.
+_enabled = os.environ.get(ENV_VAR, "1").strip().lower() not in ("0", "off", "false", "no")
 MARGIN = 0.97  # a fused configuration is chosen only at <= 97 % of the unfused path's time
 WARMUP, REPS = 2, 10
 _UNFUSED = "unfused"
