@@ -288,7 +288,7 @@ def bench_skinny(device: torch.device, dtype: torch.dtype, timer: Timer, copy_bw
                     expected = unfused()
                     unfused_s = timer(unfused, graph=graph)
                 best = None
-                for config in gemv.CONFIGS:
+                for config in (gemv.NORM_CONFIGS if "norm" in site else gemv.CONFIGS):
                     try:
                         got = fused(config)
                         seconds = timer(lambda: fused(config), graph=graph)

@@ -136,6 +136,12 @@ if [ "${BENCH_GRAMMAR:-0}" = 1 ]; then
   timeout ${GRAMMAR_TIMEOUT:-200} python3 scripts/bench_grammar.py --model llama-3.2-1b --tokenizer .cache/grammar_tokenizer \
     --batch 64 --steps 32 --out "$OUT/grammar_1b.json" 2>&1 | grep -E "^step|^constrained|rror|note" | tail -5
 fi
+# Host cost of the grammar work alone (BENCH_GRAMMAR_HOST=1; the same tokenizer): the previous
+# per-step code against engine/grammar.py's.
+if [ "${BENCH_GRAMMAR_HOST:-0}" = 1 ]; then
+  timeout 60 python3 scripts/bench_grammar_host.py --tokenizer .cache/grammar_tokenizer --rows 32 --steps 64 \
+    --repeat 3 --out "$OUT/grammar_host.json" 2>&1 | grep -E "^old|^new|rror" | tail -4
+fi
 # Data-parallel replicas and two "nodes" on one host (kind nvidia-h200-x2), and DP=2 serving: DP_CHECK=1.
 if [ "${DP_CHECK:-0}" = 1 ]; then
   timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_data_parallel.py \

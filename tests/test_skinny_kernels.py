@@ -91,6 +91,29 @@ def test_norm_prologue_rounds_like_the_norm_layer(with_residual):
     _close(out, _matmul_reference(normed, w))
 
 
+@pytest.mark.parametrize("rows", [1, 4])
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_one_pass_norm_prologue(rows, with_residual):
+    # The one-pass configurations scale the finished sum by 1 / RMS instead of normalizing first:
+    # the same residual bits, the product within a bfloat16 step of the two-pass kernel's.
+    k, n = 264, 48
+    norm = _norm(k, seed=30)
+    x, residual = _randn(rows, k, seed=31, scale=2.0), _randn(rows, k, seed=32)
+    w = _randn(n, k, seed=33, scale=0.05)
+    kwargs = dict(norm_weight=norm.weight, residual=residual if with_residual else None, eps=norm.eps)
+    one_pass, one_pass_residual = gemv.skinny_linear(x, w, **kwargs, config=(16, 128, 4, True))
+    two_pass, two_pass_residual = gemv.skinny_linear(x, w, **kwargs, config=(16, 128, 4))
+    with fused_mode("off"):
+        normed = norm(x, residual)[0] if with_residual else norm(x)
+    assert torch.equal(one_pass_residual, two_pass_residual)
+    _close(one_pass, _matmul_reference(normed, w))
+    _close(one_pass, two_pass.double())
+    gate_up = _randn(2 * n, k, seed=34, scale=0.05)
+    torch.testing.assert_close(
+        gemv.skinny_linear(x, gate_up, **kwargs, silu=True, config=(16, 128, 4, True))[0].double(),
+        gemv.skinny_linear(x, gate_up, **kwargs, silu=True, config=(16, 128, 4))[0].double(), atol=2e-2, rtol=2e-2)
+
+
 def test_silu_epilogue_over_gate_up_rows():
     rows, k, inter = 2, 192, 40
     norm = _norm(k, seed=8)
@@ -177,7 +200,7 @@ def test_llama_8b_shapes_and_the_timed_choice(rows):
     w_qkv = _randn(6144, hidden, seed=23, scale=0.02)
     w_gate_up = _randn(2 * inter, hidden, seed=24, scale=0.02)
     w_down = _randn(hidden, inter, seed=25, scale=0.02)
-    for config in gemv.CONFIGS:
+    for config in gemv.NORM_CONFIGS:
         out, new_residual = gemv.skinny_linear(x, w_qkv, norm_weight=norm.weight, residual=residual, eps=norm.eps,
                                                config=config)
         normed, expected_residual = norm(x, residual)

@@ -209,6 +209,11 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def _fp16_dots(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """A 16-bit query against an fp8 cache: the kernels' dots run in float16 (_fp16_query)."""
+    return k_cache.element_size() == 1 and q.element_size() == 2
+
+
 def _check_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int, int]:
     num_heads, head_dim = q.shape[1], q.shape[2]
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
@@ -224,6 +229,14 @@ def _check_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) 
 
 
 if AVAILABLE:
+
+    @triton.jit
+    def _fp16_query(q):
+        """q for float16 dots against an fp8 cache: e4m3 widens to float16 in one instruction per
+        pair (to bfloat16 it takes several), which on an H200 made the fp8 decode kernel slower than
+        the bfloat16 one; float16 holds every e4m3 value and softmax weight exactly enough (10
+        mantissa bits to bfloat16's 7), and q is clamped to its range."""
+        return tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
 
     @triton.jit
     def _decode_split_kernel(
@@ -250,6 +263,7 @@ if AVAILABLE:
         WRITE_OUT: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
         PDL: tl.constexpr,
+        FP16_DOTS: tl.constexpr,
     ):
         batch = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -274,6 +288,8 @@ if AVAILABLE:
             q_ptr + batch.to(tl.int64) * stride_q_batch + heads[:, None] * stride_q_head + offs_d[None, :],
             mask=head_ok[:, None], other=0.0,
         )
+        if FP16_DOTS:
+            q = _fp16_query(q)
         table_row = block_tables_ptr + batch.to(tl.int64) * stride_table
         k_head = k_cache_ptr + kv_head.to(tl.int64) * stride_k_head
         v_head = v_cache_ptr + kv_head.to(tl.int64) * stride_v_head
@@ -378,6 +394,7 @@ if AVAILABLE:
         BLOCK_SIZE: tl.constexpr,
         BLOCK_N: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
+        FP16_DOTS: tl.constexpr,
     ):
         # Longest (last) query tiles first: they have the most keys, so the tail of the grid is short.
         tile = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -402,6 +419,8 @@ if AVAILABLE:
             q_ptr + tokens[:, None] * stride_q_token + heads[:, None] * stride_q_head + offs_d[None, :],
             mask=row_ok[:, None], other=0.0,
         )
+        if FP16_DOTS:
+            q = _fp16_query(q)
         table_row = block_tables_ptr + batch.to(tl.int64) * stride_table
         k_head = k_cache_ptr + kv_head.to(tl.int64) * stride_k_head
         v_head = v_cache_ptr + kv_head.to(tl.int64) * stride_v_head
@@ -566,6 +585,7 @@ def paged_decode_attention(
         WRITE_OUT=write_out,
         DOT_PRECISION=_dot_precision(q.dtype),
         PDL=pdl_on,
+        FP16_DOTS=_fp16_dots(q, k_cache),
         num_warps=4,
         num_stages=2,
         **pdl.launch_options(pdl_on),
@@ -635,6 +655,7 @@ def paged_extend_attention(
         BLOCK_SIZE=block_size,
         BLOCK_N=block_n,
         DOT_PRECISION=_dot_precision(q.dtype),
+        FP16_DOTS=_fp16_dots(q, k_cache),
         num_warps=num_warps,
         num_stages=num_stages,
     )

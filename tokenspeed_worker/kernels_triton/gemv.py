@@ -55,6 +55,11 @@ MAX_ROWS = 4  # rows (tokens) the kernel takes: each row is its own accumulator 
 # more bytes per program and iteration keep more loads in flight.
 CONFIGS = ((8, 512, 4), (16, 512, 4), (4, 1024, 4), (16, 256, 4), (32, 256, 8), (4, 2048, 4), (2, 2048, 4),
            (8, 1024, 8), (4, 2048, 8))
+# Sites with the RMSNorm prologue also try it in one pass (a fourth field, True): the squares are
+# summed alongside the product and 1 / RMS scales the result, instead of every program first reading
+# the row for its RMS. It rounds the normalized input differently from the norm layer (x * w in
+# float32, scaled after the sum, vs. x * rstd rounded, then * w rounded), by about one bfloat16 step.
+NORM_CONFIGS = CONFIGS + ((4, 1024, 4, True), (8, 512, 4, True), (4, 2048, 8, True), (8, 1024, 8, True))
 
 
 if AVAILABLE:
@@ -74,6 +79,28 @@ if AVAILABLE:
             normed = (xt.to(tl.float32) * rstd).to(x_ptr.dtype.element_ty)
             xt = (normed.to(tl.float32) * nw.to(tl.float32)).to(x_ptr.dtype.element_ty)
         return xt.to(tl.float32)
+
+    @triton.jit
+    def _row_in_one_pass(x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, row, kk, k_ok, pid_n,
+                         stride_x, stride_residual, stride_residual_out, ADD_RESIDUAL: tl.constexpr):
+        """One-pass prologue: (x (+ residual)) * norm weight over columns kk, float32, and the
+        squares of x (+ residual) for the row's RMS; 1 / RMS multiplies the finished sum instead
+        (a per-row scalar), so no program first walks the whole row to normalize it."""
+        xt = tl.load(x_ptr + row * stride_x + kk, mask=k_ok, other=0.0)
+        if ADD_RESIDUAL:
+            rt = tl.load(residual_ptr + row * stride_residual + kk, mask=k_ok, other=0.0)
+            xt = (xt.to(tl.float32) + rt.to(tl.float32)).to(x_ptr.dtype.element_ty)
+            tl.store(residual_out_ptr + row * stride_residual_out + kk, xt, mask=k_ok & (pid_n == 0))
+        nw = tl.load(norm_weight_ptr + kk, mask=k_ok, other=0.0)
+        x32 = xt.to(tl.float32)
+        return x32 * nw.to(tl.float32), x32 * x32
+
+    @triton.jit
+    def _rstd_of(sum_sq, K, eps, LIBDEVICE: tl.constexpr):
+        mean_sq = tl.sum(sum_sq, axis=0) / K + eps
+        if LIBDEVICE:
+            return libdevice.rsqrt(mean_sq)
+        return 1.0 / tl.sqrt_rn(mean_sq)
 
     @triton.jit
     def _row_rstd(x_ptr, residual_ptr, row, K, stride_x, stride_residual, eps,
@@ -127,6 +154,7 @@ if AVAILABLE:
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         PDL: tl.constexpr,
+        ONE_PASS: tl.constexpr,
     ):
         # One program: BLOCK_N output columns (weight rows) over the whole of K, for every input
         # row. Each step loads a [BLOCK_N, BLOCK_K] weight tile with 16-byte vector loads and
@@ -154,7 +182,7 @@ if AVAILABLE:
         rstd1 = 1.0
         rstd2 = 1.0
         rstd3 = 1.0
-        if NORM:
+        if NORM and not ONE_PASS:
             rstd0 = _row_rstd(x_ptr, residual_ptr, 0, K, stride_x, stride_residual, eps, ADD_RESIDUAL, LIBDEVICE, BLOCK_K)
             if ROWS > 1:
                 rstd1 = _row_rstd(x_ptr, residual_ptr, 1, K, stride_x, stride_residual, eps, ADD_RESIDUAL, LIBDEVICE,
@@ -173,6 +201,10 @@ if AVAILABLE:
         up1 = tl.zeros([BLOCK_N], dtype=tl.float32)
         up2 = tl.zeros([BLOCK_N], dtype=tl.float32)
         up3 = tl.zeros([BLOCK_N], dtype=tl.float32)
+        sq0 = tl.zeros([BLOCK_K], dtype=tl.float32)
+        sq1 = tl.zeros([BLOCK_K], dtype=tl.float32)
+        sq2 = tl.zeros([BLOCK_K], dtype=tl.float32)
+        sq3 = tl.zeros([BLOCK_K], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + offs_k
             k_ok = kk < K
@@ -183,29 +215,65 @@ if AVAILABLE:
             w_next = tl.load(w_rows + k_next[None, :], mask=next_mask, other=0.0)
             if SILU:
                 wu_next = tl.load(up_rows + k_next[None, :], mask=next_mask, other=0.0)
-            x0 = _row_in(x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, 0, kk, k_ok, rstd0, pid_n,
-                         stride_x, stride_residual, stride_residual_out, NORM, ADD_RESIDUAL)
+            if ONE_PASS:
+                x0, s0 = _row_in_one_pass(x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, 0, kk, k_ok, pid_n,
+                                            stride_x, stride_residual, stride_residual_out, ADD_RESIDUAL)
+                sq0 += s0
+            else:
+                x0 = _row_in(x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, 0, kk, k_ok, rstd0, pid_n,
+                               stride_x, stride_residual, stride_residual_out, NORM, ADD_RESIDUAL)
             acc0 += tl.sum(w * x0[None, :], axis=1)
             if SILU:
                 up0 += tl.sum(wu * x0[None, :], axis=1)
             if ROWS > 1:
-                x1 = _row_in(x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, 1, kk, k_ok, rstd1, pid_n,
-                             stride_x, stride_residual, stride_residual_out, NORM, ADD_RESIDUAL)
+                if ONE_PASS:
+                    x1, s1 = _row_in_one_pass(x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, 1, kk, k_ok, pid_n,
+                                                stride_x, stride_residual, stride_residual_out, ADD_RESIDUAL)
+                    sq1 += s1
+                else:
+                    x1 = _row_in(x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, 1, kk, k_ok, rstd1, pid_n,
+                                   stride_x, stride_residual, stride_residual_out, NORM, ADD_RESIDUAL)
                 acc1 += tl.sum(w * x1[None, :], axis=1)
                 if SILU:
                     up1 += tl.sum(wu * x1[None, :], axis=1)
             if ROWS > 2:
-                x2 = _row_in(x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, 2, kk, k_ok, rstd2, pid_n,
-                             stride_x, stride_residual, stride_residual_out, NORM, ADD_RESIDUAL)
+                if ONE_PASS:
+                    x2, s2 = _row_in_one_pass(x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, 2, kk, k_ok, pid_n,
+                                                stride_x, stride_residual, stride_residual_out, ADD_RESIDUAL)
+                    sq2 += s2
+                else:
+                    x2 = _row_in(x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, 2, kk, k_ok, rstd2, pid_n,
+                                   stride_x, stride_residual, stride_residual_out, NORM, ADD_RESIDUAL)
                 acc2 += tl.sum(w * x2[None, :], axis=1)
                 if SILU:
                     up2 += tl.sum(wu * x2[None, :], axis=1)
             if ROWS > 3:
-                x3 = _row_in(x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, 3, kk, k_ok, rstd3, pid_n,
-                             stride_x, stride_residual, stride_residual_out, NORM, ADD_RESIDUAL)
+                if ONE_PASS:
+                    x3, s3 = _row_in_one_pass(x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, 3, kk, k_ok, pid_n,
+                                                stride_x, stride_residual, stride_residual_out, ADD_RESIDUAL)
+                    sq3 += s3
+                else:
+                    x3 = _row_in(x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, 3, kk, k_ok, rstd3, pid_n,
+                                   stride_x, stride_residual, stride_residual_out, NORM, ADD_RESIDUAL)
                 acc3 += tl.sum(w * x3[None, :], axis=1)
                 if SILU:
                     up3 += tl.sum(wu * x3[None, :], axis=1)
+        if ONE_PASS:
+            rstd0 = _rstd_of(sq0, K, eps, LIBDEVICE)
+            acc0 *= rstd0
+            up0 *= rstd0
+            if ROWS > 1:
+                rstd1 = _rstd_of(sq1, K, eps, LIBDEVICE)
+                acc1 *= rstd1
+                up1 *= rstd1
+            if ROWS > 2:
+                rstd2 = _rstd_of(sq2, K, eps, LIBDEVICE)
+                acc2 *= rstd2
+                up2 *= rstd2
+            if ROWS > 3:
+                rstd3 = _rstd_of(sq3, K, eps, LIBDEVICE)
+                acc3 *= rstd3
+                up3 *= rstd3
         _epilogue(acc0, up0, bias_ptr, out_ptr, 0, offs_n, n_ok, stride_out, SILU, HAS_BIAS, LIBDEVICE)
         if ROWS > 1:
             _epilogue(acc1, up1, bias_ptr, out_ptr, 1, offs_n, n_ok, stride_out, SILU, HAS_BIAS, LIBDEVICE)
@@ -229,7 +297,7 @@ def skinny_linear(
     residual: torch.Tensor | None = None,
     eps: float = 1e-6,
     silu: bool = False,
-    config: tuple[int, int, int] = CONFIGS[0],
+    config: tuple = CONFIGS[0],
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(out, residual_out) for x of at most MAX_ROWS rows.
 
@@ -266,7 +334,7 @@ def skinny_linear(
             residual_out = x
     if m == 0 or n == 0:
         return out, residual_out
-    block_n, block_k, num_warps = config
+    block_n, block_k, num_warps, *one_pass = config
     out_rows = out.view(-1, n)
     pdl_on = pdl.enabled(x.device)
     _skinny_kernel[(triton.cdiv(n, block_n),)](
@@ -285,10 +353,11 @@ def skinny_linear(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         PDL=pdl_on,
+        ONE_PASS=bool(one_pass and one_pass[0]) and norm_weight is not None,
         num_warps=num_warps,
         **pdl.launch_options(pdl_on),
     )
     return out, residual_out
 
 
-__all__ = ["AVAILABLE", "CONFIGS", "MAX_ROWS", "skinny_linear"]
+__all__ = ["AVAILABLE", "CONFIGS", "MAX_ROWS", "NORM_CONFIGS", "skinny_linear"]

@@ -130,8 +130,9 @@ def _kernels(x: torch.Tensor, weight: torch.Tensor):
 
 
 def _run(site: str, x: torch.Tensor, weight: torch.Tensor, kernels, fused: Callable[[tuple], Any],
-         plain: Callable[[], Any]):
-    """The chosen path for this site (kernels: from _kernels, not None)."""
+         plain: Callable[[], Any], configs=None):
+    """The chosen path for this site (kernels: from _kernels, not None; configs: the kernel
+    configurations to time, kernels.CONFIGS by default)."""
     if fused_kernels_mode() == "force" or not x.is_cuda:
         return fused(kernels.CONFIGS[0])
     rows = x.numel() // x.shape[-1]
@@ -143,7 +144,7 @@ def _run(site: str, x: torch.Tensor, weight: torch.Tensor, kernels, fused: Calla
                 _logged_capture.add(key)
                 logger.info("skinny %s first seen while capturing a CUDA graph: unfused path", key)
             return plain()
-        choice = _decisions[key] = _choose(key, x, fused, plain, kernels.CONFIGS)
+        choice = _decisions[key] = _choose(key, x, fused, plain, kernels.CONFIGS if configs is None else configs)
     return plain() if choice == _UNFUSED else fused(choice)
 
 
@@ -175,7 +176,8 @@ def norm_linear(norm, proj, x: torch.Tensor, residual: torch.Tensor | None) -> t
         return kernels.skinny_linear(x, proj.weight, proj.bias, norm_weight=norm.weight, residual=residual,
                                      eps=norm.eps, config=config)
 
-    return _run("norm_linear" if residual is None else "add_norm_linear", x, proj.weight, kernels, fused, plain)
+    return _run("norm_linear" if residual is None else "add_norm_linear", x, proj.weight, kernels, fused, plain,
+                kernels.NORM_CONFIGS)
 
 
 def norm_gate_up_silu(norm, gate_up, act, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -193,7 +195,7 @@ def norm_gate_up_silu(norm, gate_up, act, x: torch.Tensor, residual: torch.Tenso
         return kernels.skinny_linear(x, gate_up.weight, norm_weight=norm.weight, residual=residual, eps=norm.eps,
                                      silu=True, config=config)
 
-    return _run("norm_gate_up_silu", x, gate_up.weight, kernels, fused, plain)
+    return _run("norm_gate_up_silu", x, gate_up.weight, kernels, fused, plain, kernels.NORM_CONFIGS)
 
 
 __all__ = ["ENV_VAR", "decisions", "linear", "norm_gate_up_silu", "norm_linear", "reset", "set_enabled"]
