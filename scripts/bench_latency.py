@@ -38,9 +38,11 @@ def main() -> int:
                         max_total_tokens=args.prompt_len + args.new_tokens + 64, max_num_seqs=1)
     arithmetic = ModelArithmetic(core)
     rng = np.random.default_rng(0)
-    prompt = rng.integers(10, core.runner.vocab_size - 10, args.prompt_len)
-    for rid, new in ((1, 8), (2, args.new_tokens)):  # a short warm-up request, then the measured one
-        core.add_request(greedy_request(rid, prompt, new))
+    # A short warm-up request, then the measured one with another prompt: its first token is a
+    # full prefill (no prefix-cache hit), as a new user's would be.
+    prompts = [rng.integers(10, core.runner.vocab_size - 10, args.prompt_len) for _ in range(2)]
+    for rid, new in ((1, 8), (2, args.new_tokens)):
+        core.add_request(greedy_request(rid, prompts[rid - 1], new))
         # Time between consecutive outputs, as a client sees them (with overlap scheduling the host
         # work of one step runs while the GPU computes the next): the first is the TTFT.
         step_times = []

@@ -353,3 +353,32 @@ def test_cuda_triton_kernels_match_torch_backend(name, tiny_model_paths):
         plan = plans.plan(work)
         expected, got = (runner.forward_all_logits(plan) for runner in runners)
         torch.testing.assert_close(got, expected, atol=2e-4, rtol=1e-3)
+
+
+def test_warm_up_runs_each_extend_variant_and_leaves_the_cache_alone(monkeypatch):
+    # Startup compiles the extend kernel's short-query variants (ModelRunner.warm_up_kernels), so
+    # the first prefix-cache hit with a short suffix does not wait for Triton. Here the real kernels
+    # run in Triton's interpreter, through a recorder.
+    from types import SimpleNamespace
+
+    seen = []
+
+    def extend(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out, max_query_len):
+        seen.append(max_query_len)
+        assert q.shape[0] == max_query_len and block_tables.shape == (1, -(-max_query_len // BLOCK_SIZE))
+        assert int(seq_lens[0]) == max_query_len and query_start_loc.tolist() == [0, max_query_len]
+        triton_kernels.paged_extend_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
+                                              out, max_query_len=max_query_len)
+        assert torch.isfinite(out).all()
+
+    kernels = SimpleNamespace(paged_extend_attention=extend, paged_decode_attention=triton_kernels.paged_decode_attention)
+    backend = TritonAttentionBackend("cpu", kernels=kernels)
+    backend.setup(num_heads=4, num_kv_heads=2, head_dim=16, block_size=BLOCK_SIZE)
+    monkeypatch.setattr(TritonAttentionBackend, "WARM_UP_QUERY_LENS", (1, 3, 2 * BLOCK_SIZE + 1))
+    k_cache = torch.randn(backend.kv_cache_shape(4, BLOCK_SIZE, 2, 16))
+    v_cache = torch.randn_like(k_cache)
+    k_before, v_before = k_cache.clone(), v_cache.clone()
+    assert backend.warm_up(k_cache, v_cache, torch.float32) == 3
+    assert seen == [1, 3, 2 * BLOCK_SIZE + 1]
+    assert torch.equal(k_cache, k_before) and torch.equal(v_cache, v_before)
+    assert _backend().warm_up(k_cache, v_cache, torch.float32) == 0  # the reference compiles nothing

@@ -177,6 +177,7 @@ def build_runner(cfg: EngineConfig):
     num_blocks = max(1, pool_tokens // cfg.block_size)
     runner.allocate_kv_cache(num_blocks)
     runner.capture_cuda_graphs()
+    runner.warm_up_kernels()
     return runner, num_blocks
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import time
 from pathlib import Path
 
 import numpy as np
@@ -254,6 +255,18 @@ class ModelRunner:
             self._release_kv_cache()
             torch.cuda.empty_cache()
         return int(peak)
+
+    @torch.inference_mode()
+    def warm_up_kernels(self) -> None:
+        """Compile, at startup, the attention kernel variants that CUDA-graph capture and the
+        profiling forward did not (the backend's `warm_up`; after allocate_kv_cache)."""
+        warm_up = getattr(self.attention_backend, "warm_up", None)
+        if warm_up is None or self.kv_cache is None:
+            return
+        t0 = time.perf_counter()
+        calls = warm_up(self.kv_cache[0, 0], self.kv_cache[1, 0], self.dtype)
+        if calls:
+            logger.info("attention kernels warmed up: %d extend variants in %.1f s", calls, time.perf_counter() - t0)
 
     # -- CUDA graphs ----------------------------------------------------------------------
 

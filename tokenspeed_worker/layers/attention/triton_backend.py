@@ -157,6 +157,37 @@ class TritonAttentionBackend(AttentionBackend):
             batch_size, self.num_heads, self.head_dim, num_splits, self.device, num_kv_heads=self.num_kv_heads
         )
 
+    # -- startup ----------------------------------------------------------------------------
+
+    # Longest query of a step, one per query-tile size the extend kernel picks (it takes a smaller
+    # tile for short queries: a prefix-cache hit with a short suffix, a short prompt).
+    WARM_UP_QUERY_LENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+    def warm_up(self, k_cache: torch.Tensor, v_cache: torch.Tensor, dtype: torch.dtype) -> int:
+        """Compile the extend kernel's variants now, not in the first request that needs one:
+        Triton compiles a variant on first use, and on an H200 that stalled such a request's first
+        token by 0.5-1 s. Runs one request of each WARM_UP_QUERY_LENS length over block 0 of the
+        given layer cache: reads it, writes nothing to it. Returns the calls made (0 with the
+        reference kernels, which compile nothing)."""
+        if self.uses_reference:
+            return 0
+        device = k_cache.device
+        calls = 0
+        for query_len in self.WARM_UP_QUERY_LENS:
+            q = torch.zeros((query_len, self.num_heads, self.head_dim), dtype=dtype, device=device)
+            blocks = -(-query_len // self.block_size)
+            self.kernels.paged_extend_attention(
+                q, k_cache, v_cache,
+                torch.zeros((1, blocks), dtype=torch.int32, device=device),
+                torch.tensor([0, query_len], dtype=torch.int32, device=device),
+                torch.tensor([query_len], dtype=torch.int32, device=device),
+                1.0, torch.empty_like(q), max_query_len=query_len,
+            )
+            calls += 1
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return calls
+
     # -- per layer ------------------------------------------------------------------------
 
     def forward(
