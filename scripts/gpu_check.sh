@@ -136,6 +136,24 @@ if [ "${BENCH_GRAMMAR:-0}" = 1 ]; then
   timeout ${GRAMMAR_TIMEOUT:-200} python3 scripts/bench_grammar.py --model llama-3.2-1b --tokenizer .cache/grammar_tokenizer \
     --batch 64 --steps 32 --out "$OUT/grammar_1b.json" 2>&1 | grep -E "^step|^constrained|rror|note" | tail -5
 fi
+# The flashinfer backend (BENCH_FLASHINFER=1): carry .whl/flashinfer (flashinfer-python 0.5.3 and its
+# small pure-Python dependencies; it JIT-compiles its kernels with the machine's nvcc on first use).
+# Its GPU tests against the torch backend (bf16 and fp8 caches, CUDA graphs), then batch-1 latency and
+# offline 128/128 with --attention-backend flashinfer beside the triton default.
+if [ "${BENCH_FLASHINFER:-0}" = 1 ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site_fi \
+    .whl/flashinfer/*.whl 2>&1 | tail -2
+  export PYTHONPATH=/tmp/site_fi:$PYTHONPATH PATH=/tmp/site_fi/bin:$PATH
+  timeout ${FI_TEST_TIMEOUT:-400} python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_flashinfer_backend.py 2>&1 | tail -6
+  for m in llama-3.2-1b llama-3.1-8b; do
+    timeout 150 python3 scripts/bench_latency.py --model $m --prompt-len 128 --new-tokens 128 \
+      --engine-arg attention_backend=flashinfer --out "$OUT/latency_${m}_flashinfer.json" 2>&1 \
+      | grep -E "decode:|rror" | sed "s/^/flashinfer /" | tail -3
+  done
+  timeout 200 python3 scripts/bench_offline.py --model llama-3.1-8b --num-requests 1000 --input-len 128 \
+    --output-len 128 --engine-arg attention_backend=flashinfer --out "$OUT/offline_8b_128_flashinfer.json" 2>&1 \
+    | grep -E "tokens in|rror" | tail -2
+fi
 # Host cost of the grammar work alone (BENCH_GRAMMAR_HOST=1; the same tokenizer): the previous
 # per-step code against engine/grammar.py's.
 if [ "${BENCH_GRAMMAR_HOST:-0}" = 1 ]; then

@@ -206,8 +206,8 @@ def test_attention_backend_defaults_to_torch() -> None:
 
 
 @pytest.mark.parametrize(("flag", "value"), [("--load-format", "pt"), ("--load-format", "npcache"),
-                                             ("--load-format", "extensible"), ("--attention-backend", "flashinfer"),
-                                             ("--attention-backend", "flashinfer")])  # fmt: skip
+                                             ("--load-format", "extensible"), ("--attention-backend", "fa3"),
+                                             ("--attention-backend", "trtllm")])  # fmt: skip
 def test_parsed_but_unimplemented_values_are_rejected(
     capsys: pytest.CaptureFixture[str], flag: str, value: str
 ) -> None:
@@ -509,3 +509,16 @@ def test_triton_attention_needs_a_gpu(capsys: pytest.CaptureFixture[str], monkey
     assert parse("/m").attention_backend == "triton"  # the GPU default
     monkeypatch.setattr(config, "_triton_importable", lambda: False)
     assert parse("/m").attention_backend == "torch"
+
+
+def test_flashinfer_attention_needs_a_gpu_and_the_package(capsys: pytest.CaptureFixture[str],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    stderr = run_main_expecting_exit(capsys, "/m", "--device", "cpu", "--attention-backend", "flashinfer")
+    assert stderr[-1] == "tokenspeed-worker: error: argument --attention-backend: flashinfer needs --device cuda"
+    monkeypatch.setattr(config, "_cuda_available", lambda: True)
+    monkeypatch.setattr(config, "_flashinfer_importable", lambda: False)
+    stderr = run_main_expecting_exit(capsys, "/m", "--attention-backend", "flashinfer")
+    assert stderr[-1] == ("tokenspeed-worker: error: argument --attention-backend: flashinfer is not installed "
+                          "(pip install flashinfer-python)")
+    monkeypatch.setattr(config, "_flashinfer_importable", lambda: True)
+    assert parse("/m", "--attention-backend", "flashinfer").attention_backend == "flashinfer"

@@ -487,10 +487,11 @@ class ServerArgs:
     attention_backend: str | None = _option(
         None,
         BACKENDS,
-        "Attention kernel backend: 'triton' (our paged-attention kernels, GPU) or 'torch' (the "
+        "Attention kernel backend: 'triton' (our paged-attention kernels, GPU), 'flashinfer' "
+        "(FlashInfer's kernels, GPU, when the flashinfer package is installed) or 'torch' (the "
         "reference backend, CPU and GPU).",
         choices=ATTENTION_BACKENDS,
-        unsupported_values=tuple(name for name in ATTENTION_BACKENDS if name not in ("torch", "triton")),
+        unsupported_values=tuple(name for name in ATTENTION_BACKENDS if name not in ("torch", "triton", "flashinfer")),
         default_doc="triton on a GPU, torch on a CPU",
     )
     drafter_attention_backend: str | None = _not_yet(
@@ -918,8 +919,10 @@ def _resolve(args: ServerArgs) -> None:
     if args.attention_backend is None:
         # Triton kernels on a GPU (when triton imports); the torch reference backend on a CPU.
         args.attention_backend = "triton" if args.device == "cuda" and _triton_importable() else "torch"
-    elif args.attention_backend == "triton" and args.device != "cuda":
-        raise ValueError("argument --attention-backend: triton needs --device cuda")
+    elif args.attention_backend in ("triton", "flashinfer") and args.device != "cuda":
+        raise ValueError(f"argument --attention-backend: {args.attention_backend} needs --device cuda")
+    elif args.attention_backend == "flashinfer" and not _flashinfer_importable():
+        raise ValueError("argument --attention-backend: flashinfer is not installed (pip install flashinfer-python)")
     if args.nnodes > 1:
         if args.tensor_parallel_size % args.nnodes:
             raise ValueError(f"argument --nnodes: --tensor-parallel-size {args.tensor_parallel_size} must be a "
@@ -938,6 +941,12 @@ def _resolve(args: ServerArgs) -> None:
             raise ValueError(f"argument --tensor-parallel-size: {per_node * args.data_parallel_size} ranks on this "
                              f"node from --base-gpu-id {args.base_gpu_id} need as many GPUs, "
                              f"{torch.cuda.device_count()} visible")
+
+
+def _flashinfer_importable() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("flashinfer") is not None
 
 
 def _triton_importable() -> bool:

@@ -209,6 +209,7 @@ class DecodeGraphs:
         self.device = device
         self.graph_class = graph_class
         self.graphs: dict[int, object] = {}
+        self.metadata: dict[int, object] = {}  # size -> the attention metadata its graph was captured with
         self.captured_sizes: list[int] = []  # ascending; empty until capture() finished
         self.num_replays = 0
         self.num_eager_decodes = 0  # decode steps that could not replay (logged once per reason)
@@ -257,6 +258,7 @@ class DecodeGraphs:
         metadata = self.backend.decode_graph_metadata(
             self.slot_mapping[:size], self.block_tables[:size], self.seq_lens[:size]
         )
+        self.metadata[size] = metadata
 
         def step() -> None:
             input_ids = self.input_ids[:size]
@@ -294,6 +296,9 @@ class DecodeGraphs:
         self.seq_lens[:size].copy_(torch.from_numpy(padded.seq_lens), non_blocking=True)
         # Columns past `width` keep older (valid) block ids; a row reads only its seq_len's blocks.
         self.block_tables[:size, :width].copy_(torch.from_numpy(padded.block_tables), non_blocking=True)
+        plan_replay = getattr(self.backend, "plan_graph_replay", None)
+        if plan_replay is not None:  # a backend that plans on the host (flashinfer): this step's pages
+            plan_replay(self.metadata[size], padded.seq_lens, padded.block_tables)
         self.graphs[size].replay()
         self.num_replays += 1
         rows = np.asarray(plan.sample_rows)

@@ -155,6 +155,7 @@ class ModelRunner:
         self.num_heads: int = self.attention_layers[0].num_heads
         self.num_kv_heads: int = self.attention_layers[0].num_kv_heads
         self.attention_backend.setup(self.num_heads, self.num_kv_heads, self.head_dim, self.block_size)
+        self.attention_backend.configure(self.dtype, self.kv_dtype, self.attention_layers[0].scale)
         self.kv_cache: torch.Tensor | None = None
         self.num_blocks = 0  # blocks the scheduler may hand out (the pool may hold one dummy block more)
         self.dummy_block: int | None = None

@@ -1,16 +1,16 @@
-"""Paged attention: one backend interface, several backends (torch reference, triton; flashinfer later)."""
+"""Paged attention: one backend interface, several backends (torch reference, triton, flashinfer)."""
 
 from __future__ import annotations
 
 import torch
 
 from tokenspeed_worker.layers.attention.backend import AttentionBackend, AttentionInputs
+from tokenspeed_worker.layers.attention.flashinfer_backend import FlashInferAttentionBackend
 from tokenspeed_worker.layers.attention.layer import Attention
 from tokenspeed_worker.layers.attention.torch_backend import TorchAttentionBackend
 from tokenspeed_worker.layers.attention.triton_backend import TritonAttentionBackend, triton_attention_kernels
 
-SUPPORTED_BACKENDS = ("torch", "triton")
-PLANNED_BACKENDS = ("flashinfer",)
+SUPPORTED_BACKENDS = ("torch", "triton", "flashinfer")
 
 
 def resolve_attention_backend_name(name: str, device: str | torch.device = "cpu") -> str:
@@ -28,8 +28,8 @@ def get_attention_backend(name: str, device: str | torch.device = "cpu") -> Atte
         return TorchAttentionBackend()
     if name == "triton":
         return TritonAttentionBackend(device)  # ValueError without CUDA or triton
-    if name in PLANNED_BACKENDS:
-        raise ValueError(f"attention backend {name!r} is not supported yet (supported: auto, {', '.join(SUPPORTED_BACKENDS)})")
+    if name == "flashinfer":
+        return FlashInferAttentionBackend(device)  # ValueError without CUDA or flashinfer
     raise ValueError(f"unknown attention backend {name!r} (supported: auto, {', '.join(SUPPORTED_BACKENDS)})")
 
 
@@ -37,6 +37,7 @@ __all__ = [
     "Attention",
     "AttentionBackend",
     "AttentionInputs",
+    "FlashInferAttentionBackend",
     "TorchAttentionBackend",
     "TritonAttentionBackend",
     "get_attention_backend",

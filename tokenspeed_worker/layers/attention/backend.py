@@ -48,6 +48,10 @@ class AttentionBackend(ABC):
     def setup(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> None:
         self.num_heads, self.num_kv_heads, self.head_dim, self.block_size = num_heads, num_kv_heads, head_dim, block_size
 
+    def configure(self, dtype: torch.dtype, kv_dtype: torch.dtype, scale: float) -> None:
+        """The model's activation dtype, the cache's dtype and the attention scale, told once by the
+        runner; for backends that plan ahead of the layers (flashinfer). Default: nothing."""
+
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         """Shape of one layer's K cache (and of its V cache)."""
         return (num_blocks, block_size, num_kv_heads, head_dim)
