@@ -164,13 +164,18 @@ def test_the_layers_take_the_kernel_only_when_told_and_for_few_rows(monkeypatch)
         assert calls == [few.shape] and skinny.decisions() == {}
 
 
-def test_tiny_bf16_model_decode_logits_match_the_unfused_path(tiny_model_paths):
+def test_tiny_bf16_model_decode_logits_match_the_unfused_path(tiny_model_paths, monkeypatch):
     """A whole bf16 model: prefill (more than 4 rows: unfused either way), then two decode steps
-    of two rows, which take the skinny kernels when forced."""
+    of two rows, which take the skinny kernels when forced (q/k/v with the rotary + KV-write
+    epilogue included: the reference triton backend attends over K/V written beforehand)."""
     from test_triton_backend import BLOCK_SIZE, Plans, random_seqs, reference_triton_backend
 
     from tokenspeed_worker.model_executor.model_runner import ModelRunner
 
+    epilogues = []
+    real = gemv.skinny_linear
+    monkeypatch.setattr(gemv, "skinny_linear", lambda *a, **kw: epilogues.append(kw.get("rotary") is not None)
+                        or real(*a, **kw))
     logits = []
     for mode in ("off", "force"):
         runner = ModelRunner(
@@ -188,6 +193,8 @@ def test_tiny_bf16_model_decode_logits_match_the_unfused_path(tiny_model_paths):
                 logits.append(runner.forward_all_logits(plans.plan([(s, 1) for s in seqs])))
     for got, expected in zip(logits[2:], logits[:2]):
         torch.testing.assert_close(got, expected, atol=5e-2, rtol=5e-2)
+    layers = len(runner.attention_layers)
+    assert epilogues.count(True) == 2 * layers  # each decode step's q/k/v took the rotary epilogue
 
 
 @pytest.mark.gpu
@@ -219,3 +226,54 @@ def test_llama_8b_shapes_and_the_timed_choice(rows):
     _close(layer(h), _matmul_reference(h, w_down))
     (key, chosen), = skinny.decisions().items()
     assert key.startswith(f"linear/{rows}/{hidden}/{inter}") and "unfused" in chosen["us"]
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("cache_dtype", [DTYPE, torch.float8_e4m3fn])
+@pytest.mark.parametrize("config", [(4, 64, 4), (8, 128, 4, True)])
+def test_rotary_epilogue_writes_q_and_the_caches_like_the_unfused_path(rows, cache_dtype, config):
+    # Epilogue RotaryKV: the q/k/v product's q heads come back rotated, the rotated k heads and the
+    # v heads go into the caches at the rows' slots, as norm -> qkv_proj -> rope_and_write_kv.
+    from tokenspeed_worker.layers.kv_cache import to_cache_dtype, write_kv_cache
+    from tokenspeed_worker.layers.rotary import RotaryEmbedding
+
+    heads, kv_heads, head_dim, hidden = 4, 2, 32, 96
+    rope = RotaryEmbedding(head_dim, 64, {"rope_type": "default", "rope_theta": 10000.0}).to(DEVICE)
+    norm = _norm(hidden, seed=40)
+    x, residual = _randn(rows, hidden, seed=41), _randn(rows, hidden, seed=42)
+    w = _randn((heads + 2 * kv_heads) * head_dim, hidden, seed=43, scale=0.1)
+    bias = _randn(w.shape[0], seed=44, scale=0.1)
+    positions = torch.tensor([5, 17, 63][:rows], device=DEVICE)
+    slots = torch.tensor([9, 2, 14][:rows], device=DEVICE)
+    caches = [torch.zeros((4, 4, kv_heads, head_dim), dtype=cache_dtype, device=DEVICE) for _ in range(4)]
+    rotary = gemv.RotaryKV(heads, kv_heads, head_dim, positions, rope.cos_cache, rope.sin_cache, caches[0], caches[1],
+                           slots)
+    q, new_residual = gemv.skinny_linear(x, w, bias, norm_weight=norm.weight, residual=residual, eps=norm.eps,
+                                         rotary=rotary, config=config)
+    with fused_mode("off"):
+        normed, expected_residual = norm(x, residual)
+        qkv = _matmul_reference(normed, w, bias).to(DTYPE)  # one rounding of the product, as cuBLAS
+        q_ref, k_ref, v_ref = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+        q_ref, k_ref = rope(positions, q_ref.reshape(rows, heads, head_dim), k_ref.reshape(rows, kv_heads, head_dim))
+        write_kv_cache(caches[2], caches[3], slots, k_ref, v_ref.reshape(rows, kv_heads, head_dim))
+    assert q.shape == (rows, heads, head_dim) and torch.equal(new_residual, expected_residual)
+    torch.testing.assert_close(q.double(), q_ref.double(), atol=3e-2, rtol=3e-2)
+    for got, expected in ((caches[0], caches[2]), (caches[1], caches[3])):
+        torch.testing.assert_close(got.double(), expected.double(), atol=6e-2, rtol=6e-2)
+        untouched = torch.ones(16, dtype=torch.bool)
+        untouched[slots.cpu()] = False
+        assert (got.view(16, -1)[untouched.to(DEVICE)].float() == 0).all()  # only the rows' slots
+    assert to_cache_dtype(torch.tensor([1000.0]), cache_dtype).float().abs().item() <= 448 or cache_dtype == DTYPE
+
+
+def test_rotary_epilogue_refuses_shapes_it_cannot_pair():
+    rows, heads, kv_heads, head_dim, hidden = 1, 2, 1, 8, 32
+    x, w = _randn(rows, hidden, seed=45), _randn((heads + 2 * kv_heads) * head_dim, hidden, seed=46)
+    cache = torch.zeros((2, 4, kv_heads, head_dim), dtype=DTYPE, device=DEVICE)
+    table = torch.zeros((8, head_dim), device=DEVICE)
+    zero = torch.zeros(rows, dtype=torch.int64, device=DEVICE)
+    rotary = gemv.RotaryKV(heads, kv_heads, head_dim, zero, table, table, cache, cache, zero)
+    with pytest.raises(ValueError, match="multiple of BLOCK_N"):
+        gemv.skinny_linear(x, w, rotary=rotary, config=(8, 32, 4))  # half a head (4) is not a multiple of 8
+    with pytest.raises(ValueError, match="q/k/v rows"):
+        gemv.skinny_linear(x, w[:-head_dim], rotary=rotary, config=(4, 32, 4))

@@ -28,9 +28,12 @@ Importable without triton: AVAILABLE says whether the kernel can be used.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from tokenspeed_worker.kernels_triton import pdl
+from tokenspeed_worker.layers.kv_cache import saturation_limit
 
 try:
     import triton
@@ -140,10 +143,55 @@ if AVAILABLE:
         tl.store(out_ptr + row * stride_out + offs_n, acc.to(dtype), mask=n_ok)
 
     @triton.jit
+    def _rope_epilogue(a, b, bias_ptr, q_out_ptr, row, offs_n, d, head,
+                       positions_ptr, slots_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr,
+                       stride_q_out, stride_cos, stride_sin, stride_kc_slot, stride_kc_h, stride_vc_slot, stride_vc_h,
+                       num_heads, num_kv_heads,
+                       HALF: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_BIAS: tl.constexpr, KV_SATURATE: tl.constexpr):
+        """Row `row`'s columns d and d + HALF of head `head` of the q/k/v product: q heads rotated into
+        q_out, k heads rotated and v heads as they are into the caches at the row's slot; roundings
+        as the projection's output followed by kernels_triton/rotary.py."""
+        dtype = q_out_ptr.dtype.element_ty
+        if HAS_BIAS:
+            a += tl.load(bias_ptr + offs_n).to(tl.float32)
+            b += tl.load(bias_ptr + offs_n + HALF).to(tl.float32)
+        a = a.to(dtype).to(tl.float32)  # the projection's output, as the unfused path stores it
+        b = b.to(dtype).to(tl.float32)
+        if head < num_heads + num_kv_heads:  # q and k heads: rotate (x * cos + rotate_half(x) * sin)
+            position = tl.load(positions_ptr + row).to(tl.int64)
+            cos1 = tl.load(cos_ptr + position * stride_cos + d).to(dtype).to(tl.float32)
+            cos2 = tl.load(cos_ptr + position * stride_cos + HALF + d).to(dtype).to(tl.float32)
+            sin1 = tl.load(sin_ptr + position * stride_sin + d).to(dtype).to(tl.float32)
+            sin2 = tl.load(sin_ptr + position * stride_sin + HALF + d).to(dtype).to(tl.float32)
+            out1 = ((a * cos1).to(dtype).to(tl.float32) - (b * sin1).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+            out2 = ((b * cos2).to(dtype).to(tl.float32) + (a * sin2).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        else:
+            out1 = a
+            out2 = b
+        if head < num_heads:
+            q_row = q_out_ptr + row * stride_q_out + head * HEAD_DIM
+            tl.store(q_row + d, out1.to(dtype))
+            tl.store(q_row + HALF + d, out2.to(dtype))
+        else:
+            slot = tl.load(slots_ptr + row).to(tl.int64)
+            if KV_SATURATE > 0:  # an fp8 cache: e4m3 has no infinity
+                out1 = tl.clamp(out1, -KV_SATURATE, KV_SATURATE)
+                out2 = tl.clamp(out2, -KV_SATURATE, KV_SATURATE)
+            if head < num_heads + num_kv_heads:
+                dst = k_cache_ptr + slot * stride_kc_slot + (head - num_heads) * stride_kc_h
+            else:
+                dst = v_cache_ptr + slot * stride_vc_slot + (head - num_heads - num_kv_heads) * stride_vc_h
+            tl.store(dst + d, out1.to(k_cache_ptr.dtype.element_ty))
+            tl.store(dst + HALF + d, out2.to(k_cache_ptr.dtype.element_ty))
+
+    @triton.jit
     def _skinny_kernel(
         x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, w_ptr, bias_ptr, out_ptr,
+        positions_ptr, slots_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr,
         N, K, up_offset,
         stride_x, stride_residual, stride_residual_out, stride_w, stride_out,
+        stride_cos, stride_sin, stride_kc_slot, stride_kc_h, stride_vc_slot, stride_vc_h,
+        num_heads, num_kv_heads,
         eps,
         ROWS: tl.constexpr,
         NORM: tl.constexpr,
@@ -155,6 +203,9 @@ if AVAILABLE:
         BLOCK_K: tl.constexpr,
         PDL: tl.constexpr,
         ONE_PASS: tl.constexpr,
+        ROPE: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        KV_SATURATE: tl.constexpr,
     ):
         # One program: BLOCK_N output columns (weight rows) over the whole of K, for every input
         # row. Each step loads a [BLOCK_N, BLOCK_K] weight tile with 16-byte vector loads and
@@ -163,7 +214,17 @@ if AVAILABLE:
         # programs are in flight together (no shared memory, no tensor cores: at <= 4 rows the
         # product is bound by the weight bytes alone).
         pid_n = tl.program_id(0)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        if ROPE:
+            # Epilogue ROPE: the program takes BLOCK_N columns d of one head's first half and the
+            # matching d + HEAD_DIM / 2 (its "up" columns, up_offset = HEAD_DIM / 2), the pairs rotary
+            # mixes; heads in q/k/v order, each in HEAD_DIM / 2 / BLOCK_N programs.
+            head = pid_n // (HEAD_DIM // 2 // BLOCK_N)
+            d = (pid_n % (HEAD_DIM // 2 // BLOCK_N)) * BLOCK_N + tl.arange(0, BLOCK_N)
+            offs_n = head * HEAD_DIM + d
+        else:
+            head = 0
+            d = tl.arange(0, BLOCK_N)
+            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
         offs_k = tl.arange(0, BLOCK_K)
         w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w
@@ -173,7 +234,7 @@ if AVAILABLE:
         # using the current one, so a tile's loads are in flight while the last one is multiplied.
         w_next = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & (offs_k < K)[None, :], other=0.0)
         wu_next = w_next
-        if SILU:
+        if SILU or ROPE:
             wu_next = tl.load(up_rows + offs_k[None, :], mask=n_ok[:, None] & (offs_k < K)[None, :], other=0.0)
         if PDL:
             tl.extra.cuda.gdc_wait()
@@ -213,7 +274,7 @@ if AVAILABLE:
             k_next = kk + BLOCK_K
             next_mask = n_ok[:, None] & (k_next < K)[None, :]  # past K: no load, no traffic
             w_next = tl.load(w_rows + k_next[None, :], mask=next_mask, other=0.0)
-            if SILU:
+            if SILU or ROPE:
                 wu_next = tl.load(up_rows + k_next[None, :], mask=next_mask, other=0.0)
             if ONE_PASS:
                 x0, s0 = _row_in_one_pass(x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, 0, kk, k_ok, pid_n,
@@ -223,7 +284,7 @@ if AVAILABLE:
                 x0 = _row_in(x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, 0, kk, k_ok, rstd0, pid_n,
                                stride_x, stride_residual, stride_residual_out, NORM, ADD_RESIDUAL)
             acc0 += tl.sum(w * x0[None, :], axis=1)
-            if SILU:
+            if SILU or ROPE:
                 up0 += tl.sum(wu * x0[None, :], axis=1)
             if ROWS > 1:
                 if ONE_PASS:
@@ -234,7 +295,7 @@ if AVAILABLE:
                     x1 = _row_in(x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, 1, kk, k_ok, rstd1, pid_n,
                                    stride_x, stride_residual, stride_residual_out, NORM, ADD_RESIDUAL)
                 acc1 += tl.sum(w * x1[None, :], axis=1)
-                if SILU:
+                if SILU or ROPE:
                     up1 += tl.sum(wu * x1[None, :], axis=1)
             if ROWS > 2:
                 if ONE_PASS:
@@ -245,7 +306,7 @@ if AVAILABLE:
                     x2 = _row_in(x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, 2, kk, k_ok, rstd2, pid_n,
                                    stride_x, stride_residual, stride_residual_out, NORM, ADD_RESIDUAL)
                 acc2 += tl.sum(w * x2[None, :], axis=1)
-                if SILU:
+                if SILU or ROPE:
                     up2 += tl.sum(wu * x2[None, :], axis=1)
             if ROWS > 3:
                 if ONE_PASS:
@@ -256,7 +317,7 @@ if AVAILABLE:
                     x3 = _row_in(x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, 3, kk, k_ok, rstd3, pid_n,
                                    stride_x, stride_residual, stride_residual_out, NORM, ADD_RESIDUAL)
                 acc3 += tl.sum(w * x3[None, :], axis=1)
-                if SILU:
+                if SILU or ROPE:
                     up3 += tl.sum(wu * x3[None, :], axis=1)
         if ONE_PASS:
             rstd0 = _rstd_of(sq0, K, eps, LIBDEVICE)
@@ -274,18 +335,57 @@ if AVAILABLE:
                 rstd3 = _rstd_of(sq3, K, eps, LIBDEVICE)
                 acc3 *= rstd3
                 up3 *= rstd3
-        _epilogue(acc0, up0, bias_ptr, out_ptr, 0, offs_n, n_ok, stride_out, SILU, HAS_BIAS, LIBDEVICE)
-        if ROWS > 1:
-            _epilogue(acc1, up1, bias_ptr, out_ptr, 1, offs_n, n_ok, stride_out, SILU, HAS_BIAS, LIBDEVICE)
-        if ROWS > 2:
-            _epilogue(acc2, up2, bias_ptr, out_ptr, 2, offs_n, n_ok, stride_out, SILU, HAS_BIAS, LIBDEVICE)
-        if ROWS > 3:
-            _epilogue(acc3, up3, bias_ptr, out_ptr, 3, offs_n, n_ok, stride_out, SILU, HAS_BIAS, LIBDEVICE)
+        if ROPE:
+            _rope_epilogue(acc0, up0, bias_ptr, out_ptr, 0, offs_n, d, head, positions_ptr, slots_ptr, cos_ptr, sin_ptr,
+                           k_cache_ptr, v_cache_ptr, stride_out, stride_cos, stride_sin, stride_kc_slot, stride_kc_h,
+                           stride_vc_slot, stride_vc_h, num_heads, num_kv_heads, HEAD_DIM // 2, HEAD_DIM, HAS_BIAS,
+                           KV_SATURATE)
+            if ROWS > 1:
+                _rope_epilogue(acc1, up1, bias_ptr, out_ptr, 1, offs_n, d, head, positions_ptr, slots_ptr, cos_ptr,
+                               sin_ptr, k_cache_ptr, v_cache_ptr, stride_out, stride_cos, stride_sin, stride_kc_slot,
+                               stride_kc_h, stride_vc_slot, stride_vc_h, num_heads, num_kv_heads, HEAD_DIM // 2,
+                               HEAD_DIM, HAS_BIAS, KV_SATURATE)
+            if ROWS > 2:
+                _rope_epilogue(acc2, up2, bias_ptr, out_ptr, 2, offs_n, d, head, positions_ptr, slots_ptr, cos_ptr,
+                               sin_ptr, k_cache_ptr, v_cache_ptr, stride_out, stride_cos, stride_sin, stride_kc_slot,
+                               stride_kc_h, stride_vc_slot, stride_vc_h, num_heads, num_kv_heads, HEAD_DIM // 2,
+                               HEAD_DIM, HAS_BIAS, KV_SATURATE)
+            if ROWS > 3:
+                _rope_epilogue(acc3, up3, bias_ptr, out_ptr, 3, offs_n, d, head, positions_ptr, slots_ptr, cos_ptr,
+                               sin_ptr, k_cache_ptr, v_cache_ptr, stride_out, stride_cos, stride_sin, stride_kc_slot,
+                               stride_kc_h, stride_vc_slot, stride_vc_h, num_heads, num_kv_heads, HEAD_DIM // 2,
+                               HEAD_DIM, HAS_BIAS, KV_SATURATE)
+        else:
+            _epilogue(acc0, up0, bias_ptr, out_ptr, 0, offs_n, n_ok, stride_out, SILU, HAS_BIAS, LIBDEVICE)
+            if ROWS > 1:
+                _epilogue(acc1, up1, bias_ptr, out_ptr, 1, offs_n, n_ok, stride_out, SILU, HAS_BIAS, LIBDEVICE)
+            if ROWS > 2:
+                _epilogue(acc2, up2, bias_ptr, out_ptr, 2, offs_n, n_ok, stride_out, SILU, HAS_BIAS, LIBDEVICE)
+            if ROWS > 3:
+                _epilogue(acc3, up3, bias_ptr, out_ptr, 3, offs_n, n_ok, stride_out, SILU, HAS_BIAS, LIBDEVICE)
 
 
 def _rows(t: torch.Tensor, k: int) -> torch.Tensor:
     t = t.reshape(-1, k)
     return t if t.stride(-1) == 1 else t.contiguous()
+
+
+@dataclass
+class RotaryKV:
+    """Epilogue of a q/k/v product: rotary on q and k heads (full rotary_dim = head_dim, the pairs
+    d and d + head_dim / 2, cos/sin tables [max_position, head_dim] float32) and the rotated k and the
+    v heads written into the caches (each viewable as [slots, num_kv_heads, head_dim]) at slots.
+    Only q [rows, num_heads, head_dim] is returned."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    positions: torch.Tensor  # int [rows]
+    cos_cache: torch.Tensor
+    sin_cache: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    slot_mapping: torch.Tensor  # int [rows]
 
 
 def skinny_linear(
@@ -297,6 +397,7 @@ def skinny_linear(
     residual: torch.Tensor | None = None,
     eps: float = 1e-6,
     silu: bool = False,
+    rotary: RotaryKV | None = None,
     config: tuple = CONFIGS[0],
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(out, residual_out) for x of at most MAX_ROWS rows.
@@ -304,7 +405,9 @@ def skinny_linear(
     - plain: out = x @ weight^T (+ bias), residual_out None;
     - norm_weight given: out = rmsnorm(x [+ residual]) * norm_weight @ weight^T (+ bias), with
       residual_out = x + residual (a new tensor; x itself when there is no residual);
-    - silu: weight is [gate | up] (2I x K) and out = silu(gate) * up, [rows, I] (no bias).
+    - silu: weight is [gate | up] (2I x K) and out = silu(gate) * up, [rows, I] (no bias);
+    - rotary: weight is q/k/v ((H + 2 Hkv) * D x K); out is the rotated q, [rows, H, D], and the
+      rotated k and the v go into the caches (RotaryKV), as layers/rotary.py's rope_and_write_kv.
     """
     if not AVAILABLE:
         raise RuntimeError("triton is not installed")
@@ -319,6 +422,22 @@ def skinny_linear(
         raise ValueError("silu needs an even number of weight rows [gate | up] and no bias")
     n = weight.shape[0] // 2 if silu else weight.shape[0]
     out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
+    block_n, block_k, num_warps, *one_pass = config
+    if rotary is not None:
+        r = rotary
+        half = r.head_dim // 2
+        if silu or r.head_dim % 2 or half % block_n or n != (r.num_heads + 2 * r.num_kv_heads) * r.head_dim:
+            raise ValueError(f"rotary needs q/k/v rows ({r.num_heads} + 2 x {r.num_kv_heads}) x {r.head_dim}, no silu "
+                             f"and half a head a multiple of BLOCK_N {block_n}; weight has {n} rows")
+        if r.cos_cache.shape[-1] != r.head_dim or r.sin_cache.shape != r.cos_cache.shape:
+            raise ValueError(f"cos/sin tables {tuple(r.cos_cache.shape)} must cover the whole head ({r.head_dim})")
+        out = torch.empty((*x.shape[:-1], r.num_heads, r.head_dim), dtype=x.dtype, device=x.device)
+        k_slots = r.k_cache.view(-1, r.num_kv_heads, r.head_dim)
+        v_slots = r.v_cache.view(-1, r.num_kv_heads, r.head_dim)
+        if k_slots.stride(2) != 1 or v_slots.stride(2) != 1 or k_slots.dtype != v_slots.dtype:
+            raise ValueError("the K and V caches must be contiguous along head_dim and share a dtype")
+        positions, slots = r.positions.contiguous(), r.slot_mapping.contiguous()
+        cos_cache, sin_cache = r.cos_cache.contiguous(), r.sin_cache.contiguous()
     residual_out = None
     residual_rows = residual_out_rows = rows
     if norm_weight is not None:
@@ -334,15 +453,31 @@ def skinny_linear(
             residual_out = x
     if m == 0 or n == 0:
         return out, residual_out
-    block_n, block_k, num_warps, *one_pass = config
-    out_rows = out.view(-1, n)
     pdl_on = pdl.enabled(x.device)
-    _skinny_kernel[(triton.cdiv(n, block_n),)](
+    if rotary is None:
+        out_rows = out.view(-1, n)
+        grid = triton.cdiv(n, block_n)
+        up_offset = n if silu else 0
+        positions = slots = cos_cache = sin_cache = k_slots = v_slots = weight  # unused pointers
+        stride_cos = stride_sin = stride_kc_slot = stride_kc_h = stride_vc_slot = stride_vc_h = 0
+        heads = (0, 0, 0)
+    else:
+        out_rows = out.view(m, -1)
+        grid = (n // rotary.head_dim) * (half // block_n)
+        up_offset = half
+        stride_cos, stride_sin = cos_cache.stride(0), sin_cache.stride(0)
+        stride_kc_slot, stride_kc_h = k_slots.stride(0), k_slots.stride(1)
+        stride_vc_slot, stride_vc_h = v_slots.stride(0), v_slots.stride(1)
+        heads = (rotary.num_heads, rotary.num_kv_heads, rotary.head_dim)
+    _skinny_kernel[(grid,)](
         rows, residual_rows, residual_out_rows,
         norm_weight if norm_weight is not None else weight, weight,
         bias if bias is not None else weight, out_rows,
-        n, k, n if silu else 0,
+        positions, slots, cos_cache, sin_cache, k_slots, v_slots,
+        n, k, up_offset,
         rows.stride(0), residual_rows.stride(0), residual_out_rows.stride(0), weight.stride(0), out_rows.stride(0),
+        stride_cos, stride_sin, stride_kc_slot, stride_kc_h, stride_vc_slot, stride_vc_h,
+        heads[0], heads[1],
         float(eps),
         ROWS=m,
         NORM=norm_weight is not None,
@@ -354,10 +489,13 @@ def skinny_linear(
         BLOCK_K=block_k,
         PDL=pdl_on,
         ONE_PASS=bool(one_pass and one_pass[0]) and norm_weight is not None,
+        ROPE=rotary is not None,
+        HEAD_DIM=max(2, heads[2]),
+        KV_SATURATE=saturation_limit(k_slots.dtype) if rotary is not None else 0.0,
         num_warps=num_warps,
         **pdl.launch_options(pdl_on),
     )
     return out, residual_out
 
 
-__all__ = ["AVAILABLE", "CONFIGS", "MAX_ROWS", "NORM_CONFIGS", "skinny_linear"]
+__all__ = ["AVAILABLE", "CONFIGS", "MAX_ROWS", "NORM_CONFIGS", "RotaryKV", "skinny_linear"]

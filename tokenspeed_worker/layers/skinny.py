@@ -1,7 +1,10 @@
 """Decode steps of few rows: the fused skinny kernels (kernels_triton/gemv.py) or the unfused path.
 
-Three call sites in a decoder layer:
-- `norm_linear`: (add +) RMSNorm then a projection (input_layernorm + qkv_proj);
+Call sites in a decoder layer:
+- `norm_qkv_rope`: (add +) RMSNorm, qkv_proj, rotary and the KV-cache write (all of the attention
+  block before attention itself), where the backend attends over K/V written beforehand;
+- `norm_linear`: (add +) RMSNorm then a projection (input_layernorm + qkv_proj, where the above
+  does not apply or loses);
 - `norm_gate_up_silu`: (add +) RMSNorm, gate_up_proj, SiLU·mul (post_attention_layernorm + MLP up half);
 - `linear`: a plain projection (o_proj, down_proj), replacing cuBLAS's split-K + reduce pair.
 
@@ -129,14 +132,19 @@ def _kernels(x: torch.Tensor, weight: torch.Tensor):
     return kernels
 
 
+def _key(site: str, x: torch.Tensor, weight: torch.Tensor) -> tuple:
+    rows = x.numel() // x.shape[-1]
+    return (site, rows, *weight.shape, str(x.dtype).replace("torch.", ""), x.device.index)
+
+
 def _run(site: str, x: torch.Tensor, weight: torch.Tensor, kernels, fused: Callable[[tuple], Any],
          plain: Callable[[], Any], configs=None):
     """The chosen path for this site (kernels: from _kernels, not None; configs: the kernel
     configurations to time, kernels.CONFIGS by default)."""
+    configs = kernels.CONFIGS if configs is None else configs
     if fused_kernels_mode() == "force" or not x.is_cuda:
-        return fused(kernels.CONFIGS[0])
-    rows = x.numel() // x.shape[-1]
-    key = (site, rows, *weight.shape, str(x.dtype).replace("torch.", ""), x.device.index)
+        return fused(configs[0])
+    key = _key(site, x, weight)
     choice = _decisions.get(key)
     if choice is None:
         if torch.cuda.is_current_stream_capturing():
@@ -144,7 +152,7 @@ def _run(site: str, x: torch.Tensor, weight: torch.Tensor, kernels, fused: Calla
                 _logged_capture.add(key)
                 logger.info("skinny %s first seen while capturing a CUDA graph: unfused path", key)
             return plain()
-        choice = _decisions[key] = _choose(key, x, fused, plain, kernels.CONFIGS if configs is None else configs)
+        choice = _decisions[key] = _choose(key, x, fused, plain, configs)
     return plain() if choice == _UNFUSED else fused(choice)
 
 
@@ -198,4 +206,51 @@ def norm_gate_up_silu(norm, gate_up, act, x: torch.Tensor, residual: torch.Tenso
     return _run("norm_gate_up_silu", x, gate_up.weight, kernels, fused, plain, kernels.NORM_CONFIGS)
 
 
-__all__ = ["ENV_VAR", "decisions", "linear", "norm_gate_up_silu", "norm_linear", "reset", "set_enabled"]
+def norm_qkv_rope(norm, attention, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                  attn_metadata) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(rotated q [T, H, D], x + residual) with the rotated k and the v written into the layer's KV
+    cache: (add +) RMSNorm, q/k/v projection, rotary and the cache write in one kernel (gemv's
+    RotaryKV epilogue), when timing finds that faster than `norm_linear` followed by the rotary +
+    KV-write kernel (the path `plain` runs, with norm_linear's own choice). None where it cannot
+    apply: the caller then takes that path itself.
+
+    attention: a LlamaAttention (qkv_proj, rotary_emb, attn, qk_norm, q_size, kv_size)."""
+    proj, rope, attn = attention.qkv_proj, attention.rotary_emb, attention.attn
+    kernels = _kernels(x, proj.weight)
+    if (kernels is None or attention.qk_norm or rope.rotary_dim != attn.head_dim or attn.head_dim % 2
+            or attn.backend is None or not attn.backend.supports_prewritten_kv or not rope.fuses(x)):
+        return None
+    half = attn.head_dim // 2
+    configs = tuple(c for c in kernels.NORM_CONFIGS if half % c[0] == 0)
+    if not configs:
+        return None
+    heads, kv_heads, head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    slots = attn_metadata.slot_mapping
+    rotary = kernels.RotaryKV(heads, kv_heads, head_dim, positions, rope.cos_cache, rope.sin_cache, attn.k_cache,
+                              attn.v_cache, slots)
+
+    def plain():
+        global _choosing
+        was, _choosing = _choosing, False  # while timing, this path is norm_linear's chosen one
+        try:
+            qkv, new_residual = norm_linear(norm, proj, x, residual)
+        finally:
+            _choosing = was
+        q, k, v = qkv.split([attention.q_size, attention.kv_size, attention.kv_size], dim=-1)
+        q = rope.rope_and_write_kv(positions, q.view(-1, heads, head_dim), k.view(-1, kv_heads, head_dim),
+                                   v.view(-1, kv_heads, head_dim), attn.k_cache, attn.v_cache, slots)
+        return q, new_residual
+
+    def fused(config):
+        return kernels.skinny_linear(x, proj.weight, proj.bias, norm_weight=norm.weight, residual=residual,
+                                     eps=norm.eps, rotary=rotary, config=config)
+
+    site = "norm_qkv_rope" if residual is None else "add_norm_qkv_rope"
+    if (x.is_cuda and fused_kernels_mode() != "force" and _key(site, x, proj.weight) not in _decisions
+            and not torch.cuda.is_current_stream_capturing()):
+        norm_linear(norm, proj, x, residual)  # norm_linear chooses first, so `plain` is timed as it will run
+    return _run(site, x, proj.weight, kernels, fused, plain, configs)
+
+
+__all__ = ["ENV_VAR", "decisions", "linear", "norm_gate_up_silu", "norm_linear", "norm_qkv_rope", "reset",
+           "set_enabled"]

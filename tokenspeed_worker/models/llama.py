@@ -99,8 +99,14 @@ class LlamaDecoderLayer(nn.Module):
         # The residual add of the previous sublayer is fused into the next norm, and for steps of
         # few rows on CUDA the norm into the projection after it, and SiLU·mul into gate_up
         # (layers/skinny.py decides by timing; otherwise the unfused layers run).
-        qkv, residual = skinny.norm_linear(self.input_layernorm, self.self_attn.qkv_proj, hidden_states, residual)
-        hidden_states = self.self_attn.forward_qkv(positions, qkv, attn_metadata)
+        fused = skinny.norm_qkv_rope(self.input_layernorm, self.self_attn, hidden_states, residual, positions,
+                                     attn_metadata)
+        if fused is not None:  # rotated q; k and v already in the cache
+            q, residual = fused
+            hidden_states = self.self_attn.o_proj(self.self_attn.attn.attend_prewritten(q, attn_metadata))
+        else:
+            qkv, residual = skinny.norm_linear(self.input_layernorm, self.self_attn.qkv_proj, hidden_states, residual)
+            hidden_states = self.self_attn.forward_qkv(positions, qkv, attn_metadata)
         mlp = self.mlp
         hidden_states, residual = skinny.norm_gate_up_silu(
             self.post_attention_layernorm, mlp.gate_up_proj, mlp.act_fn, hidden_states, residual)

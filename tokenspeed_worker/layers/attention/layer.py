@@ -48,6 +48,12 @@ class Attention(nn.Module):
         q, k = rotary_emb(positions, q, k)
         return self(q, k, v, attn_metadata)
 
+    def attend_prewritten(self, q: torch.Tensor, attn_metadata: object) -> torch.Tensor:
+        """q: [T, H, D], already rotated, with the step's K/V already in the cache (layers/skinny.py's
+        norm_qkv_rope) -> [T, H * D]."""
+        out = self.backend.attend(q, self.k_cache, self.v_cache, attn_metadata, self.scale)
+        return out.view(-1, self.num_heads * self.head_dim)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_metadata: object) -> torch.Tensor:
         """q: [T, H * D], k/v: [T, Hkv * D] -> [T, H * D]."""
         if self.backend is None:
