@@ -237,6 +237,7 @@ def bench_fused(device: torch.device, dtype: torch.dtype, timer: Timer, copy_bw:
 
 
 SKINNY_SHAPES = {"8b": (4096, 6144, 4096, 14336), "1b": (2048, 3072, 2048, 8192)}  # hidden, qkv out, o in, intermediate
+SKINNY_HEADS = {"8b": (32, 8, 128), "1b": (32, 8, 64)}  # q heads, kv heads, head_dim
 
 
 def bench_skinny(device: torch.device, dtype: torch.dtype, timer: Timer, copy_bw: float) -> list[dict]:
@@ -244,7 +245,9 @@ def bench_skinny(device: torch.device, dtype: torch.dtype, timer: Timer, copy_bw
     from tokenspeed_worker.kernels_triton import gemv
     from tokenspeed_worker.layers.activation import SiluAndMul
     from tokenspeed_worker.layers.fused_kernels import fused_kernels
+    from tokenspeed_worker.kernels_triton import rotary as rotary_kernels
     from tokenspeed_worker.layers.layernorm import RMSNorm
+    from tokenspeed_worker.layers.rotary import RotaryEmbedding
 
     elt = torch.empty((), dtype=dtype).element_size()
     act = SiluAndMul()
@@ -270,7 +273,24 @@ def bench_skinny(device: torch.device, dtype: torch.dtype, timer: Timer, copy_bw
                 h, r = norm(x, residual)
                 return act(F.linear(h, w["gate_up"]))
 
+            heads, kv_heads, head_dim = SKINNY_HEADS[shape]
+            rope = RotaryEmbedding(head_dim, 4096, {"rope_type": "default", "rope_theta": 500000.0}).to(device)
+            caches = [torch.zeros((64, 16, kv_heads, head_dim), dtype=dtype, device=device) for _ in range(2)]
+            positions = torch.arange(m, device=device) + 200
+            slots = torch.arange(m, device=device) * 16
+            rotary = gemv.RotaryKV(heads, kv_heads, head_dim, positions, rope.cos_cache, rope.sin_cache, *caches, slots)
+
+            def unfused_qkv_rope():  # add+RMSNorm, cuBLAS q/k/v, then the rotary + KV-write kernel
+                h, r = norm(x, residual)
+                q, k, v = F.linear(h, w["qkv"]).split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
+                return rotary_kernels.rope_and_write_kv(
+                    q.view(m, heads, head_dim), k.view(m, kv_heads, head_dim), v.view(m, kv_heads, head_dim), positions,
+                    rope.cos_cache, rope.sin_cache, caches[0], caches[1], slots)
+
             sites = [
+                ("add_norm_qkv_rope", unfused_qkv_rope, lambda c: gemv.skinny_linear(
+                    x, w["qkv"], norm_weight=norm.weight, residual=residual, eps=1e-5, rotary=rotary, config=c)[0],
+                 w["qkv"].numel() * elt + (3 * m * hidden + m * qkv_out) * elt),
                 ("add_norm_qkv", unfused_qkv, lambda c: gemv.skinny_linear(
                     x, w["qkv"], norm_weight=norm.weight, residual=residual, eps=1e-5, config=c)[0],
                  w["qkv"].numel() * elt + (3 * m * hidden + m * qkv_out) * elt),
@@ -288,7 +308,10 @@ def bench_skinny(device: torch.device, dtype: torch.dtype, timer: Timer, copy_bw
                     expected = unfused()
                     unfused_s = timer(unfused, graph=graph)
                 best = None
-                for config in (gemv.NORM_CONFIGS if "norm" in site else gemv.CONFIGS):
+                configs = gemv.NORM_CONFIGS if "norm" in site else gemv.CONFIGS
+                if site.endswith("rope"):  # columns pair within half a head
+                    configs = [c for c in configs if (head_dim // 2) % c[0] == 0]
+                for config in configs:
                     try:
                         got = fused(config)
                         seconds = timer(lambda: fused(config), graph=graph)
