@@ -136,20 +136,16 @@ class Grammars:
             self._row_masks = [self._bitmask[i, :self._words] for i in range(self._bitmask.shape[0])]
             self._written = set()
         bitmask = self._bitmask[:size]
-        work, filled = [], []
-        for i in positions:
-            matcher = self.matchers[row_list[i]]
-            if not matcher.is_terminated():  # a finished grammar is ended by the engine, never masked
-                work.append((matcher, i))
-                filled.append(i)
+        # A finished grammar is ended by the engine, never masked.
+        work = [(self.matchers[row_list[i]], i) for i in positions if not self.matchers[row_list[i]].is_terminated()]
         # Rows hold a matcher's mask or all-allowed. A fill rewrites a row's first self._words words
         # whole, so only the rows a matcher wrote before and none writes now are reset, and the words
         # past those (padding ids, never allowed) are cleared only in rows newly written.
-        written = set(filled)
+        written = {i for _, i in work}
         stale = [i for i in self._written if i not in written]
         if stale:
             self._bitmask[stale] = -1
-        fresh = [i for i in filled if i not in self._written]
+        fresh = [i for i in written if i not in self._written]
         if fresh and self._words < bitmask.shape[1]:
             bitmask[fresh, self._words:] = 0
         self._written = written

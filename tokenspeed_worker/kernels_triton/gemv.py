@@ -222,8 +222,6 @@ if AVAILABLE:
             d = (pid_n % (HEAD_DIM // 2 // BLOCK_N)) * BLOCK_N + tl.arange(0, BLOCK_N)
             offs_n = head * HEAD_DIM + d
         else:
-            head = 0
-            d = tl.arange(0, BLOCK_N)
             offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
         offs_k = tl.arange(0, BLOCK_K)

@@ -225,9 +225,8 @@ def norm_qkv_rope(norm, attention, x: torch.Tensor, residual: torch.Tensor | Non
     if not configs:
         return None
     heads, kv_heads, head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
-    slots = attn_metadata.slot_mapping
     rotary = kernels.RotaryKV(heads, kv_heads, head_dim, positions, rope.cos_cache, rope.sin_cache, attn.k_cache,
-                              attn.v_cache, slots)
+                              attn.v_cache, attn_metadata.slot_mapping)
 
     def plain():
         global _choosing
@@ -237,8 +236,8 @@ def norm_qkv_rope(norm, attention, x: torch.Tensor, residual: torch.Tensor | Non
         finally:
             _choosing = was
         q, k, v = qkv.split([attention.q_size, attention.kv_size, attention.kv_size], dim=-1)
-        q = rope.rope_and_write_kv(positions, q.view(-1, heads, head_dim), k.view(-1, kv_heads, head_dim),
-                                   v.view(-1, kv_heads, head_dim), attn.k_cache, attn.v_cache, slots)
+        q = attn.rope_and_write_kv(positions, q.view(-1, heads, head_dim), k.view(-1, kv_heads, head_dim), v, rope,
+                                   attn_metadata)
         return q, new_residual
 
     def fused(config):

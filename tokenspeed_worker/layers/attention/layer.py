@@ -39,14 +39,18 @@ class Attention(nn.Module):
         (rotary_emb.fuses, layers/fused_kernels.py), one kernel rotates q and writes the rotated k
         and v into the cache, and the backend only attends; otherwise rotary_emb, then forward."""
         if self.backend is not None and self.backend.supports_prewritten_kv and rotary_emb.fuses(q):
-            q = rotary_emb.rope_and_write_kv(
-                positions, q, k, v.view(-1, self.num_kv_heads, self.head_dim),
-                self.k_cache, self.v_cache, attn_metadata.slot_mapping,
-            )
-            out = self.backend.attend(q, self.k_cache, self.v_cache, attn_metadata, self.scale)
-            return out.view(-1, self.num_heads * self.head_dim)
+            return self.attend_prewritten(self.rope_and_write_kv(positions, q, k, v, rotary_emb, attn_metadata),
+                                          attn_metadata)
         q, k = rotary_emb(positions, q, k)
         return self(q, k, v, attn_metadata)
+
+    def rope_and_write_kv(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          rotary_emb: RotaryEmbedding, attn_metadata: object) -> torch.Tensor:
+        """Rotated q [T, H, D]; the rotated k and v written into this layer's cache at the step's slots."""
+        return rotary_emb.rope_and_write_kv(
+            positions, q, k, v.view(-1, self.num_kv_heads, self.head_dim),
+            self.k_cache, self.v_cache, attn_metadata.slot_mapping,
+        )
 
     def attend_prewritten(self, q: torch.Tensor, attn_metadata: object) -> torch.Tensor:
         """q: [T, H, D], already rotated, with the step's K/V already in the cache (layers/skinny.py's
