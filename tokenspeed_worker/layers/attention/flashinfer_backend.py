@@ -130,13 +130,12 @@ class FlashInferAttentionBackend(AttentionBackend):
     def _plan_args(self) -> dict:
         return dict(q_data_type=self.q_dtype, kv_data_type=self.kv_dtype, sm_scale=self.sm_scale)
 
-    def _plan_decode(self, planned: _Planned, seq_lens: np.ndarray, block_tables: np.ndarray) -> FlashInferMetadata:
+    def _plan_decode(self, planned: _Planned, seq_lens: np.ndarray, block_tables: np.ndarray) -> dict:
+        """Plan a decode wrapper for these sequences; returns the page list it was planned with."""
         indptr, indices, last = paged_kv_arrays(block_tables, seq_lens, self.block_size)
-        args = (torch.from_numpy(indptr), torch.from_numpy(indices), torch.from_numpy(last),
-                self.num_heads, self.num_kv_heads, self.head_dim, self.block_size)
-        planned.plan(*args, **self._plan_args())
-        return FlashInferMetadata(slot_mapping=None, wrapper=planned.wrapper,
-                                  planned={"kind": "decode", "indptr": indptr, "indices": indices, "last_page_len": last})
+        planned.plan(torch.from_numpy(indptr), torch.from_numpy(indices), torch.from_numpy(last),
+                     self.num_heads, self.num_kv_heads, self.head_dim, self.block_size, **self._plan_args())
+        return {"kind": "decode", "indptr": indptr, "indices": indices, "last_page_len": last}
 
     # -- metadata -------------------------------------------------------------------------
 
@@ -148,23 +147,21 @@ class FlashInferAttentionBackend(AttentionBackend):
         if int(query_lens.max()) == 1:
             if self._decode is None:
                 self._decode = _Planned(self._decode_wrapper(), self.device)
-            metadata = self._plan_decode(self._decode, seq_lens, block_tables)
-        else:
-            if self._prefill is None:
-                self._prefill = _Planned(self.fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD"), self.device)
-            indptr, indices, last = paged_kv_arrays(block_tables, seq_lens, self.block_size)
-            qo_indptr = np.zeros(query_lens.shape[0] + 1, dtype=np.int32)
-            np.cumsum(query_lens, out=qo_indptr[1:])
-            self._prefill.plan(
-                torch.from_numpy(qo_indptr), torch.from_numpy(indptr), torch.from_numpy(indices),
-                torch.from_numpy(last), self.num_heads, self.num_kv_heads, self.head_dim, self.block_size,
-                causal=True, **self._plan_args(),
-            )
-            metadata = FlashInferMetadata(slot_mapping=None, wrapper=self._prefill.wrapper,
-                                          planned={"kind": "prefill", "qo_indptr": qo_indptr, "indptr": indptr,
-                                                   "indices": indices, "last_page_len": last})
-        metadata.slot_mapping = inputs.slot_mapping
-        return metadata
+            return FlashInferMetadata(inputs.slot_mapping, self._decode.wrapper,
+                                      self._plan_decode(self._decode, seq_lens, block_tables))
+        if self._prefill is None:
+            self._prefill = _Planned(self.fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD"), self.device)
+        indptr, indices, last = paged_kv_arrays(block_tables, seq_lens, self.block_size)
+        qo_indptr = np.zeros(query_lens.shape[0] + 1, dtype=np.int32)
+        np.cumsum(query_lens, out=qo_indptr[1:])
+        self._prefill.plan(
+            torch.from_numpy(qo_indptr), torch.from_numpy(indptr), torch.from_numpy(indices),
+            torch.from_numpy(last), self.num_heads, self.num_kv_heads, self.head_dim, self.block_size,
+            causal=True, **self._plan_args(),
+        )
+        return FlashInferMetadata(inputs.slot_mapping, self._prefill.wrapper,
+                                  {"kind": "prefill", "qo_indptr": qo_indptr, "indptr": indptr, "indices": indices,
+                                   "last_page_len": last})
 
     def decode_graph_metadata(
         self, slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor
@@ -178,15 +175,12 @@ class FlashInferAttentionBackend(AttentionBackend):
             paged_kv_indices_buffer=torch.zeros(size * width, dtype=torch.int32, device=self.device),
             paged_kv_last_page_len_buffer=torch.zeros(size, dtype=torch.int32, device=self.device),
         ), self.device)
-        metadata = self._plan_decode(planned, seq_lens.cpu().numpy(), block_tables.cpu().numpy())
-        metadata.slot_mapping = slot_mapping
-        metadata.planned["graph"] = planned
-        return metadata
+        page_list = self._plan_decode(planned, seq_lens.cpu().numpy(), block_tables.cpu().numpy())
+        return FlashInferMetadata(slot_mapping, planned.wrapper, {**page_list, "graph": planned})
 
     def plan_graph_replay(self, metadata: FlashInferMetadata, seq_lens: np.ndarray, block_tables: np.ndarray) -> None:
         """Before a replay: plan the graph's wrapper for the padded step (host arrays)."""
-        replanned = self._plan_decode(metadata.planned["graph"], seq_lens, block_tables)
-        metadata.planned.update({k: v for k, v in replanned.planned.items() if k != "kind"})
+        metadata.planned.update(self._plan_decode(metadata.planned["graph"], seq_lens, block_tables))
 
     # -- startup ----------------------------------------------------------------------------
 
