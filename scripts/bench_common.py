@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -34,6 +36,8 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
 
 
 def build_engine(args, **overrides) -> EngineCore:
+    if os.environ.get("BENCH_LOG_LEVEL"):  # e.g. DEBUG: shows each skinny site's timed choice
+        logging.basicConfig(level=os.environ["BENCH_LOG_LEVEL"].upper(), format="%(name)s %(message)s")
     path = MODEL_SHAPES.get(args.model, args.model)
     load_format = args.load_format or ("dummy" if args.model in MODEL_SHAPES else "auto")
     cfg = EngineConfig(model_path=str(path), device=args.device, dtype=args.dtype, load_format=load_format)

@@ -78,20 +78,49 @@ if [ "${BENCH_DECODE:-0}" = 1 ]; then
 fi
 # Programmatic dependent launch (BENCH_PDL=1): the kernel and graph tests on CUDA (PDL on and off
 # give the same bits), batch-1 latency for both shapes with PDL on (the default) and off
-# (TOKENSPEED_PDL=0), and the skinny kernels against the unfused path.
+# (TOKENSPEED_PDL=0; PDL_MODES=1 measures only "on"), and the skinny kernels against the unfused path.
 if [ "${BENCH_PDL:-0}" = 1 ]; then
-  timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_cuda_graph_logic.py tests/test_skinny_kernels.py \
+  timeout 420 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_cuda_graph_logic.py tests/test_skinny_kernels.py \
     tests/test_fused_kernels.py tests/test_triton_kernels.py tests/test_triton_backend.py tests/test_fp8_kv_cache.py \
     2>&1 | tail -4
   for m in llama-3.2-1b llama-3.1-8b; do
-    for p in 1 0; do
+    for p in ${PDL_MODES:-1 0}; do
       TOKENSPEED_PDL=$p timeout ${LATENCY_TIMEOUT:-100} python3 scripts/bench_latency.py --model $m \
         --prompt-len 128 --new-tokens 128 --out "$OUT/latency_${m}_pdl$p.json" 2>&1 \
         | grep -E "decode:|rror" | sed "s/^/pdl=$p /" | tail -3
     done
   done
+  # Which path each skinny site chose for the 1B shape, with the timings.
+  BENCH_LOG_LEVEL=DEBUG timeout 100 python3 scripts/bench_latency.py --model llama-3.2-1b --prompt-len 128 \
+    --new-tokens 16 --out "$OUT/latency_1b_choices.json" 2>&1 | grep -E "chose|rror" | cut -c1-400 | tail -12
   timeout 90 python3 scripts/bench_kernels.py --only skinny --skinny-rows 1 --out "$OUT/kernels_skinny_pdl.json" \
     2>&1 | grep -E "^skinny|rror" | tail -10
+fi
+# The fused q/k/v + rotary + KV-write site on and off (AB_ROPE=1): 1B batch-1 latency, alternating
+# (off: llama's decoder finds skinny.norm_qkv_rope declining and takes norm_linear + the rotary kernel).
+if [ "${AB_ROPE:-0}" = 1 ]; then
+  for round in 1 2; do
+    for site in on off; do
+      SITE=$site timeout 100 python3 -c "
+import os, runpy, sys
+sys.path.insert(0, 'scripts')
+from tokenspeed_worker.layers import skinny
+if os.environ['SITE'] == 'off':
+    skinny.norm_qkv_rope = lambda *a, **k: None
+sys.argv = ['bench_latency.py'] + sys.argv[1:]
+runpy.run_path('scripts/bench_latency.py', run_name='__main__')" --model llama-3.2-1b --prompt-len 128 \
+        --new-tokens 128 --out "$OUT/latency_1b_rope_${site}_$round.json" 2>&1 | grep -E "decode:|rror" \
+        | sed "s/^/rope site $site: /" | tail -2
+    done
+  done
+fi
+# Where a 1B batch-1 step's time goes (PROFILE_SMALL=1), PDL on and off (with PDL on, a kernel's
+# time includes its wait for the previous one, so the "off" table gives the kernels' own times).
+if [ "${PROFILE_SMALL:-0}" = 1 ]; then
+  for p in 1 0; do
+    TOKENSPEED_PDL=$p timeout 100 python3 scripts/profile_decode.py --model llama-3.2-1b --batch 1 --prompt-len 128 \
+      --steps 16 --top 8 --out "$OUT/profile_1b_b1_pdl$p.json" 2>&1 | grep -v "^20..-\|^STAGE\|Warning\|warn\|^{" | tail -10
+  done
 fi
 # Where a large decode step's time goes (PROFILE_LARGE=1): 8B, 256 requests of 1024 prompt tokens,
 # bf16 and fp8 KV caches.
@@ -139,18 +168,21 @@ fi
 # The flashinfer backend (BENCH_FLASHINFER=1): carry .whl/flashinfer (flashinfer-python 0.5.3 and its
 # small pure-Python dependencies; it JIT-compiles its kernels with the machine's nvcc on first use).
 # Its GPU tests against the torch backend (bf16 and fp8 caches, CUDA graphs), then batch-1 latency and
-# offline 128/128 with --attention-backend flashinfer beside the triton default.
+# offline 128/128 with --attention-backend flashinfer beside the triton default. FI_MODELS (default
+# both shapes; "none" skips), FI_OFFLINE=0, FI_TEST_TIMEOUT, FI_LATENCY_TIMEOUT trim it. Its first
+# use JIT-compiles FlashInfer's kernels: about 80 s for the tests on a fresh machine.
 if [ "${BENCH_FLASHINFER:-0}" = 1 ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site_fi \
     .whl/flashinfer/*.whl 2>&1 | tail -2
   export PYTHONPATH=/tmp/site_fi:$PYTHONPATH PATH=/tmp/site_fi/bin:$PATH
-  timeout ${FI_TEST_TIMEOUT:-400} python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_flashinfer_backend.py 2>&1 | tail -6
-  for m in llama-3.2-1b llama-3.1-8b; do
-    timeout 150 python3 scripts/bench_latency.py --model $m --prompt-len 128 --new-tokens 128 \
+  timeout ${FI_TEST_TIMEOUT:-400} python3 -m pytest -q -rs --durations=5 -p no:cacheprovider -m gpu \
+    tests/test_flashinfer_backend.py 2>&1 | tail -14
+  for m in ${FI_MODELS:-llama-3.2-1b llama-3.1-8b}; do
+    timeout ${FI_LATENCY_TIMEOUT:-150} python3 scripts/bench_latency.py --model $m --prompt-len 128 --new-tokens 128 \
       --engine-arg attention_backend=flashinfer --out "$OUT/latency_${m}_flashinfer.json" 2>&1 \
       | grep -E "decode:|rror" | sed "s/^/flashinfer /" | tail -3
   done
-  timeout 200 python3 scripts/bench_offline.py --model llama-3.1-8b --num-requests 1000 --input-len 128 \
+  [ "${FI_OFFLINE:-1}" = 1 ] && timeout 200 python3 scripts/bench_offline.py --model llama-3.1-8b --num-requests 1000 --input-len 128 \
     --output-len 128 --engine-arg attention_backend=flashinfer --out "$OUT/offline_8b_128_flashinfer.json" 2>&1 \
     | grep -E "tokens in|rror" | tail -2
 fi

@@ -89,8 +89,9 @@ def _attend(q, k_cache, v_cache, indptr, indices, last, qo_indptr, page_size, sm
 
 class _Wrapper:
     def __init__(self, workspace, layout, use_tensor_cores=False, use_cuda_graph=False, paged_kv_indptr_buffer=None,
-                 paged_kv_indices_buffer=None, paged_kv_last_page_len_buffer=None):
+                 paged_kv_indices_buffer=None, paged_kv_last_page_len_buffer=None, backend="auto"):
         assert layout == "NHD"
+        self.backend = backend
         self.graph = use_cuda_graph
         self.buffers = (paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer)
         self.plans = 0
@@ -197,11 +198,25 @@ def _real_flashinfer() -> bool:
     return CUDA and flashinfer_module("cuda")[0] is not None
 
 
+@pytest.fixture(scope="module")
+def llama_head_dim_64(tiny_model_paths, tmp_path_factory):
+    """The tiny llama with 64-wide heads: FlashInfer's kernels are built for the head sizes real
+    models use (64, 128, 256), not the tiny models' 16."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(tiny_model_paths["llama-gqa-tied"])
+    config.head_dim = 64
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("llama_head_dim_64")
+    AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(out)
+    return out
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not _real_flashinfer(), reason="needs CUDA and flashinfer")
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
-def test_flashinfer_matches_the_torch_backend_on_cuda(tiny_model_paths, kv_cache_dtype):
-    path = str(tiny_model_paths["llama-gqa-tied"])
+def test_flashinfer_matches_the_torch_backend_on_cuda(llama_head_dim_64, kv_cache_dtype):
+    path = str(llama_head_dim_64)
     runners = [ModelRunner(path, dtype="bfloat16", device="cuda", block_size=BLOCK_SIZE, attention_backend=backend,
                            kv_cache_dtype=kv_cache_dtype, enforce_eager=True)
                for backend in ("torch", "flashinfer")]
@@ -217,8 +232,8 @@ def test_flashinfer_matches_the_torch_backend_on_cuda(tiny_model_paths, kv_cache
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _real_flashinfer(), reason="needs CUDA and flashinfer")
-def test_flashinfer_cuda_graphs_give_the_eager_logits(tiny_model_paths):
-    path = str(tiny_model_paths["llama-gqa-tied"])
+def test_flashinfer_cuda_graphs_give_the_eager_logits(llama_head_dim_64):
+    path = str(llama_head_dim_64)
 
     def runner(enforce_eager):
         r = ModelRunner(path, dtype="bfloat16", device="cuda", block_size=BLOCK_SIZE, attention_backend="flashinfer",
@@ -233,3 +248,12 @@ def test_flashinfer_cuda_graphs_give_the_eager_logits(tiny_model_paths):
     for expected, got in zip(_decode_run(eager, batch_sizes), _decode_run(graphs, batch_sizes)):
         torch.testing.assert_close(got, expected, atol=3e-2, rtol=3e-2)
     assert graphs.cuda_graphs.num_replays == len(batch_sizes)
+
+
+def test_an_fp8_cache_prefills_with_flashinfers_fa2_kernels():
+    # FlashInfer's sm90 (FA3) prefill cannot build for 16-bit queries over an e4m3 cache.
+    backend = _stand_in_backend()
+    backend.configure(torch.bfloat16, torch.bfloat16, 0.125)
+    assert backend._prefill_kernels == "auto"
+    backend.configure(torch.bfloat16, torch.float8_e4m3fn, 0.125)
+    assert backend._prefill_kernels == "fa2"

@@ -122,6 +122,13 @@ class FlashInferAttentionBackend(AttentionBackend):
     def _tensor_cores(self) -> bool:
         return self.num_heads >= 4 * max(1, self.num_kv_heads)
 
+    @property
+    def _prefill_kernels(self) -> str:
+        # FlashInfer's "auto" picks its FA3 prefill on sm90, which cannot mix 16-bit queries with an
+        # e4m3 cache (its build fails: "No eligible GMMA operator", seen on an H200 with 0.5.3); FA2
+        # reads an fp8 cache with 16-bit queries.
+        return "fa2" if self.kv_dtype.itemsize == 1 else "auto"
+
     def _decode_wrapper(self, **graph_buffers) -> object:
         return self.fi.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_tensor_cores=self._tensor_cores, **graph_buffers
@@ -150,7 +157,8 @@ class FlashInferAttentionBackend(AttentionBackend):
             return FlashInferMetadata(inputs.slot_mapping, self._decode.wrapper,
                                       self._plan_decode(self._decode, seq_lens, block_tables))
         if self._prefill is None:
-            self._prefill = _Planned(self.fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD"), self.device)
+            self._prefill = _Planned(self.fi.BatchPrefillWithPagedKVCacheWrapper(
+                self.workspace, "NHD", backend=self._prefill_kernels), self.device)
         indptr, indices, last = paged_kv_arrays(block_tables, seq_lens, self.block_size)
         qo_indptr = np.zeros(query_lens.shape[0] + 1, dtype=np.int32)
         np.cumsum(query_lens, out=qo_indptr[1:])
