@@ -71,7 +71,14 @@ def main() -> int:
         "fraction_of_bandwidth_roofline": roofline_step / median,
         "ttft_ms": 1000 * step_times[0],
         "skinny_kernels": skinny.decisions(),  # per site and row count: chosen path and its timings (µs)
+        # The decode attention's single-split threshold per batch size, and its timings (µs: split, single)
+        "decode_single_split_tokens": getattr(core.runner.attention_backend, "single_split_tokens", {}),
+        "decode_single_split_timings": getattr(core.runner.attention_backend, "tuning", {}),
     }
+    if result["decode_single_split_tokens"]:
+        print(f"decode attention, one program per kv head up to (keys, by batch size): "
+              f"{result['decode_single_split_tokens']}; at batch 1 (split, single µs by keys): "
+              f"{result['decode_single_split_timings'].get(1)}", flush=True)
     print(f"batch-1 decode: {1000 * median:.2f} ms/step = {1 / median:.1f} tok/s; roofline {1 / roofline_step:.1f} "
           f"tok/s; {100 * roofline_step / median:.1f}% of it", flush=True)
     if args.hf_baseline:

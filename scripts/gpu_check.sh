@@ -87,7 +87,7 @@ if [ "${BENCH_PDL:-0}" = 1 ]; then
     for p in ${PDL_MODES:-1 0}; do
       TOKENSPEED_PDL=$p timeout ${LATENCY_TIMEOUT:-100} python3 scripts/bench_latency.py --model $m \
         --prompt-len 128 --new-tokens 128 --out "$OUT/latency_${m}_pdl$p.json" 2>&1 \
-        | grep -E "decode:|rror" | sed "s/^/pdl=$p /" | tail -3
+        | grep -E "decode:|rror|one program" | cut -c1-300 | sed "s/^/pdl=$p /" | tail -4
     done
   done
   # Which path each skinny site chose for the 1B shape, with the timings.

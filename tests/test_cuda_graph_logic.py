@@ -24,6 +24,7 @@ from tokenspeed_worker.model_executor.cuda_graph import (
     capture_sizes,
     decode_graph_size,
     graph_reserve_bytes,
+    max_table_width,
     pad_decode_inputs,
     padded_batch_size,
     static_buffer_bytes,
@@ -283,6 +284,30 @@ def test_capture_needs_the_kv_cache_and_freezes_it(llama_path):
     assert runner.cuda_graph_reserve_bytes() > 0
     with pytest.raises(RuntimeError, match="after CUDA graphs"):
         runner.allocate_kv_cache(32)
+
+
+def test_tuned_decode_choices_reach_each_captured_graph(llama_path, monkeypatch):
+    # ModelRunner.tune_attention runs the backend's tune_decode over the capture sizes with the
+    # static table's longest context, before capture; each graph's metadata carries its size's value.
+    backend = reference_triton_backend()
+    seen = {}
+
+    def tune_decode(k_cache, v_cache, dtype, batch_sizes, max_seq_len, timer=None):
+        seen.update(sizes=list(batch_sizes), max_seq_len=max_seq_len, layer0=k_cache.data_ptr())
+        backend.single_split_tokens = {size: 128 * size for size in batch_sizes}
+        return dict(backend.single_split_tokens)
+
+    monkeypatch.setattr(backend, "tune_decode", tune_decode)
+    runner = _runner(llama_path, emulate_cuda_graphs=True, attention_backend=backend)
+    assert runner.tune_attention() == {size: 128 * size for size in runner.cudagraph_sizes}
+    assert seen == dict(sizes=runner.cudagraph_sizes, layer0=runner.kv_cache[0, 0].data_ptr(),
+                        max_seq_len=max_table_width(MAX_MODEL_LEN, BLOCK_SIZE) * BLOCK_SIZE)
+    runner.capture_cuda_graphs()
+    assert {size: m.single_split_tokens for size, m in runner.cuda_graphs.metadata.items()} == {
+        size: 128 * size for size in runner.cudagraph_sizes}
+    eager = _runner(llama_path, enforce_eager=True, attention_backend=backend)
+    eager.tune_attention()
+    assert seen["sizes"] == [1, 2, 4, 8]  # without graphs: powers of two up to max_num_seqs (8)
 
 
 def test_engine_passes_graph_config_to_the_runner(llama_path):

@@ -24,6 +24,7 @@ from tokenspeed_worker.layers.attention import (
 )
 from tokenspeed_worker.kernels_triton import attention as triton_kernels
 from tokenspeed_worker.layers.attention.triton_backend import (
+    TUNE_CALLS,
     _reference_paged_decode_attention,
     _reference_paged_extend_attention,
     reference_kernels,
@@ -382,3 +383,116 @@ def test_warm_up_runs_each_extend_variant_and_leaves_the_cache_alone(monkeypatch
     assert seen == [1, 3, 2 * BLOCK_SIZE + 1]
     assert torch.equal(k_cache, k_before) and torch.equal(v_cache, v_before)
     assert _backend().warm_up(k_cache, v_cache, torch.float32) == 0  # the reference compiles nothing
+
+
+# -- the decode kernel's single-split threshold, timed at startup ---------------------------
+
+
+def test_tune_decode_keeps_the_longest_context_where_one_program_wins():
+    # Fake device times: at batch 1 one program per kv head wins at 128 and 256 keys and loses at
+    # 512 (so 1024 is not tried); at batch 2 it loses at once; batch 512 has enough programs
+    # without splitting, so nothing is timed for it.
+    from types import SimpleNamespace
+
+    calls = []
+
+    def decode(q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_splits=None, workspace=None,
+               single_split_tokens=0):
+        calls.append((q.shape[0], int(seq_lens[0]), single_split_tokens, num_splits, block_tables.data_ptr()))
+        assert block_tables.shape == (q.shape[0], -(-int(seq_lens[0]) // BLOCK_SIZE))
+        assert int(block_tables.max()) < k_cache.shape[0] and workspace is not None
+
+    split_us = {(1, 128): 10.0, (1, 256): 12.0, (1, 512): 14.0, (2, 128): 10.0}
+    single_us = {(1, 128): 6.0, (1, 256): 9.0, (1, 512): 13.9, (2, 128): 9.8}
+
+    def timer(fn):
+        fn()
+        batch, tokens, single = calls[-1][:3]
+        return (single_us if single else split_us)[(batch, tokens)]
+
+    kernels = SimpleNamespace(paged_decode_attention=decode, paged_extend_attention=None,
+                              choose_num_splits=triton_kernels.choose_num_splits,
+                              decode_workspace=triton_kernels.decode_workspace)
+    backend = TritonAttentionBackend("cpu", kernels=kernels)
+    backend.setup(num_heads=4, num_kv_heads=2, head_dim=16, block_size=BLOCK_SIZE)
+    k_cache = torch.zeros(backend.kv_cache_shape(64, BLOCK_SIZE, 2, 16))
+    chosen = backend.tune_decode(k_cache, torch.zeros_like(k_cache), torch.float32, [2, 1, 512, 1], 4096, timer=timer)
+    assert chosen == {1: 256, 2: 0, 512: 0}
+    assert backend.tuning == {1: {128: (10.0, 6.0), 256: (12.0, 9.0), 512: (14.0, 13.9)}, 2: {128: (10.0, 9.8)}}
+    assert {c[0] for c in calls} == {1, 2}
+    # Each timed graph is TUNE_CALLS calls over tables of their own; the split path runs with
+    # single_split_tokens 0, the single path with the context itself.
+    runs = [calls[i:i + TUNE_CALLS] for i in range(0, len(calls), TUNE_CALLS)]
+    assert all(len({c[4] for c in run}) == TUNE_CALLS for run in runs)
+    assert [(run[0][0], run[0][1], run[0][2]) for run in runs] == [
+        (1, 128, 0), (1, 128, 128), (1, 256, 0), (1, 256, 256), (1, 512, 0), (1, 512, 512), (2, 128, 0), (2, 128, 128)]
+    # The thresholds reach the metadata: a graph's batch size takes its own, an eager batch the
+    # smallest tuned size at or above it, and a batch past every tuned size none.
+    tables, slots, lens = torch.zeros((4, 8), dtype=torch.int32), torch.zeros(4, dtype=torch.int64), torch.ones(4, dtype=torch.int32)
+    assert backend.decode_graph_metadata(slots[:1], tables[:1], lens[:1]).single_split_tokens == 256
+    assert backend.decode_graph_metadata(slots[:2], tables[:2], lens[:2]).single_split_tokens == 0
+    assert [backend.single_split_for(b) for b in (1, 2, 3, 600)] == [256, 0, 0, 0]
+
+
+def test_tune_decode_needs_cuda_or_a_timer_and_real_kernels():
+    backend = _backend()  # reference kernels: nothing to tune
+    k_cache = torch.zeros(backend.kv_cache_shape(4, BLOCK_SIZE, 2, 16))
+    assert backend.tune_decode(k_cache, k_cache, torch.float32, [1], 1024, timer=lambda fn: 1.0) == {}
+    assert backend.single_split_for(1) == 0
+    from types import SimpleNamespace
+
+    kernels = SimpleNamespace(paged_decode_attention=triton_kernels.paged_decode_attention, paged_extend_attention=None,
+                              choose_num_splits=triton_kernels.choose_num_splits,
+                              decode_workspace=triton_kernels.decode_workspace)
+    backend = TritonAttentionBackend("cpu", kernels=kernels)
+    backend.setup(num_heads=4, num_kv_heads=2, head_dim=16, block_size=BLOCK_SIZE)
+    assert backend.tune_decode(k_cache, k_cache, torch.float32, [1], 1024) == {}  # CPU, no timer: no timing
+
+
+def test_a_tuned_threshold_decodes_like_the_torch_backend(tiny_model_paths):
+    # The real kernels (Triton's interpreter on CPU) with a threshold above every context: the
+    # decode step runs one program per kv head, and its logits still match the torch backend's.
+    from types import SimpleNamespace
+
+    path = str(tiny_model_paths["llama-gqa-tied"])
+    thresholds = []
+
+    def decode(*args, **kwargs):
+        thresholds.append(kwargs["single_split_tokens"])
+        triton_kernels.paged_decode_attention(*args, **kwargs)
+
+    kernels = SimpleNamespace(paged_decode_attention=decode, paged_extend_attention=triton_kernels.paged_extend_attention,
+                              choose_num_splits=triton_kernels.choose_num_splits,
+                              decode_workspace=triton_kernels.decode_workspace)
+    backend = TritonAttentionBackend("cpu", kernels=kernels)
+    runners = [ModelRunner(path, dtype="float32", block_size=BLOCK_SIZE),
+               ModelRunner(path, dtype="float32", block_size=BLOCK_SIZE, attention_backend=backend)]
+    for runner in runners:
+        runner.allocate_kv_cache(NUM_BLOCKS)
+    backend.single_split_tokens = {4: 1024}
+    seqs = random_seqs([40, 90, 130], seed=3)
+    plans = Plans(seed=3)
+    prefill = plans.plan([(s, len(s.tokens) - 1) for s in seqs])
+    decode = plans.plan([(s, 1) for s in seqs])
+    assert backend.build_metadata(_inputs(decode)).single_split_tokens == 1024
+    for plan in (prefill, decode):
+        expected, got = (runner.forward_all_logits(plan) for runner in runners)
+        torch.testing.assert_close(got, expected, atol=2e-4, rtol=1e-3)
+    assert thresholds and set(thresholds) == {1024}  # every layer's decode call got it
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_tune_decode_on_cuda_picks_a_candidate_for_each_split_batch():
+    # The real timing (CUDA graphs, L2 flushed) at the 1B shape's heads: every batch size gets 0 or
+    # one of the candidates, with both paths timed up to the first loss.
+    from tokenspeed_worker.layers.attention.triton_backend import SINGLE_SPLIT_CANDIDATES
+
+    backend = TritonAttentionBackend("cuda")
+    backend.setup(num_heads=32, num_kv_heads=8, head_dim=64, block_size=16)
+    k_cache = torch.zeros(backend.kv_cache_shape(4096, 16, 8, 64), dtype=torch.bfloat16, device="cuda")
+    chosen = backend.tune_decode(k_cache, torch.zeros_like(k_cache), torch.bfloat16, [1, 4, 128], 8192)
+    assert set(chosen) == {1, 4, 128} and chosen[128] == 0 and 128 not in backend.tuning  # 128 x 8 heads: no split
+    for batch in (1, 4):
+        assert chosen[batch] in (0, *SINGLE_SPLIT_CANDIDATES)
+        assert all(split > 0 and single > 0 for split, single in backend.tuning[batch].values())

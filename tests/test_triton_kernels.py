@@ -243,6 +243,38 @@ def test_decode_of_short_sequences_never_touches_the_workspace():
     assert partial_out.isnan().all() and partial_lse.isnan().all() and (counter == 0).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_single_split_threshold_keeps_short_requests_in_one_program(dtype):
+    # single_split_tokens=256: the requests of <= 256 keys run one program per kv head (out written
+    # directly, workspace untouched for them); the longer ones still split and reduce. The result
+    # is the reference either way, and the counters are back at 0.
+    seq_lens, num_splits = [1, 70, 130, 256, 257, 700], 8
+    case = _decode_case(seq_lens, group=4, head_dim=32, dtype=dtype, seed=21, num_kv_heads=2)
+    block_n = attention._decode_block_n(32, case.k_cache.element_size())
+    used = [attention._decode_split_tokens(n, num_splits, block_n, 256)[1] for n in seq_lens]
+    assert used == [1, 1, 1, 1, 5, 6] and _used_splits(case, num_splits) == [1, 2, 3, 4, 5, 6]
+    partial_out, partial_lse, counter = attention.decode_workspace(len(seq_lens), case.num_heads, 32, num_splits,
+                                                                   DEVICE, 2)
+    partial_out.fill_(float("nan"))
+    partial_lse.fill_(float("nan"))
+    out = torch.full_like(case.q, float("nan"))
+    attention.paged_decode_attention(
+        case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens_t, case.scale, out,
+        num_splits=num_splits, workspace=(partial_out, partial_lse, counter), single_split_tokens=256,
+    )
+    _assert_close(out, case.reference(), dtype)
+    assert (counter == 0).all()
+    assert partial_out[:4].isnan().all() and partial_lse[:4].isnan().all()  # one-program requests
+    assert not partial_lse[4:, :, 0].isnan().any()  # the split ones went through the workspace
+
+
+def test_decode_rejects_a_negative_single_split_threshold():
+    case = _decode_case([5], group=1, head_dim=32, dtype=torch.float32)
+    with pytest.raises(ValueError, match="single_split_tokens"):
+        attention.paged_decode_attention(case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens_t,
+                                         case.scale, torch.empty_like(case.q), single_split_tokens=-1)
+
+
 def test_decode_split_boundaries_never_make_splits_shorter_than_the_minimum():
     for block_n in (32, 64):
         for num_splits in (1, 2, 8, 64):
@@ -251,6 +283,13 @@ def test_decode_split_boundaries_never_make_splits_shorter_than_the_minimum():
                 assert tokens % block_n == 0 and tokens >= attention.MIN_TOKENS_PER_SPLIT
                 assert 1 <= used <= num_splits and (used - 1) * tokens < seq_len <= used * tokens
                 assert (used == 1) == (seq_len <= attention.MIN_TOKENS_PER_SPLIT or num_splits == 1)
+                for single in (0, 64, 256, 1000):  # at most `single` keys: one range of whole tiles
+                    tokens, used = attention._decode_split_tokens(seq_len, num_splits, block_n, single)
+                    assert tokens % block_n == 0 and (used - 1) * tokens < seq_len <= used * tokens
+                    if seq_len <= single:
+                        assert used == 1
+                    else:
+                        assert (tokens, used) == attention._decode_split_tokens(seq_len, num_splits, block_n)
 
 
 def test_decode_takes_num_splits_from_the_workspace():

@@ -176,6 +176,7 @@ def build_runner(cfg: EngineConfig):
         pool_tokens = int(smallest.item())
     num_blocks = max(1, pool_tokens // cfg.block_size)
     runner.allocate_kv_cache(num_blocks)
+    runner.tune_attention()
     runner.capture_cuda_graphs()
     runner.warm_up_kernels()
     return runner, num_blocks

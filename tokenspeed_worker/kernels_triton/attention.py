@@ -195,9 +195,11 @@ def _min_split_tokens(block_n: int) -> int:
     return -(-MIN_TOKENS_PER_SPLIT // block_n) * block_n
 
 
-def _decode_split_tokens(seq_len: int, num_splits: int, block_n: int) -> tuple[int, int]:
+def _decode_split_tokens(seq_len: int, num_splits: int, block_n: int, single_split_tokens: int = 0) -> tuple[int, int]:
     """(tokens_per_split, used_splits) of one request: the host mirror of the decode kernel's
     device computation (tests use it to know which requests take several splits)."""
+    if seq_len <= single_split_tokens:
+        return -(-seq_len // block_n) * block_n, 1
     per_split = -(-seq_len // num_splits)
     tokens_per_split = max(-(-per_split // block_n) * block_n, _min_split_tokens(block_n))
     return tokens_per_split, -(-seq_len // tokens_per_split)
@@ -252,6 +254,7 @@ if AVAILABLE:
         stride_pl_batch, stride_pl_head,
         stride_counter_batch,
         num_splits,
+        single_split_tokens,
         GROUP: tl.constexpr,
         GROUP_BLOCK: tl.constexpr,
         HEAD_DIM: tl.constexpr,
@@ -272,6 +275,10 @@ if AVAILABLE:
         # Splits cover whole BLOCK_N tiles, at least MIN_SPLIT_TOKENS keys each (_decode_split_tokens
         # mirrors this on the host). Splits [0, used_splits) all hold keys; the rest are empty.
         tokens_per_split = tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N, MIN_SPLIT_TOKENS)
+        # A request of at most single_split_tokens keys is one program per kv head whatever
+        # num_splits: no workspace round trip (the backend times where that is faster).
+        tokens_per_split = tl.where(seq_len <= single_split_tokens, tl.cdiv(seq_len, BLOCK_N) * BLOCK_N,
+                                    tokens_per_split)
         used_splits = tl.cdiv(seq_len, tokens_per_split)
         start = split * tokens_per_split
         end = tl.minimum(start + tokens_per_split, seq_len)  # <= start for an empty split
@@ -502,6 +509,7 @@ def paged_decode_attention(
     out: torch.Tensor,
     num_splits: int | None = None,
     workspace: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    single_split_tokens: int = 0,
 ) -> None:
     """One query token per request attends its whole sequence in the paged cache; writes `out` in place.
 
@@ -511,7 +519,9 @@ def paged_decode_attention(
     current token, whose K/V is already in the cache.
 
     num_splits: at most this many key ranges per request, each of at least MIN_TOKENS_PER_SPLIT
-    keys (whole BLOCK_N tiles). None takes the workspace's split count when a workspace is given,
+    keys (whole BLOCK_N tiles); a request of at most `single_split_tokens` keys takes one range
+    whatever num_splits (one program per kv head, no workspace round trip: at short contexts that
+    can be faster than splitting; the triton backend times it at startup). None takes the workspace's split count when a workspace is given,
     else choose_num_splits(B, Hkv, W * block_size). Any value works for any seq_lens: splits past
     a short sequence exit at once, and a request whose keys fit in one split writes `out` directly
     (decided per request on the device, so also inside a CUDA graph captured with many splits).
@@ -535,6 +545,8 @@ def paged_decode_attention(
             num_splits = choose_num_splits(batch, num_kv_heads, block_tables.shape[1] * block_size, q.device)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    if single_split_tokens < 0:
+        raise ValueError(f"single_split_tokens must be >= 0, got {single_split_tokens}")
     if batch == 0:
         return
     block_n = _decode_block_n(head_dim, max(q.element_size(), k_cache.element_size()))  # an fp8 cache is widened to q
@@ -574,6 +586,7 @@ def paged_decode_attention(
         partial_lse.stride(0), partial_lse.stride(1),
         stride_counter,
         num_splits,
+        int(single_split_tokens),
         GROUP=group,
         GROUP_BLOCK=max(16, triton.next_power_of_2(group)),  # tl.dot wants >= 16 rows
         HEAD_DIM=head_dim,

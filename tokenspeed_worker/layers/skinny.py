@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenspeed_worker.layers.fused_kernels import fused_kernels_mode, use_fused
+from tokenspeed_worker.layers.graph_timing import l2_flush_buffer, time_us
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +45,6 @@ ENV_VAR = "TOKENSPEED_SKINNY_KERNELS"
 # 233.1 tok/s (8B) and 948.5 to 983.7 (1B) (docs/benchmarks.md). TOKENSPEED_SKINNY_KERNELS=0 turns it off.
 _enabled = os.environ.get(ENV_VAR, "1").strip().lower() not in ("0", "off", "false", "no")
 MARGIN = 0.97  # a fused configuration is chosen only at <= 97 % of the unfused path's time
-WARMUP, REPS = 2, 10
 _UNFUSED = "unfused"
 _decisions: dict[tuple, Any] = {}  # key -> a config tuple, or _UNFUSED
 _timings: dict[tuple, dict[str, float]] = {}  # key -> {path: microseconds per call}
@@ -72,42 +72,19 @@ def reset() -> None:
     _logged_capture.clear()
 
 
-def _time_us(fn: Callable[[], Any], flush: torch.Tensor) -> float:
-    """Device time of one call as a decode step runs it: from a CUDA graph (no launch overhead
-    from Python), with L2 flushed before each replay (the weights come from memory, as they do
-    when every layer runs in turn); the median of REPS replays."""
-    for _ in range(WARMUP):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(REPS)]
-    for start, end in events:
-        flush.zero_()
-        start.record()
-        graph.replay()
-        end.record()
-    torch.cuda.synchronize()
-    times = sorted(start.elapsed_time(end) for start, end in events)
-    del graph
-    return 1000.0 * times[len(times) // 2]
-
-
 _choosing = False  # while timing, nested sites (a norm_linear's own projection) take the unfused path
 
 
 def _choose(key: tuple, x: torch.Tensor, fused: Callable[[tuple], Any], plain: Callable[[], Any], configs) -> Any:
     global _choosing
-    l2 = getattr(torch.cuda.get_device_properties(x.device), "L2_cache_size", 64 * 2**20)
-    flush = torch.empty(2 * l2, dtype=torch.int8, device=x.device)
+    flush = l2_flush_buffer(x.device)
     _choosing = True
     try:
-        timings = {_UNFUSED: _time_us(plain, flush)}
+        timings = {_UNFUSED: time_us(plain, flush)}
         best, best_us = _UNFUSED, timings[_UNFUSED] * MARGIN
         for config in configs:
             try:
-                us = _time_us(lambda: fused(config), flush)
+                us = time_us(lambda: fused(config), flush)
             except Exception as error:  # a configuration that cannot compile or launch here (shared memory)
                 logger.debug("skinny %s: config %s unusable: %s", key, config, error)
                 continue

@@ -162,6 +162,7 @@ class ModelRunner:
 
         # CUDA graphs: decided here, because they change the pool's size (one dummy block).
         self.emulate_cuda_graphs = emulate_cuda_graphs
+        self.max_num_seqs = max_num_seqs
         self.cudagraph_sizes = capture_sizes(max_num_seqs, cudagraph_capture_sizes, max_cudagraph_capture_size)
         self.cuda_graphs_off_reason = self._cuda_graphs_off_reason(enforce_eager)
         self.use_cuda_graphs = self.cuda_graphs_off_reason is None
@@ -268,6 +269,27 @@ class ModelRunner:
         calls = warm_up(self.kv_cache[0, 0], self.kv_cache[1, 0], self.dtype)
         if calls:
             logger.info("attention kernels warmed up: %d extend variants in %.1f s", calls, time.perf_counter() - t0)
+
+    @torch.inference_mode()
+    def tune_attention(self) -> dict[int, int]:
+        """Let the attention backend time its decode choices (the triton backend's single-split
+        threshold, `tune_decode`) for the decode batch sizes this runner will run: the captured
+        sizes, or powers of two up to max_num_seqs without graphs. After allocate_kv_cache, before
+        capture_cuda_graphs (graphs bake the choice in). Returns {batch size: threshold}."""
+        tune = getattr(self.attention_backend, "tune_decode", None)
+        if tune is None or self.kv_cache is None:
+            return {}
+        sizes = self.cudagraph_sizes if self.use_cuda_graphs else [
+            1 << i for i in range(max(1, self.max_num_seqs).bit_length()) if 1 << i <= self.max_num_seqs]
+        t0 = time.perf_counter()
+        chosen = tune(self.kv_cache[0, 0], self.kv_cache[1, 0], self.dtype, sizes,
+                      max_table_width(self.max_model_len, self.block_size) * self.block_size)
+        if any(chosen.values()):
+            logger.info("decode attention: one program per kv head up to %s keys (by decode batch size; "
+                        "timed in %.1f s)", {b: t for b, t in chosen.items() if t}, time.perf_counter() - t0)
+        logger.debug("decode attention timings (batch: {keys: (split µs, single µs)}): %s",
+                     getattr(self.attention_backend, "tuning", {}))
+        return chosen
 
     # -- CUDA graphs ----------------------------------------------------------------------
 

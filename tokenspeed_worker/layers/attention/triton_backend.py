@@ -12,6 +12,10 @@ already wrote them and the layer calls `attend`, which only attends.
 Decode batches replayed as CUDA graphs (model_executor/cuda_graph.py) get their
 metadata from `decode_graph_metadata`, built over the graph's static input buffers.
 
+At startup (`tune_decode`, before graph capture) each small decode batch size times whether its
+short requests are faster as one program per kv head than split over the sequence; the longest
+context where one program wins becomes that batch size's `single_split_tokens`.
+
 Without triton or CUDA the same logic runs on `_reference_*` functions written in
 plain torch with the kernels' exact signatures (`allow_reference=True`), so CI checks
 the dispatch and metadata on CPU against the torch backend.
@@ -19,6 +23,8 @@ the dispatch and metadata on CPU against the torch backend.
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -27,7 +33,18 @@ import torch
 import torch.nn.functional as F
 
 from tokenspeed_worker.layers.attention.backend import AttentionBackend, AttentionInputs
+from tokenspeed_worker.layers.graph_timing import l2_flush_buffer, time_us
 from tokenspeed_worker.layers.kv_cache import write_kv_cache
+
+logger = logging.getLogger(__name__)
+
+# The decode kernel's single-split threshold (tune_decode): contexts tried, in keys; the margin by
+# which one program per kv head must beat the split path to be taken (timing noise must not make a
+# step slower); decode calls per timed graph, each over blocks of its own (as the layers of a step
+# read caches of their own).
+SINGLE_SPLIT_CANDIDATES = (128, 256, 512, 1024)
+SINGLE_SPLIT_MARGIN = 0.97
+TUNE_CALLS = 8
 
 TRITON_UNAVAILABLE = "triton attention needs a CUDA device and the triton package"
 
@@ -64,6 +81,7 @@ class TritonAttentionMetadata:
     decode_only: bool
     num_splits: int | None = None  # decode path only
     workspace: object | None = None  # decode path only: preallocated split-K partials and arrival counters
+    single_split_tokens: int = 0  # decode path only: requests of at most this many keys are not split
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -93,6 +111,9 @@ class TritonAttentionBackend(AttentionBackend):
         # Split count and workspace of the decode kernel; the reference needs neither.
         self._choose_num_splits = getattr(kernels, "choose_num_splits", None)
         self._decode_workspace = getattr(kernels, "decode_workspace", None)
+        # decode batch size -> single_split_tokens, timed by tune_decode (empty: never tuned, 0 for all)
+        self.single_split_tokens: dict[int, int] = {}
+        self.tuning: dict[int, dict[int, tuple[float, float]]] = {}  # batch -> {keys: (split µs, single µs)}
 
     # -- metadata -------------------------------------------------------------------------
 
@@ -113,6 +134,7 @@ class TritonAttentionBackend(AttentionBackend):
                 decode_only=True,
                 num_splits=num_splits,
                 workspace=self._make_workspace(plan.num_reqs, num_splits),
+                single_split_tokens=self.single_split_for(plan.num_reqs),
             )
         query_start_loc = torch.zeros(plan.num_reqs + 1, dtype=torch.int32, device=inputs.query_lens.device)
         torch.cumsum(inputs.query_lens, 0, out=query_start_loc[1:])
@@ -141,6 +163,7 @@ class TritonAttentionBackend(AttentionBackend):
             decode_only=True,
             num_splits=num_splits,
             workspace=self._make_workspace(batch_size, num_splits),
+            single_split_tokens=self.single_split_for(batch_size),
         )
 
     def decode_num_splits(self, batch_size: int, max_seq_len: int) -> int:
@@ -157,7 +180,65 @@ class TritonAttentionBackend(AttentionBackend):
             batch_size, self.num_heads, self.head_dim, num_splits, self.device, num_kv_heads=self.num_kv_heads
         )
 
+    def single_split_for(self, batch_size: int) -> int:
+        """The threshold timed for the smallest tuned batch size >= batch_size (0: none tuned)."""
+        fits = [size for size in self.single_split_tokens if size >= batch_size]
+        return self.single_split_tokens[min(fits)] if fits else 0
+
     # -- startup ----------------------------------------------------------------------------
+
+    def tune_decode(
+        self, k_cache: torch.Tensor, v_cache: torch.Tensor, dtype: torch.dtype, batch_sizes: Iterable[int],
+        max_seq_len: int, timer: Callable[[Callable[[], None]], float] | None = None,
+    ) -> dict[int, int]:
+        """Time, for each decode batch size whose requests are split over their keys, one program per
+        kv head against the split path (partials through the workspace, combined by the last split)
+        at contexts of SINGLE_SPLIT_CANDIDATES keys, shortest first; the longest context where one
+        program wins by SINGLE_SPLIT_MARGIN, with every shorter one won too, becomes that size's
+        `single_split_tokens` (0: always split as before). Call after allocate_kv_cache and before
+        graph capture (the graphs bake the value in). Reads blocks of the given layer cache,
+        writes none of them. timer: device µs of a callable (default: graph_timing.time_us, on
+        CUDA only; tests pass their own). Returns {batch size: threshold}."""
+        if self.uses_reference or (timer is None and k_cache.device.type != "cuda"):
+            return {}
+        device = k_cache.device
+        if timer is None:
+            flush = l2_flush_buffer(device)
+            timer = lambda fn: time_us(fn, flush)  # noqa: E731
+        num_blocks = k_cache.shape[0]
+        chosen: dict[int, int] = {}
+        for batch in sorted(set(batch_sizes)):
+            num_splits = self.decode_num_splits(batch, max_seq_len)
+            chosen[batch] = 0
+            if num_splits == 1:
+                continue
+            workspace = self._make_workspace(batch, num_splits)
+            q = torch.randn((batch, self.num_heads, self.head_dim), dtype=dtype, device=device)
+            out = torch.empty_like(q)
+            self.tuning[batch] = {}
+            for tokens in SINGLE_SPLIT_CANDIDATES:
+                if tokens > max_seq_len:
+                    break
+                blocks = -(-tokens // self.block_size)
+                ids = torch.arange(TUNE_CALLS * batch * blocks, dtype=torch.int32, device=device) % num_blocks
+                tables = ids.view(TUNE_CALLS, batch, blocks)
+                seq_lens = torch.full((batch,), tokens, dtype=torch.int32, device=device)
+
+                def run(single: int) -> None:
+                    for table in tables:
+                        self.kernels.paged_decode_attention(
+                            q, k_cache, v_cache, table, seq_lens, self.head_dim**-0.5, out,
+                            num_splits=num_splits, workspace=workspace, single_split_tokens=single,
+                        )
+
+                split_us = timer(lambda: run(0))
+                single_us = timer(lambda: run(tokens))  # noqa: B023 - timed here, inside the loop
+                self.tuning[batch][tokens] = (split_us, single_us)
+                if single_us > split_us * SINGLE_SPLIT_MARGIN:
+                    break
+                chosen[batch] = tokens
+        self.single_split_tokens = chosen
+        return chosen
 
     # Longest query of a step, one per query-tile size the extend kernel picks (it takes a smaller
     # tile for short queries: a prefix-cache hit with a short suffix, a short prompt).
@@ -219,6 +300,7 @@ class TritonAttentionBackend(AttentionBackend):
             self.kernels.paged_decode_attention(
                 q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens, scale, out,
                 num_splits=metadata.num_splits, workspace=metadata.workspace,
+                single_split_tokens=metadata.single_split_tokens,
             )
         else:
             self.kernels.paged_extend_attention(
@@ -276,6 +358,7 @@ def _reference_paged_decode_attention(
     out: torch.Tensor,  # [B, H, D]
     num_splits: int | None = None,
     workspace: object | None = None,
+    single_split_tokens: int = 0,
 ) -> None:
     """One query token per request at position seq_len - 1 (the split count does not change the result)."""
     batch_size = q.shape[0]
