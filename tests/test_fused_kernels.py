@@ -419,3 +419,26 @@ def test_llama_8b_shapes_on_gpu(dtype):
     expected = F.silu(gate) * up
     got = activation.silu_and_mul(gate_up)
     assert _ulps_apart(got, expected) <= 1 and (got == expected).float().mean() > 0.999
+
+
+def test_pending_ids_resolve_like_the_torch_expression():
+    # Overlap scheduling's input ids: -1 - i stands for the previous step's sample i.
+    from tokenspeed_worker.kernels_triton import pending_ids
+    from tokenspeed_worker.model_executor.cuda_graph import resolve_pending_ids
+
+    last = torch.tensor([101, 7, 55, 2**40], dtype=torch.int64, device=DEVICE)
+    ids = torch.tensor([5, -1, -4, 0, -2, 12, -3, 9], dtype=torch.int64, device=DEVICE)
+    expected = [5, 101, 2**40, 0, 7, 12, 55, 9]
+    assert pending_ids.resolve_pending_ids(ids, last).tolist() == expected
+    assert ids.tolist() == [5, -1, -4, 0, -2, 12, -3, 9]  # a new tensor, the input untouched
+    assert pending_ids.resolve_pending_ids(ids[::2], last).tolist() == expected[::2]  # strided input
+    assert pending_ids.resolve_pending_ids(ids[:0], last).numel() == 0
+    big = torch.randint(0, 1000, (2500,), device=DEVICE)  # several programs
+    big[::7] = -1 - torch.randint(0, 4, big[::7].shape, device=DEVICE)
+    for mode in ("off", "force"):  # the switch picks the path; both give the same ids
+        with fused_mode(mode):
+            assert (fused_kernels.use_fused(big, "pending_ids") is pending_ids) == (mode == "force")
+            assert torch.equal(resolve_pending_ids(big, last),
+                               torch.where(big < 0, last[(-1 - big).clamp(min=0)], big))
+    with pytest.raises(ValueError, match="1-d"):
+        pending_ids.resolve_pending_ids(ids.view(2, 4), last)

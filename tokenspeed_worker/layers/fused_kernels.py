@@ -1,9 +1,11 @@
 """The one switch between the layers' fused Triton kernels and their torch code.
 
-Three fusions share it: add + RMSNorm (layers/layernorm.RMSNorm, kernels_triton/norm.py),
-silu(gate) * up (layers/activation.SiluAndMul, kernels_triton/activation.py), and rotary + the
+Four fusions share it: add + RMSNorm (layers/layernorm.RMSNorm, kernels_triton/norm.py),
+silu(gate) * up (layers/activation.SiluAndMul, kernels_triton/activation.py), rotary + the
 KV-cache write (layers/attention/layer.Attention.forward_with_rotary with a backend that attends
-over K/V written beforehand, kernels_triton/rotary.py). Each computes the same values, with the
+over K/V written beforehand, kernels_triton/rotary.py), and the resolution of overlap
+scheduling's pending input ids (model_executor/cuda_graph.resolve_pending_ids,
+kernels_triton/pending_ids.py). Each computes the same values, with the
 same roundings, as the torch code it replaces, which stays the reference path.
 
 Modes:

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from tokenspeed_worker.layers.attention import AttentionBackend
+from tokenspeed_worker.layers.fused_kernels import use_fused
 from tokenspeed_worker.scheduler.plan import SchedulePlan
 
 logger = logging.getLogger(__name__)
@@ -319,7 +320,11 @@ class DecodeGraphs:
 
 
 def resolve_pending_ids(input_ids: torch.Tensor, last_sampled: torch.Tensor) -> torch.Tensor:
-    """Input ids with each -1 - i replaced by last_sampled[i] (overlap scheduling; device-side, no sync)."""
+    """Input ids with each -1 - i replaced by last_sampled[i] (overlap scheduling; device-side, no
+    sync). One Triton kernel where the fused kernels run (layers/fused_kernels.py), else torch."""
+    fused = use_fused(input_ids, "pending_ids")
+    if fused is not None:
+        return fused.resolve_pending_ids(input_ids, last_sampled)
     return torch.where(input_ids < 0, last_sampled[(-1 - input_ids).clamp(min=0)], input_ids)
 
 
