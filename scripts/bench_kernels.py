@@ -58,6 +58,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192], help="decode sequence lengths")
     ap.add_argument("--num-splits", type=int, nargs="*", default=[],
                     help="fixed decode splits to time besides the default choice (e.g. 1 8 32)")
+    ap.add_argument("--single-split", action="store_true",
+                    help="decode: also time every request as one program per kv head (single_split_tokens = context)")
     ap.add_argument("--prefill-lens", type=int, nargs="+", default=[2048], help="extend: query tokens, no prefix")
     ap.add_argument("--prefill-context", type=int, default=0, help="extend: cached prefix before each prefill")
     ap.add_argument("--heads", type=int, default=32)
@@ -390,16 +392,20 @@ def main() -> int:
             if not args.no_reference and kv_bytes / 2**30 <= args.reference_max_gib:
                 reference = torch_reference(q, k_cache, v_cache, tables, [1] * batch, [context] * batch, scale)
                 ref_s = timer(lambda: torch_reference(q, k_cache, v_cache, tables, [1] * batch, [context] * batch, scale))
-            for splits in [default_splits] + [s for s in args.num_splits if s != default_splits]:
+            variants = [(s, 0) for s in [default_splits] + [s for s in args.num_splits if s != default_splits]]
+            if args.single_split and default_splits > 1:
+                variants.append((default_splits, context))
+            for splits, single in variants:
                 workspace = attention.decode_workspace(batch, H, D, splits, device) if splits > 1 else None
 
                 def decode():
                     attention.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, scale, out,
-                                                     num_splits=splits, workspace=workspace)
+                                                     num_splits=splits, workspace=workspace, single_split_tokens=single)
 
                 seconds = timer(decode, graph=device.type == "cuda" and not args.eager)
                 row = {
-                    "batch": batch, "context": context, "num_splits": splits, "default_splits": splits == default_splits,
+                    "batch": batch, "context": context, "num_splits": splits,
+                    "default_splits": splits == default_splits and not single, "single_split_tokens": single,
                     "time_us": seconds * 1e6, "bytes": moved, "GBps": moved / seconds / 1e9,
                     "fraction_of_copy": moved / seconds / copy_bw,
                 }
@@ -409,7 +415,8 @@ def main() -> int:
                     row["torch_GBps"] = moved / ref_s / 1e9
                     row["speedup_vs_torch"] = ref_s / seconds
                 result["decode"].append(row)
-                print(f"decode B={batch:4d} ctx={context:6d} splits={splits:3d}: {seconds * 1e6:9.1f} us "
+                label = "one program" if single else f"splits={splits:3d}"
+                print(f"decode B={batch:4d} ctx={context:6d} {label}: {seconds * 1e6:9.1f} us "
                       f"{row['GBps']:7.0f} GB/s ({100 * row['fraction_of_copy']:5.1f}% of copy)"
                       + (f"  torch {ref_s * 1e6:9.1f} us  err {row['max_abs_err_vs_torch']:.2e}" if reference is not None
                          else ""), flush=True)

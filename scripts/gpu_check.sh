@@ -96,21 +96,36 @@ if [ "${BENCH_PDL:-0}" = 1 ]; then
   timeout 90 python3 scripts/bench_kernels.py --only skinny --skinny-rows 1 --out "$OUT/kernels_skinny_pdl.json" \
     2>&1 | grep -E "^skinny|rror" | tail -10
 fi
-# The fused q/k/v + rotary + KV-write site on and off (AB_ROPE=1): 1B batch-1 latency, alternating
-# (off: llama's decoder finds skinny.norm_qkv_rope declining and takes norm_linear + the rotary kernel).
-if [ "${AB_ROPE:-0}" = 1 ]; then
-  for round in 1 2; do
-    for site in on off; do
-      SITE=$site timeout 100 python3 -c "
+# A/B of one change, batch-1 latency, alternating rounds on one machine: ab_latency MODEL LABEL PATCH
+# runs bench_latency.py after the Python statement PATCH (empty: the defaults).
+ab_latency() {
+  PATCH="$3" timeout 100 python3 -c "
 import os, runpy, sys
 sys.path.insert(0, 'scripts')
-from tokenspeed_worker.layers import skinny
-if os.environ['SITE'] == 'off':
-    skinny.norm_qkv_rope = lambda *a, **k: None
+exec(os.environ['PATCH'])
 sys.argv = ['bench_latency.py'] + sys.argv[1:]
-runpy.run_path('scripts/bench_latency.py', run_name='__main__')" --model llama-3.2-1b --prompt-len 128 \
-        --new-tokens 128 --out "$OUT/latency_1b_rope_${site}_$round.json" 2>&1 | grep -E "decode:|rror" \
-        | sed "s/^/rope site $site: /" | tail -2
+runpy.run_path('scripts/bench_latency.py', run_name='__main__')" --model "$1" --prompt-len 128 --new-tokens 128 \
+    --out "$OUT/latency_${1}_$2.json" 2>&1 | grep -E "decode:|rror|one program" | cut -c1-240 | sed "s/^/$1 $2: /" | tail -3
+}
+# The fused q/k/v + rotary + KV-write site on and off (AB_ROPE=1), 1B (off: llama's decoder finds
+# skinny.norm_qkv_rope declining and takes norm_linear + the rotary kernel).
+if [ "${AB_ROPE:-0}" = 1 ]; then
+  for round in 1 2; do
+    ab_latency llama-3.2-1b rope_on_$round ""
+    ab_latency llama-3.2-1b rope_off_$round "from tokenspeed_worker.layers import skinny; skinny.norm_qkv_rope = lambda *a, **k: None"
+  done
+fi
+# The decode attention's timed single-split threshold on and off (AB_SINGLE_SPLIT=1), 1B and 8B
+# (off: tune_decode times nothing, so every request splits as before).
+if [ "${AB_SINGLE_SPLIT:-0}" = 1 ]; then
+  # The kernel alone at the 1B shape's heads: split (default) against one program per kv head.
+  timeout 90 python3 scripts/bench_kernels.py --only attention --batches 1 4 16 --contexts 128 256 512 1024 2048 \
+    --heads 32 --kv-heads 8 --head-dim 64 --single-split --prefill-lens 128 --no-reference \
+    --out "$OUT/kernels_decode_single_split.json" 2>&1 | grep -E "^decode|rror" | tail -30
+  for round in 1 2; do
+    for m in llama-3.2-1b llama-3.1-8b; do
+      ab_latency $m single_on_$round ""
+      ab_latency $m single_off_$round "from tokenspeed_worker.layers.attention.triton_backend import TritonAttentionBackend as B; B.tune_decode = lambda self, *a, **k: {}"
     done
   done
 fi
