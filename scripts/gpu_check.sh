@@ -83,6 +83,7 @@ if [ "${BENCH_PDL:-0}" = 1 ]; then
   timeout 420 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_cuda_graph_logic.py tests/test_skinny_kernels.py \
     tests/test_fused_kernels.py tests/test_triton_kernels.py tests/test_triton_backend.py tests/test_fp8_kv_cache.py \
     2>&1 | tail -4
+  timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_fused_kernels.py -k pending_ids 2>&1 | tail -1
   for m in llama-3.2-1b llama-3.1-8b; do
     for p in ${PDL_MODES:-1 0}; do
       TOKENSPEED_PDL=$p timeout ${LATENCY_TIMEOUT:-100} python3 scripts/bench_latency.py --model $m \
@@ -132,6 +133,9 @@ fi
 # Where a 1B batch-1 step's time goes (PROFILE_SMALL=1), PDL on and off (with PDL on, a kernel's
 # time includes its wait for the previous one, so the "off" table gives the kernels' own times).
 if [ "${PROFILE_SMALL:-0}" = 1 ]; then
+  # Is the batch-1 step host-bound? The GPU's idle time between steps of one 1B request.
+  timeout 100 python3 scripts/bench_offline.py --model llama-3.2-1b --num-requests 1 --input-len 128 --output-len 512 \
+    --max-num-seqs 1 --out "$OUT/offline_1b_one_request.json" 2>&1 | grep -E "tokens in|idle|rror" | tail -3
   for p in 1 0; do
     TOKENSPEED_PDL=$p timeout 100 python3 scripts/profile_decode.py --model llama-3.2-1b --batch 1 --prompt-len 128 \
       --steps 16 --top 8 --out "$OUT/profile_1b_b1_pdl$p.json" 2>&1 | grep -v "^20..-\|^STAGE\|Warning\|warn\|^{" | tail -10
