@@ -310,6 +310,20 @@ def test_tuned_decode_choices_reach_each_captured_graph(llama_path, monkeypatch)
     assert seen["sizes"] == [1, 2, 4, 8]  # without graphs: powers of two up to max_num_seqs (8)
 
 
+def test_failed_decode_timing_leaves_the_split_path(llama_path, monkeypatch, caplog):
+    backend = reference_triton_backend()
+
+    def tune_decode(*args, **kwargs):
+        backend.single_split_tokens = {1: 512}  # half done when it fails
+        raise RuntimeError("CUDA out of memory")
+
+    monkeypatch.setattr(backend, "tune_decode", tune_decode)
+    runner = _runner(llama_path, emulate_cuda_graphs=True, attention_backend=backend)
+    with caplog.at_level(logging.WARNING):
+        assert runner.tune_attention() == {}
+    assert backend.single_split_tokens == {} and "decode attention timing failed" in caplog.text
+
+
 def test_engine_passes_graph_config_to_the_runner(llama_path):
     from tokenspeed_worker.engine.core import EngineConfig, EngineCore
 

@@ -282,8 +282,14 @@ class ModelRunner:
         sizes = self.cudagraph_sizes if self.use_cuda_graphs else [
             1 << i for i in range(max(1, self.max_num_seqs).bit_length()) if 1 << i <= self.max_num_seqs]
         t0 = time.perf_counter()
-        chosen = tune(self.kv_cache[0, 0], self.kv_cache[1, 0], self.dtype, sizes,
-                      max_table_width(self.max_model_len, self.block_size) * self.block_size)
+        try:
+            chosen = tune(self.kv_cache[0, 0], self.kv_cache[1, 0], self.dtype, sizes,
+                          max_table_width(self.max_model_len, self.block_size) * self.block_size)
+        except (RuntimeError, ValueError) as error:  # e.g. out of memory for the L2 flush buffer
+            logger.warning("decode attention timing failed (%s): every request splits as without it", error)
+            if hasattr(self.attention_backend, "single_split_tokens"):
+                self.attention_backend.single_split_tokens = {}
+            return {}
         if any(chosen.values()):
             logger.info("decode attention: one program per kv head up to %s keys (by decode batch size; "
                         "timed in %.1f s)", {b: t for b, t in chosen.items() if t}, time.perf_counter() - t0)
