@@ -521,9 +521,10 @@ def paged_decode_attention(
     num_splits: at most this many key ranges per request, each of at least MIN_TOKENS_PER_SPLIT
     keys (whole BLOCK_N tiles); a request of at most `single_split_tokens` keys takes one range
     whatever num_splits (one program per kv head, no workspace round trip: at short contexts that
-    can be faster than splitting; the triton backend times it at startup). None takes the workspace's split count when a workspace is given,
-    else choose_num_splits(B, Hkv, W * block_size). Any value works for any seq_lens: splits past
-    a short sequence exit at once, and a request whose keys fit in one split writes `out` directly
+    can be faster than splitting; the triton backend times it at startup). None takes the
+    workspace's split count when a workspace is given, else choose_num_splits(B, Hkv,
+    W * block_size). Any value works for any seq_lens: splits past a short sequence exit at
+    once, and a request whose keys fit in one split writes `out` directly
     (decided per request on the device, so also inside a CUDA graph captured with many splits).
     The splits of a longer request write partials to the workspace and the last of them to finish
     combines them into `out`, in the same launch. 1 writes `out` directly for every request (no

@@ -23,7 +23,6 @@ the dispatch and metadata on CPU against the torch backend.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -35,8 +34,6 @@ import torch.nn.functional as F
 from tokenspeed_worker.layers.attention.backend import AttentionBackend, AttentionInputs
 from tokenspeed_worker.layers.graph_timing import l2_flush_buffer, time_us
 from tokenspeed_worker.layers.kv_cache import write_kv_cache
-
-logger = logging.getLogger(__name__)
 
 # The decode kernel's single-split threshold (tune_decode): contexts tried, in keys; the margin by
 # which one program per kv head must beat the split path to be taken (timing noise must not make a
@@ -232,7 +229,7 @@ class TritonAttentionBackend(AttentionBackend):
                         )
 
                 split_us = timer(lambda: run(0))
-                single_us = timer(lambda: run(tokens))  # noqa: B023 - timed here, inside the loop
+                single_us = timer(lambda: run(tokens))  # noqa: B023 (called here, inside the loop)
                 self.tuning[batch][tokens] = (split_us, single_us)
                 if single_us > split_us * SINGLE_SPLIT_MARGIN:
                     break
