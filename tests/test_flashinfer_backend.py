@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from test_cuda_graph_logic import MAX_MODEL_LEN, _decode_run
-from test_triton_backend import BLOCK_SIZE, MODELS, NUM_BLOCKS, Plans, mixed_schedule, random_seqs
+from test_triton_backend import BLOCK_SIZE, MODELS, NUM_BLOCKS, assert_runners_agree, mixed_plans
 from tokenspeed_worker.layers.attention import get_attention_backend
 from tokenspeed_worker.layers.attention.flashinfer_backend import (
     FlashInferAttentionBackend,
@@ -146,11 +146,8 @@ def test_mixed_batches_match_the_torch_backend(name, tiny_model_paths):
                for backend in ("torch", _stand_in_backend())]
     for runner in runners:
         runner.allocate_kv_cache(NUM_BLOCKS)
-    seqs = random_seqs([30, 45, 9, 26, 14, 3], seed=11)
     kinds = set()
-    plans = Plans(seed=11)
-    for work in mixed_schedule(seqs, [22, 37, 5, 20, 2, 3], arrive_at=[0, 1, 1, 3, 6, 6], budget=24, seed=5):
-        plan = plans.plan(work)
+    for plan in mixed_plans():
         kinds.add("decode" if (plan.query_lens == 1).all() else "prefill or mixed")
         expected, got = (runner.forward_all_logits(plan) for runner in runners)
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
@@ -222,12 +219,7 @@ def test_flashinfer_matches_the_torch_backend_on_cuda(llama_head_dim_64, kv_cach
                for backend in ("torch", "flashinfer")]
     for runner in runners:
         runner.allocate_kv_cache(NUM_BLOCKS)
-    seqs = random_seqs([30, 45, 9, 26, 14, 3], seed=11)
-    plans = Plans(seed=11)
-    for work in mixed_schedule(seqs, [22, 37, 5, 20, 2, 3], arrive_at=[0, 1, 1, 3, 6, 6], budget=24, seed=5):
-        plan = plans.plan(work)
-        expected, got = (runner.forward_all_logits(plan) for runner in runners)
-        torch.testing.assert_close(got, expected, atol=5e-2, rtol=5e-2)
+    assert_runners_agree(runners, atol=5e-2, rtol=5e-2)
 
 
 @pytest.mark.gpu

@@ -114,6 +114,22 @@ def mixed_schedule(seqs: list[Seq], prompt_lens: list[int], arrive_at: list[int]
             yield [work[i] for i in rng.permutation(len(work))]
 
 
+def mixed_plans():
+    """The schedule the backend comparisons share: chunked prefills, decodes and both in one step,
+    rows shuffled, blocks scattered; its plans in order."""
+    seqs = random_seqs([30, 45, 9, 26, 14, 3], seed=11)
+    plans = Plans(seed=11)
+    for work in mixed_schedule(seqs, [22, 37, 5, 20, 2, 3], arrive_at=[0, 1, 1, 3, 6, 6], budget=24, seed=5):
+        yield plans.plan(work)
+
+
+def assert_runners_agree(runners: list, atol: float, rtol: float) -> None:
+    """runners[1] gives runners[0]'s logits at every step of `mixed_plans`."""
+    for plan in mixed_plans():
+        expected, got = (runner.forward_all_logits(plan) for runner in runners)
+        torch.testing.assert_close(got, expected, atol=atol, rtol=rtol)
+
+
 def reference_triton_backend(device: str = "cpu") -> TritonAttentionBackend:
     backend = TritonAttentionBackend(device, allow_reference=True)
     assert backend.uses_reference == (device == "cpu" or not backend_kernels_available())
@@ -148,12 +164,8 @@ def runner_pairs(tiny_model_paths):
 def test_mixed_batches_match_torch_backend(name, runner_pairs):
     """Chunked prefills, decodes and both in one step, rows shuffled, blocks scattered."""
     torch_runner, triton_runner = runner_pairs[name]
-    seqs = random_seqs([30, 45, 9, 26, 14, 3], seed=11)
-    prompt_lens = [22, 37, 5, 20, 2, 3]
     kinds = set()
-    plans = Plans(seed=11)
-    for work in mixed_schedule(seqs, prompt_lens, arrive_at=[0, 1, 1, 3, 6, 6], budget=24, seed=5):
-        plan = plans.plan(work)
+    for plan in mixed_plans():
         is_decode = plan.query_lens == 1
         kinds.add("decode" if is_decode.all() else ("mixed" if is_decode.any() else "prefill"))
         expected = torch_runner.forward_all_logits(plan)
@@ -348,12 +360,7 @@ def test_cuda_triton_kernels_match_torch_backend(name, tiny_model_paths):
     ]
     for runner in runners:
         runner.allocate_kv_cache(NUM_BLOCKS)
-    seqs = random_seqs([30, 45, 9, 26, 14, 3], seed=11)
-    plans = Plans(seed=11)
-    for work in mixed_schedule(seqs, [22, 37, 5, 20, 2, 3], arrive_at=[0, 1, 1, 3, 6, 6], budget=24, seed=5):
-        plan = plans.plan(work)
-        expected, got = (runner.forward_all_logits(plan) for runner in runners)
-        torch.testing.assert_close(got, expected, atol=2e-4, rtol=1e-3)
+    assert_runners_agree(runners, atol=2e-4, rtol=1e-3)
 
 
 def test_warm_up_runs_each_extend_variant_and_leaves_the_cache_alone(monkeypatch):
