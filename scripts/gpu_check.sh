@@ -130,6 +130,34 @@ if [ "${AB_SINGLE_SPLIT:-0}" = 1 ]; then
     done
   done
 fi
+# Skinny kernel configurations forced at every site against the timed choice (AB_SKINNY_CONFIGS=1),
+# 1B batch 1: the timing runs each site alone, while in a step each kernel overlaps its neighbour
+# (PDL), so a configuration that loads more before its wait may win there and not alone.
+# SKINNY_FORCE: the configurations, e.g. "4,2048,4 4,2048,8".
+if [ "${AB_SKINNY_CONFIGS:-0}" = 1 ]; then
+  ab_latency llama-3.2-1b timed ""
+  for c in ${SKINNY_FORCE:-4,2048,4 4,2048,8 2,2048,4}; do
+    ab_latency llama-3.2-1b "force_${c//,/_}" "from tokenspeed_worker.layers import skinny
+c = ($c,)
+skinny._choose = lambda key, x, fused, plain, configs: c if c in configs else configs[0]"
+  done
+  ab_latency llama-3.2-1b timed_2 ""
+fi
+# Split-K for the plain products (AB_SPLIT_K=1): the kernels alone at 1B and 8B sizes, then batch-1
+# latency with the split-K configurations offered to the timed choice and without (off: the plain
+# sites time gemv.CONFIGS only, as before), and one run that logs every site's choice.
+if [ "${AB_SPLIT_K:-0}" = 1 ]; then
+  timeout 150 python3 scripts/bench_kernels.py --only skinny --skinny-rows 1 4 --out "$OUT/kernels_skinny_split_k.json" \
+    2>&1 | grep -E "^skinny|rror" | tail -20
+  for round in 1 2; do
+    for m in llama-3.2-1b llama-3.1-8b; do
+      ab_latency $m split_k_on_$round ""
+      ab_latency $m split_k_off_$round "from tokenspeed_worker.kernels_triton import gemv; gemv.LINEAR_CONFIGS = gemv.CONFIGS"
+    done
+  done
+  BENCH_LOG_LEVEL=DEBUG timeout 100 python3 scripts/bench_latency.py --model llama-3.2-1b --prompt-len 128 \
+    --new-tokens 128 --out "$OUT/latency_1b_split_k_choices.json" 2>&1 | grep -E "skinny.*chose|decode:" | cut -c1-400
+fi
 # Where a 1B batch-1 step's time goes (PROFILE_SMALL=1), PDL on and off (with PDL on, a kernel's
 # time includes its wait for the previous one, so the "off" table gives the kernels' own times).
 if [ "${PROFILE_SMALL:-0}" = 1 ]; then

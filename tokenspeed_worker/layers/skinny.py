@@ -139,7 +139,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if kernels is None:  # the common case (off, or many rows): no closures on the eager path
         return F.linear(x, weight, bias)
     return _run("linear", x, weight, kernels, lambda config: kernels.skinny_linear(x, weight, bias, config=config)[0],
-                lambda: F.linear(x, weight, bias))
+                lambda: F.linear(x, weight, bias), kernels.LINEAR_CONFIGS)
 
 
 def norm_linear(norm, proj, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
