@@ -310,7 +310,7 @@ def bench_skinny(device: torch.device, dtype: torch.dtype, timer: Timer, copy_bw
                     expected = unfused()
                     unfused_s = timer(unfused, graph=graph)
                 best = None
-                configs = gemv.NORM_CONFIGS if "norm" in site else gemv.LINEAR_CONFIGS
+                configs = gemv.NORM_CONFIGS if "norm" in site else gemv.CONFIGS
                 if site.endswith("rope"):  # columns pair within half a head
                     configs = [c for c in configs if (head_dim // 2) % c[0] == 0]
                 for config in configs:

@@ -143,20 +143,15 @@ skinny._choose = lambda key, x, fused, plain, configs: c if c in configs else co
   done
   ab_latency llama-3.2-1b timed_2 ""
 fi
-# Split-K for the plain products (AB_SPLIT_K=1): the kernels alone at 1B and 8B sizes, then batch-1
-# latency with the split-K configurations offered to the timed choice and without (off: the plain
-# sites time gemv.CONFIGS only, as before), and one run that logs every site's choice.
-if [ "${AB_SPLIT_K:-0}" = 1 ]; then
-  timeout 150 python3 scripts/bench_kernels.py --only skinny --skinny-rows 1 4 --out "$OUT/kernels_skinny_split_k.json" \
-    2>&1 | grep -E "^skinny|rror" | tail -20
+# The folding sites' margin on and off (AB_FOLD_MARGIN=1), batch 1, 1B and 8B (off: those sites
+# take the fused kernel only where it wins by MARGIN, as before; layers/skinny.py says why).
+if [ "${AB_FOLD_MARGIN:-0}" = 1 ]; then
   for round in 1 2; do
     for m in llama-3.2-1b llama-3.1-8b; do
-      ab_latency $m split_k_on_$round ""
-      ab_latency $m split_k_off_$round "from tokenspeed_worker.kernels_triton import gemv; gemv.LINEAR_CONFIGS = gemv.CONFIGS"
+      ab_latency $m fold_margin_on_$round ""
+      ab_latency $m fold_margin_off_$round "from tokenspeed_worker.layers import skinny; skinny.FOLD_MARGIN = skinny.MARGIN"
     done
   done
-  BENCH_LOG_LEVEL=DEBUG timeout 100 python3 scripts/bench_latency.py --model llama-3.2-1b --prompt-len 128 \
-    --new-tokens 128 --out "$OUT/latency_1b_split_k_choices.json" 2>&1 | grep -E "skinny.*chose|decode:" | cut -c1-400
 fi
 # Where a 1B batch-1 step's time goes (PROFILE_SMALL=1), PDL on and off (with PDL on, a kernel's
 # time includes its wait for the previous one, so the "off" table gives the kernels' own times).
@@ -166,7 +161,8 @@ if [ "${PROFILE_SMALL:-0}" = 1 ]; then
     --max-num-seqs 1 --out "$OUT/offline_1b_one_request.json" 2>&1 | grep -E "tokens in|idle|rror" | tail -3
   for p in 1 0; do
     TOKENSPEED_PDL=$p timeout 100 python3 scripts/profile_decode.py --model llama-3.2-1b --batch 1 --prompt-len 128 \
-      --steps 16 --top 8 --out "$OUT/profile_1b_b1_pdl$p.json" 2>&1 | grep -v "^20..-\|^STAGE\|Warning\|warn\|^{" | tail -10
+      --positions _skinny_kernel=4 --positions _decode_split_kernel=1 \
+      --steps 16 --top 8 --out "$OUT/profile_1b_b1_pdl$p.json" 2>&1 | grep -v "^20..-\|^STAGE\|Warning\|warn\|^{" | tail -19
   done
 fi
 # Where a large decode step's time goes (PROFILE_LARGE=1): 8B, 256 requests of 1024 prompt tokens,

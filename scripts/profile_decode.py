@@ -6,6 +6,12 @@ Runs `batch` requests to steady decode, then profiles `steps` decode steps with 
 (CUDA activity). Prints the kernels ranked by total device time, their sum per step (the
 device busy time), the wall time per step, and the gap between the two (host work the device
 waited for, launch latency between kernels). Writes the table as JSON (--out).
+
+--positions NAME=PERIOD breaks one kernel's calls down by their place in a repeating pattern, in
+launch order: `_skinny_kernel=4` gives a decoder layer's four skinny products (q/k/v, o, gate/up,
+down where each takes the kernel) their own mean time and mean idle gap before them (the previous
+kernel's end to this one's start). With programmatic dependent launch on (TOKENSPEED_PDL, the
+default) a kernel's time includes its wait for the one before; TOKENSPEED_PDL=0 gives its own.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--top", type=int, default=20)
+    ap.add_argument("--positions", action="append", default=[], metavar="NAME=PERIOD",
+                    help="per-position times of kernel NAME's calls, repeating every PERIOD calls")
     ap.add_argument("--out", default=".cache/profile_decode.json")
     args = ap.parse_args()
     if torch.device(args.device).type != "cuda":
@@ -72,13 +80,44 @@ def main() -> int:
     print(f"{'us/step':>9} {'calls':>6}  kernel")
     for k in kernels[: args.top]:
         print(f"{k['us_per_step']:9.1f} {k['calls_per_step']:6.1f}  {k['name']}")
+    positions = {spec: by_position(prof, *spec.rsplit("=", 1)) for spec in args.positions}
+    for spec, rows in positions.items():
+        print(f"{spec}: {'position':>8} {'calls':>6} {'us':>7} {'gap us':>7}")
+        for row in rows:
+            print(f"{'':{len(spec) + 1}} {row['position']:8d} {row['calls']:6d} {row['us']:7.2f} {row['gap_before_us']:7.2f}")
     write_result(args.out, {"model": args.model, "batch": args.batch, "steps": args.steps,
+                            "positions": positions,
                             "overlap_schedule": core.overlap_schedule,
                             "cuda_graphs": core.runner.cuda_graphs is not None,
                             "wall_us_per_step": wall_us, "device_busy_us_per_step": busy_us,
                             "kernels_per_step": launches, "kernels": kernels[:60],
                             "date": time.strftime("%Y-%m-%d")})
     return 0
+
+
+def by_position(prof, name: str, period: str) -> list[dict]:
+    """Mean device time of kernel `name`'s calls at each position modulo `period` (launch order), and
+    the mean gap between the end of the device's previous kernel and each call's start."""
+    from torch.autograd import DeviceType
+
+    period_n = int(period)
+    device_events = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA),
+                           key=lambda e: e.time_range.start)
+    sums = [[0, 0.0, 0.0] for _ in range(period_n)]  # calls, microseconds, gap before
+    previous_end = None
+    count = None  # positions count from a step's start: its input copies (host to device) come first
+    for event in device_events:
+        if event.name.startswith("Memcpy HtoD"):
+            count = 0
+        elif count is not None and event.name.startswith(name):
+            row = sums[count % period_n]
+            row[0] += 1
+            row[1] += event.time_range.end - event.time_range.start
+            row[2] += max(0.0, event.time_range.start - previous_end) if previous_end is not None else 0.0
+            count += 1
+        previous_end = event.time_range.end if previous_end is None else max(previous_end, event.time_range.end)
+    return [{"position": i, "calls": c, "us": t / c if c else 0.0, "gap_before_us": g / c if c else 0.0}
+            for i, (c, t, g) in enumerate(sums)]
 
 
 if __name__ == "__main__":

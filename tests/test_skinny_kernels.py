@@ -74,34 +74,6 @@ def test_plain_product_with_ragged_shapes_and_bias(rows, config):
     _close(out, _matmul_reference(x, w, b))
 
 
-@pytest.mark.parametrize("rows", [1, 2, 4])
-@pytest.mark.parametrize("config", [(4, 64, 4, False, 2), (8, 32, 4, False, 4), (4, 32, 4, False, 8)])
-def test_split_k_product_equals_the_single_chunk_product_and_leaves_its_counters_at_zero(rows, config):
-    # K = 300 over chunks of whole BLOCK_K tiles: the last chunk is ragged, and (4, 64, 4, False, 2)
-    # takes 2 chunks of 192 / 108; a ragged N (40) leaves the last column block part-empty.
-    k, n = 300, 40
-    x, w, b = _randn(rows, k, seed=31), _randn(n, k, seed=32, scale=0.05), _randn(n, seed=33)
-    out, _ = gemv.skinny_linear(x, w, b, config=config)
-    _close(out, _matmul_reference(x, w, b))
-    again, _ = gemv.skinny_linear(x, w, b, config=config)  # the chunks add in a fixed order: same bits
-    assert torch.equal(out, again)
-    partials, counters = gemv._split_k_workspace(x.device, n)
-    assert partials.shape == (gemv.MAX_SPLIT_K, gemv.MAX_ROWS, n) and not counters.any()
-
-
-def test_split_k_chunks_fewer_than_asked_where_k_is_short_and_takes_plain_products_only():
-    x, w = _randn(2, 40, seed=34), _randn(24, 40, seed=35, scale=0.05)
-    # K = 40 is one BLOCK_K = 64 tile: one chunk, whatever the config asks.
-    _close(gemv.skinny_linear(x, w, config=(4, 64, 4, False, 8))[0], _matmul_reference(x, w))
-    norm = _norm(40, seed=36)
-    with pytest.raises(ValueError, match="split-K"):
-        gemv.skinny_linear(x, w, norm_weight=norm.weight, config=(4, 64, 4, False, 2))
-    with pytest.raises(ValueError, match="split-K"):
-        gemv.skinny_linear(x, _randn(48, 40, seed=37), silu=True, config=(4, 64, 4, False, 2))
-    with pytest.raises(ValueError, match="out of range"):
-        gemv.skinny_linear(x, w, config=(4, 64, 4, False, gemv.MAX_SPLIT_K + 1))
-
-
 @pytest.mark.parametrize("with_residual", [True, False])
 def test_norm_prologue_rounds_like_the_norm_layer(with_residual):
     rows, k, n = 3, 264, 48
@@ -190,6 +162,24 @@ def test_the_layers_take_the_kernel_only_when_told_and_for_few_rows(monkeypatch)
     if not ON_CUDA:  # "auto" never fuses on a CPU
         layer(few)
         assert calls == [few.shape] and skinny.decisions() == {}
+
+
+@pytest.mark.parametrize("fused_over_unfused, margin, chosen", [
+    (0.96, skinny.MARGIN, "fused"),  # a plain product: the kernel must win by MARGIN
+    (0.98, skinny.MARGIN, "unfused"),
+    (0.98, skinny.FOLD_MARGIN, "fused"),  # a folding site: kept unless clearly slower
+    (1.04, skinny.FOLD_MARGIN, "fused"),
+    (1.06, skinny.FOLD_MARGIN, "unfused"),
+])
+def test_the_timed_choice_applies_the_sites_margin(monkeypatch, fused_over_unfused, margin, chosen):
+    times = {"unfused": 30.0, "slow": 40.0, "fast": 30.0 * fused_over_unfused}
+    monkeypatch.setattr(skinny, "l2_flush_buffer", lambda device: None)
+    monkeypatch.setattr(skinny, "time_us", lambda fn, flush: times[fn()])
+    configs = ("slow", "fast")
+    got = skinny._choose(("site",), torch.zeros(1), lambda config: config, lambda: "unfused", configs, margin)
+    assert got == ("fast" if chosen == "fused" else "unfused")
+    assert not skinny._choosing
+    assert skinny.FOLD_MARGIN > 1 > skinny.MARGIN  # the sites' margins as the layer docstring explains them
 
 
 def test_tiny_bf16_model_decode_logits_match_the_unfused_path(tiny_model_paths, monkeypatch):

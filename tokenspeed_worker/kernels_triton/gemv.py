@@ -63,15 +63,6 @@ CONFIGS = ((8, 512, 4), (16, 512, 4), (4, 1024, 4), (16, 256, 4), (32, 256, 8), 
 # the row for its RMS. It rounds the normalized input differently from the norm layer (x * w in
 # float32, scaled after the sum, vs. x * rstd rounded, then * w rounded), by about one bfloat16 step.
 NORM_CONFIGS = CONFIGS + ((4, 1024, 4, True), (8, 512, 4, True), (4, 2048, 8, True), (8, 1024, 8, True))
-# Plain products (no prologue, no epilogue: o_proj, down_proj) also try split-K (a fifth field, the
-# number of K chunks): a long row (down_proj's K = 8192 at 1B) is otherwise a chain of many dependent
-# tile loads per program over a grid of only N / BLOCK_N programs, too few loads in flight to reach
-# the bandwidth (cuBLAS: 45 % of it on the 1B down_proj in a profiled step). Each chunk's program
-# writes float32 partial sums; the last of a column block's programs to arrive (an atomic counter,
-# as in kernels_triton/attention.py's decode) adds them in chunk order and stores the result.
-MAX_SPLIT_K = 8
-LINEAR_CONFIGS = CONFIGS + ((4, 1024, 4, False, 2), (4, 1024, 4, False, 4), (4, 1024, 4, False, 8),
-                            (8, 512, 4, False, 4), (4, 512, 4, False, 8), (4, 2048, 4, False, 4))
 
 
 if AVAILABLE:
@@ -194,56 +185,10 @@ if AVAILABLE:
             tl.store(dst + HALF + d, out2.to(k_cache_ptr.dtype.element_ty))
 
     @triton.jit
-    def _split_k_epilogue(acc0, acc1, acc2, acc3, partial_ptr, counter_ptr, bias_ptr, out_ptr, pid_n, offs_n, n_ok,
-                          N, stride_out, ROWS: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                          LIBDEVICE: tl.constexpr):
-        """Split-K: store this chunk's float32 sums (partials [MAX_SPLIT_K, MAX_ROWS, N]); the last
-        chunk of column block pid_n to arrive adds all chunks' sums in chunk order (the result does
-        not depend on the arrival order) and stores them, then resets the block's counter."""
-        part = partial_ptr + tl.program_id(1) * (4 * N) + offs_n  # 4 = MAX_ROWS rows per chunk
-        tl.store(part, acc0, mask=n_ok)
-        if ROWS > 1:
-            tl.store(part + N, acc1, mask=n_ok)
-        if ROWS > 2:
-            tl.store(part + 2 * N, acc2, mask=n_ok)
-        if ROWS > 3:
-            tl.store(part + 3 * N, acc3, mask=n_ok)
-        # Every thread's stores before the one thread's release of the counter (as in the decode
-        # attention's split reduction, kernels_triton/attention.py).
-        tl.debug_barrier()
-        arrived = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:
-            sum0 = tl.zeros_like(acc0)
-            sum1 = tl.zeros_like(acc0)
-            sum2 = tl.zeros_like(acc0)
-            sum3 = tl.zeros_like(acc0)
-            for chunk in tl.static_range(SPLIT_K):
-                src = partial_ptr + chunk * (4 * N) + offs_n
-                # .cg: from L2, where the other programs' sums are (not a stale L1 line).
-                sum0 += tl.load(src, mask=n_ok, other=0.0, cache_modifier=".cg")
-                if ROWS > 1:
-                    sum1 += tl.load(src + N, mask=n_ok, other=0.0, cache_modifier=".cg")
-                if ROWS > 2:
-                    sum2 += tl.load(src + 2 * N, mask=n_ok, other=0.0, cache_modifier=".cg")
-                if ROWS > 3:
-                    sum3 += tl.load(src + 3 * N, mask=n_ok, other=0.0, cache_modifier=".cg")
-            _epilogue(sum0, sum0, bias_ptr, out_ptr, 0, offs_n, n_ok, stride_out, False, HAS_BIAS, LIBDEVICE)
-            if ROWS > 1:
-                _epilogue(sum1, sum1, bias_ptr, out_ptr, 1, offs_n, n_ok, stride_out, False, HAS_BIAS, LIBDEVICE)
-            if ROWS > 2:
-                _epilogue(sum2, sum2, bias_ptr, out_ptr, 2, offs_n, n_ok, stride_out, False, HAS_BIAS, LIBDEVICE)
-            if ROWS > 3:
-                _epilogue(sum3, sum3, bias_ptr, out_ptr, 3, offs_n, n_ok, stride_out, False, HAS_BIAS, LIBDEVICE)
-            # Every chunk has arrived: back to 0 for the next launch (or graph replay), which the
-            # kernel boundary (or, under PDL, the next kernel's wait) orders after this.
-            tl.atomic_xchg(counter_ptr + pid_n, 0, sem="relaxed", scope="gpu")
-
-    @triton.jit
     def _skinny_kernel(
         x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, w_ptr, bias_ptr, out_ptr,
         positions_ptr, slots_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr,
-        partial_ptr, counter_ptr,
-        N, K, up_offset, k_chunk,
+        N, K, up_offset,
         stride_x, stride_residual, stride_residual_out, stride_w, stride_out,
         stride_cos, stride_sin, stride_kc_slot, stride_kc_h, stride_vc_slot, stride_vc_h,
         num_heads, num_kv_heads,
@@ -261,7 +206,6 @@ if AVAILABLE:
         ROPE: tl.constexpr,
         HEAD_DIM: tl.constexpr,
         KV_SATURATE: tl.constexpr,
-        SPLIT_K: tl.constexpr,
     ):
         # One program: BLOCK_N output columns (weight rows) over the whole of K, for every input
         # row. Each step loads a [BLOCK_N, BLOCK_K] weight tile with 16-byte vector loads and
@@ -270,10 +214,6 @@ if AVAILABLE:
         # programs are in flight together (no shared memory, no tensor cores: at <= 4 rows the
         # product is bound by the weight bytes alone).
         pid_n = tl.program_id(0)
-        # Split-K (SPLIT_K > 1, plain products only): this program's chunk of K, k_chunk wide (a
-        # multiple of BLOCK_K; the host makes every chunk non-empty).
-        k_begin = tl.program_id(1) * k_chunk
-        k_end = tl.minimum(k_begin + k_chunk, K)
         if ROPE:
             # Epilogue ROPE: the program takes BLOCK_N columns d of one head's first half and the
             # matching d + HEAD_DIM / 2 (its "up" columns, up_offset = HEAD_DIM / 2), the pairs rotary
@@ -284,16 +224,16 @@ if AVAILABLE:
         else:
             offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
-        offs_k = k_begin + tl.arange(0, BLOCK_K)
+        offs_k = tl.arange(0, BLOCK_K)
         w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w
         up_rows = w_ptr + (up_offset + offs_n).to(tl.int64)[:, None] * stride_w
         # The first weight tile, loaded before waiting on the previous kernel (kernels_triton/pdl.py:
         # weights are never written by a step); each iteration then loads the next tile before
         # using the current one, so a tile's loads are in flight while the last one is multiplied.
-        w_next = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & (offs_k < k_end)[None, :], other=0.0)
+        w_next = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & (offs_k < K)[None, :], other=0.0)
         wu_next = w_next
         if SILU or ROPE:
-            wu_next = tl.load(up_rows + offs_k[None, :], mask=n_ok[:, None] & (offs_k < k_end)[None, :], other=0.0)
+            wu_next = tl.load(up_rows + offs_k[None, :], mask=n_ok[:, None] & (offs_k < K)[None, :], other=0.0)
         if PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
@@ -324,13 +264,13 @@ if AVAILABLE:
         sq1 = tl.zeros([BLOCK_K], dtype=tl.float32)
         sq2 = tl.zeros([BLOCK_K], dtype=tl.float32)
         sq3 = tl.zeros([BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, k_end - k_begin, BLOCK_K):
+        for k0 in range(0, K, BLOCK_K):
             kk = k0 + offs_k
-            k_ok = kk < k_end
+            k_ok = kk < K
             w = w_next.to(tl.float32)
             wu = wu_next.to(tl.float32)
             k_next = kk + BLOCK_K
-            next_mask = n_ok[:, None] & (k_next < k_end)[None, :]  # past the chunk: no load, no traffic
+            next_mask = n_ok[:, None] & (k_next < K)[None, :]  # past K: no load, no traffic
             w_next = tl.load(w_rows + k_next[None, :], mask=next_mask, other=0.0)
             if SILU or ROPE:
                 wu_next = tl.load(up_rows + k_next[None, :], mask=next_mask, other=0.0)
@@ -393,10 +333,7 @@ if AVAILABLE:
                 rstd3 = _rstd_of(sq3, K, eps, LIBDEVICE)
                 acc3 *= rstd3
                 up3 *= rstd3
-        if SPLIT_K > 1:
-            _split_k_epilogue(acc0, acc1, acc2, acc3, partial_ptr, counter_ptr, bias_ptr, out_ptr, pid_n, offs_n, n_ok,
-                              N, stride_out, ROWS, SPLIT_K, HAS_BIAS, LIBDEVICE)
-        elif ROPE:
+        if ROPE:
             _rope_epilogue(acc0, up0, bias_ptr, out_ptr, 0, offs_n, d, head, positions_ptr, slots_ptr, cos_ptr, sin_ptr,
                            k_cache_ptr, v_cache_ptr, stride_out, stride_cos, stride_sin, stride_kc_slot, stride_kc_h,
                            stride_vc_slot, stride_vc_h, num_heads, num_kv_heads, HEAD_DIM // 2, HEAD_DIM, HAS_BIAS,
@@ -424,24 +361,6 @@ if AVAILABLE:
                 _epilogue(acc2, up2, bias_ptr, out_ptr, 2, offs_n, n_ok, stride_out, SILU, HAS_BIAS, LIBDEVICE)
             if ROWS > 3:
                 _epilogue(acc3, up3, bias_ptr, out_ptr, 3, offs_n, n_ok, stride_out, SILU, HAS_BIAS, LIBDEVICE)
-
-
-_split_k_workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def _split_k_workspace(device: torch.device, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 partial sums [MAX_SPLIT_K, MAX_ROWS, n] and int32 counters [n] (zero; every launch
-    leaves them zero), one pair per device and width, reused by every product of that width: launches
-    on one stream are ordered (under PDL, a kernel touches them only after its wait, when the previous
-    kernel has finished). Allocated on the first call, which comes before any graph capture (the
-    timing in layers/skinny.py runs each configuration eagerly first)."""
-    key = (device.type, device.index, n)
-    if key not in _split_k_workspaces:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("the split-K workspace must be allocated before CUDA graph capture")
-        _split_k_workspaces[key] = (torch.empty((MAX_SPLIT_K, MAX_ROWS, n), dtype=torch.float32, device=device),
-                                    torch.zeros(n, dtype=torch.int32, device=device))
-    return _split_k_workspaces[key]
 
 
 def _rows(t: torch.Tensor, k: int) -> torch.Tensor:
@@ -501,13 +420,7 @@ def skinny_linear(
         raise ValueError("silu needs an even number of weight rows [gate | up] and no bias")
     n = weight.shape[0] // 2 if silu else weight.shape[0]
     out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
-    block_n, block_k, num_warps = config[:3]
-    one_pass = len(config) > 3 and bool(config[3])
-    split_k = config[4] if len(config) > 4 else 1
-    if split_k > 1 and (norm_weight is not None or silu or rotary is not None):
-        raise ValueError("split-K configurations take plain products only (no norm, silu or rotary)")
-    if not 1 <= split_k <= MAX_SPLIT_K:
-        raise ValueError(f"split-K {split_k} out of range 1..{MAX_SPLIT_K}")
+    block_n, block_k, num_warps, *one_pass = config
     if rotary is not None:
         r = rotary
         half = r.head_dim // 2
@@ -546,9 +459,6 @@ def skinny_linear(
         positions = slots = cos_cache = sin_cache = k_slots = v_slots = weight  # unused pointers
         stride_cos = stride_sin = stride_kc_slot = stride_kc_h = stride_vc_slot = stride_vc_h = 0
         heads = (0, 0, 0)
-        # Chunks of whole BLOCK_K tiles; fewer than asked where K is short (every chunk non-empty).
-        k_chunk = max(block_k, triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k)
-        split_k = max(1, triton.cdiv(k, k_chunk))
     else:
         out_rows = out.view(m, -1)
         grid = (n // rotary.head_dim) * (half // block_n)
@@ -557,15 +467,12 @@ def skinny_linear(
         stride_kc_slot, stride_kc_h = k_slots.stride(0), k_slots.stride(1)
         stride_vc_slot, stride_vc_h = v_slots.stride(0), v_slots.stride(1)
         heads = (rotary.num_heads, rotary.num_kv_heads, rotary.head_dim)
-        k_chunk = k
-    partials, counters = _split_k_workspace(x.device, n) if split_k > 1 else (weight, weight)
-    _skinny_kernel[(grid, split_k)](
+    _skinny_kernel[(grid,)](
         rows, residual_rows, residual_out_rows,
         norm_weight if norm_weight is not None else weight, weight,
         bias if bias is not None else weight, out_rows,
         positions, slots, cos_cache, sin_cache, k_slots, v_slots,
-        partials, counters,
-        n, k, up_offset, k_chunk,
+        n, k, up_offset,
         rows.stride(0), residual_rows.stride(0), residual_out_rows.stride(0), weight.stride(0), out_rows.stride(0),
         stride_cos, stride_sin, stride_kc_slot, stride_kc_h, stride_vc_slot, stride_vc_h,
         heads[0], heads[1],
@@ -579,16 +486,14 @@ def skinny_linear(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         PDL=pdl_on,
-        ONE_PASS=one_pass and norm_weight is not None,
+        ONE_PASS=bool(one_pass and one_pass[0]) and norm_weight is not None,
         ROPE=rotary is not None,
         HEAD_DIM=max(2, heads[2]),
         KV_SATURATE=saturation_limit(k_slots.dtype) if rotary is not None else 0.0,
-        SPLIT_K=split_k,
         num_warps=num_warps,
         **pdl.launch_options(pdl_on),
     )
     return out, residual_out
 
 
-__all__ = ["AVAILABLE", "CONFIGS", "LINEAR_CONFIGS", "MAX_ROWS", "MAX_SPLIT_K", "NORM_CONFIGS", "RotaryKV",
-           "skinny_linear"]
+__all__ = ["AVAILABLE", "CONFIGS", "MAX_ROWS", "NORM_CONFIGS", "RotaryKV", "skinny_linear"]

@@ -14,8 +14,15 @@ the unfused path are captured into a CUDA graph each and replayed a few times un
 L2 flushed before each replay (a decode step's conditions: no Python launch overhead, weights
 from memory), and the fastest is kept for the process. The
 CUDA-graph warm-up step before each capture is where that happens, so graphs capture the winner.
-A shape first seen while capturing takes the unfused path (logged once). The fused kernel must
-beat the unfused path by MARGIN to be chosen, so timing noise cannot make a step slower.
+A shape first seen while capturing takes the unfused path (logged once). At `linear` (one kernel
+against one cuBLAS kernel) the fused kernel must beat the unfused path by MARGIN to be chosen, so
+timing noise cannot make a step slower. At the sites that fold neighbouring kernels in, FOLD_MARGIN
+instead keeps the fused kernel unless it is clearly slower: timed alone, a path's kernel boundaries
+cost less than inside a step, where the fused kernels overlap their neighbours (programmatic
+dependent launch, kernels_triton/pdl.py) and the unfused path's torch and cuBLAS kernels take no
+part in that. On an H200, 1B batch-1 decode ran at 1,077 tok/s where norm_gate_up_silu's timing
+went to the unfused path (30.0 µs fused against 31.0 unfused: short of MARGIN) and at 1,117-1,137
+where it took the fused kernel (docs/benchmarks.md, sixth pass).
 
 Respects layers/fused_kernels.py's switch (TOKENSPEED_FUSED_KERNELS): "off" always takes the
 unfused path; "force" takes the fused kernel with its default configuration on any device
@@ -44,7 +51,8 @@ ENV_VAR = "TOKENSPEED_SKINNY_KERNELS"
 # and the unfused path where it loses (4 rows, 1B's down_proj); batch-1 decode went from 225.3 to
 # 233.1 tok/s (8B) and 948.5 to 983.7 (1B) (docs/benchmarks.md). TOKENSPEED_SKINNY_KERNELS=0 turns it off.
 _enabled = os.environ.get(ENV_VAR, "1").strip().lower() not in ("0", "off", "false", "no")
-MARGIN = 0.97  # a fused configuration is chosen only at <= 97 % of the unfused path's time
+MARGIN = 0.97  # at `linear`, a fused configuration is chosen only at <= 97 % of the unfused path's time
+FOLD_MARGIN = 1.05  # where the kernel folds neighbours in: chosen unless > 105 % of the unfused path's time
 _UNFUSED = "unfused"
 _decisions: dict[tuple, Any] = {}  # key -> a config tuple, or _UNFUSED
 _timings: dict[tuple, dict[str, float]] = {}  # key -> {path: microseconds per call}
@@ -75,13 +83,14 @@ def reset() -> None:
 _choosing = False  # while timing, nested sites (a norm_linear's own projection) take the unfused path
 
 
-def _choose(key: tuple, x: torch.Tensor, fused: Callable[[tuple], Any], plain: Callable[[], Any], configs) -> Any:
+def _choose(key: tuple, x: torch.Tensor, fused: Callable[[tuple], Any], plain: Callable[[], Any], configs,
+            margin: float = MARGIN) -> Any:
     global _choosing
     flush = l2_flush_buffer(x.device)
     _choosing = True
     try:
         timings = {_UNFUSED: time_us(plain, flush)}
-        best, best_us = _UNFUSED, timings[_UNFUSED] * MARGIN
+        best, best_us = _UNFUSED, timings[_UNFUSED] * margin
         for config in configs:
             try:
                 us = time_us(lambda: fused(config), flush)
@@ -115,9 +124,10 @@ def _key(site: str, x: torch.Tensor, weight: torch.Tensor) -> tuple:
 
 
 def _run(site: str, x: torch.Tensor, weight: torch.Tensor, kernels, fused: Callable[[tuple], Any],
-         plain: Callable[[], Any], configs=None):
+         plain: Callable[[], Any], configs=None, margin: float = MARGIN):
     """The chosen path for this site (kernels: from _kernels, not None; configs: the kernel
-    configurations to time, kernels.CONFIGS by default)."""
+    configurations to time, kernels.CONFIGS by default; margin: MARGIN, or FOLD_MARGIN where the
+    fused kernel replaces several)."""
     configs = kernels.CONFIGS if configs is None else configs
     if fused_kernels_mode() == "force" or not x.is_cuda:
         return fused(configs[0])
@@ -129,7 +139,7 @@ def _run(site: str, x: torch.Tensor, weight: torch.Tensor, kernels, fused: Calla
                 _logged_capture.add(key)
                 logger.info("skinny %s first seen while capturing a CUDA graph: unfused path", key)
             return plain()
-        choice = _decisions[key] = _choose(key, x, fused, plain, configs)
+        choice = _decisions[key] = _choose(key, x, fused, plain, configs, margin)
     return plain() if choice == _UNFUSED else fused(choice)
 
 
@@ -139,7 +149,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if kernels is None:  # the common case (off, or many rows): no closures on the eager path
         return F.linear(x, weight, bias)
     return _run("linear", x, weight, kernels, lambda config: kernels.skinny_linear(x, weight, bias, config=config)[0],
-                lambda: F.linear(x, weight, bias), kernels.LINEAR_CONFIGS)
+                lambda: F.linear(x, weight, bias))
 
 
 def norm_linear(norm, proj, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,7 +172,7 @@ def norm_linear(norm, proj, x: torch.Tensor, residual: torch.Tensor | None) -> t
                                      eps=norm.eps, config=config)
 
     return _run("norm_linear" if residual is None else "add_norm_linear", x, proj.weight, kernels, fused, plain,
-                kernels.NORM_CONFIGS)
+                kernels.NORM_CONFIGS, FOLD_MARGIN)
 
 
 def norm_gate_up_silu(norm, gate_up, act, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -180,7 +190,7 @@ def norm_gate_up_silu(norm, gate_up, act, x: torch.Tensor, residual: torch.Tenso
         return kernels.skinny_linear(x, gate_up.weight, norm_weight=norm.weight, residual=residual, eps=norm.eps,
                                      silu=True, config=config)
 
-    return _run("norm_gate_up_silu", x, gate_up.weight, kernels, fused, plain, kernels.NORM_CONFIGS)
+    return _run("norm_gate_up_silu", x, gate_up.weight, kernels, fused, plain, kernels.NORM_CONFIGS, FOLD_MARGIN)
 
 
 def norm_qkv_rope(norm, attention, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
@@ -225,7 +235,7 @@ def norm_qkv_rope(norm, attention, x: torch.Tensor, residual: torch.Tensor | Non
     if (x.is_cuda and fused_kernels_mode() != "force" and _key(site, x, proj.weight) not in _decisions
             and not torch.cuda.is_current_stream_capturing()):
         norm_linear(norm, proj, x, residual)  # norm_linear chooses first, so `plain` is timed as it will run
-    return _run(site, x, proj.weight, kernels, fused, plain, configs)
+    return _run(site, x, proj.weight, kernels, fused, plain, configs, FOLD_MARGIN)
 
 
 __all__ = ["ENV_VAR", "decisions", "linear", "norm_gate_up_silu", "norm_linear", "norm_qkv_rope", "reset",
