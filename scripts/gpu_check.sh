@@ -108,6 +108,15 @@ sys.argv = ['bench_latency.py'] + sys.argv[1:]
 runpy.run_path('scripts/bench_latency.py', run_name='__main__')" --model "$1" --prompt-len 128 --new-tokens 128 \
     --out "$OUT/latency_${1}_$2.json" 2>&1 | grep -E "decode:|rror|one program" | cut -c1-240 | sed "s/^/$1 $2: /" | tail -3
 }
+# ab_on_off LABEL PATCH: two rounds of 1B then 8B, each the defaults (LABEL_on_N) then PATCH (LABEL_off_N).
+ab_on_off() {
+  for round in 1 2; do
+    for m in llama-3.2-1b llama-3.1-8b; do
+      ab_latency $m "$1_on_$round" ""
+      ab_latency $m "$1_off_$round" "$2"
+    done
+  done
+}
 # The fused q/k/v + rotary + KV-write site on and off (AB_ROPE=1), 1B (off: llama's decoder finds
 # skinny.norm_qkv_rope declining and takes norm_linear + the rotary kernel).
 if [ "${AB_ROPE:-0}" = 1 ]; then
@@ -123,12 +132,7 @@ if [ "${AB_SINGLE_SPLIT:-0}" = 1 ]; then
   timeout 90 python3 scripts/bench_kernels.py --only attention --batches 1 4 16 --contexts 128 256 512 1024 2048 \
     --heads 32 --kv-heads 8 --head-dim 64 --single-split --prefill-lens 128 --no-reference \
     --out "$OUT/kernels_decode_single_split.json" 2>&1 | grep -E "^decode|rror" | tail -30
-  for round in 1 2; do
-    for m in llama-3.2-1b llama-3.1-8b; do
-      ab_latency $m single_on_$round ""
-      ab_latency $m single_off_$round "from tokenspeed_worker.layers.attention.triton_backend import TritonAttentionBackend as B; B.tune_decode = lambda self, *a, **k: {}"
-    done
-  done
+  ab_on_off single "from tokenspeed_worker.layers.attention.triton_backend import TritonAttentionBackend as B; B.tune_decode = lambda self, *a, **k: {}"
 fi
 # Skinny kernel configurations forced at every site against the timed choice (AB_SKINNY_CONFIGS=1),
 # 1B batch 1: the timing runs each site alone, while in a step each kernel overlaps its neighbour
@@ -139,19 +143,14 @@ if [ "${AB_SKINNY_CONFIGS:-0}" = 1 ]; then
   for c in ${SKINNY_FORCE:-4,2048,4 4,2048,8 2,2048,4}; do
     ab_latency llama-3.2-1b "force_${c//,/_}" "from tokenspeed_worker.layers import skinny
 c = ($c,)
-skinny._choose = lambda key, x, fused, plain, configs: c if c in configs else configs[0]"
+skinny._choose = lambda key, x, fused, plain, configs, *rest: c if c in configs else configs[0]"
   done
   ab_latency llama-3.2-1b timed_2 ""
 fi
 # The folding sites' margin on and off (AB_FOLD_MARGIN=1), batch 1, 1B and 8B (off: those sites
 # take the fused kernel only where it wins by MARGIN, as before; layers/skinny.py says why).
 if [ "${AB_FOLD_MARGIN:-0}" = 1 ]; then
-  for round in 1 2; do
-    for m in llama-3.2-1b llama-3.1-8b; do
-      ab_latency $m fold_margin_on_$round ""
-      ab_latency $m fold_margin_off_$round "from tokenspeed_worker.layers import skinny; skinny.FOLD_MARGIN = skinny.MARGIN"
-    done
-  done
+  ab_on_off fold_margin "from tokenspeed_worker.layers import skinny; skinny.FOLD_MARGIN = skinny.MARGIN"
 fi
 # Where a 1B batch-1 step's time goes (PROFILE_SMALL=1), PDL on and off (with PDL on, a kernel's
 # time includes its wait for the previous one, so the "off" table gives the kernels' own times).
