@@ -21,7 +21,7 @@ instead keeps the fused kernel unless it is clearly slower: timed alone, a path'
 cost less than inside a step, where the fused kernels overlap their neighbours (programmatic
 dependent launch, kernels_triton/pdl.py) and the unfused path's torch and cuBLAS kernels take no
 part in that. On an H200, 1B batch-1 decode ran at 1,077 tok/s where norm_gate_up_silu's timing
-went to the unfused path (30.0 µs fused against 31.0 unfused: short of MARGIN) and at 1,117-1,137
+went to the unfused path (30.0 µs fused against 31.0 unfused: short of MARGIN) and at 1,115-1,138
 where it took the fused kernel (docs/benchmarks.md, sixth pass).
 
 Respects layers/fused_kernels.py's switch (TOKENSPEED_FUSED_KERNELS): "off" always takes the
