@@ -108,10 +108,10 @@ sys.argv = ['bench_latency.py'] + sys.argv[1:]
 runpy.run_path('scripts/bench_latency.py', run_name='__main__')" --model "$1" --prompt-len 128 --new-tokens 128 \
     --out "$OUT/latency_${1}_$2.json" 2>&1 | grep -E "decode:|rror|one program" | cut -c1-240 | sed "s/^/$1 $2: /" | tail -3
 }
-# ab_on_off LABEL PATCH: two rounds of 1B then 8B, each the defaults (LABEL_on_N) then PATCH (LABEL_off_N).
+# ab_on_off LABEL PATCH: AB_ROUNDS (2) rounds of AB_MODELS (1B then 8B), each the defaults (LABEL_on_N) then PATCH (LABEL_off_N).
 ab_on_off() {
-  for round in 1 2; do
-    for m in llama-3.2-1b llama-3.1-8b; do
+  for round in $(seq ${AB_ROUNDS:-2}); do
+    for m in ${AB_MODELS:-llama-3.2-1b llama-3.1-8b}; do
       ab_latency $m "$1_on_$round" ""
       ab_latency $m "$1_off_$round" "$2"
     done
@@ -147,10 +147,48 @@ skinny._choose = lambda key, x, fused, plain, configs, *rest: c if c in configs 
   done
   ab_latency llama-3.2-1b timed_2 ""
 fi
+# The in-step refinement of the skinny sites' choices on and off (AB_STEP_TUNING=1), batch 1, 1B and
+# 8B (off: the lone-timed choices, as before; layers/skinny.py's tune_in_step).
+if [ "${AB_STEP_TUNING:-0}" = 1 ]; then
+  ab_on_off step_tuning "from tokenspeed_worker.layers import skinny; skinny.set_step_tuning(False)"
+fi
+# Startup time with the in-step refinement on and off (STARTUP_TIME=1): the engine built with its
+# defaults (capture sizes 1, 2, 4, 8, ... 256: the refinement runs at 1, 2 and 4 rows), and its log
+# of what was refined.
+if [ "${STARTUP_TIME:-0}" = 1 ]; then
+  for m in ${STARTUP_MODELS:-llama-3.2-1b llama-3.1-8b}; do
+    for tuning in ${STARTUP_TUNING:-1 0}; do
+      TOKENSPEED_STEP_TUNING=$tuning timeout 200 python3 -c '
+import logging, sys, time
+sys.path.insert(0, "scripts")
+logging.basicConfig(level=logging.INFO, format="%(message)s")
+from bench_common import add_engine_args, build_engine
+import argparse
+ap = argparse.ArgumentParser(); add_engine_args(ap); args = ap.parse_args(sys.argv[1:])
+t0 = time.perf_counter(); core = build_engine(args)
+print(f"engine built in {time.perf_counter() - t0:.1f} s")' --model $m 2>&1 \
+        | grep -E "refined in-step|CUDA graphs: captured|engine built|rror" | cut -c1-400 | sed "s/^/$m tuning=$tuning: /"
+    done
+  done
+fi
 # The folding sites' margin on and off (AB_FOLD_MARGIN=1), batch 1, 1B and 8B (off: those sites
 # take the fused kernel only where it wins by MARGIN, as before; layers/skinny.py says why).
 if [ "${AB_FOLD_MARGIN:-0}" = 1 ]; then
   ab_on_off fold_margin "from tokenspeed_worker.layers import skinny; skinny.FOLD_MARGIN = skinny.MARGIN"
+fi
+# In-step timing of the skinny sites' choices (TUNE_STEP=1): each site's lone-timed choice against
+# its other configurations, timed inside the captured decode step (scripts/tune_step.py).
+if [ "${TUNE_STEP:-0}" = 1 ]; then
+  for spec in ${TUNE_STEP_SPECS:-llama-3.2-1b:1 llama-3.1-8b:1}; do
+    m=${spec%%:*}; b=${spec##*:}
+    timeout ${TUNE_STEP_TIMEOUT:-200} python3 scripts/tune_step.py --model $m --batch $b ${TUNE_STEP_ARGS:-} \
+      --out "$OUT/tune_step_${m}_b$b.json" 2>&1 | grep -v "^20..-\|^STAGE\|Warning\|warn\|^{" | tail -12
+  done
+fi
+# Attention beside the matrix products on two streams (BENCH_OVERLAP=1; scripts/bench_overlap.py).
+if [ "${BENCH_OVERLAP:-0}" = 1 ]; then
+  timeout 200 python3 scripts/bench_overlap.py --rows ${OVERLAP_ROWS:-128 256} --out "$OUT/overlap.json" 2>&1 \
+    | grep -v "^{" | tail -6
 fi
 # Where a 1B batch-1 step's time goes (PROFILE_SMALL=1), PDL on and off (with PDL on, a kernel's
 # time includes its wait for the previous one, so the "off" table gives the kernels' own times).

@@ -125,7 +125,8 @@ def test_graph_reserve_counts_the_static_buffers():
 def test_programmatic_dependent_launch_changes_no_logit(llama_path, monkeypatch):
     # PDL (kernels_triton/pdl.py) lets a kernel start before the previous one ends; each waits
     # before reading what a neighbour writes, so graphs captured with and without it compute the
-    # same bits (the same kernels, the same skinny choices).
+    # same bits (the same kernels, the same skinny choices: the second runner keeps those the first
+    # one's timings and in-step tuning made).
     from tokenspeed_worker.kernels_triton import pdl
 
     def run(flag):
@@ -364,3 +365,31 @@ def test_cuda_graphs_give_the_eager_logits(llama_path, dtype):
         graphs.kv_cache[:, :, :NUM_BLOCKS].float(), eager.kv_cache.float(), atol=atol,
         rtol=1e-3 if dtype == "float32" else 3e-2,
     )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_each_graph_is_tuned_in_step_before_its_capture(llama_path, monkeypatch):
+    # The runner hands layers/skinny.py's tune_in_step a timer of each size's whole step, after the
+    # warm-up step and before the capture; the timer captures and replays a graph of its own.
+    from tokenspeed_worker.layers import skinny
+
+    calls = []
+
+    def tuner(size, step_us):
+        calls.append((size, step_us(), step_us()))
+        return {"before_us": 2.0, "after_us": 1.0, "changed": {f"site/{size}": ["a", "b"]}}
+
+    monkeypatch.setattr(skinny, "tune_in_step", tuner)
+    runner = ModelRunner(
+        str(llama_path), dtype="bfloat16", device="cuda", block_size=BLOCK_SIZE, attention_backend="triton",
+        max_model_len=MAX_MODEL_LEN, max_num_seqs=8,
+    )
+    runner.allocate_kv_cache(NUM_BLOCKS)
+    runner.capture_cuda_graphs()
+    assert [size for size, *_ in calls] == [8, 4, 2, 1]  # largest first, as captured
+    assert all(us > 0 for _, *times in calls for us in times)
+    assert sorted(runner.cuda_graphs.tuning) == [1, 2, 4, 8]
+    assert runner.cuda_graphs.timed_steps == 8 and runner.cuda_graphs.tuning[1]["timed_steps"] == 2
+    graphs = runner.cuda_graphs  # the static buffers hold dummy rows again for the capture
+    assert bool((graphs.seq_lens == 1).all()) and bool((graphs.block_tables[:, 0] == runner.dummy_block).all())

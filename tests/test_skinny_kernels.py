@@ -182,6 +182,72 @@ def test_the_timed_choice_applies_the_sites_margin(monkeypatch, fused_over_unfus
     assert skinny.FOLD_MARGIN > 1 > skinny.MARGIN  # the sites' margins as the layer docstring explains them
 
 
+@pytest.fixture
+def fresh_decisions():
+    skinny.reset()
+    yield
+    skinny.reset()
+
+
+def _decide(key, chosen, alone: dict[str, float]) -> None:
+    """A site as _choose leaves it: its lone timings, the paths timed, the choice."""
+    skinny._timings[key] = dict(alone)
+    skinny._options[key] = {name: name for name in alone}
+    skinny._decisions[key] = chosen
+
+
+def test_in_step_tuning_keeps_the_faster_step_per_site(fresh_decisions):
+    qkv, down, other_rows = ("qkv", 1), ("down", 1), ("qkv", 2)
+    # Alone, "a" wins at qkv; in the step, the unfused path does. "z" is ranked past the top 2.
+    _decide(qkv, "a", {"a": 10.0, "b": 11.0, "c": 12.0, "z": 13.0, "unfused": 12.5})
+    _decide(down, "d", {"d": 20.0, "e": 20.5, "unfused": 25.0})
+    _decide(other_rows, "a", {"a": 10.0, "unfused": 12.0})
+    in_step = {qkv: {"a": 100.0, "b": 101.0, "c": 99.9, "z": 10.0, "unfused": 95.0},
+               down: {"d": 0.0, "e": -0.1, "unfused": 3.0}}  # e's gain is under IN_STEP_MIN_GAIN
+    proj = ("proj", 1)  # the unfused qkv path's own projection: first timed when that path first runs
+    in_step[proj] = {"unfused": 0.0, "p": -4.0}
+    timed = []
+
+    def step_us():
+        if skinny._decisions[qkv] == "unfused" and proj not in skinny._decisions:
+            _decide(proj, "unfused", {"unfused": 5.0, "p": 5.1})
+        timed.append({k: skinny._decisions[k] for k in (qkv, down)})
+        cost = in_step[proj][skinny._decisions[proj]] if skinny._decisions[qkv] == "unfused" else 0.0
+        return 800.0 + cost + sum(in_step[k][skinny._decisions[k]] for k in (qkv, down))
+
+    report = skinny.tune_in_step(1, step_us, top=2)
+    assert skinny._decisions == {qkv: "unfused", down: "d", other_rows: "a", proj: "p"}
+    assert report == {"before_us": 900.0, "after_us": 891.0,
+                      "changed": {"qkv/1": ["a", "unfused"], "proj/1": ["unfused", "p"]}}
+    assert "z" not in {d[qkv] for d in timed}  # only the top 2 configurations alone, besides the choice
+    assert set(skinny._in_step[qkv]) == {"a", "b", "c", "unfused"}
+    assert skinny.decisions()["qkv/1"]["step_us"]["unfused"] == 895.0
+    assert "step_us" not in skinny.decisions()["qkv/2"]
+    # Tuned once per process: a later capture (another runner) keeps what was found.
+    assert skinny.tune_in_step(1, lambda: pytest.fail("already tuned")) == {}
+
+
+def test_in_step_tuning_keeps_the_lone_choices_unless_confirmed(fresh_decisions):
+    _decide(("qkv", 1), "a", {"a": 10.0, "unfused": 12.0})
+    calls = iter([900.0, 890.0] + [890.0, 892.0] * 2)  # site: a, unfused; then confirm (before, after) x 2
+    report = skinny.tune_in_step(1, lambda: next(calls))
+    assert skinny._decisions[("qkv", 1)] == "a"
+    assert report["changed"] == {} and report["unconfirmed"] == {"qkv/1": ["a", "unfused"]}
+
+
+def test_in_step_tuning_off_or_nothing_to_tune(fresh_decisions):
+    assert skinny.tune_in_step(1, lambda: pytest.fail("no site at 1 row: nothing to time")) == {}
+    _decide(("qkv", 2), "a", {"a": 10.0, "unfused": 12.0})
+    assert skinny.IN_STEP_ROWS == (1,)
+    assert skinny.tune_in_step(2, lambda: pytest.fail("batch 1 only")) == {}
+    _decide(("qkv", 1), "a", {"a": 10.0, "unfused": 12.0})
+    previous = skinny.set_step_tuning(False)
+    try:
+        assert skinny.tune_in_step(1, lambda: pytest.fail("tuning is off")) == {}
+    finally:
+        skinny.set_step_tuning(previous)
+
+
 def test_tiny_bf16_model_decode_logits_match_the_unfused_path(tiny_model_paths, monkeypatch):
     """A whole bf16 model: prefill (more than 4 rows: unfused either way), then two decode steps
     of two rows, which take the skinny kernels when forced (q/k/v with the rotary + KV-write

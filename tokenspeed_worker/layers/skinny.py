@@ -24,6 +24,16 @@ part in that. On an H200, 1B batch-1 decode ran at 1,077 tok/s where norm_gate_u
 went to the unfused path (30.0 µs fused against 31.0 unfused: short of MARGIN) and at 1,115-1,138
 where it took the fused kernel (docs/benchmarks.md, sixth pass).
 
+Timed alone, a site cannot see how its kernel overlaps its neighbours inside the step, so the
+choices for a CUDA graph's batch size are then refined in the step itself (`tune_in_step`, called by
+model_executor/cuda_graph.py before that graph's capture; batch 1 only, IN_STEP_ROWS): for each site in turn, its choice, its
+next IN_STEP_TOP fastest configurations alone and the unfused path are each captured into the whole
+decode step, and the fastest step keeps its path if it beats the current one by IN_STEP_MIN_GAIN;
+the tuned set is kept only if it then beats the lone-timed set, timed alternately. On an H200 that
+took Llama-8B's batch-1 step from 4,295 to 4,115 µs and Llama-1B's from 860 to 846 µs, mostly by
+going back to the unfused q/k/v + rotary and (8B) gate/up paths (docs/benchmarks.md, seventh pass).
+TOKENSPEED_STEP_TUNING=0 turns this refinement off.
+
 Respects layers/fused_kernels.py's switch (TOKENSPEED_FUSED_KERNELS): "off" always takes the
 unfused path; "force" takes the fused kernel with its default configuration on any device
 (CPU tests, in Triton's interpreter); "auto" decides by timing on CUDA and never fuses on CPU.
@@ -53,16 +63,26 @@ ENV_VAR = "TOKENSPEED_SKINNY_KERNELS"
 _enabled = os.environ.get(ENV_VAR, "1").strip().lower() not in ("0", "off", "false", "no")
 MARGIN = 0.97  # at `linear`, a fused configuration is chosen only at <= 97 % of the unfused path's time
 FOLD_MARGIN = 1.05  # where the kernel folds neighbours in: chosen unless > 105 % of the unfused path's time
+STEP_TUNING_ENV_VAR = "TOKENSPEED_STEP_TUNING"
+_step_tuning = os.environ.get(STEP_TUNING_ENV_VAR, "1").strip().lower() not in ("0", "off", "false", "no")
+IN_STEP_TOP = 3  # configurations per site tried in the step besides its choice and the unfused path
+IN_STEP_MIN_GAIN = 0.003  # a path replaces the current one in-step only if the step gets 0.3 % faster
+# Batch sizes refined in-step: batch 1, the latency-bound step. On an H200 tuning 2 and 4 rows too
+# changed nothing for either shape and cost two thirds of the time (docs/benchmarks.md, seventh pass).
+IN_STEP_ROWS = (1,)
 _UNFUSED = "unfused"
 _decisions: dict[tuple, Any] = {}  # key -> a config tuple, or _UNFUSED
 _timings: dict[tuple, dict[str, float]] = {}  # key -> {path: microseconds per call}
+_options: dict[tuple, dict[str, Any]] = {}  # key -> {path name: choice} of every path timed there
+_in_step: dict[tuple, dict[str, float]] = {}  # key -> {path: microseconds per decode step} (tune_in_step)
 _logged_capture: set[tuple] = set()
 
 
 def decisions() -> dict[str, dict[str, Any]]:
     """What was chosen where, with the timings (µs per call) behind it: for benchmarks and logs."""
     return {
-        "/".join(str(p) for p in key): {"chosen": str(choice), "us": _timings.get(key, {})}
+        "/".join(str(p) for p in key): {"chosen": str(choice), "us": _timings.get(key, {}),
+                                        **({"step_us": _in_step[key]} if key in _in_step else {})}
         for key, choice in _decisions.items()
     }
 
@@ -74,9 +94,18 @@ def set_enabled(on: bool) -> bool:
     return previous
 
 
+def set_step_tuning(on: bool) -> bool:
+    """Turn the in-step refinement (tune_in_step) on or off; returns the previous setting."""
+    global _step_tuning
+    previous, _step_tuning = _step_tuning, bool(on)
+    return previous
+
+
 def reset() -> None:
     _decisions.clear()
     _timings.clear()
+    _options.clear()
+    _in_step.clear()
     _logged_capture.clear()
 
 
@@ -90,6 +119,7 @@ def _choose(key: tuple, x: torch.Tensor, fused: Callable[[tuple], Any], plain: C
     _choosing = True
     try:
         timings = {_UNFUSED: time_us(plain, flush)}
+        options = _options[key] = {_UNFUSED: _UNFUSED}
         best, best_us = _UNFUSED, timings[_UNFUSED] * margin
         for config in configs:
             try:
@@ -98,6 +128,7 @@ def _choose(key: tuple, x: torch.Tensor, fused: Callable[[tuple], Any], plain: C
                 logger.debug("skinny %s: config %s unusable: %s", key, config, error)
                 continue
             timings[str(config)] = us
+            options[str(config)] = config
             if us < best_us:
                 best, best_us = config, us
     finally:
@@ -106,6 +137,65 @@ def _choose(key: tuple, x: torch.Tensor, fused: Callable[[tuple], Any], plain: C
     _timings[key] = timings
     logger.debug("skinny %s: chose %s from %s", key, best, timings)
     return best
+
+
+def _name(choice: Any) -> str:
+    return choice if choice == _UNFUSED else str(choice)
+
+
+def tune_in_step(rows: int, step_us: Callable[[], float], top: int = IN_STEP_TOP,
+                 min_gain: float = IN_STEP_MIN_GAIN) -> dict[str, Any]:
+    """Refine the timed choices of the sites seen at `rows` rows inside the whole decode step.
+
+    step_us: the device microseconds of one decode step of `rows` rows run with the sites' current
+    choices (model_executor/cuda_graph.py captures the step afresh on each call). Site by site, in
+    the order they were first timed (one first timed on a path tried here comes after the others):
+    the current choice, the `top` next fastest configurations alone and the unfused path each time
+    a step; the fastest is kept if it beats the current choice
+    by `min_gain` (a fraction of the step). The changed set is then timed against the lone-timed set
+    twice, alternately, and kept only if its best step beats theirs by `min_gain` too. Returns
+    {"before_us", "after_us", "changed": {site: [old, new]}}; {} where nothing was timed here (rows
+    not in IN_STEP_ROWS, no site at these rows not tuned before, or TOKENSPEED_STEP_TUNING=0)."""
+    if not _step_tuning or rows not in IN_STEP_ROWS:
+        return {}
+    original: dict[tuple, Any] = {}
+    while True:  # a path tried here can time a site of its own (an unfused path's projection): tune it too
+        key = next((k for k in _decisions if k[1] == rows and k in _options and k not in original
+                    and k not in _in_step), None)  # tuned before in this process (another capture): as it is
+        if key is None:
+            break
+        original[key] = _decisions[key]
+        options, alone = _options[key], _timings.get(key, {})
+        current = _name(_decisions[key])
+        ranked = [n for n in sorted(alone, key=alone.get) if n in options and n not in (current, _UNFUSED)]
+        names = [current, *ranked[:top], *([_UNFUSED] if current != _UNFUSED else [])]
+        times = {}
+        for name in names:
+            _decisions[key] = options[name]
+            times[name] = step_us()
+        best = min(times, key=times.get)
+        _decisions[key] = options[best if times[best] < times[current] * (1 - min_gain) else current]
+        _in_step[key] = times
+    keys = list(original)
+    if not keys:
+        return {}
+    tuned = {key: _decisions[key] for key in keys}
+    changed = {"/".join(str(p) for p in key): [str(original[key]), str(tuned[key])]
+               for key in keys if tuned[key] != original[key]}
+    if not changed:
+        step = min(_in_step[keys[-1]].values())
+        return {"before_us": step, "after_us": step, "changed": {}}
+    before, after = [], []
+    for _ in range(2):
+        _decisions.update(original)
+        before.append(step_us())
+        _decisions.update(tuned)
+        after.append(step_us())
+    if min(after) >= min(before) * (1 - min_gain):  # not confirmed: the lone-timed choices stay
+        _decisions.update(original)
+        return {"before_us": min(before), "after_us": min(before), "changed": {}, "unconfirmed": changed,
+                "unconfirmed_us": min(after)}
+    return {"before_us": min(before), "after_us": min(after), "changed": changed}
 
 
 def _kernels(x: torch.Tensor, weight: torch.Tensor):
@@ -238,5 +328,5 @@ def norm_qkv_rope(norm, attention, x: torch.Tensor, residual: torch.Tensor | Non
     return _run(site, x, proj.weight, kernels, fused, plain, configs, FOLD_MARGIN)
 
 
-__all__ = ["ENV_VAR", "decisions", "linear", "norm_gate_up_silu", "norm_linear", "norm_qkv_rope", "reset",
-           "set_enabled"]
+__all__ = ["ENV_VAR", "STEP_TUNING_ENV_VAR", "decisions", "linear", "norm_gate_up_silu", "norm_linear",
+           "norm_qkv_rope", "reset", "set_enabled", "set_step_tuning", "tune_in_step"]

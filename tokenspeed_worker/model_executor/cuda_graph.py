@@ -45,6 +45,9 @@ DEFAULT_MAX_CAPTURE_SIZE = 256
 # of the largest decode batch: tens of MiB for 1-8B models) and CUDA's per-graph bookkeeping.
 # The capture logs what was really used and warns if it exceeded the reserve.
 GRAPH_POOL_ALLOWANCE_BYTES = 1 * _GIB
+# Keys each row attends to in the steps timed while tuning a graph's kernel choices (step_timer).
+TUNING_CONTEXT = 256
+TUNING_ROUND_SECONDS = 0.05  # back-to-back replays per timing round, about this long
 
 # Why a step does not replay a graph. A prefill step is the normal case; the rest are logged once.
 PREFILL_STEP = "prefill step"
@@ -195,9 +198,14 @@ class DecodeGraphs:
         device: torch.device,
         last_sampled: torch.Tensor | None = None,
         graph_class: type = CudaGraph,
+        step_tuner: Callable[[int, Callable[[], float]], dict] | None = None,
     ) -> None:
         """last_sampled: the runner's device buffer of the previous step's sampled tokens; an input
-        id -1 - i reads entry i of it inside the graph (overlap scheduling)."""
+        id -1 - i reads entry i of it inside the graph (overlap scheduling). step_tuner(size,
+        step_us): called before each size's capture, after its warm-up step, with a timer of the
+        whole step (step_timer) to refine kernel choices in (layers/skinny.py's tune_in_step);
+        what it returns is kept in `tuning` by size (with the steps it timed and the seconds
+        it took) where it timed any."""
         if not sizes:
             raise ValueError("no capture sizes")
         self.model = model
@@ -209,6 +217,9 @@ class DecodeGraphs:
         self.block_size = block_size
         self.device = device
         self.graph_class = graph_class
+        self.step_tuner = step_tuner
+        self.tuning: dict[int, dict] = {}  # size -> the step tuner's report, where it timed steps
+        self.timed_steps = 0  # steps captured and timed by step_timer
         self.graphs: dict[int, object] = {}
         self.metadata: dict[int, object] = {}  # size -> the attention metadata its graph was captured with
         self.captured_sizes: list[int] = []  # ascending; empty until capture() finished
@@ -239,6 +250,15 @@ class DecodeGraphs:
             self._load_dummy_rows(size)
             step = self._make_step(size)
             step()  # warm-up: compiles and autotunes kernels, which must not happen while capturing
+            if self.step_tuner is not None and on_cuda and self.graph_class is CudaGraph:
+                timed_before, tuning_start = self.timed_steps, time.perf_counter()
+                report = self.step_tuner(size, self.step_timer(size))
+                if self.timed_steps != timed_before:  # the timer ran: dummy rows back, warm up what was chosen
+                    self.tuning[size] = {**report, "timed_steps": self.timed_steps - timed_before,
+                                         "seconds": time.perf_counter() - tuning_start}
+                    self._load_dummy_rows(size)
+                    step = self._make_step(size)
+                    step()
             graph = self.graph_class()
             try:
                 graph.capture(step, pool)
@@ -269,6 +289,49 @@ class DecodeGraphs:
             self.logits[:size].copy_(self.model.compute_logits(hidden_states))
 
         return step
+
+    def step_timer(self, size: int) -> Callable[[], float]:
+        """A timer of the decode step of `size` rows: each call captures the step afresh (so it runs
+        the kernels' current choices) and returns the device microseconds of one replay, the best of
+        two rounds of back-to-back replays (as a steady decode replays it). Each row attends to
+        TUNING_CONTEXT keys (fewer where the block table or the pool is smaller) in the pool's first
+        blocks, still empty at startup; the step's K/V writes go to the dummy block as usual."""
+        context = max(1, min(TUNING_CONTEXT, (self.max_table_width - 1) * self.block_size + 1,
+                             self.dummy_block * self.block_size))
+        width = -(-context // self.block_size)
+
+        def step_us() -> float:
+            self.timed_steps += 1
+            self._load_dummy_rows(size)
+            self.positions[:size].fill_(context - 1)
+            self.seq_lens[:size].fill_(context)
+            self.block_tables[:size, :width].copy_(
+                torch.arange(width, dtype=torch.int32, device=self.device).expand(size, width))
+            step = self._make_step(size)
+            step()
+            torch.cuda.synchronize(self.device)
+            # A private pool per timed graph: one shared pool cannot outlive the graph that made it
+            # (PyTorch 2.11 asserts in capture_begin once that graph is gone).
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                step()
+            reps, best = 3, float("inf")
+            for round_ in range(3):  # the first round estimates how many replays make TUNING_ROUND_SECONDS
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(reps):
+                    graph.replay()
+                end.record()
+                end.synchronize()
+                us = 1000.0 * start.elapsed_time(end) / reps
+                if round_:
+                    best = min(best, us)
+                else:
+                    reps = max(3, min(500, int(TUNING_ROUND_SECONDS * 1e6 / max(us, 1.0))))
+            del graph
+            return best
+
+        return step_us
 
     def _load_dummy_rows(self, size: int) -> None:
         self.input_ids[:size].zero_()

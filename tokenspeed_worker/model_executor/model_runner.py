@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tokenspeed_worker.layers import skinny
 from tokenspeed_worker.layers.attention import Attention, AttentionBackend, AttentionInputs, get_attention_backend
 from tokenspeed_worker.model_executor.cuda_graph import (
     CudaGraph,
@@ -322,8 +323,12 @@ class ModelRunner:
             device=self.device,
             last_sampled=self.last_sampled,
             graph_class=EmulatedGraph if self.emulate_cuda_graphs else CudaGraph,
+            # The skinny sites' choices, refined inside each small graph's step (layers/skinny.py).
+            step_tuner=skinny.tune_in_step if self.device.type == "cuda" else None,
         )
         report = graphs.capture()
+        for size, tuning in sorted(graphs.tuning.items()):
+            _log_step_tuning(size, tuning)
         self.cuda_graphs = graphs
         reserve = self.cuda_graph_reserve_bytes()
         logger.info(
@@ -391,6 +396,17 @@ class ModelRunner:
             input_ids = resolve_pending_ids(input_ids, self.last_sampled)
         positions = self._to_device(plan.positions, np.int64)
         return self.model(input_ids, positions, attn_metadata)
+
+
+def _log_step_tuning(size: int, tuning: dict) -> None:
+    """One line per graph size whose kernel choices were refined in-step (layers/skinny.py)."""
+    changed = ", ".join(f"{site}: {old} -> {new}" for site, (old, new) in tuning.get("changed", {}).items())
+    note = f"; changed {changed}" if changed else "; no change"
+    if "unconfirmed" in tuning:
+        note += f" (changes {tuning['unconfirmed']} not confirmed: the lone-timed choices stay)"
+    logger.info("decode step of %d rows, kernel choices refined in-step (%d steps timed, %.1f s): %.1f -> %.1f us%s",
+                size, tuning.get("timed_steps", 0), tuning.get("seconds", 0.0), tuning.get("before_us", 0.0),
+                tuning.get("after_us", 0.0), note)
 
 
 def _profile_plan(lengths: list[int], block_size: int, vocab_size: int) -> SchedulePlan:
