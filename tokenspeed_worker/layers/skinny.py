@@ -25,13 +25,14 @@ went to the unfused path (30.0 µs fused against 31.0 unfused: short of MARGIN) 
 where it took the fused kernel (docs/benchmarks.md, sixth pass).
 
 Timed alone, a site cannot see how its kernel overlaps its neighbours inside the step, so the
-choices for a CUDA graph's batch size are then refined in the step itself (`tune_in_step`, called by
-model_executor/cuda_graph.py before that graph's capture; batch 1 only, IN_STEP_ROWS): for each site in turn, its choice, its
-next IN_STEP_TOP fastest configurations alone and the unfused path are each captured into the whole
-decode step, and the fastest step keeps its path if it beats the current one by IN_STEP_MIN_GAIN;
-the tuned set is kept only if it then beats the lone-timed set, timed alternately. On an H200 that
-took Llama-8B's batch-1 step from 4,295 to 4,115 µs and Llama-1B's from 860 to 846 µs, mostly by
-going back to the unfused q/k/v + rotary and (8B) gate/up paths (docs/benchmarks.md, seventh pass).
+batch-1 choices are then refined in the step itself (`tune_in_step`, called by
+model_executor/cuda_graph.py before the batch-1 graph's capture, on one GPU; IN_STEP_ROWS): for
+each site in turn, its choice, its next IN_STEP_TOP fastest configurations alone and the unfused
+path are each captured into the whole decode step, and the fastest step keeps its path if it
+beats the current one by IN_STEP_MIN_GAIN; the tuned set is kept only if it then beats the
+lone-timed set, timed alternately. On an H200 that took Llama-8B's batch-1 step from 4,295 to
+4,115 µs and Llama-1B's from 860 to 846 µs, mostly by going back to the unfused q/k/v + rotary and
+(8B) gate/up paths (docs/benchmarks.md, seventh pass).
 TOKENSPEED_STEP_TUNING=0 turns this refinement off.
 
 Respects layers/fused_kernels.py's switch (TOKENSPEED_FUSED_KERNELS): "off" always takes the

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tokenspeed_worker import distributed
 from tokenspeed_worker.layers import skinny
 from tokenspeed_worker.layers.attention import Attention, AttentionBackend, AttentionInputs, get_attention_backend
 from tokenspeed_worker.model_executor.cuda_graph import (
@@ -323,8 +324,10 @@ class ModelRunner:
             device=self.device,
             last_sampled=self.last_sampled,
             graph_class=EmulatedGraph if self.emulate_cuda_graphs else CudaGraph,
-            # The skinny sites' choices, refined inside each small graph's step (layers/skinny.py).
-            step_tuner=skinny.tune_in_step if self.device.type == "cuda" else None,
+            # The skinny sites' choices, refined inside the batch-1 step (layers/skinny.py). One GPU
+            # only: a timed step with tensor parallelism all-reduces, so every rank would have to
+            # time the same steps in lockstep, and each rank's timings choose differently.
+            step_tuner=skinny.tune_in_step if self.device.type == "cuda" and distributed.size() == 1 else None,
         )
         report = graphs.capture()
         for size, tuning in sorted(graphs.tuning.items()):
