@@ -71,6 +71,8 @@ def main() -> int:
         "fraction_of_bandwidth_roofline": roofline_step / median,
         "ttft_ms": 1000 * step_times[0],
         "skinny_kernels": skinny.decisions(),  # per site and row count: chosen path and its timings (µs)
+        # By graph size: the in-step refinement of those choices (step µs before and after, what changed)
+        "decode_step_tuning": getattr(core.runner.cuda_graphs, "tuning", {}),
         # The decode attention's single-split threshold per batch size, and its timings (µs: split, single)
         "decode_single_split_tokens": getattr(core.runner.attention_backend, "single_split_tokens", {}),
         "decode_single_split_timings": getattr(core.runner.attention_backend, "tuning", {}),

@@ -325,6 +325,17 @@ def test_failed_decode_timing_leaves_the_split_path(llama_path, monkeypatch, cap
     assert backend.single_split_tokens == {} and "decode attention timing failed" in caplog.text
 
 
+def test_step_tuning_runs_on_one_gpu_only(monkeypatch):
+    from tokenspeed_worker import distributed
+    from tokenspeed_worker.layers import skinny
+    from tokenspeed_worker.model_executor.model_runner import step_tuner
+
+    assert step_tuner(torch.device("cuda", 0)) is skinny.tune_in_step
+    assert step_tuner(torch.device("cpu")) is None
+    monkeypatch.setattr(distributed, "size", lambda: 2)  # tensor parallelism: timed steps all-reduce
+    assert step_tuner(torch.device("cuda", 0)) is None
+
+
 def test_engine_passes_graph_config_to_the_runner(llama_path):
     from tokenspeed_worker.engine.core import EngineConfig, EngineCore
 

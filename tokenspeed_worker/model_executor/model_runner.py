@@ -324,10 +324,7 @@ class ModelRunner:
             device=self.device,
             last_sampled=self.last_sampled,
             graph_class=EmulatedGraph if self.emulate_cuda_graphs else CudaGraph,
-            # The skinny sites' choices, refined inside the batch-1 step (layers/skinny.py). One GPU
-            # only: a timed step with tensor parallelism all-reduces, so every rank would have to
-            # time the same steps in lockstep, and each rank's timings choose differently.
-            step_tuner=skinny.tune_in_step if self.device.type == "cuda" and distributed.size() == 1 else None,
+            step_tuner=step_tuner(self.device),
         )
         report = graphs.capture()
         for size, tuning in sorted(graphs.tuning.items()):
@@ -399,6 +396,14 @@ class ModelRunner:
             input_ids = resolve_pending_ids(input_ids, self.last_sampled)
         positions = self._to_device(plan.positions, np.int64)
         return self.model(input_ids, positions, attn_metadata)
+
+
+def step_tuner(device: torch.device):
+    """What refines the skinny sites' choices inside the batch-1 step before its capture
+    (layers/skinny.py's tune_in_step), or None. On one GPU only: with tensor parallelism a timed
+    step all-reduces, so every rank would have to time the same steps in lockstep, and each rank's
+    own timings would choose differently."""
+    return skinny.tune_in_step if device.type == "cuda" and distributed.size() == 1 else None
 
 
 def _log_step_tuning(size: int, tuning: dict) -> None:
