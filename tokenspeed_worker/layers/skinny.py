@@ -152,9 +152,9 @@ def tune_in_step(rows: int, step_us: Callable[[], float], top: int = IN_STEP_TOP
     choices (model_executor/cuda_graph.py captures the step afresh on each call). Site by site, in
     the order they were first timed (one first timed on a path tried here comes after the others):
     the current choice, the `top` next fastest configurations alone and the unfused path each time
-    a step; the fastest is kept if it beats the current choice
-    by `min_gain` (a fraction of the step). The changed set is then timed against the lone-timed set
-    twice, alternately, and kept only if its best step beats theirs by `min_gain` too. Returns
+    a step; the fastest is kept if it beats the current choice by `min_gain` (a fraction of the
+    step). The changed set is then timed against the lone-timed set twice, alternately, and kept
+    only if its best step beats theirs by `min_gain` too. Returns
     {"before_us", "after_us", "changed": {site: [old, new]}}; {} where nothing was timed here (rows
     not in IN_STEP_ROWS, no site at these rows not tuned before, or TOKENSPEED_STEP_TUNING=0)."""
     if not _step_tuning or rows not in IN_STEP_ROWS:
