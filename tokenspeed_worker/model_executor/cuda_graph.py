@@ -33,6 +33,7 @@ import torch
 
 from tokenspeed_worker.layers.attention import AttentionBackend
 from tokenspeed_worker.layers.fused_kernels import use_fused
+from tokenspeed_worker.layers.graph_timing import back_to_back_us
 from tokenspeed_worker.scheduler.plan import SchedulePlan
 
 logger = logging.getLogger(__name__)
@@ -47,7 +48,6 @@ DEFAULT_MAX_CAPTURE_SIZE = 256
 GRAPH_POOL_ALLOWANCE_BYTES = 1 * _GIB
 # Keys each row attends to in the steps timed while tuning a graph's kernel choices (step_timer).
 TUNING_CONTEXT = 256
-TUNING_ROUND_SECONDS = 0.05  # back-to-back replays per timing round, about this long
 
 # Why a step does not replay a graph. A prefill step is the normal case; the rest are logged once.
 PREFILL_STEP = "prefill step"
@@ -292,8 +292,8 @@ class DecodeGraphs:
 
     def step_timer(self, size: int) -> Callable[[], float]:
         """A timer of the decode step of `size` rows: each call captures the step afresh (so it runs
-        the kernels' current choices) and returns the device microseconds of one replay, the best of
-        two rounds of back-to-back replays (as a steady decode replays it). Each row attends to
+        the kernels' current choices) and returns the device microseconds of one replay replayed
+        back to back (layers/graph_timing.back_to_back_us). Each row attends to
         TUNING_CONTEXT keys (fewer where the block table or the pool is smaller) in the pool's first
         blocks, still empty at startup; the step's K/V writes go to the dummy block as usual."""
         context = max(1, min(TUNING_CONTEXT, (self.max_table_width - 1) * self.block_size + 1,
@@ -309,27 +309,7 @@ class DecodeGraphs:
                 torch.arange(width, dtype=torch.int32, device=self.device).expand(size, width))
             step = self._make_step(size)
             step()
-            torch.cuda.synchronize(self.device)
-            # A private pool per timed graph: one shared pool cannot outlive the graph that made it
-            # (PyTorch 2.11 asserts in capture_begin once that graph is gone).
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                step()
-            reps, best = 3, float("inf")
-            for round_ in range(3):  # the first round estimates how many replays make TUNING_ROUND_SECONDS
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                for _ in range(reps):
-                    graph.replay()
-                end.record()
-                end.synchronize()
-                us = 1000.0 * start.elapsed_time(end) / reps
-                if round_:
-                    best = min(best, us)
-                else:
-                    reps = max(3, min(500, int(TUNING_ROUND_SECONDS * 1e6 / max(us, 1.0))))
-            del graph
-            return best
+            return back_to_back_us(step)
 
         return step_us
 
