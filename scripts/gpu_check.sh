@@ -117,6 +117,37 @@ ab_on_off() {
     done
   done
 }
+# This tree against another (AB_TREE=DIR holding an older tokenspeed_worker/ package, e.g.
+# `git archive REV tokenspeed_worker | tar -x -C DIR`), batch-1 latency, alternating rounds
+# (AB_ROUNDS, AB_MODELS). The older package runs from DIR (with this tree's scripts, which put
+# their own parent first on sys.path, and this build's native core). Also prints each run's
+# graph-capture line (the startup cost of the in-step refinement).
+if [ -n "${AB_TREE:-}" ]; then
+  cp "$(python3 -c 'import tokenspeed_worker._scheduler_core as m; print(m.__file__)')" "$AB_TREE/tokenspeed_worker/"
+  rm -rf "$AB_TREE/scripts" && cp -r scripts "$AB_TREE/scripts"
+  # The editable install's import finder outranks sys.path: the old tree's runs drop it first.
+  RUN_TREE='
+import runpy, sys
+if sys.argv[1] == "old":
+    sys.meta_path[:] = [f for f in sys.meta_path if not any(k in repr(f).lower() for k in ("editable", "redirect", "scikit"))]
+    sys.path.insert(0, ".")
+sys.argv = sys.argv[2:]
+try:
+    runpy.run_path(sys.argv[0], run_name="__main__")
+finally:
+    import tokenspeed_worker
+    print("package:", tokenspeed_worker.__file__)'
+  for round in $(seq ${AB_ROUNDS:-2}); do
+    for m in ${AB_MODELS:-llama-3.2-1b llama-3.1-8b}; do
+      for tree in new old; do
+        dir=.; [ $tree = old ] && dir="$AB_TREE"
+        (cd "$dir" && BENCH_LOG_LEVEL=info timeout ${LATENCY_TIMEOUT:-150} python3 -c "$RUN_TREE" $tree scripts/bench_latency.py \
+          --model $m --prompt-len 128 --new-tokens 128 --out "$OUT/latency_${m}_${tree}_$round.json" 2>&1 \
+          | grep -E "decode:|rror|CUDA graphs: captured|refined in-step|package:" | cut -c1-300 | sed "s/^/$m $tree $round: /")
+      done
+    done
+  done
+fi
 # The fused q/k/v + rotary + KV-write site on and off (AB_ROPE=1), 1B (off: llama's decoder finds
 # skinny.norm_qkv_rope declining and takes norm_linear + the rotary kernel).
 if [ "${AB_ROPE:-0}" = 1 ]; then

@@ -57,11 +57,12 @@ def main() -> int:
     if size * width > runner.dummy_block:
         raise SystemExit(f"the pool has {runner.dummy_block} blocks, {size * width} needed")
     with torch.inference_mode():  # each row attends `context` keys in blocks of its own; writes go to the dummy block
-        graphs.input_ids[:size].fill_(100)
-        graphs.positions[:size].fill_(args.context - 1)
-        graphs.seq_lens[:size].fill_(args.context)
-        graphs.block_tables[:size, :width].copy_(
-            torch.arange(size * width, dtype=torch.int32, device=graphs.block_tables.device).view(size, width))
+        inputs = graphs.inputs[size]
+        inputs.input_ids.fill_(100)
+        inputs.positions.fill_(args.context - 1)
+        inputs.seq_lens.fill_(args.context)
+        inputs.block_tables[:, :width].copy_(
+            torch.arange(size * width, dtype=torch.int32, device=inputs.block_tables.device).view(size, width))
 
     def step_us() -> float:
         with torch.inference_mode():

@@ -21,13 +21,16 @@ from tokenspeed_worker.model_executor.cuda_graph import (
     NOT_CAPTURED,
     PREFILL_STEP,
     TABLE_TOO_WIDE,
+    ROW_BYTES,
     capture_sizes,
     decode_graph_size,
     graph_reserve_bytes,
     max_table_width,
     pad_decode_inputs,
+    packed_input_bytes,
     padded_batch_size,
     static_buffer_bytes,
+    step_input_views,
 )
 from tokenspeed_worker.model_executor.model_runner import ModelRunner
 
@@ -111,6 +114,24 @@ def test_padded_rows_write_to_and_read_only_the_dummy_block():
         pad_decode_inputs(plan, 2, dummy, BLOCK_SIZE)
 
 
+def test_each_size_lays_its_inputs_out_from_byte_zero():
+    # One packed buffer: ids, positions, slots (int64), lengths (int32), padding, then the table.
+    width = 5
+    buffer = torch.zeros(packed_input_bytes(8, width), dtype=torch.uint8)
+    for size in (1, 3, 8):
+        views = step_input_views(buffer, size, width)
+        base = buffer.data_ptr()
+        assert views.input_ids.data_ptr() == base and views.input_ids.dtype == torch.int64
+        assert views.positions.data_ptr() == base + 8 * size and views.positions.shape == (size,)
+        assert views.slot_mapping.data_ptr() == base + 16 * size
+        assert views.seq_lens.data_ptr() == base + 24 * size and views.seq_lens.dtype == torch.int32
+        assert views.block_tables.data_ptr() == base + ROW_BYTES * size
+        assert views.block_tables.shape == (size, width) and views.block_tables.stride() == (width, 1)
+    views = step_input_views(buffer, 8, width)
+    views.block_tables[7, width - 1] = 11  # the last byte a size-8 step owns
+    assert int(buffer[-4:].view(torch.int32)) == 11
+
+
 def test_graph_reserve_counts_the_static_buffers():
     static = static_buffer_bytes(256, 8192, 128256, 2)
     assert static > 256 * 128256 * 2
@@ -160,8 +181,10 @@ def llama_path(tiny_model_paths):
     return tiny_model_paths["llama-gqa-tied"]
 
 
-def _decode_run(runner: ModelRunner, batch_sizes: list[int], seed: int = 0, sample_subset: bool = False):
-    """Prefill len(batch_sizes) steps' worth of sequences, then decode steps of the given batch sizes."""
+def _decode_run(runner: ModelRunner, batch_sizes: list[int], seed: int = 0, sample_subset: bool = False,
+                greedy: list | None = None):
+    """Prefill len(batch_sizes) steps' worth of sequences, then decode steps of the given batch sizes
+    (each decode step's runner.greedy_tokens, copied, appended to `greedy` when given)."""
     num_seqs = max(batch_sizes)
     seqs = random_seqs([int(n) for n in np.random.default_rng(seed).integers(3, 20, size=num_seqs)], seed=seed)
     plans = Plans(num_blocks=NUM_BLOCKS, seed=seed)
@@ -175,10 +198,18 @@ def _decode_run(runner: ModelRunner, batch_sizes: list[int], seed: int = 0, samp
         if sample_subset:
             plan.sample_rows = np.arange(plan.num_reqs, dtype=np.int32)[::-2].copy()
         outputs.append(runner.forward(plan).clone())
+        if greedy is not None:
+            greedy.append(None if runner.greedy_tokens is None else runner.greedy_tokens.clone())
     return outputs
 
 
-def test_emulated_graphs_give_the_eager_logits(llama_path):
+@pytest.mark.parametrize("one_copy_table_bytes", [None, 0], ids=["one copy", "table apart"])
+def test_emulated_graphs_give_the_eager_logits(llama_path, monkeypatch, one_copy_table_bytes):
+    # The step's inputs reach the packed buffer in one copy, or (a wide table) with the table apart.
+    from tokenspeed_worker.model_executor import cuda_graph
+
+    if one_copy_table_bytes is not None:
+        monkeypatch.setattr(cuda_graph, "ONE_COPY_TABLE_BYTES", one_copy_table_bytes)
     eager = _runner(llama_path, enforce_eager=True)
     graphs = _runner(llama_path, emulate_cuda_graphs=True)
     assert eager.kv_cache.shape[2] == NUM_BLOCKS and eager.dummy_block is None
@@ -226,6 +257,32 @@ def test_replayed_logits_are_the_static_buffer_and_a_subset_is_a_copy(llama_path
     kept = subset.clone()
     runner.forward(plans.plan([(s, 1) for s in seqs]))
     assert torch.equal(subset, kept)
+
+
+def test_replay_takes_the_greedy_tokens_into_last_sampled(llama_path):
+    # Each replay writes its rows' argmax into the runner's last_sampled; forward exposes them as
+    # greedy_tokens when the sampling rows are the leading rows, else (a subset, an eager step) None.
+    runner = _runner(llama_path, emulate_cuda_graphs=True)
+    runner.capture_cuda_graphs()
+    seqs = random_seqs([5, 6, 9])
+    plans = Plans(num_blocks=NUM_BLOCKS)
+    runner.forward(plans.plan([(s, len(s.tokens) - 2) for s in seqs]))
+    assert runner.greedy_tokens is None  # a prefill step runs eagerly
+    logits = runner.forward(plans.plan([(s, 1) for s in seqs]))
+    greedy = runner.greedy_tokens
+    assert greedy is not None and greedy.data_ptr() == runner.last_sampled.data_ptr()
+    assert greedy.tolist() == logits.argmax(dim=-1).tolist()
+    runner.record_sampled(greedy)  # already there: no copy, nothing changes
+    assert runner.last_sampled[:3].tolist() == logits.argmax(dim=-1).tolist()
+    for s in seqs:
+        s.tokens.extend([7, 8])
+    plan = plans.plan([(s, 1) for s in seqs])
+    plan.sample_rows = np.array([2, 0], dtype=np.int32)
+    runner.forward(plan)
+    assert runner.greedy_tokens is None
+    # Tokens the sampler drew (not the argmax) replace the graph's in last_sampled.
+    runner.record_sampled(torch.tensor([4, 3]))
+    assert runner.last_sampled[:2].tolist() == [4, 3]
 
 
 def test_larger_batches_run_eagerly_and_say_so_once(llama_path, caplog):
@@ -355,7 +412,13 @@ def test_engine_passes_graph_config_to_the_runner(llama_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_cuda_graphs_give_the_eager_logits(llama_path, dtype):
+def test_cuda_graphs_give_the_eager_logits(llama_path, dtype, monkeypatch):
+    # bfloat16 also sends the block table in a copy of its own (the wide-table path).
+    from tokenspeed_worker.model_executor import cuda_graph
+
+    if dtype == "bfloat16":
+        monkeypatch.setattr(cuda_graph, "ONE_COPY_TABLE_BYTES", 0)
+
     def runner(enforce_eager):
         r = ModelRunner(
             str(llama_path), dtype=dtype, device="cuda", block_size=BLOCK_SIZE, attention_backend="triton",
@@ -369,8 +432,13 @@ def test_cuda_graphs_give_the_eager_logits(llama_path, dtype):
     assert graphs.cuda_graphs is not None and sorted(graphs.cuda_graphs.graphs) == [1, 2, 4, 8]
     batch_sizes = [3, 5, 8, 1, 2, 7, 6]
     atol = 1e-4 if dtype == "float32" else 3e-2
-    for expected, got in zip(_decode_run(eager, batch_sizes), _decode_run(graphs, batch_sizes)):
+    greedy = []
+    replayed = _decode_run(graphs, batch_sizes, greedy=greedy)
+    for expected, got in zip(_decode_run(eager, batch_sizes), replayed):
         torch.testing.assert_close(got, expected, atol=atol, rtol=1e-3 if dtype == "float32" else 3e-2)
+    # The graph's in-graph argmax (Triton) is torch's argmax of the logits it returned.
+    assert len(greedy) == len(batch_sizes)
+    assert all(tokens.tolist() == logits.argmax(dim=-1).tolist() for tokens, logits in zip(greedy, replayed[1:]))
     assert graphs.cuda_graphs.num_replays == len(batch_sizes) and graphs.cuda_graphs.num_eager_decodes == 0
     torch.testing.assert_close(
         graphs.kv_cache[:, :, :NUM_BLOCKS].float(), eager.kv_cache.float(), atol=atol,
@@ -403,4 +471,5 @@ def test_each_graph_is_tuned_in_step_before_its_capture(llama_path, monkeypatch)
     assert sorted(runner.cuda_graphs.tuning) == [1, 2, 4, 8]
     assert runner.cuda_graphs.timed_steps == 8 and runner.cuda_graphs.tuning[1]["timed_steps"] == 2
     graphs = runner.cuda_graphs  # the static buffers hold dummy rows again for the capture
-    assert bool((graphs.seq_lens == 1).all()) and bool((graphs.block_tables[:, 0] == runner.dummy_block).all())
+    inputs = graphs.inputs[1]
+    assert bool((inputs.seq_lens == 1).all()) and bool((inputs.block_tables[:, 0] == runner.dummy_block).all())

@@ -45,6 +45,25 @@ def test_add_and_remove_rows_and_refuse_misuse():
     assert state.batch(np.array([1])).plain_argmax
 
 
+def test_an_all_greedy_batch_copies_no_basic_tensors():
+    # Only sampled rows read the basic surface: an all-greedy batch leaves it None (no copies),
+    # and the sampler still applies what changes the logits (here a min_new_tokens stop).
+    state = SamplingState(4, 50)
+    state.add_row(0, np.array([1]), RowSamplingParams(temperature=0.0, min_new_tokens=2, stop_token_ids=(7,)))
+    state.add_row(1, np.array([1]), RowSamplingParams(temperature=0.0))
+    batch = state.batch(np.array([0, 1]))
+    assert batch.all_greedy and batch.temperatures is None and batch.seeds is None
+    assert not batch.plain_argmax and batch.stop_positions.tolist() == [0]
+    logits = torch.zeros(2, 50)
+    logits[:, 7] = 5.0
+    assert Sampler().sample(logits, batch).tokens.tolist() == [0, 7]
+    # A graph's argmax is taken as the tokens of a plain-argmax batch, never of any other.
+    plain = state.batch(np.array([1]))
+    given = torch.tensor([42])
+    assert Sampler().sample(logits[1:], plain, greedy=given).tokens is given
+    assert Sampler().sample(logits, batch, greedy=torch.tensor([1, 1])).tokens.tolist() == [0, 7]
+
+
 def test_update_counts_over_several_steps_equal_counting_tokens():
     rng = np.random.default_rng(0)
     vocab = 64

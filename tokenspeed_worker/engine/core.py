@@ -617,7 +617,8 @@ class EngineCore:
             masks = self.grammars.fill_bitmask(rows)
             if masks is not None:
                 batch.grammar_bitmask, batch.grammar_positions = masks
-        result = self.sampler.sample(logits, batch)
+        # A decode graph took the rows' argmax already: an all-greedy batch's tokens, no kernel here.
+        result = self.sampler.sample(logits, batch, greedy=self.runner.greedy_tokens)
         self.sampling.update(rows, result.tokens)
         self.runner.record_sampled(result.tokens)
         if self.tp_size > 1:  # the next plan's pending input ids read them on every rank

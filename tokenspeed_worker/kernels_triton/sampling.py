@@ -105,23 +105,28 @@ def gumbel_argmax(scores: torch.Tensor, row_keys: torch.Tensor, block: int = BLO
     return _chunked_argmax(scores, row_keys, block)
 
 
-def argmax(scores: torch.Tensor, block: int = BLOCK_VOCAB) -> torch.Tensor:
-    """int64 [S]: the first index of each row's maximum (torch.argmax(scores, -1)), for [S, V] float scores."""
-    return _chunked_argmax(scores, None, block)
+def argmax(scores: torch.Tensor, block: int = BLOCK_VOCAB, out: torch.Tensor | None = None) -> torch.Tensor:
+    """int64 [S]: the first index of each row's maximum (torch.argmax(scores, -1)), for [S, V] float
+    scores; written into `out` (int64 [S], contiguous) when given."""
+    return _chunked_argmax(scores, None, block, out)
 
 
-def _chunked_argmax(scores: torch.Tensor, row_keys: torch.Tensor | None, block: int) -> torch.Tensor:
+def _chunked_argmax(scores: torch.Tensor, row_keys: torch.Tensor | None, block: int,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
     if not AVAILABLE:
         raise RuntimeError("triton is not installed")
     num_rows, vocab_size = scores.shape
     if scores.stride(1) != 1:
         scores = scores.contiguous()
     if num_rows == 0:
-        return torch.zeros(0, dtype=torch.int64, device=scores.device)
+        return torch.zeros(0, dtype=torch.int64, device=scores.device) if out is None else out
     num_chunks = triton.cdiv(vocab_size, block)
     chunk_max = torch.empty((num_rows, num_chunks), dtype=torch.float32, device=scores.device)
     chunk_arg = torch.empty((num_rows, num_chunks), dtype=torch.int32, device=scores.device)
-    out = torch.empty(num_rows, dtype=torch.int64, device=scores.device)
+    if out is None:
+        out = torch.empty(num_rows, dtype=torch.int64, device=scores.device)
+    elif out.shape != (num_rows,) or out.dtype != torch.int64 or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous int64 [{num_rows}] tensor")
     noise = row_keys is not None
     _gumbel_argmax_chunks[(num_rows, num_chunks)](
         scores, scores.stride(0), row_keys if noise else chunk_arg, vocab_size, chunk_max, chunk_arg, num_chunks,

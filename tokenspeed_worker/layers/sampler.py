@@ -92,12 +92,14 @@ class SamplingBatch:
     (0..S-1), not engine rows. Built by `SamplingState.batch` in the engine.
     """
 
-    temperatures: torch.Tensor  # float32 [S]; 0 = greedy
-    top_ks: torch.Tensor  # int64 [S]; 0 = off
-    top_ps: torch.Tensor  # float32 [S]; 1 = off
-    min_ps: torch.Tensor  # float32 [S]; 0 = off
-    seeds: torch.Tensor  # int64 [S]
-    output_positions: torch.Tensor  # int64 [S] index of the token being drawn among the request's outputs
+    # The six basic tensors are read only for sampled (temperature > 0) rows: SamplingState.batch
+    # leaves them None when every row is greedy (two host-to-device copies a step saved).
+    temperatures: torch.Tensor | None  # float32 [S]; 0 = greedy
+    top_ks: torch.Tensor | None  # int64 [S]; 0 = off
+    top_ps: torch.Tensor | None  # float32 [S]; 1 = off
+    min_ps: torch.Tensor | None  # float32 [S]; 0 = off
+    seeds: torch.Tensor | None  # int64 [S]
+    output_positions: torch.Tensor | None  # int64 [S] index of the token being drawn among the request's outputs
     all_greedy: bool
     any_top_k: bool
     any_top_p: bool
@@ -129,10 +131,6 @@ class SamplingBatch:
     # and the batch positions it constrains; applied after steps 1-3, before temperature.
     grammar_bitmask: torch.Tensor | None = None
     grammar_positions: list[int] | None = None
-
-    @property
-    def size(self) -> int:
-        return int(self.temperatures.shape[0])
 
     @property
     def plain_argmax(self) -> bool:
@@ -231,6 +229,17 @@ def default_sampling_backend(device: str | torch.device | None = None) -> str:
     return "triton" if on_cuda and triton_sampling_available() else "torch"
 
 
+def greedy_argmax(scores: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out[:] = the first index of each row's maximum of float [S, V] scores: the Triton kernels
+    on CUDA where Triton imports (the sampler's triton backend), else torch.argmax (the same
+    index: both take the first maximum). Used inside the decode graphs (model_executor/cuda_graph.py)."""
+    if scores.is_cuda and _triton_importable():
+        from tokenspeed_worker.kernels_triton.sampling import argmax
+
+        return argmax(scores, out=out)
+    return torch.argmax(scores, dim=-1, out=out)
+
+
 class Sampler:
     def __init__(self, backend: str = "torch") -> None:
         if backend not in SAMPLING_BACKENDS:
@@ -244,10 +253,12 @@ class Sampler:
         self.backend = backend
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
-        """logits float32 [S, V] -> SampleOutput (tokens int64 [S] and the logprobs asked for)."""
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch, greedy: torch.Tensor | None = None) -> SampleOutput:
+        """logits float32 [S, V] -> SampleOutput (tokens int64 [S] and the logprobs asked for).
+        greedy: the rows' argmax of these logits, already computed (inside a decode graph); the
+        tokens of a plain-argmax batch, so no kernel runs for them here."""
         if batch.plain_argmax:
-            tokens = self._argmax(logits)
+            tokens = greedy if greedy is not None else self._argmax(logits)
         else:
             scores = self.process_logits(logits, batch)
             if batch.grammar_bitmask is not None:

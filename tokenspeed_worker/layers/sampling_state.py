@@ -288,17 +288,21 @@ class SamplingState:
         rows = np.asarray(rows, np.int64)
         floats = self._floats[rows]
         ints = self._ints[rows]
-        floats_dev = self._to_device(floats)
-        ints_dev = self._to_device(ints)
-        batch = SamplingBatch(
-            temperatures=floats_dev[:, _F_TEMPERATURE],
-            top_ks=ints_dev[:, _I_TOP_K],
-            top_ps=floats_dev[:, _F_TOP_P],
-            min_ps=floats_dev[:, _F_MIN_P],
-            seeds=ints_dev[:, _I_SEED],
-            output_positions=ints_dev[:, _I_OUT_POS],
-            **basic_flags(floats[:, _F_TEMPERATURE], ints[:, _I_TOP_K], floats[:, _F_TOP_P], floats[:, _F_MIN_P]),
-        )
+        flags = basic_flags(floats[:, _F_TEMPERATURE], ints[:, _I_TOP_K], floats[:, _F_TOP_P], floats[:, _F_MIN_P])
+        if flags["all_greedy"]:  # nothing reads the basic tensors: no copies
+            batch = SamplingBatch(None, None, None, None, None, None, **flags)
+        else:
+            floats_dev = self._to_device(floats)
+            ints_dev = self._to_device(ints)
+            batch = SamplingBatch(
+                temperatures=floats_dev[:, _F_TEMPERATURE],
+                top_ks=ints_dev[:, _I_TOP_K],
+                top_ps=floats_dev[:, _F_TOP_P],
+                min_ps=floats_dev[:, _F_MIN_P],
+                seeds=ints_dev[:, _I_SEED],
+                output_positions=ints_dev[:, _I_OUT_POS],
+                **flags,
+            )
         if self._num_bias:
             positions = np.flatnonzero(self._bias.counts[rows] > 0)
             if positions.shape[0]:

@@ -1,14 +1,20 @@
 """CUDA graphs for decode steps: the model forward and the LM head, captured once per batch size.
 
 A decode-only step (every request computes one token) of B rows runs the graph of the
-smallest captured size P >= B. All graphs read one set of static input buffers (their
-first P rows) and share one memory pool, captured largest first so the smaller ones
-reuse its memory. The P - B padded rows are dummies: token 0 at position 0, writing
+smallest captured size P >= B. All graphs read one packed static input buffer, each through
+views laid out for its own P (`step_input_views`: ids, positions, slots, lengths, then the
+block table), so a small step's inputs arrive in ONE host-to-device copy from a pinned,
+double-buffered host mirror (each copy is a stream operation the GPU spends microseconds
+on; at batch 1 on the 1B shape there were seven per step). The graphs share one memory
+pool, captured largest first so the smaller ones reuse its memory. The P - B padded rows are dummies: token 0 at position 0, writing
 their K/V into a reserved *dummy block* that no request owns (the runner allocates
 the pool with one block more than the scheduler hands out) and attending only to it
 (sequence length 1). The LM head output is written as float32 into a static logits buffer
 inside the graph, and the sampler (never inside a graph) reads the real rows there: a view
-when they are the leading rows, else a gathered copy. The view is safe because everything
+when they are the leading rows, else a gathered copy. The graph also takes each row's argmax
+of those logits into the runner's `last_sampled` buffer: for an all-greedy step whose rows
+are the leading ones those are the sampled tokens (the engine's sampler then runs no kernel
+and nothing is copied into `last_sampled`); any other step's sampler overwrites them. The view is safe because everything
 that reads it (sampling, logprobs) is enqueued on the stream before the next replay, which
 is the only writer.
 
@@ -34,6 +40,7 @@ import torch
 from tokenspeed_worker.layers.attention import AttentionBackend
 from tokenspeed_worker.layers.fused_kernels import use_fused
 from tokenspeed_worker.layers.graph_timing import back_to_back_us
+from tokenspeed_worker.layers.sampler import greedy_argmax
 from tokenspeed_worker.scheduler.plan import SchedulePlan
 
 logger = logging.getLogger(__name__)
@@ -48,6 +55,13 @@ DEFAULT_MAX_CAPTURE_SIZE = 256
 GRAPH_POOL_ALLOWANCE_BYTES = 1 * _GIB
 # Keys each row attends to in the steps timed while tuning a graph's kernel choices (step_timer).
 TUNING_CONTEXT = 256
+# Bytes of each row's per-row inputs in the packed buffer: input id, position and slot (int64),
+# sequence length (int32), 4 bytes of padding; the block table (int32) follows all rows.
+ROW_BYTES = 32
+# A step whose block-table region (its rows at the static width) spans at most this many bytes
+# goes over in one copy with the per-row inputs; a larger one copies its [B, w] table on its own
+# (about a microsecond of PCIe per 50 KiB against one more copy operation).
+ONE_COPY_TABLE_BYTES = 64 << 10
 
 # Why a step does not replay a graph. A prefill step is the normal case; the rest are logged once.
 PREFILL_STEP = "prefill step"
@@ -105,40 +119,78 @@ def decode_graph_size(
 
 
 @dataclass
-class PaddedDecodeInputs:
-    """A decode step's inputs padded to a graph's batch size (host arrays)."""
+class StepInputs:
+    """A decode graph's inputs for its P rows (torch views of the packed buffer, or numpy arrays)."""
 
-    input_ids: np.ndarray  # int64 [P]
-    positions: np.ndarray  # int64 [P]
-    slot_mapping: np.ndarray  # int64 [P]
-    seq_lens: np.ndarray  # int32 [P]
-    block_tables: np.ndarray  # int32 [P, w]
+    input_ids: object  # int64 [P]
+    positions: object  # int64 [P]
+    slot_mapping: object  # int64 [P]
+    seq_lens: object  # int32 [P]
+    block_tables: object  # int32 [P, width]
 
 
-def pad_decode_inputs(plan: SchedulePlan, size: int, dummy_block: int, block_size: int) -> PaddedDecodeInputs:
-    """The plan's B rows, then size - B dummy rows writing into and reading only the dummy block."""
-    num_reqs = plan.num_reqs
+# The name the tests used before the packed buffer.
+PaddedDecodeInputs = StepInputs
+
+
+def packed_input_bytes(size: int, width: int) -> int:
+    """Bytes of the packed inputs of `size` rows with block tables `width` wide."""
+    return size * (ROW_BYTES + 4 * width)
+
+
+def step_input_views(buffer: torch.Tensor, size: int, width: int) -> StepInputs:
+    """Views of a graph of `size` rows into a packed uint8 buffer: input ids, positions and slots
+    (int64 [size] each), sequence lengths (int32 [size]), padding, then the block table (int32
+    [size, width], row stride width). Every size lays its views out from byte 0, so graphs of
+    different sizes alias the same bytes: only the graph being replayed reads them."""
+    s = size
+
+    def part(start: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
+        return buffer[start : start + nbytes].view(dtype)
+
+    return StepInputs(
+        input_ids=part(0, 8 * s, torch.int64),
+        positions=part(8 * s, 8 * s, torch.int64),
+        slot_mapping=part(16 * s, 8 * s, torch.int64),
+        seq_lens=part(24 * s, 4 * s, torch.int32),
+        block_tables=part(ROW_BYTES * s, 4 * s * width, torch.int32).view(s, width),
+    )
+
+
+def fill_decode_inputs(plan: SchedulePlan, inputs: StepInputs, dummy_block: int, block_size: int) -> None:
+    """Write the plan's B rows into host arrays of P >= B rows, then P - B dummy rows writing into
+    and reading only the dummy block. Block-table columns past the plan's width are left as they
+    are: a row reads only its seq_len's blocks."""
+    num_reqs, size = plan.num_reqs, inputs.input_ids.shape[0]
     if size < num_reqs:
         raise ValueError(f"cannot pad {num_reqs} rows to {size}")
+    inputs.input_ids[:num_reqs] = plan.input_ids
+    inputs.positions[:num_reqs] = plan.positions
+    inputs.slot_mapping[:num_reqs] = plan.slot_mapping
+    inputs.seq_lens[:num_reqs] = plan.seq_lens
+    inputs.block_tables[:num_reqs, : plan.block_tables.shape[1]] = plan.block_tables
+    inputs.input_ids[num_reqs:] = 0
+    inputs.positions[num_reqs:] = 0
+    inputs.slot_mapping[num_reqs:] = dummy_block * block_size
+    inputs.seq_lens[num_reqs:] = 1
+    inputs.block_tables[num_reqs:, 0] = dummy_block
+
+
+def pad_decode_inputs(plan: SchedulePlan, size: int, dummy_block: int, block_size: int) -> StepInputs:
+    """The plan's B rows, then size - B dummy rows (fill_decode_inputs), in fresh host arrays."""
+    if size < plan.num_reqs:
+        raise ValueError(f"cannot pad {plan.num_reqs} rows to {size}")
     width = max(1, plan.block_tables.shape[1])
-    input_ids = np.zeros(size, dtype=np.int64)
-    positions = np.zeros(size, dtype=np.int64)
-    slot_mapping = np.full(size, dummy_block * block_size, dtype=np.int64)
-    seq_lens = np.ones(size, dtype=np.int32)
-    block_tables = np.zeros((size, width), dtype=np.int32)
-    input_ids[:num_reqs] = plan.input_ids
-    positions[:num_reqs] = plan.positions
-    slot_mapping[:num_reqs] = plan.slot_mapping
-    seq_lens[:num_reqs] = plan.seq_lens
-    block_tables[:num_reqs, : plan.block_tables.shape[1]] = plan.block_tables
-    block_tables[num_reqs:, 0] = dummy_block
-    return PaddedDecodeInputs(input_ids, positions, slot_mapping, seq_lens, block_tables)
+    inputs = StepInputs(np.zeros(size, np.int64), np.zeros(size, np.int64), np.zeros(size, np.int64),
+                        np.ones(size, np.int32), np.zeros((size, width), np.int32))
+    fill_decode_inputs(plan, inputs, dummy_block, block_size)
+    return inputs
 
 
 def static_buffer_bytes(max_batch: int, max_table_width: int, vocab_size: int, logits_itemsize: int) -> int:
-    """Bytes of the static buffers: logits (float32), block tables, and the per-row inputs.
-    (logits_itemsize, the model dtype's, is kept for the callers; the buffer is float32.)"""
-    return max_batch * (vocab_size * 4 + max_table_width * 4 + 3 * 8 + 4)
+    """Bytes of the static buffers: logits (float32) and the packed inputs (ROW_BYTES a row and the
+    block tables). (logits_itemsize, the model dtype's, is kept for the callers; the buffer is float32.)"""
+    return max_batch * vocab_size * 4 + packed_input_bytes(max_batch, max_table_width)
 
 
 def graph_reserve_bytes(max_batch: int, max_table_width: int, vocab_size: int, logits_itemsize: int) -> int:
@@ -201,7 +253,8 @@ class DecodeGraphs:
         step_tuner: Callable[[int, Callable[[], float]], dict] | None = None,
     ) -> None:
         """last_sampled: the runner's device buffer of the previous step's sampled tokens; an input
-        id -1 - i reads entry i of it inside the graph (overlap scheduling). step_tuner(size,
+        id -1 - i reads entry i of it inside the graph (overlap scheduling), and each replay writes
+        its rows' argmax there (`greedy_tokens`; without it, into a buffer of the graphs' own). step_tuner(size,
         step_us): called before each size's capture, after its warm-up step, with a timer of the
         whole step (step_timer) to refine kernel choices in (layers/skinny.py's tune_in_step);
         what it returns is kept in `tuning` by size (with the steps it timed and the seconds
@@ -225,14 +278,26 @@ class DecodeGraphs:
         self.captured_sizes: list[int] = []  # ascending; empty until capture() finished
         self.num_replays = 0
         self.num_eager_decodes = 0  # decode steps that could not replay (logged once per reason)
+        self.greedy_rows = 0  # rows of the last replay whose argmax is in greedy_tokens in sampling order
         self._logged_reasons: set[str] = set()
+        nbytes = packed_input_bytes(self.max_batch, max_table_width)
+        pin = device.type == "cuda"
         with torch.inference_mode():
-            self.input_ids = torch.zeros(self.max_batch, dtype=torch.int64, device=device)
-            self.positions = torch.zeros(self.max_batch, dtype=torch.int64, device=device)
-            self.slot_mapping = torch.zeros(self.max_batch, dtype=torch.int64, device=device)
-            self.seq_lens = torch.ones(self.max_batch, dtype=torch.int32, device=device)
-            self.block_tables = torch.zeros((self.max_batch, max_table_width), dtype=torch.int32, device=device)
+            self._packed = torch.zeros(nbytes, dtype=torch.uint8, device=device)
             self.logits = torch.zeros((self.max_batch, vocab_size), dtype=torch.float32, device=device)
+            self.greedy_tokens = last_sampled if last_sampled is not None else torch.zeros(
+                self.max_batch, dtype=torch.int64, device=device)
+            # The host mirrors of the packed buffer, used in turn; each copy's event guards its reuse.
+            self._host = [torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
+        self._host_events: list = [None, None]
+        self._host_turn = 0
+        self.inputs = {size: step_input_views(self._packed, size, max_table_width) for size in self.sizes}
+        self._host_inputs = [
+            {size: _numpy_views(step_input_views(host, size, max_table_width)) for size in self.sizes}
+            for host in self._host
+        ]
+        if self.greedy_tokens.shape[0] < self.max_batch:
+            raise ValueError(f"last_sampled holds {self.greedy_tokens.shape[0]} rows, fewer than {self.max_batch}")
         self.last_sampled = last_sampled
         self.static_bytes = static_buffer_bytes(self.max_batch, max_table_width, vocab_size, dtype.itemsize)
 
@@ -276,17 +341,18 @@ class DecodeGraphs:
         return CaptureReport(list(self.sizes), time.perf_counter() - start, graph_bytes, self.static_bytes)
 
     def _make_step(self, size: int) -> Callable[[], None]:
-        metadata = self.backend.decode_graph_metadata(
-            self.slot_mapping[:size], self.block_tables[:size], self.seq_lens[:size]
-        )
+        inputs = self.inputs[size]
+        metadata = self.backend.decode_graph_metadata(inputs.slot_mapping, inputs.block_tables, inputs.seq_lens)
         self.metadata[size] = metadata
 
         def step() -> None:
-            input_ids = self.input_ids[:size]
+            input_ids = inputs.input_ids
             if self.last_sampled is not None:
                 input_ids = resolve_pending_ids(input_ids, self.last_sampled)
-            hidden_states = self.model(input_ids, self.positions[:size], metadata)
+            hidden_states = self.model(input_ids, inputs.positions, metadata)
             self.logits[:size].copy_(self.model.compute_logits(hidden_states))
+            # After the last read of last_sampled above: it may be the same buffer.
+            greedy_argmax(self.logits[:size], out=self.greedy_tokens[:size])
 
         return step
 
@@ -303,9 +369,10 @@ class DecodeGraphs:
         def step_us() -> float:
             self.timed_steps += 1
             self._load_dummy_rows(size)
-            self.positions[:size].fill_(context - 1)
-            self.seq_lens[:size].fill_(context)
-            self.block_tables[:size, :width].copy_(
+            inputs = self.inputs[size]
+            inputs.positions.fill_(context - 1)
+            inputs.seq_lens.fill_(context)
+            inputs.block_tables[:, :width].copy_(
                 torch.arange(width, dtype=torch.int32, device=self.device).expand(size, width))
             step = self._make_step(size)
             step()
@@ -314,11 +381,12 @@ class DecodeGraphs:
         return step_us
 
     def _load_dummy_rows(self, size: int) -> None:
-        self.input_ids[:size].zero_()
-        self.positions[:size].zero_()
-        self.slot_mapping[:size].fill_(self.dummy_block * self.block_size)
-        self.seq_lens[:size].fill_(1)
-        self.block_tables[:size].fill_(self.dummy_block)
+        inputs = self.inputs[size]
+        inputs.input_ids.zero_()
+        inputs.positions.zero_()
+        inputs.slot_mapping.fill_(self.dummy_block * self.block_size)
+        inputs.seq_lens.fill_(1)
+        inputs.block_tables.fill_(self.dummy_block)
 
     # -- replay -----------------------------------------------------------------------------
 
@@ -332,24 +400,49 @@ class DecodeGraphs:
                 self.num_eager_decodes += 1
                 self._log_eager_once(reason, plan)
             return None
-        padded = pad_decode_inputs(plan, size, self.dummy_block, self.block_size)
-        width = padded.block_tables.shape[1]
-        self.input_ids[:size].copy_(torch.from_numpy(padded.input_ids), non_blocking=True)
-        self.positions[:size].copy_(torch.from_numpy(padded.positions), non_blocking=True)
-        self.slot_mapping[:size].copy_(torch.from_numpy(padded.slot_mapping), non_blocking=True)
-        self.seq_lens[:size].copy_(torch.from_numpy(padded.seq_lens), non_blocking=True)
-        # Columns past `width` keep older (valid) block ids; a row reads only its seq_len's blocks.
-        self.block_tables[:size, :width].copy_(torch.from_numpy(padded.block_tables), non_blocking=True)
+        host = self._copy_inputs(plan, size)
         plan_replay = getattr(self.backend, "plan_graph_replay", None)
         if plan_replay is not None:  # a backend that plans on the host (flashinfer): this step's pages
-            plan_replay(self.metadata[size], padded.seq_lens, padded.block_tables)
+            width = max(1, plan.block_tables.shape[1])
+            plan_replay(self.metadata[size], host.seq_lens, np.ascontiguousarray(host.block_tables[:, :width]))
         self.graphs[size].replay()
         self.num_replays += 1
         rows = np.asarray(plan.sample_rows)
         if rows.shape[0] == plan.num_reqs and np.array_equal(rows, np.arange(plan.num_reqs)):
+            self.greedy_rows = plan.num_reqs
             return self.logits[: plan.num_reqs]
+        self.greedy_rows = 0
         index = torch.from_numpy(rows.astype(np.int64)).to(self.device, non_blocking=True)
         return self.logits.index_select(0, index)
+
+    def _copy_inputs(self, plan: SchedulePlan, size: int) -> StepInputs:
+        """Fill the next host mirror with the step's padded inputs and enqueue their copy to the
+        packed buffer: one copy where the block-table region is small (ONE_COPY_TABLE_BYTES), else
+        the per-row inputs and the [size, w] table apart. Returns the host arrays it filled."""
+        turn = self._host_turn
+        self._host_turn = 1 - turn
+        if self._host_events[turn] is not None:  # the copy that last read this mirror is done
+            self._host_events[turn].synchronize()
+        host_bytes = self._host[turn]
+        width = max(1, plan.block_tables.shape[1])
+        table_bytes = 4 * ((size - 1) * self.max_table_width + width)
+        if table_bytes <= ONE_COPY_TABLE_BYTES:
+            host = self._host_inputs[turn][size]
+            fill_decode_inputs(plan, host, self.dummy_block, self.block_size)
+            end = ROW_BYTES * size + table_bytes
+            self._packed[:end].copy_(host_bytes[:end], non_blocking=True)
+        else:  # the table as a contiguous [size, width] array where the mirror's table starts
+            host = _numpy_views(step_input_views(host_bytes, size, width))
+            fill_decode_inputs(plan, host, self.dummy_block, self.block_size)
+            end = ROW_BYTES * size
+            self._packed[:end].copy_(host_bytes[:end], non_blocking=True)
+            table = host_bytes[end : end + 4 * size * width].view(torch.int32).view(size, width)
+            self.inputs[size].block_tables[:, :width].copy_(table, non_blocking=True)
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+            self._host_events[turn] = event
+        return host
 
     def _log_eager_once(self, reason: str, plan: SchedulePlan) -> None:
         if reason in self._logged_reasons:
@@ -360,6 +453,12 @@ class DecodeGraphs:
             "static block table width %d (logged once per reason)",
             reason, plan.num_reqs, plan.block_tables.shape[1], self.max_batch, self.max_table_width,
         )
+
+
+def _numpy_views(inputs: StepInputs) -> StepInputs:
+    """The same views as numpy arrays (host tensors only)."""
+    return StepInputs(*(t.numpy() for t in (inputs.input_ids, inputs.positions, inputs.slot_mapping,
+                                               inputs.seq_lens, inputs.block_tables)))
 
 
 def resolve_pending_ids(input_ids: torch.Tensor, last_sampled: torch.Tensor) -> torch.Tensor:

@@ -173,6 +173,9 @@ class ModelRunner:
         # id -1 - i stands for sample i of the previous step, not yet known on the host.
         self.last_sampled = torch.zeros(max(1, max_num_seqs, *self.cudagraph_sizes), dtype=torch.int64,
                                         device=self.device)
+        # After a decode graph replay whose sampling rows are the leading rows: their argmax, taken
+        # inside the graph into last_sampled (the tokens of an all-greedy step); else None.
+        self.greedy_tokens: torch.Tensor | None = None
 
     def _cuda_graphs_off_reason(self, enforce_eager: bool) -> str | None:
         if enforce_eager:
@@ -353,10 +356,13 @@ class ModelRunner:
     def forward(self, plan: SchedulePlan) -> torch.Tensor:
         """float32 logits [S, V] of the plan's sampling rows, in sample_rows order. After a graph replay
         this may be a view of the graphs' static buffer: read it (or enqueue its readers) before the
-        next forward."""
+        next forward. Sets greedy_tokens (above)."""
+        self.greedy_tokens = None
         if self.cuda_graphs is not None:
             logits = self.cuda_graphs.run(plan)
             if logits is not None:
+                if self.cuda_graphs.greedy_rows:
+                    self.greedy_tokens = self.cuda_graphs.greedy_tokens[: self.cuda_graphs.greedy_rows]
                 return logits
         hidden_states = self._hidden_states(plan)
         sample_index = self._to_device(plan.sample_token_index, np.int64)
@@ -368,10 +374,13 @@ class ModelRunner:
         return self.model.compute_logits(self._hidden_states(plan)).float()
 
     def record_sampled(self, tokens: torch.Tensor) -> None:
-        """Keep a step's sampled tokens on the device for the next plan's pending inputs (overlap)."""
+        """Keep a step's sampled tokens on the device for the next plan's pending inputs (overlap).
+        Tokens that already are last_sampled's leading rows (a decode graph's greedy_tokens) stay."""
         n = tokens.shape[0]
         if n > self.last_sampled.shape[0]:
             raise ValueError(f"{n} sampled tokens, more than max_num_seqs ({self.last_sampled.shape[0]})")
+        if tokens.data_ptr() == self.last_sampled.data_ptr() and tokens.device == self.last_sampled.device:
+            return
         self.last_sampled[:n].copy_(tokens, non_blocking=True)
 
     def _to_device(self, array: np.ndarray, dtype) -> torch.Tensor:

@@ -334,7 +334,10 @@ def _reference_paged_extend_attention(
     owner = torch.repeat_interleave(torch.arange(num_reqs, device=device), query_lens, output_size=num_tokens)
     position = context_lens[owner] + torch.arange(num_tokens, device=device) - starts[:-1][owner]  # [T]
     key_pos = torch.arange(width * block_size, device=device)
-    slots = block_tables.to(torch.int64)[owner][:, key_pos // block_size] * block_size + key_pos % block_size
+    # Entries past a request's last block may be any bytes (the kernels mask them; the decode
+    # graphs' packed buffer leaves them stale): clamped into the pool, gathered, masked below.
+    table = block_tables.to(torch.int64).clamp(0, k_cache.shape[0] - 1)
+    slots = table[owner][:, key_pos // block_size] * block_size + key_pos % block_size
     keys = k_cache.reshape(-1, num_kv_heads, head_dim)[slots].transpose(1, 2)  # [T, Hkv, L, D]
     values = v_cache.reshape(-1, num_kv_heads, head_dim)[slots].transpose(1, 2)
     mask = (key_pos[None, :] <= position[:, None])[:, None, None, :]  # [T, 1, 1, L]
