@@ -32,8 +32,8 @@ def gpu_step_marks(core) -> list:
         marks.append([start, None])
         return forward(plan)
 
-    def marked_sample(logits, batch):
-        result = sample(logits, batch)
+    def marked_sample(logits, batch, **kwargs):
+        result = sample(logits, batch, **kwargs)
         end = torch.cuda.Event(enable_timing=True)
         end.record()
         marks[-1][1] = end

@@ -132,6 +132,7 @@ if sys.argv[1] == "old":
     sys.meta_path[:] = [f for f in sys.meta_path if not any(k in repr(f).lower() for k in ("editable", "redirect", "scikit"))]
     sys.path.insert(0, ".")
 sys.argv = sys.argv[2:]
+sys.path.insert(0, "scripts")
 try:
     runpy.run_path(sys.argv[0], run_name="__main__")
 finally:

@@ -130,6 +130,7 @@ def test_working_flags_parse_into_server_args() -> None:
         "--log-level", "DEBUG",
         "--gpu-memory-utilization", "0.5",
         "--seed", "7",
+        "--schedule-conservativeness", "0.3",
     )  # fmt: skip
     assert args.device == "cpu"
     assert args.max_model_len == 4096
@@ -143,6 +144,7 @@ def test_working_flags_parse_into_server_args() -> None:
     assert args.log_level == "debug"
     assert args.gpu_memory_utilization == 0.5
     assert args.seed == 7
+    assert args.schedule_conservativeness == 0.3
     config.check_supported(args)
 
 
@@ -158,6 +160,7 @@ def test_defaults_match_the_documented_values() -> None:
     assert args.load_format == "auto"
     assert args.log_level == "info"
     assert args.gpu_memory_utilization == 0.9
+    assert args.schedule_conservativeness == 1.0
     assert args.enable_prefix_caching is True
     assert args.seed == 0
 
@@ -181,6 +184,8 @@ def test_aliases_from_peer_engines() -> None:
         (["--device", "tpu"], "--device"),
         (["--load-format", "gguf"], "--load-format"),
         (["--seed", "-1"], "--seed"),
+        (["--schedule-conservativeness", "-0.5"], "--schedule-conservativeness"),
+        (["--schedule-conservativeness", "lots"], "--schedule-conservativeness"),
     ],
 )
 def test_invalid_values_name_the_flag(capsys: pytest.CaptureFixture[str], argv: list[str], flag: str) -> None:
@@ -522,3 +527,11 @@ def test_flashinfer_attention_needs_a_gpu_and_the_package(capsys: pytest.Capture
                           "(pip install flashinfer-python)")
     monkeypatch.setattr(config, "_flashinfer_importable", lambda: True)
     assert parse("/m", "--attention-backend", "flashinfer").attention_backend == "flashinfer"
+
+
+def test_schedule_conservativeness_reaches_the_engine_config() -> None:
+    from tokenspeed_worker.server.launch import engine_config_from_args
+
+    args = parse("/m", "--device", "cpu", "--schedule-conservativeness", "0")
+    assert engine_config_from_args(args, 128, "cpu", "float32").schedule_conservativeness == 0.0
+    assert engine_config_from_args(parse("/m", "--device", "cpu"), 128, "cpu", "float32").schedule_conservativeness == 1.0

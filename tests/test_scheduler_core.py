@@ -399,6 +399,80 @@ def run_with_fake_model(
     return outputs, reasons
 
 
+# -- admission that keeps room for the outputs (schedule_conservativeness) ----------------------
+
+
+def run_to_end(sched: Scheduler, stop_after: dict[int, int] | None = None) -> tuple[int, dict[int, int]]:
+    """Step until done; a request in stop_after samples its stop token 0 at that output length
+    (others sample 7). Returns (most requests running at once, finish reasons)."""
+    most, reasons = 0, {}
+    while sched.has_work():
+        plan = sched.schedule()
+        check_plan(sched, plan)
+        most = max(most, sched.num_running)
+        sampled = np.full(len(plan.sample_rows), 7, dtype=np.int64)
+        for i, b in enumerate(plan.sample_rows):
+            req = int(plan.req_ids[b])
+            if stop_after and sched.output_len(req) + 1 >= stop_after.get(req, 10**9):
+                sampled[i] = 0
+        done, why = sched.advance(sampled)
+        reasons.update(zip(done.tolist(), why.tolist()))
+    return most, reasons
+
+
+@pytest.mark.parametrize("conservativeness", [0.0, 1.0])
+def test_reservation_admits_only_what_can_finish(conservativeness):
+    # 10 blocks of 4: each request holds 6 prompt tokens (2 blocks) and grows to 20 (5 blocks).
+    # Admitting whenever a prompt fits takes five and preempts; keeping room for the outputs
+    # (nothing finished yet: all of max_new_tokens) takes two at a time and never preempts.
+    sched = make(num_blocks=10, block_size=4, token_budget=64, schedule_conservativeness=conservativeness)
+    for i in range(6):
+        sched.add_request(i, prompt(6, start=100 * i), 14, [0])
+    most, reasons = run_to_end(sched)
+    assert reasons == {i: FinishReason.LENGTH for i in range(6)}
+    if conservativeness:
+        assert sched.num_preemptions == 0 and most == 2
+    else:
+        assert sched.num_preemptions > 0 and most == 5
+    assert sched.num_free_blocks == sched.num_total_blocks and sched.reserved_blocks == 0
+
+
+def test_expected_output_ratio_learns_what_requests_really_produce():
+    # Requests ask for 36 tokens and stop after 2: the ratio falls from 1 toward 2/36, and the
+    # reservation with it, so later requests run together where the first ones could not.
+    sched = make(num_blocks=24, block_size=4, token_budget=64, schedule_conservativeness=1.0)
+    assert sched.expected_output_ratio == 1.0
+    for i in range(4):
+        sched.add_request(i, prompt(4, start=100 * i), 36, [0])
+    most_first, _ = run_to_end(sched, {i: 2 for i in range(4)})
+    assert most_first == 2  # 40 tokens (10 blocks) each expected: two fit in 24 blocks
+    learned = sched.expected_output_ratio
+    assert 2 / 36 < learned < 1.0
+    for _ in range(60):  # more requests that stop early: the mean converges
+        sched.add_request(1000 + _, prompt(4, start=7), 36, [0])
+        run_to_end(sched, {1000 + _: 2})
+    assert sched.expected_output_ratio < 0.1
+    for i in range(8):
+        sched.add_request(100 + i, prompt(4, start=100 * i), 36, [0])
+    sched.schedule()
+    assert sched.num_running == 8 and sched.reserved_blocks <= 8  # about 2 tokens each expected
+
+
+def test_a_request_alone_is_admitted_whatever_it_may_need():
+    # Expected to need the whole pool, it still runs when nothing else does; the next one waits.
+    sched = make(num_blocks=10, block_size=4, token_budget=64, schedule_conservativeness=100.0)
+    sched.add_request(1, prompt(4), 36, [0])
+    sched.add_request(2, prompt(4, start=300), 36, [0])
+    most, reasons = run_to_end(sched)
+    assert most == 1 and reasons == {1: FinishReason.LENGTH, 2: FinishReason.LENGTH}
+    assert sched.num_preemptions == 0
+
+
+def test_conservativeness_must_not_be_negative():
+    with pytest.raises(ValueError, match="schedule_conservativeness"):
+        make(schedule_conservativeness=-1.0)
+
+
 def random_requests(rng: np.random.Generator, n: int) -> list[tuple[int, np.ndarray, int, list[int]]]:
     """n requests: (id, prompt of 1..29 tokens, max_new_tokens 1..19, one stop token)."""
     requests = []
@@ -419,16 +493,17 @@ def test_outputs_under_preemption_and_chunking_match_reference(seed):
     )
     expected, expected_reasons = run_with_fake_model(reference, requests)
     # Pools just big enough for the largest request (48 tokens): preemption guaranteed.
-    tight_configs = [(16, 4, 13, True), (33, 2, 25, True), (5, 3, 17, True), (16, 4, 13, False)]
-    for budget, block_size, num_blocks, chunked in tight_configs:
+    tight_configs = [(16, 4, 13, True, 0.0), (33, 2, 25, True, 0.0), (5, 3, 17, True, 0.0), (16, 4, 13, False, 0.0),
+                     (16, 4, 13, True, 1.0), (5, 3, 17, False, 1.0)]
+    for budget, block_size, num_blocks, chunked, conservativeness in tight_configs:
         tight = make(
             num_blocks=num_blocks, block_size=block_size, max_num_seqs=6, token_budget=budget,
-            chunked_prefill=chunked,
+            chunked_prefill=chunked, schedule_conservativeness=conservativeness,
         )
         got, got_reasons = run_with_fake_model(tight, requests)
         assert got == expected
         assert got_reasons == expected_reasons
-        assert tight.num_preemptions > 0
+        assert tight.num_preemptions > 0 or conservativeness > 0
         assert tight.num_free_blocks == tight.num_total_blocks
 
 
@@ -476,15 +551,16 @@ operation = st.one_of(
     token_budget=st.integers(1, 20),
     chunked=st.booleans(),
     caching=st.booleans(),
+    conservativeness=st.sampled_from([0.0, 0.0, 0.5, 1.0, 4.0]),
     ops=st.lists(operation, min_size=4, max_size=50),
 )
 def test_random_operations_keep_block_ownership_sound(
-    num_blocks, block_size, max_num_seqs, token_budget, chunked, caching, ops
+    num_blocks, block_size, max_num_seqs, token_budget, chunked, caching, conservativeness, ops
 ):
     sched = make(
         num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs, max_model_len=64,
         token_budget=token_budget, chunked_prefill=chunked, max_prefill_tokens=token_budget,
-        enable_prefix_caching=caching,
+        enable_prefix_caching=caching, schedule_conservativeness=conservativeness,
     )
     live: set[int] = set()
     next_id = 0
@@ -531,9 +607,11 @@ def test_random_operations_keep_block_ownership_sound(
     assert not sched.has_work() and sched.num_used_tokens == 0
 
 
-def test_long_random_run_drains_every_request():
+@pytest.mark.parametrize("conservativeness", [0.0, 1.0])
+def test_long_random_run_drains_every_request(conservativeness):
     rng = np.random.default_rng(1234)
-    sched = make(num_blocks=9, block_size=3, max_num_seqs=4, max_model_len=27, token_budget=7)
+    sched = make(num_blocks=9, block_size=3, max_num_seqs=4, max_model_len=27, token_budget=7,
+                 schedule_conservativeness=conservativeness)
     live: set[int] = set()
     for i in range(300):
         n = int(rng.integers(1, 20))
@@ -549,3 +627,20 @@ def test_long_random_run_drains_every_request():
         steps += 1
         assert steps < 20_000
     assert not live and sched.num_free_blocks == sched.num_total_blocks
+
+
+def test_admission_simulator_shows_the_reservation_avoiding_preemption(tmp_path):
+    # scripts/sim_admission.py prices the real core's schedule at the 8B roofline (docs/benchmarks.md).
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "sim_admission.py"
+    out = tmp_path / "sim.json"
+    subprocess.run([sys.executable, str(script), "--num-requests", "40", "--input-len", "100", "--output-len", "100",
+                    "--max-num-seqs", "32", "--pool-tokens", "3200", "--conservativeness", "0", "1",
+                    "--out", str(out)], check=True, capture_output=True, timeout=120)
+    off, on = json.loads(out.read_text())["results"]
+    assert off["preemptions"] > 0 and off["recomputed_tokens"] > 0
+    assert on["preemptions"] == 0 and on["recomputed_tokens"] == 0 and on["mean_rows_per_step"] <= 16

@@ -244,7 +244,8 @@ def test_constrained_requests_survive_preemption(tok):
     # grammar state (the matcher lives with the request, which loses no sampled token).
     m = str(smollm2_dir())
     small = EngineCore(EngineConfig(model_path=m, dtype="float32", max_model_len=512, max_num_seqs=8,
-                                    max_total_tokens=160, block_size=16, tokenizer_path=m, overlap_schedule=True))
+                                    max_total_tokens=160, block_size=16, tokenizer_path=m, overlap_schedule=True,
+                                    schedule_conservativeness=0.0))  # admit past what outputs will need
     schema = ("json_schema", json.dumps(PERSON))
     reqs = [request(tok, 40 + i, chat(tok, f"Person number {i} as JSON."), schema, max_new=64) for i in range(6)]
     outs, reasons, failures, _ = run(small, reqs)

@@ -155,6 +155,16 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}")
+    return value
+
+
 def _dtype(text: str) -> str:
     canonical = DTYPE_ALIASES.get(text.lower())
     if canonical is None:
@@ -401,6 +411,16 @@ class ServerArgs:
         default_doc="sized automatically",
     )
     block_size: int = _option(16, SCHEDULER, "KV cache block size in tokens.", parse=_positive_int)
+    schedule_conservativeness: float = _option(
+        1.0,
+        SCHEDULER,
+        "How much KV room admission keeps for the running requests' remaining output: a waiting "
+        "request is admitted only if its prompt, plus this factor times the learned fraction of "
+        "max_new_tokens (clipped to 4096) that requests really produce, fits beside the running "
+        "ones' expected rest. Larger is more conservative (fewer preemptions, smaller batches); 0 "
+        "admits whenever the first prompt chunk fits.",
+        parse=_non_negative_float,
+    )
     enable_prefix_caching: bool = _option(
         True,
         SCHEDULER,

@@ -145,14 +145,17 @@ NB_MODULE(_scheduler_core, m) {
           "__init__",
           [](Scheduler* self, int32_t num_blocks, int32_t block_size, int32_t max_num_seqs,
              int32_t max_model_len, int32_t token_budget, bool chunked_prefill,
-             int32_t max_prefill_tokens, bool enable_prefix_caching, bool enable_kv_events, int32_t hash_bits) {
+             int32_t max_prefill_tokens, bool enable_prefix_caching, bool enable_kv_events, int32_t hash_bits,
+             double schedule_conservativeness) {
+            if (!(schedule_conservativeness >= 0))
+              throw std::invalid_argument("schedule_conservativeness must be >= 0");
             new (self) Scheduler(SchedulerConfig{num_blocks, block_size, max_num_seqs, max_model_len, token_budget,
                                                  chunked_prefill, max_prefill_tokens, enable_prefix_caching,
-                                                 enable_kv_events, hash_bits});
+                                                 enable_kv_events, hash_bits, schedule_conservativeness});
           },
           "num_blocks"_a, "block_size"_a, "max_num_seqs"_a, "max_model_len"_a, "token_budget"_a,
           "chunked_prefill"_a, "max_prefill_tokens"_a, "enable_prefix_caching"_a = true,
-          "enable_kv_events"_a = false, "hash_bits"_a = 64)
+          "enable_kv_events"_a = false, "hash_bits"_a = 64, "schedule_conservativeness"_a = 0.0)
       .def("add_request", &add_request, "req_id"_a, "prompt_ids"_a, "max_new_tokens"_a, "stop_token_ids"_a,
            "wait_for"_a = -1)
       .def("schedule", &schedule)
@@ -168,6 +171,8 @@ NB_MODULE(_scheduler_core, m) {
       .def_prop_ro("num_total_blocks", &Scheduler::num_total_blocks)
       .def_prop_ro("num_used_tokens", &Scheduler::num_used_tokens)
       .def_prop_ro("num_preemptions", &Scheduler::num_preemptions)
+      .def_prop_ro("expected_output_ratio", &Scheduler::expected_output_ratio)
+      .def_prop_ro("reserved_blocks", &Scheduler::reserved_blocks)
       .def_prop_ro("waiting_tokens", &Scheduler::waiting_tokens)
       .def_prop_ro("plan_outstanding", &Scheduler::plan_outstanding)
       .def_prop_ro("num_cached_blocks", &Scheduler::num_cached_blocks)

@@ -73,6 +73,7 @@ class Request {
   int32_t prompt_len() const { return prompt_len_; }
   int32_t num_tokens() const { return static_cast<int32_t>(tokens_.size()); }
   int32_t output_len() const { return num_tokens() - prompt_len_; }
+  int32_t max_new_tokens() const { return max_new_tokens_; }
   int32_t num_computed() const { return num_computed_; }
   int32_t num_uncomputed() const { return num_tokens() - num_computed_; }
   const std::vector<int64_t>& tokens() const { return tokens_; }

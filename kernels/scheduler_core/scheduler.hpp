@@ -55,7 +55,17 @@ struct SchedulerConfig {
   bool enable_prefix_caching = true;  // false: only siblings share blocks, nothing is retained
   bool enable_kv_events = false;      // record stored/removed/cleared events for drain_kv_events()
   int32_t hash_bits = 64;             // < 64 only in tests: narrow hashes force collisions
+  // > 0: admission keeps room for the running requests' expected output (schedule_admissions,
+  // --schedule-conservativeness); 0: a request is admitted whenever its first chunk fits.
+  double schedule_conservativeness = 0.0;
 };
+
+// Output tokens a request is expected to use at most when reserving room for it: its
+// max_new_tokens, clipped here (a client that leaves max_tokens unset asks for the whole context).
+inline constexpr int32_t kClipExpectedNewTokens = 4096;
+// Weight of each finished request in the running mean of the fraction of its (clipped)
+// max_new_tokens it used (expected_output_ratio).
+inline constexpr double kOutputRatioWeight = 0.05;
 
 // Flat arrays of one step; B rows, T tokens, row-major block tables [B, width].
 struct StepPlan {
@@ -110,6 +120,12 @@ class Scheduler {
   const BlockAllocator& allocator() const { return allocator_; }
   int64_t num_used_tokens() const;
   int64_t num_preemptions() const { return num_preemptions_; }
+  // The running mean, over finished requests, of the fraction of their clipped max_new_tokens
+  // they produced; 1 until one finishes. Admission reserves this fraction, scaled by
+  // schedule_conservativeness, of each running request's remaining output.
+  double expected_output_ratio() const { return output_ratio_; }
+  // Blocks the running requests are expected to need beyond those they hold (0 when off).
+  int64_t reserved_blocks() const;
   int64_t waiting_tokens() const;
   bool has_work() const { return !waiting_.empty() || !running_.empty(); }
   bool contains(int64_t req_id) const { return requests_.count(req_id) != 0; }
@@ -134,6 +150,8 @@ class Scheduler {
   void schedule_decodes(std::vector<ScheduledRow>& rows);
   int32_t schedule_prefill_continuations(std::vector<ScheduledRow>& rows, int32_t budget);
   void schedule_admissions(std::vector<ScheduledRow>& rows, int32_t budget);
+  double reserve_ratio() const;
+  int32_t expected_growth_blocks(const Request& request, int64_t held_blocks, double ratio) const;
   bool eligible(const Request& request) const;
   Request* live_parent(const Request& request) const;
   int32_t match_prefix(Request& request, std::vector<std::pair<BlockId, uint64_t>>& matched);
@@ -154,6 +172,7 @@ class Scheduler {
   bool plan_outstanding_ = false;  // a non-empty plan awaits commit()
   bool advance_allowed_ = false;   // schedule() ran and commit() has not consumed it
   int64_t num_preemptions_ = 0;
+  double output_ratio_ = 1.0;
   uint64_t next_request_serial_ = 1;
   uint64_t hash_mask_;
   int64_t prefix_query_tokens_ = 0;

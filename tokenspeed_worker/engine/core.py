@@ -54,6 +54,8 @@ class EngineConfig:
     max_total_tokens: int | None = None
     chunked_prefill_size: int = 8192
     max_prefill_tokens: int = 8192
+    # Admission keeps room for the running requests' expected output (scheduler/core.py); 0: off.
+    schedule_conservativeness: float = 1.0
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     sampling_backend: str | None = None  # None: triton on CUDA when available, else torch
@@ -205,6 +207,7 @@ class EngineCore:
             max_prefill_tokens=cfg.max_prefill_tokens,
             enable_prefix_caching=cfg.enable_prefix_caching,
             enable_kv_events=cfg.kv_events is not None,
+            schedule_conservativeness=cfg.schedule_conservativeness,
         )
         self.kv_publisher = None
         if cfg.kv_events is not None:

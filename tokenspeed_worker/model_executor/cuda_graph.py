@@ -6,7 +6,8 @@ views laid out for its own P (`step_input_views`: ids, positions, slots, lengths
 block table), so a small step's inputs arrive in ONE host-to-device copy from a pinned,
 double-buffered host mirror (each copy is a stream operation the GPU spends microseconds
 on; at batch 1 on the 1B shape there were seven per step). The graphs share one memory
-pool, captured largest first so the smaller ones reuse its memory. The P - B padded rows are dummies: token 0 at position 0, writing
+pool, captured largest first so the smaller ones reuse its memory. The P - B padded rows
+are dummies: token 0 at position 0, writing
 their K/V into a reserved *dummy block* that no request owns (the runner allocates
 the pool with one block more than the scheduler hands out) and attending only to it
 (sequence length 1). The LM head output is written as float32 into a static logits buffer
@@ -14,7 +15,8 @@ inside the graph, and the sampler (never inside a graph) reads the real rows the
 when they are the leading rows, else a gathered copy. The graph also takes each row's argmax
 of those logits into the runner's `last_sampled` buffer: for an all-greedy step whose rows
 are the leading ones those are the sampled tokens (the engine's sampler then runs no kernel
-and nothing is copied into `last_sampled`); any other step's sampler overwrites them. The view is safe because everything
+and nothing is copied into `last_sampled`); any other step's sampler overwrites them. The
+view is safe because everything
 that reads it (sampling, logprobs) is enqueued on the stream before the next replay, which
 is the only writer.
 
@@ -127,10 +129,6 @@ class StepInputs:
     slot_mapping: object  # int64 [P]
     seq_lens: object  # int32 [P]
     block_tables: object  # int32 [P, width]
-
-
-# The name the tests used before the packed buffer.
-PaddedDecodeInputs = StepInputs
 
 
 def packed_input_bytes(size: int, width: int) -> int:

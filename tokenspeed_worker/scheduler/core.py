@@ -64,6 +64,16 @@ class Scheduler:
     block nobody holds is freed at once. `enable_kv_events` records the cache's
     stored/removed/cleared events for `drain_kv_events()` (cache-aware routing).
     `_hash_bits` < 64 narrows block hashes to force collisions in tests only.
+
+    `schedule_conservativeness` > 0 (the engine's --schedule-conservativeness, default 1)
+    makes admission keep room for the running requests' expected output: a waiting
+    request is admitted only if its first chunk, plus the blocks its own rest and every
+    running request's rest are expected to need, fit in the free blocks. A request's rest
+    is its remaining prompt plus r x its remaining output (max_new_tokens clipped to 4,096),
+    r = min(1, conservativeness x `expected_output_ratio`), the running mean of the fraction
+    of their output budget that finished requests used (1 until one finishes). With nothing
+    running a request is always admitted; preemption stays the safety net. 0 turns the
+    reservation off (admit whenever the first chunk fits).
     """
 
     def __init__(
@@ -78,6 +88,7 @@ class Scheduler:
         enable_prefix_caching: bool = True,
         enable_kv_events: bool = False,
         _hash_bits: int = 64,
+        schedule_conservativeness: float = 0.0,
     ) -> None:
         self.block_size = block_size
         self._core = _scheduler_core.SchedulerCore(
@@ -91,6 +102,7 @@ class Scheduler:
             enable_prefix_caching=enable_prefix_caching,
             enable_kv_events=enable_kv_events,
             hash_bits=_hash_bits,
+            schedule_conservativeness=float(schedule_conservativeness),
         )
 
     # -- requests -------------------------------------------------------------------
@@ -197,6 +209,17 @@ class Scheduler:
     def num_preemptions(self) -> int:
         """Preemptions by recompute since start."""
         return self._core.num_preemptions
+
+    @property
+    def expected_output_ratio(self) -> float:
+        """Running mean of the fraction of their clipped max_new_tokens finished requests produced
+        (1.0 until one finishes); admission reserves it x schedule_conservativeness."""
+        return self._core.expected_output_ratio
+
+    @property
+    def reserved_blocks(self) -> int:
+        """Blocks the running requests are expected to need beyond those they hold (0 when off)."""
+        return self._core.reserved_blocks
 
     @property
     def waiting_tokens(self) -> int:

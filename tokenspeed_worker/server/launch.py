@@ -81,6 +81,7 @@ def engine_config_from_args(args, max_model_len: int, device: str, dtype: str) -
         max_total_tokens=args.max_total_tokens,
         chunked_prefill_size=args.chunked_prefill_size,
         max_prefill_tokens=args.max_prefill_tokens,
+        schedule_conservativeness=getattr(args, "schedule_conservativeness", 1.0),
         gpu_memory_utilization=getattr(args, "gpu_memory_utilization", 0.9),
         enable_prefix_caching=args.enable_prefix_caching,
         sampling_backend=args.sampling_backend,
