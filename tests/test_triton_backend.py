@@ -439,6 +439,14 @@ def test_tune_decode_keeps_the_longest_context_where_one_program_wins():
     assert backend.decode_graph_metadata(slots[:1], tables[:1], lens[:1]).single_split_tokens == 256
     assert backend.decode_graph_metadata(slots[:2], tables[:2], lens[:2]).single_split_tokens == 0
     assert [backend.single_split_for(b) for b in (1, 2, 3, 600)] == [256, 0, 0, 0]
+    # A timing that fails part-way (out of memory, say) leaves no threshold, not a stale one.
+
+    def failing(fn):
+        raise RuntimeError("CUDA out of memory")
+
+    with pytest.raises(RuntimeError, match="out of memory"):
+        backend.tune_decode(k_cache, torch.zeros_like(k_cache), torch.float32, [1], 4096, timer=failing)
+    assert backend.single_split_tokens == {} and backend.single_split_for(1) == 0
 
 
 def test_tune_decode_needs_cuda_or_a_timer_and_real_kernels():

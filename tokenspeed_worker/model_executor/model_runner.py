@@ -291,9 +291,8 @@ class ModelRunner:
             chosen = tune(self.kv_cache[0, 0], self.kv_cache[1, 0], self.dtype, sizes,
                           max_table_width(self.max_model_len, self.block_size) * self.block_size)
         except (RuntimeError, ValueError) as error:  # e.g. out of memory for the L2 flush buffer
+            # The backend left its choice empty: every request splits as without the timing.
             logger.warning("decode attention timing failed (%s): every request splits as without it", error)
-            if hasattr(self.attention_backend, "single_split_tokens"):
-                self.attention_backend.single_split_tokens = {}
             return {}
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # the timing's L2-flush buffer and graphs: back to the device before capture

@@ -195,7 +195,9 @@ class TritonAttentionBackend(AttentionBackend):
         `single_split_tokens` (0: always split as before). Call after allocate_kv_cache and before
         graph capture (the graphs bake the value in). Reads blocks of the given layer cache,
         writes none of them. timer: device µs of a callable (default: graph_timing.time_us, on
-        CUDA only; tests pass their own). Returns {batch size: threshold}."""
+        CUDA only; tests pass their own). Returns {batch size: threshold}. The choice is made
+        afresh: until it is complete (or if the timing raises) every request splits."""
+        self.single_split_tokens = {}
         if self.uses_reference or (timer is None and k_cache.device.type != "cuda"):
             return {}
         device = k_cache.device
