@@ -253,6 +253,18 @@ if [ "${BENCH_FP8:-0}" = 1 ]; then
     --output-len 1000 --max-num-seqs 512 --engine-arg max_cudagraph_capture_size=512 --engine-arg kv_cache_dtype=fp8 \
     --out "$OUT/offline_8b_1000_s512_fp8.json" 2>&1 | grep -E "tokens in|idle|rror" | tail -3
 fi
+# Admission with and without room for the outputs (BENCH_ADMISSION=1): 1000/1000 on the 8B shape at
+# --max-num-seqs 512 (a pool of ~873k tokens holds 436 requests at full length), for each
+# --schedule-conservativeness in ADMISSION_C (default 1 = the default, 0 = admit whenever a prompt
+# fits, as before session 8). scripts/sim_admission.py predicts 0 and 118 preemptions.
+if [ "${BENCH_ADMISSION:-0}" = 1 ]; then
+  for c in ${ADMISSION_C:-1 0}; do
+    timeout 240 python3 scripts/bench_offline.py --model llama-3.1-8b --num-requests 1000 --input-len 1000 \
+      --output-len 1000 --max-num-seqs 512 --engine-arg max_cudagraph_capture_size=512 \
+      --engine-arg schedule_conservativeness=$c --out "$OUT/offline_8b_1000_s512_c$c.json" 2>&1 \
+      | grep -E "tokens in|idle|rror" | sed "s/^/conservativeness $c: /" | tail -3
+  done
+fi
 # Long offline runs and serving through gRPC (8B shape): BENCH_LONG=1.
 if [ "${BENCH_LONG:-0}" = 1 ]; then
   for seqs in ${LONG_SEQS:-256 512}; do
