@@ -83,23 +83,30 @@ def start_tensor_parallel(cfg: EngineConfig) -> None:
     atexit.register(stop)
 
 
+@dataclasses.dataclass
 class ModelArithmetic:
-    """Bytes and FLOPs of one step, from the model's shape."""
+    """Bytes and FLOPs of one step, from the model's shape (`from_core`, or the numbers themselves:
+    scripts/sim_admission.py prices steps without a model)."""
 
-    def __init__(self, core: EngineCore) -> None:
+    weight_bytes: int
+    kv_bytes_per_token: int
+    linear_params: int  # matmul parameters every token passes through (not the embedding, not the LM head)
+    lm_head_params: int
+    num_layers: int
+    q_dim: int
+
+    @classmethod
+    def from_core(cls, core: EngineCore) -> "ModelArithmetic":
         runner = core.runner
         cfg = runner.hf_config
-        self.weight_bytes = runner.weight_bytes()
-        self.kv_bytes_per_token = runner.kv_bytes_per_token()
         embed = cfg.vocab_size * cfg.hidden_size
         params = sum(p.numel() for p in runner.model.parameters())
         tied = getattr(cfg, "tie_word_embeddings", False)
-        # Matmul parameters every token passes through: not the embedding lookup, and not the
-        # LM head (counted for sampled rows only); an untied LM head is a second vocab x hidden.
-        self.linear_params = params - embed if tied else params - 2 * embed
-        self.lm_head_params = embed
-        self.num_layers = cfg.num_hidden_layers
-        self.q_dim = cfg.num_attention_heads * runner.head_dim
+        # Not the embedding lookup, and not the LM head (counted for sampled rows only); an untied
+        # LM head is a second vocab x hidden.
+        return cls(weight_bytes=runner.weight_bytes(), kv_bytes_per_token=runner.kv_bytes_per_token(),
+                   linear_params=params - embed if tied else params - 2 * embed, lm_head_params=embed,
+                   num_layers=cfg.num_hidden_layers, q_dim=cfg.num_attention_heads * runner.head_dim)
 
     def step_flops(self, num_tokens: int, num_sampled: int, attended: int) -> float:
         """GEMM FLOPs: every token through the layers, sampled rows through the LM head, plus
@@ -110,6 +117,20 @@ class ModelArithmetic:
     def step_bytes(self, kv_tokens: int) -> float:
         """Weights once plus the KV of every sequence in the step."""
         return self.weight_bytes + self.kv_bytes_per_token * kv_tokens
+
+    def minimum_seconds(self, record: tuple, flops: float, bandwidth: float) -> float:
+        """The step roofline of one `step_record`: its GEMM FLOPs at `flops` plus its bytes at `bandwidth`."""
+        num_tokens, num_sampled, kv_tokens, attended = record
+        return self.step_flops(num_tokens, num_sampled, attended) / flops + self.step_bytes(kv_tokens) / bandwidth
+
+
+def step_record(plan) -> tuple[int, int, int, int]:
+    """(tokens computed, rows sampled, KV tokens read, keys attended) of a non-empty plan; keys
+    attended count each query token's keys, causal within its query."""
+    q = plan.query_lens.astype(np.int64)
+    seq = plan.seq_lens.astype(np.int64)
+    attended = int((q * (seq - q) + q * (q + 1) // 2).sum())
+    return plan.num_tokens, len(plan.sample_rows), int(seq.sum()), attended
 
 
 def plan_recorder(core: EngineCore, arithmetic: ModelArithmetic, records: list, host_times: list | None = None) -> None:
@@ -133,11 +154,7 @@ def plan_recorder(core: EngineCore, arithmetic: ModelArithmetic, records: list, 
         if host_times is not None:
             host_times.append(time.perf_counter() - t0)
         if plan.num_reqs:
-            q = plan.query_lens.astype(np.int64)
-            seq = plan.seq_lens.astype(np.int64)
-            # Keys each query token attends to (causal within the query).
-            attended = int((q * (seq - q) + q * (q + 1) // 2).sum())
-            records.append((plan.num_tokens, len(plan.sample_rows), int(seq.sum()), attended))
+            records.append(step_record(plan))
         return plan
 
     core.scheduler.schedule = recording_schedule

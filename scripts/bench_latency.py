@@ -36,7 +36,7 @@ def main() -> int:
     print(f"  {bandwidth / 1e12:.2f} TB/s" if bandwidth > 1e12 else f"  {bandwidth / 1e9:.1f} GB/s", flush=True)
     core = build_engine(args, max_model_len=args.prompt_len + args.new_tokens + 16,
                         max_total_tokens=args.prompt_len + args.new_tokens + 64, max_num_seqs=1)
-    arithmetic = ModelArithmetic(core)
+    arithmetic = ModelArithmetic.from_core(core)
     rng = np.random.default_rng(0)
     # A short warm-up request, then the measured one with another prompt: its first token is a
     # full prefill (no prefix-cache hit), as a new user's would be.

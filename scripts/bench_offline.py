@@ -69,7 +69,7 @@ def main() -> int:
     flops = matmul_flops(args.device)
     print(f"  {bandwidth / 1e9:.0f} GB/s, {flops / 1e12:.1f} TFLOP/s", flush=True)
     core = build_engine(args, max_model_len=args.input_len + args.output_len + 16, max_num_seqs=args.max_num_seqs)
-    arithmetic = ModelArithmetic(core)
+    arithmetic = ModelArithmetic.from_core(core)
     records: list = []
     rng = np.random.default_rng(0)
     vocab = core.runner.vocab_size
@@ -96,8 +96,7 @@ def main() -> int:
             last_report = now
     sync(args.device)
     wall = time.perf_counter() - t0
-    minimum = sum(arithmetic.step_flops(t, s, a) / flops + arithmetic.step_bytes(kv) / bandwidth
-                  for t, s, kv, a in records)
+    minimum = sum(arithmetic.minimum_seconds(record, flops, bandwidth) for record in records)
     idle = gpu_idle_gaps(gpu_marks)
     result = {
         "gpu_idle_gap_ms_median": idle[0], "gpu_idle_gap_ms_mean": idle[1], "gpu_busy_ms_mean": idle[2],

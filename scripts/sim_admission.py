@@ -24,25 +24,15 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench_common import ModelArithmetic, step_record  # noqa: E402  (puts the repo on sys.path)
 from tokenspeed_worker.scheduler.core import Scheduler  # noqa: E402
 
 # Llama-3.1-8B, bf16: matmul parameters every token passes (32 layers of q, k, v, o, gate, up,
-# down), the LM head, all weight bytes, KV bytes per token (32 layers x K and V x 8 heads x 128 x 2 B).
-LINEAR_PARAMS = 32 * (4096 * 4096 * 2 + 4096 * 1024 * 2 + 3 * 4096 * 14336)
-LM_HEAD_PARAMS = 128256 * 4096
-WEIGHT_BYTES = 2 * (LINEAR_PARAMS + 2 * LM_HEAD_PARAMS)
-KV_BYTES_PER_TOKEN = 32 * 2 * 8 * 128 * 2
-Q_DIM, LAYERS = 4096, 32
+# down), the LM head (untied, as the embedding), KV bytes per token (32 layers x K and V x 8 heads x 128 x 2 B).
+_LINEAR, _LM_HEAD = 32 * (4096 * 4096 * 2 + 4096 * 1024 * 2 + 3 * 4096 * 14336), 128256 * 4096
+LLAMA_8B = ModelArithmetic(weight_bytes=2 * (_LINEAR + 2 * _LM_HEAD), kv_bytes_per_token=32 * 2 * 8 * 128 * 2,
+                           linear_params=_LINEAR, lm_head_params=_LM_HEAD, num_layers=32, q_dim=4096)
 STOP = 2
-
-
-def step_seconds(plan, bandwidth: float, flops: float) -> float:
-    q = plan.query_lens.astype(np.int64)
-    seq = plan.seq_lens.astype(np.int64)
-    attended = int((q * (seq - q) + q * (q + 1) // 2).sum())
-    gemm = 2.0 * LINEAR_PARAMS * plan.num_tokens + 2.0 * LM_HEAD_PARAMS * len(plan.sample_rows)
-    return (gemm + 4.0 * Q_DIM * attended * LAYERS) / flops + (WEIGHT_BYTES + KV_BYTES_PER_TOKEN * int(seq.sum())) / bandwidth
 
 
 def simulate(args, conservativeness: float) -> dict:
@@ -72,7 +62,7 @@ def simulate(args, conservativeness: float) -> dict:
         steps += 1
         rows += plan.num_reqs
         computed += plan.num_tokens
-        seconds += step_seconds(plan, args.bandwidth, args.flops)
+        seconds += LLAMA_8B.minimum_seconds(step_record(plan), args.flops, args.bandwidth)
         sampled = np.full(len(plan.sample_rows), 5, dtype=np.int64)
         for i, row in enumerate(plan.sample_rows):
             req = int(plan.req_ids[row])

@@ -187,8 +187,7 @@ double Scheduler::reserve_ratio() const {
 }
 
 int32_t Scheduler::expected_growth_blocks(const Request& request, int64_t held_blocks, double ratio) const {
-  const int32_t expected_output = std::min(request.max_new_tokens(), kClipExpectedNewTokens);
-  const int32_t remaining = std::max(0, expected_output - request.output_len());
+  const int32_t remaining = std::max(0, clipped_output_budget(request) - request.output_len());
   const int64_t target = request.num_tokens() + static_cast<int64_t>(std::ceil(ratio * remaining));
   return static_cast<int32_t>(std::max<int64_t>(0, blocks_for(target) - held_blocks));
 }
@@ -380,8 +379,7 @@ StepOutcome Scheduler::resolve(const int64_t* sampled, size_t num_sampled) {
     if (reason == FinishReason::kNone) continue;
     outcome.finished_req_ids.push_back(request->id());
     outcome.finish_reasons.push_back(static_cast<int32_t>(reason));
-    const int32_t expected_output = std::min(request->max_new_tokens(), kClipExpectedNewTokens);
-    const double used = std::min(1.0, static_cast<double>(request->output_len()) / expected_output);
+    const double used = std::min(1.0, static_cast<double>(request->output_len()) / clipped_output_budget(*request));
     output_ratio_ += kOutputRatioWeight * (used - output_ratio_);
     request->finish(reason);
     auto waiting = std::find(waiting_.begin(), waiting_.end(), request);  // preempted since commit

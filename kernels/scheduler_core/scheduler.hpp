@@ -32,6 +32,7 @@
 // free and evictable blocks both count as available for admission and preemption.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <deque>
 #include <memory>
@@ -63,6 +64,9 @@ struct SchedulerConfig {
 // Output tokens a request is expected to use at most when reserving room for it: its
 // max_new_tokens, clipped here (a client that leaves max_tokens unset asks for the whole context).
 inline constexpr int32_t kClipExpectedNewTokens = 4096;
+inline int32_t clipped_output_budget(const Request& request) {
+  return std::min(request.max_new_tokens(), kClipExpectedNewTokens);
+}
 // Weight of each finished request in the running mean of the fraction of its (clipped)
 // max_new_tokens it used (expected_output_ratio).
 inline constexpr double kOutputRatioWeight = 0.05;

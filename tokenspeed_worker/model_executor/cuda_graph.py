@@ -276,7 +276,9 @@ class DecodeGraphs:
         self.captured_sizes: list[int] = []  # ascending; empty until capture() finished
         self.num_replays = 0
         self.num_eager_decodes = 0  # decode steps that could not replay (logged once per reason)
-        self.greedy_rows = 0  # rows of the last replay whose argmax is in greedy_tokens in sampling order
+        # The last replay's argmax of its sampling rows (a view of greedy_tokens) when those are its
+        # leading rows, in order; else None.
+        self.last_greedy: torch.Tensor | None = None
         self._logged_reasons: set[str] = set()
         nbytes = packed_input_bytes(self.max_batch, max_table_width)
         pin = device.type == "cuda"
@@ -287,7 +289,8 @@ class DecodeGraphs:
                 self.max_batch, dtype=torch.int64, device=device)
             # The host mirrors of the packed buffer, used in turn; each copy's event guards its reuse.
             self._host = [torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
-        self._host_events: list = [None, None]
+        # Recorded after each mirror's copy; waiting on one never recorded returns at once.
+        self._host_events = [torch.cuda.Event() for _ in range(2)] if pin else None
         self._host_turn = 0
         self.inputs = {size: step_input_views(self._packed, size, max_table_width) for size in self.sizes}
         self._host_inputs = [
@@ -407,9 +410,9 @@ class DecodeGraphs:
         self.num_replays += 1
         rows = np.asarray(plan.sample_rows)
         if rows.shape[0] == plan.num_reqs and np.array_equal(rows, np.arange(plan.num_reqs)):
-            self.greedy_rows = plan.num_reqs
+            self.last_greedy = self.greedy_tokens[: plan.num_reqs]
             return self.logits[: plan.num_reqs]
-        self.greedy_rows = 0
+        self.last_greedy = None
         index = torch.from_numpy(rows.astype(np.int64)).to(self.device, non_blocking=True)
         return self.logits.index_select(0, index)
 
@@ -419,7 +422,7 @@ class DecodeGraphs:
         the per-row inputs and the [size, w] table apart. Returns the host arrays it filled."""
         turn = self._host_turn
         self._host_turn = 1 - turn
-        if self._host_events[turn] is not None:  # the copy that last read this mirror is done
+        if self._host_events is not None:  # the copy that last read this mirror is done
             self._host_events[turn].synchronize()
         host_bytes = self._host[turn]
         width = max(1, plan.block_tables.shape[1])
@@ -436,10 +439,8 @@ class DecodeGraphs:
             self._packed[:end].copy_(host_bytes[:end], non_blocking=True)
             table = host_bytes[end : end + 4 * size * width].view(torch.int32).view(size, width)
             self.inputs[size].block_tables[:, :width].copy_(table, non_blocking=True)
-        if self.device.type == "cuda":
-            event = torch.cuda.Event()
-            event.record()
-            self._host_events[turn] = event
+        if self._host_events is not None:
+            self._host_events[turn].record()
         return host
 
     def _log_eager_once(self, reason: str, plan: SchedulePlan) -> None:

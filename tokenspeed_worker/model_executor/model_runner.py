@@ -360,8 +360,7 @@ class ModelRunner:
         if self.cuda_graphs is not None:
             logits = self.cuda_graphs.run(plan)
             if logits is not None:
-                if self.cuda_graphs.greedy_rows:
-                    self.greedy_tokens = self.cuda_graphs.greedy_tokens[: self.cuda_graphs.greedy_rows]
+                self.greedy_tokens = self.cuda_graphs.last_greedy
                 return logits
         hidden_states = self._hidden_states(plan)
         sample_index = self._to_device(plan.sample_token_index, np.int64)
