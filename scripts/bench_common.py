@@ -133,10 +133,11 @@ def step_record(plan) -> tuple[int, int, int, int]:
     return plan.num_tokens, len(plan.sample_rows), int(seq.sum()), attended
 
 
-def plan_recorder(core: EngineCore, arithmetic: ModelArithmetic, records: list, host_times: list | None = None) -> None:
-    """Wrap the scheduler so each step's tokens, sampled rows and KV read are recorded, and
-    (host_times) the host time spent in schedule(), commit() and resolve() (advance() is the
-    last two)."""
+def plan_recorder(core: EngineCore, arithmetic: ModelArithmetic, records: list, host_times: list | None = None,
+                  shapes: list | None = None) -> None:
+    """Wrap the scheduler so each step's tokens, sampled rows and KV read are recorded, (host_times)
+    the host time spent in schedule(), commit() and resolve() (advance() is the last two), and
+    (shapes) each step's (rows of one query token, tokens of longer queries)."""
     schedule = core.scheduler.schedule
 
     def timed(method):
@@ -155,6 +156,9 @@ def plan_recorder(core: EngineCore, arithmetic: ModelArithmetic, records: list, 
             host_times.append(time.perf_counter() - t0)
         if plan.num_reqs:
             records.append(step_record(plan))
+            if shapes is not None:
+                q = plan.query_lens
+                shapes.append((int((q == 1).sum()), int(q[q > 1].sum())))
         return plan
 
     core.scheduler.schedule = recording_schedule

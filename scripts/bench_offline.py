@@ -53,6 +53,36 @@ def gpu_idle_gaps(marks) -> tuple:
     return (float(np.median(gaps)) if gaps else None, float(np.mean(gaps)) if gaps else None, float(np.mean(busy)))
 
 
+def step_kind(decode_rows: int, prefill_tokens: int) -> str:
+    if not prefill_tokens:
+        return "decode, <= 128 rows" if decode_rows <= 128 else ("decode, <= 320 rows" if decode_rows <= 320 else
+                                                                "decode, > 320 rows")
+    return "mixed (prefill + decode rows)" if decode_rows else "prefill only"
+
+
+def breakdown(records: list, shapes: list, busy_ms: list, arithmetic: ModelArithmetic, flops: float,
+              bandwidth: float) -> dict:
+    """Per kind of step: how many, the GPU's busy time in them, their roofline and its parts
+    (GEMM FLOPs, weights, KV), and roofline / busy. Says where the wall time above the roofline goes."""
+    kinds: dict = {}
+    for record, shape, busy in zip(records, shapes, busy_ms):
+        num_tokens, num_sampled, kv_tokens, attended = record
+        row = kinds.setdefault(step_kind(*shape), dict.fromkeys(
+            ("steps", "decode_rows", "tokens", "busy_s", "roofline_s", "flops_s", "weights_s", "kv_s"), 0.0))
+        row["steps"] += 1
+        row["decode_rows"] += shape[0]
+        row["tokens"] += num_tokens
+        row["busy_s"] += busy / 1e3
+        row["roofline_s"] += arithmetic.minimum_seconds(record, flops, bandwidth)
+        row["flops_s"] += arithmetic.step_flops(num_tokens, num_sampled, attended) / flops
+        row["weights_s"] += arithmetic.weight_bytes / bandwidth
+        row["kv_s"] += arithmetic.kv_bytes_per_token * kv_tokens / bandwidth
+    for row in kinds.values():
+        row["fraction_of_roofline"] = row["roofline_s"] / row["busy_s"] if row["busy_s"] else None
+        row["mean_decode_rows"] = row.pop("decode_rows") / row["steps"]
+    return kinds
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_args(ap)
@@ -77,7 +107,8 @@ def main() -> int:
     for _ in core.run_steps():
         pass
     host_times: list = []
-    plan_recorder(core, arithmetic, records, host_times)
+    shapes: list = []
+    plan_recorder(core, arithmetic, records, host_times, shapes)
     gpu_marks = gpu_step_marks(core) if torch.device(args.device).type == "cuda" else None
     for i in range(args.num_requests):
         core.add_request(greedy_request(i + 1, rng.integers(10, vocab - 10, args.input_len), args.output_len))
@@ -98,6 +129,8 @@ def main() -> int:
     wall = time.perf_counter() - t0
     minimum = sum(arithmetic.minimum_seconds(record, flops, bandwidth) for record in records)
     idle = gpu_idle_gaps(gpu_marks)
+    busy_ms = [a.elapsed_time(b) for a, b in gpu_marks if b is not None] if gpu_marks else []
+    kinds = breakdown(records, shapes, busy_ms, arithmetic, flops, bandwidth) if len(busy_ms) == len(records) else None
     result = {
         "gpu_idle_gap_ms_median": idle[0], "gpu_idle_gap_ms_mean": idle[1], "gpu_busy_ms_mean": idle[2],
         "model": args.model, "device": args.device, "dtype": str(core.runner.dtype),
@@ -114,12 +147,17 @@ def main() -> int:
         "step_ms_mean": 1000 * wall / max(steps, 1),
         "overlap_schedule": core.overlap_schedule,
         "tensor_parallel_size": core.cfg.tensor_parallel_size, "cuda_graphs": core.runner.cuda_graphs is not None,
+        "by_step_kind": kinds,
     }
     print(f"{produced} output tokens in {wall:.1f}s = {produced / wall:.0f} tok/s; step roofline {minimum:.1f}s "
           f"({100 * minimum / wall:.1f}% of it)", flush=True)
     if idle[0] is not None:
         print(f"GPU idle between steps: median {idle[0]:.3f} ms, mean {idle[1]:.3f} ms; busy {idle[2]:.3f} ms per step",
               flush=True)
+    for kind, row in (kinds or {}).items():
+        print(f"  {kind}: {row['steps']:.0f} steps, {row['mean_decode_rows']:.0f} decode rows, busy {row['busy_s']:.2f} s, "
+              f"roofline {row['roofline_s']:.2f} s ({100 * row['fraction_of_roofline']:.1f}%; flops {row['flops_s']:.2f}, "
+              f"weights {row['weights_s']:.2f}, kv {row['kv_s']:.2f})", flush=True)
     write_result(args.out, result)  # before the baseline, which may run out of memory
     if args.hf_baseline_batch:
         del core, arithmetic, gpu_marks

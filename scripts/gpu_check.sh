@@ -14,6 +14,12 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 TOKENSPEED_TEST_DEVICE=cuda
+# Triton's compiled kernels from an earlier call (TRITON_CACHE_OUT=1 below sends them back; carry
+# .cache/triton as pieces triton.tgz.*): a fresh machine otherwise compiles them again (~150 s for
+# the 8B engine's capture sizes).
+if ls .cache/triton/triton.tgz.* >/dev/null 2>&1; then
+  mkdir -p ~/.triton && cat .cache/triton/triton.tgz.* | tar -xzf - -C ~/.triton && echo "triton cache: $(ls ~/.triton/cache | wc -l) entries"
+fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, grpc, google.protobuf as p; print('torch', torch.__version__, 'grpc', grpc.__version__, 'protobuf', p.__version__)"
 t0=$(date +%s)
@@ -265,6 +271,23 @@ if [ "${BENCH_ADMISSION:-0}" = 1 ]; then
       | grep -E "tokens in|idle|rror" | sed "s/^/conservativeness $c: /" | tail -3
   done
 fi
+# Mixed steps' decode rows on the decode kernel (BENCH_MIXED=1): 1000/1000 on the 8B shape at 512
+# sequences with the defaults (the JSON's by_step_kind says where the wall time goes), then
+# (MIXED_AB=1) the same with every row of a mixed step through the extend kernel, as before.
+if [ "${BENCH_MIXED:-0}" = 1 ]; then
+  for split in 1 ${MIXED_AB:+0}; do
+    PATCH="from tokenspeed_worker.layers.attention.triton_backend import TritonAttentionBackend as B; B.split_mixed = $split == 1" \
+      timeout ${MIXED_TIMEOUT:-330} python3 -c "
+import os, runpy, sys
+sys.path.insert(0, 'scripts')
+exec(os.environ['PATCH'])
+sys.argv = ['bench_offline.py'] + sys.argv[1:]
+runpy.run_path('scripts/bench_offline.py', run_name='__main__')" --model llama-3.1-8b --num-requests 1000 --input-len 1000 \
+      --output-len 1000 --max-num-seqs 512 --engine-arg max_cudagraph_capture_size=512 \
+      --out "$OUT/offline_8b_1000_s512_split$split.json" 2>&1 | grep -E "tokens in|idle|steps, |rror" | grep -v "tok/s$" \
+      | sed "s/^/split_mixed=$split: /"
+  done
+fi
 # Long offline runs and serving through gRPC (8B shape): BENCH_LONG=1.
 if [ "${BENCH_LONG:-0}" = 1 ]; then
   for seqs in ${LONG_SEQS:-256 512}; do
@@ -341,5 +364,10 @@ if [ "${BENCH_TP:-0}" = 1 ]; then
       --prompt-len 128 --output-len 128 --rounds 2 --client-procs 8 --out "$OUT/serving_1b_dp$dp.json" \
       -- --load-format dummy --dp $dp 2>&1 | grep -E "^C=|rror" | tail -3
   done
+fi
+# Send Triton's compiled kernels back (TRITON_CACHE_OUT=1), in pieces under the 16 MiB a file may be.
+if [ "${TRITON_CACHE_OUT:-0}" = 1 ] && [ -d ~/.triton/cache ]; then
+  tar -czf - -C ~/.triton cache | split -b 15m -d - "$OUT/triton.tgz."
+  ls -la "$OUT"/triton.tgz.*
 fi
 exit "$rc"

@@ -236,17 +236,56 @@ def test_decode_only_step_takes_the_decode_path():
     assert metadata.block_tables.dtype == torch.int32 and metadata.block_tables.is_contiguous()
 
 
-def test_mixed_step_takes_the_extend_path_for_all_rows():
+def test_mixed_step_takes_the_extend_path_for_all_rows_without_the_split():
     seqs = random_seqs([9, 14, 3])
     plans = Plans()
     plans.plan([(seqs[0], 8), (seqs[1], 5)])
     plan = plans.plan([(seqs[0], 1), (seqs[1], 9), (seqs[2], 3)])
-    metadata = _backend().build_metadata(_inputs(plan))
+    backend = _backend()
+    backend.split_mixed = False
+    metadata = backend.build_metadata(_inputs(plan))
     assert not metadata.decode_only and metadata.max_query_len == 9 and metadata.workspace is None
+    assert metadata.decode is None
     assert metadata.query_start_loc.dtype == torch.int32
     assert metadata.query_start_loc.tolist() == [0, 1, 10, 13]
     assert metadata.seq_lens.tolist() == [9, 14, 3]
     assert metadata.slot_mapping.tolist() == plan.slot_mapping.tolist()
+
+
+def test_mixed_step_sends_its_leading_decode_rows_to_the_decode_kernel():
+    """Decodes first (as the scheduler orders them): those rows take the decode path, the rest
+    extend; a decode row after a prefill row stays in the extend part."""
+    seqs = random_seqs([30, 40, 9, 14, 3])
+    plans = Plans()
+    plans.plan([(seqs[0], 29), (seqs[1], 39), (seqs[2], 8), (seqs[4], 2)])
+    plan = plans.plan([(seqs[0], 1), (seqs[1], 1), (seqs[3], 9), (seqs[4], 1), (seqs[2], 1)])
+    metadata = _backend().build_metadata(_inputs(plan))
+    decode = metadata.decode
+    assert not metadata.decode_only and decode is not None and decode.decode_only
+    assert decode.seq_lens.tolist() == [30, 40] and decode.block_tables.shape[0] == 2
+    assert decode.num_splits == triton_kernels.choose_num_splits(2, 2, 40, "cpu")
+    if decode.num_splits > 1:
+        assert decode.workspace[0].shape == (2, 4, decode.num_splits, 16)
+    assert metadata.seq_lens.tolist() == [9, 3, 9] and metadata.block_tables.shape[0] == 3
+    assert metadata.query_start_loc.tolist() == [0, 9, 10, 11] and metadata.max_query_len == 9
+    assert metadata.slot_mapping.tolist() == plan.slot_mapping.tolist()  # every row's K/V is written
+
+
+def test_split_mixed_step_attends_like_one_extend_call():
+    """The same rows through decode + extend and through extend alone give the same output."""
+    torch.manual_seed(0)
+    seqs = random_seqs([30, 40, 9, 14, 3])
+    plans = Plans()
+    plans.plan([(seqs[0], 29), (seqs[1], 39), (seqs[2], 8), (seqs[4], 2)])
+    plan = plans.plan([(seqs[0], 1), (seqs[1], 1), (seqs[3], 9), (seqs[4], 1), (seqs[2], 1)])
+    backend = _backend()
+    k_cache = torch.randn(NUM_BLOCKS, BLOCK_SIZE, 2, 16)
+    v_cache = torch.randn(NUM_BLOCKS, BLOCK_SIZE, 2, 16)
+    q = torch.randn(plan.num_tokens, 4, 16)
+    split = backend.attend(q, k_cache, v_cache, backend.build_metadata(_inputs(plan)), 0.25)
+    backend.split_mixed = False
+    whole = backend.attend(q, k_cache, v_cache, backend.build_metadata(_inputs(plan)), 0.25)
+    torch.testing.assert_close(split, whole, atol=1e-5, rtol=1e-5)
 
 
 def test_decode_graph_metadata_uses_the_static_buffers():

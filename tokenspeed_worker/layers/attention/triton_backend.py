@@ -1,10 +1,13 @@
 """Triton paged attention (kernels in tokenspeed_worker/kernels_triton/attention.py): the GPU default.
 
-Per step, `build_metadata` picks one of two paths from the host plan (no device syncs):
+Per step, `build_metadata` picks the paths from the host plan (no device syncs):
 a decode-only batch (every query is one token) goes to `paged_decode_attention`
 (split-K over the sequence, graph-capturable with a fixed split count); any other
-batch goes to `paged_extend_attention` for all its rows (causal after each request's
-cached context; a decode row is simply a query of length 1). Each layer first writes
+batch goes to `paged_extend_attention` (causal after each request's cached context), except
+its leading decode rows (the scheduler puts decodes first), which still take the decode kernel:
+in the extend kernel a decode row gets one query-tile program per kv head reading its keys with
+1 of its 128 rows used, plus an empty program for every other tile of the step's longest query.
+Each layer first writes
 its K/V at the step's slots with `index_copy_` (a device scatter, graph-safe) in
 `forward`; or, with the fused kernels on (layers/fused_kernels.py), the rotary kernel
 already wrote them and the layer calls `attend`, which only attends.
@@ -79,12 +82,18 @@ class TritonAttentionMetadata:
     num_splits: int | None = None  # decode path only
     workspace: object | None = None  # decode path only: preallocated split-K partials and arrival counters
     single_split_tokens: int = 0  # decode path only: requests of at most this many keys are not split
+    # A mixed batch's leading decode rows (tokens [0, D) of the step), on the decode path; this
+    # metadata's own fields then describe the extend rows [D, B) only (slot_mapping stays whole).
+    decode: "TritonAttentionMetadata | None" = None
 
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graphs = True
     supports_prewritten_kv = True
+    # Mixed batches: leading decode rows on the decode kernel (False: every row through extend, as
+    # before session 9; kept as a switch for benchmarks' A/B runs).
+    split_mixed = True
 
     def __init__(
         self, device: str | torch.device = "cuda", allow_reference: bool = False, kernels: object | None = None
@@ -133,15 +142,34 @@ class TritonAttentionBackend(AttentionBackend):
                 workspace=self._make_workspace(plan.num_reqs, num_splits),
                 single_split_tokens=self.single_split_for(plan.num_reqs),
             )
-        query_start_loc = torch.zeros(plan.num_reqs + 1, dtype=torch.int32, device=inputs.query_lens.device)
-        torch.cumsum(inputs.query_lens, 0, out=query_start_loc[1:])
+        # Leading rows of one query token (D of them) go to the decode kernel, the rest to extend.
+        num_decode = int(np.argmax(host_query_lens != 1)) if self.split_mixed else 0
+        decode = None
+        if num_decode:
+            host_seq_lens = np.asarray(plan.seq_lens)
+            num_splits = self.decode_num_splits(num_decode, int(host_seq_lens[:num_decode].max()))
+            decode = TritonAttentionMetadata(
+                slot_mapping=inputs.slot_mapping[:num_decode],
+                block_tables=block_tables[:num_decode],
+                seq_lens=seq_lens[:num_decode],
+                query_start_loc=None,
+                max_query_len=1,
+                decode_only=True,
+                num_splits=num_splits,
+                workspace=self._make_workspace(num_decode, num_splits),
+                single_split_tokens=self.single_split_for(num_decode),
+            )
+        query_lens = inputs.query_lens[num_decode:]
+        query_start_loc = torch.zeros(query_lens.shape[0] + 1, dtype=torch.int32, device=query_lens.device)
+        torch.cumsum(query_lens, 0, out=query_start_loc[1:])
         return TritonAttentionMetadata(
             slot_mapping=inputs.slot_mapping,
-            block_tables=block_tables,
-            seq_lens=seq_lens,
+            block_tables=block_tables[num_decode:],
+            seq_lens=seq_lens[num_decode:],
             query_start_loc=query_start_loc,
             max_query_len=max_query_len,
             decode_only=False,
+            decode=decode,
         )
 
     def decode_graph_metadata(
@@ -296,17 +324,24 @@ class TritonAttentionBackend(AttentionBackend):
         q = q.contiguous()
         out = torch.empty_like(q)
         if metadata.decode_only:
-            self.kernels.paged_decode_attention(
-                q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens, scale, out,
-                num_splits=metadata.num_splits, workspace=metadata.workspace,
-                single_split_tokens=metadata.single_split_tokens,
-            )
-        else:
-            self.kernels.paged_extend_attention(
-                q, k_cache, v_cache, metadata.block_tables, metadata.query_start_loc, metadata.seq_lens, scale, out,
-                max_query_len=metadata.max_query_len,
-            )
+            self._decode(q, k_cache, v_cache, metadata, scale, out)
+            return out
+        num_decode = 0
+        if metadata.decode is not None:
+            num_decode = metadata.decode.seq_lens.shape[0]
+            self._decode(q[:num_decode], k_cache, v_cache, metadata.decode, scale, out[:num_decode])
+        self.kernels.paged_extend_attention(
+            q[num_decode:], k_cache, v_cache, metadata.block_tables, metadata.query_start_loc, metadata.seq_lens,
+            scale, out[num_decode:], max_query_len=metadata.max_query_len,
+        )
         return out
+
+    def _decode(self, q, k_cache, v_cache, metadata: TritonAttentionMetadata, scale: float, out) -> None:
+        self.kernels.paged_decode_attention(
+            q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens, scale, out,
+            num_splits=metadata.num_splits, workspace=metadata.workspace,
+            single_split_tokens=metadata.single_split_tokens,
+        )
 
 
 # -- reference implementations of the kernels' signatures (plain torch, any device) ----------
