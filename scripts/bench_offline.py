@@ -65,7 +65,9 @@ def breakdown(records: list, shapes: list, busy_ms: list, arithmetic: ModelArith
     """Per kind of step: how many, the GPU's busy time in them, their roofline and its parts
     (GEMM FLOPs, weights, KV), and roofline / busy. Says where the wall time above the roofline goes."""
     kinds: dict = {}
+    busy_by_kind: dict = {}
     for record, shape, busy in zip(records, shapes, busy_ms):
+        busy_by_kind.setdefault(step_kind(*shape), []).append(busy)
         num_tokens, num_sampled, kv_tokens, attended = record
         row = kinds.setdefault(step_kind(*shape), dict.fromkeys(
             ("steps", "decode_rows", "tokens", "busy_s", "roofline_s", "flops_s", "weights_s", "kv_s"), 0.0))
@@ -77,7 +79,9 @@ def breakdown(records: list, shapes: list, busy_ms: list, arithmetic: ModelArith
         row["flops_s"] += arithmetic.step_flops(num_tokens, num_sampled, attended) / flops
         row["weights_s"] += arithmetic.weight_bytes / bandwidth
         row["kv_s"] += arithmetic.kv_bytes_per_token * kv_tokens / bandwidth
-    for row in kinds.values():
+    for kind, row in kinds.items():
+        # A step far above the median is a stall (a kernel compiling on first use, the host late).
+        row["busy_ms_median"], row["busy_ms_max"] = float(np.median(busy_by_kind[kind])), max(busy_by_kind[kind])
         row["fraction_of_roofline"] = row["roofline_s"] / row["busy_s"] if row["busy_s"] else None
         row["mean_decode_rows"] = row.pop("decode_rows") / row["steps"]
     return kinds
@@ -157,7 +161,8 @@ def main() -> int:
     for kind, row in (kinds or {}).items():
         print(f"  {kind}: {row['steps']:.0f} steps, {row['mean_decode_rows']:.0f} decode rows, busy {row['busy_s']:.2f} s, "
               f"roofline {row['roofline_s']:.2f} s ({100 * row['fraction_of_roofline']:.1f}%; flops {row['flops_s']:.2f}, "
-              f"weights {row['weights_s']:.2f}, kv {row['kv_s']:.2f})", flush=True)
+              f"weights {row['weights_s']:.2f}, kv {row['kv_s']:.2f}); step median {row['busy_ms_median']:.1f} ms, "
+              f"max {row['busy_ms_max']:.1f} ms", flush=True)
     write_result(args.out, result)  # before the baseline, which may run out of memory
     if args.hf_baseline_batch:
         del core, arithmetic, gpu_marks

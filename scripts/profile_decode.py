@@ -34,6 +34,10 @@ def main() -> int:
     ap.add_argument("--top", type=int, default=20)
     ap.add_argument("--positions", action="append", default=[], metavar="NAME=PERIOD",
                     help="per-position times of kernel NAME's calls, repeating every PERIOD calls")
+    ap.add_argument("--prefill-requests", type=int, default=0,
+                    help="profile mixed steps instead: once the batch decodes steadily, add this many requests "
+                         "of --prefill-len prompt tokens; the profiled steps prefill them beside the decodes")
+    ap.add_argument("--prefill-len", type=int, default=1000)
     ap.add_argument("--out", default=".cache/profile_decode.json")
     args = ap.parse_args()
     if torch.device(args.device).type != "cuda":
@@ -42,7 +46,8 @@ def main() -> int:
     # prompts take to prefill (chunks of at least 2048 tokens).
     new_tokens = args.steps + 48 + args.batch * args.prompt_len // 2048
     total = args.prompt_len + new_tokens + 16
-    core = build_engine(args, max_model_len=total + 16, max_num_seqs=max(args.batch, 1))
+    total = max(total, args.prefill_len + 16)
+    core = build_engine(args, max_model_len=total + 16, max_num_seqs=max(args.batch + args.prefill_requests, 1))
     rng = np.random.default_rng(0)
     vocab = core.runner.vocab_size
     for i in range(args.batch):
@@ -52,6 +57,8 @@ def main() -> int:
         next(steps)
     for _ in range(16):  # the last prefill chunks, then warm decode steps
         next(steps)
+    for i in range(args.prefill_requests):  # admitted by the next step, prefilled in chunks beside the decodes
+        core.add_request(greedy_request(args.batch + i + 1, rng.integers(10, vocab - 10, args.prefill_len), 4))
     torch.cuda.synchronize()
     from torch.profiler import ProfilerActivity, profile
 
@@ -75,6 +82,8 @@ def main() -> int:
     busy_us = sum(k["us_per_step"] for k in kernels)
     launches = sum(k["calls_per_step"] for k in kernels)
     wall_us = 1e6 * wall / args.steps
+    if args.prefill_requests:
+        print(f"mixed steps: {args.prefill_requests} prompts of {args.prefill_len} tokens beside the decodes")
     print(f"{args.model} batch {args.batch}: wall {wall_us:.0f} us/step, device busy {busy_us:.0f} us/step "
           f"({100 * busy_us / wall_us:.1f}%), {launches:.0f} kernels/step", flush=True)
     print(f"{'us/step':>9} {'calls':>6}  kernel")
@@ -86,6 +95,7 @@ def main() -> int:
         for row in rows:
             print(f"{'':{len(spec) + 1}} {row['position']:8d} {row['calls']:6d} {row['us']:7.2f} {row['gap_before_us']:7.2f}")
     write_result(args.out, {"model": args.model, "batch": args.batch, "steps": args.steps,
+                            "prefill_requests": args.prefill_requests, "prefill_len": args.prefill_len,
                             "positions": positions,
                             "overlap_schedule": core.overlap_schedule,
                             "cuda_graphs": core.runner.cuda_graphs is not None,

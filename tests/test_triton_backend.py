@@ -402,7 +402,7 @@ def test_cuda_triton_kernels_match_torch_backend(name, tiny_model_paths):
     assert_runners_agree(runners, atol=2e-4, rtol=1e-3)
 
 
-def test_warm_up_runs_each_extend_variant_and_leaves_the_cache_alone(monkeypatch):
+def test_warm_up_runs_each_attention_variant_and_leaves_the_cache_alone(monkeypatch):
     # Startup compiles the extend kernel's short-query variants (ModelRunner.warm_up_kernels), so
     # the first prefix-cache hit with a short suffix does not wait for Triton. Here the real kernels
     # run in Triton's interpreter, through a recorder.
@@ -418,15 +418,24 @@ def test_warm_up_runs_each_extend_variant_and_leaves_the_cache_alone(monkeypatch
                                               out, max_query_len=max_query_len)
         assert torch.isfinite(out).all()
 
-    kernels = SimpleNamespace(paged_extend_attention=extend, paged_decode_attention=triton_kernels.paged_decode_attention)
+    def decode(q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_splits, workspace):
+        seen.append(("decode", num_splits))
+        triton_kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, out,
+                                              num_splits=num_splits, workspace=workspace)
+        assert torch.isfinite(out).all()
+
+    kernels = SimpleNamespace(paged_extend_attention=extend, paged_decode_attention=decode,
+                              choose_num_splits=triton_kernels.choose_num_splits,
+                              decode_workspace=triton_kernels.decode_workspace)
     backend = TritonAttentionBackend("cpu", kernels=kernels)
     backend.setup(num_heads=4, num_kv_heads=2, head_dim=16, block_size=BLOCK_SIZE)
     monkeypatch.setattr(TritonAttentionBackend, "WARM_UP_QUERY_LENS", (1, 3, 2 * BLOCK_SIZE + 1))
     k_cache = torch.randn(backend.kv_cache_shape(4, BLOCK_SIZE, 2, 16))
     v_cache = torch.randn_like(k_cache)
     k_before, v_before = k_cache.clone(), v_cache.clone()
-    assert backend.warm_up(k_cache, v_cache, torch.float32) == 3
-    assert seen == [1, 3, 2 * BLOCK_SIZE + 1]
+    assert backend.warm_up(k_cache, v_cache, torch.float32) == 5
+    # ... and the decode kernel both ways: output written directly (one split) and through the workspace
+    assert seen == [1, 3, 2 * BLOCK_SIZE + 1, ("decode", 1), ("decode", 2)]
     assert torch.equal(k_cache, k_before) and torch.equal(v_cache, v_before)
     assert _backend().warm_up(k_cache, v_cache, torch.float32) == 0  # the reference compiles nothing
 

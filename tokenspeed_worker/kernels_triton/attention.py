@@ -240,7 +240,14 @@ if AVAILABLE:
         mantissa bits to bfloat16's 7), and q is clamped to its range."""
         return tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
 
-    @triton.jit
+    # Arguments that change from step to step in eager steps (the plan's block-table width, the
+    # split count, a mixed batch's row offsets into seq_lens and the block tables) are not
+    # specialized on: each distinct divisibility or alignment would be a compile of its own, and
+    # Triton compiles on first use, stalling that step for seconds on a fresh machine (measured:
+    # the 1000/1000 run's mixed steps). They only feed scalar address arithmetic.
+    @triton.jit(do_not_specialize=["stride_table", "stride_pl_batch", "stride_pl_head", "num_splits",
+                                   "single_split_tokens"],
+                do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr", "counter_ptr"])
     def _decode_split_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
         out_ptr, partial_out_ptr, partial_lse_ptr, counter_ptr,
@@ -385,7 +392,8 @@ if AVAILABLE:
                     # next launch (or graph replay), which the kernel boundary orders after this.
                     tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["stride_table"],
+                do_not_specialize_on_alignment=["block_tables_ptr", "query_start_loc_ptr", "seq_lens_ptr"])
     def _extend_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
         scale_log2,

@@ -273,7 +273,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         calls = warm_up(self.kv_cache[0, 0], self.kv_cache[1, 0], self.dtype)
         if calls:
-            logger.info("attention kernels warmed up: %d extend variants in %.1f s", calls, time.perf_counter() - t0)
+            logger.info("attention kernels warmed up: %d variants in %.1f s", calls, time.perf_counter() - t0)
 
     @torch.inference_mode()
     def tune_attention(self) -> dict[int, int]:

@@ -272,11 +272,13 @@ class TritonAttentionBackend(AttentionBackend):
     WARM_UP_QUERY_LENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
     def warm_up(self, k_cache: torch.Tensor, v_cache: torch.Tensor, dtype: torch.dtype) -> int:
-        """Compile the extend kernel's variants now, not in the first request that needs one:
+        """Compile the attention kernels' variants now, not in the first request that needs one:
         Triton compiles a variant on first use, and on an H200 that stalled such a request's first
-        token by 0.5-1 s. Runs one request of each WARM_UP_QUERY_LENS length over block 0 of the
-        given layer cache: reads it, writes nothing to it. Returns the calls made (0 with the
-        reference kernels, which compile nothing)."""
+        token by 0.5-1 s. Runs one extend request of each WARM_UP_QUERY_LENS length, then the decode
+        kernel writing its output directly (one split) and through the workspace (two), as a mixed
+        step's decode rows or an eager decode step may; all over block 0 of the given layer cache:
+        reads it, writes nothing to it. Returns the calls made (0 with the reference kernels, which
+        compile nothing)."""
         if self.uses_reference:
             return 0
         device = k_cache.device
@@ -290,6 +292,15 @@ class TritonAttentionBackend(AttentionBackend):
                 torch.tensor([0, query_len], dtype=torch.int32, device=device),
                 torch.tensor([query_len], dtype=torch.int32, device=device),
                 1.0, torch.empty_like(q), max_query_len=query_len,
+            )
+            calls += 1
+        q = torch.zeros((1, self.num_heads, self.head_dim), dtype=dtype, device=device)
+        table = torch.zeros((1, 1), dtype=torch.int32, device=device)
+        seq_lens = torch.ones(1, dtype=torch.int32, device=device)
+        for num_splits in (1, 2):
+            self.kernels.paged_decode_attention(
+                q, k_cache, v_cache, table, seq_lens, 1.0, torch.empty_like(q), num_splits=num_splits,
+                workspace=self._make_workspace(1, num_splits),
             )
             calls += 1
         if device.type == "cuda":
