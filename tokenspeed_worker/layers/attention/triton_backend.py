@@ -91,8 +91,8 @@ class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graphs = True
     supports_prewritten_kv = True
-    # Mixed batches: leading decode rows on the decode kernel (False: every row through extend, as
-    # before session 9; kept as a switch for benchmarks' A/B runs).
+    # Mixed batches: leading decode rows on the decode kernel (False: every row through the extend
+    # kernel, as before; a switch for the benchmarks' A/B runs).
     split_mixed = True
 
     def __init__(
@@ -129,36 +129,15 @@ class TritonAttentionBackend(AttentionBackend):
         max_query_len = int(host_query_lens.max())
         seq_lens = (inputs.context_lens + inputs.query_lens).to(torch.int32)
         block_tables = inputs.block_tables.contiguous()
+        host_seq_lens = np.asarray(plan.seq_lens)
         if max_query_len == 1:
-            num_splits = self.decode_num_splits(plan.num_reqs, int(np.asarray(plan.seq_lens).max()))
-            return TritonAttentionMetadata(
-                slot_mapping=inputs.slot_mapping,
-                block_tables=block_tables,
-                seq_lens=seq_lens,
-                query_start_loc=None,
-                max_query_len=1,
-                decode_only=True,
-                num_splits=num_splits,
-                workspace=self._make_workspace(plan.num_reqs, num_splits),
-                single_split_tokens=self.single_split_for(plan.num_reqs),
-            )
+            return self._decode_metadata(inputs.slot_mapping, block_tables, seq_lens, int(host_seq_lens.max()))
         # Leading rows of one query token (D of them) go to the decode kernel, the rest to extend.
         num_decode = int(np.argmax(host_query_lens != 1)) if self.split_mixed else 0
         decode = None
         if num_decode:
-            host_seq_lens = np.asarray(plan.seq_lens)
-            num_splits = self.decode_num_splits(num_decode, int(host_seq_lens[:num_decode].max()))
-            decode = TritonAttentionMetadata(
-                slot_mapping=inputs.slot_mapping[:num_decode],
-                block_tables=block_tables[:num_decode],
-                seq_lens=seq_lens[:num_decode],
-                query_start_loc=None,
-                max_query_len=1,
-                decode_only=True,
-                num_splits=num_splits,
-                workspace=self._make_workspace(num_decode, num_splits),
-                single_split_tokens=self.single_split_for(num_decode),
-            )
+            decode = self._decode_metadata(inputs.slot_mapping[:num_decode], block_tables[:num_decode],
+                                           seq_lens[:num_decode], int(host_seq_lens[:num_decode].max()))
         query_lens = inputs.query_lens[num_decode:]
         query_start_loc = torch.zeros(query_lens.shape[0] + 1, dtype=torch.int32, device=query_lens.device)
         torch.cumsum(query_lens, 0, out=query_start_loc[1:])
@@ -177,8 +156,15 @@ class TritonAttentionBackend(AttentionBackend):
     ) -> TritonAttentionMetadata:
         """Metadata over a CUDA graph's static buffers; the split count is fixed for the graph's
         batch size and the longest sequence its block table can hold (later steps' splits may be empty)."""
+        return self._decode_metadata(slot_mapping, block_tables, seq_lens, block_tables.shape[1] * self.block_size)
+
+    def _decode_metadata(
+        self, slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int
+    ) -> TritonAttentionMetadata:
+        """Decode-path metadata for seq_lens.shape[0] rows of at most max_seq_len keys: the split count
+        for them, its workspace (allocated now) and the batch size's single-split threshold."""
         batch_size = seq_lens.shape[0]
-        num_splits = self.decode_num_splits(batch_size, block_tables.shape[1] * self.block_size)
+        num_splits = self.decode_num_splits(batch_size, max_seq_len)
         return TritonAttentionMetadata(
             slot_mapping=slot_mapping,
             block_tables=block_tables,
