@@ -229,15 +229,16 @@ if [ "${BENCH_OVERLAP:-0}" = 1 ]; then
     | grep -v "^{" | tail -6
 fi
 # Where a 1B batch-1 step's time goes (PROFILE_SMALL=1), PDL on and off (with PDL on, a kernel's
-# time includes its wait for the previous one, so the "off" table gives the kernels' own times).
+# time includes its wait for the previous one, so the "off" table gives the kernels' own times),
+# and what the device does between one step's graph and the next (--boundary).
 if [ "${PROFILE_SMALL:-0}" = 1 ]; then
   # Is the batch-1 step host-bound? The GPU's idle time between steps of one 1B request.
   timeout 100 python3 scripts/bench_offline.py --model llama-3.2-1b --num-requests 1 --input-len 128 --output-len 512 \
     --max-num-seqs 1 --out "$OUT/offline_1b_one_request.json" 2>&1 | grep -E "tokens in|idle|rror" | tail -3
   for p in 1 0; do
     TOKENSPEED_PDL=$p timeout 100 python3 scripts/profile_decode.py --model llama-3.2-1b --batch 1 --prompt-len 128 \
-      --positions _skinny_kernel=4 --positions _decode_split_kernel=1 \
-      --steps 16 --top 8 --out "$OUT/profile_1b_b1_pdl$p.json" 2>&1 | grep -v "^20..-\|^STAGE\|Warning\|warn\|^{" | tail -19
+      --positions _skinny_kernel=4 --positions _decode_split_kernel=1 --boundary _argmax_over_chunks,_resolve_pending_kernel \
+      --steps 16 --top 8 --out "$OUT/profile_1b_b1_pdl$p.json" 2>&1 | grep -v "^20..-\|^STAGE\|Warning\|warn\|^{" | tail -28
   done
 fi
 # Where a large decode step's time goes (PROFILE_LARGE=1): 8B, 256 requests of 1024 prompt tokens,

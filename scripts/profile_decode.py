@@ -34,6 +34,10 @@ def main() -> int:
     ap.add_argument("--top", type=int, default=20)
     ap.add_argument("--positions", action="append", default=[], metavar="NAME=PERIOD",
                     help="per-position times of kernel NAME's calls, repeating every PERIOD calls")
+    ap.add_argument("--boundary", default=None, metavar="LAST,FIRST",
+                    help="between steps: the device time from the end of kernel LAST (a step's last, e.g. "
+                         "_argmax_over_chunks) to the start of the next kernel FIRST (the next step's first, e.g. "
+                         "_resolve_pending_kernel), and what ran in between")
     ap.add_argument("--prefill-requests", type=int, default=0,
                     help="profile mixed steps instead: once the batch decodes steadily, add this many requests "
                          "of --prefill-len prompt tokens; the profiled steps prefill them beside the decodes")
@@ -94,7 +98,14 @@ def main() -> int:
         print(f"{spec}: {'position':>8} {'calls':>6} {'us':>7} {'gap us':>7}")
         for row in rows:
             print(f"{'':{len(spec) + 1}} {row['position']:8d} {row['calls']:6d} {row['us']:7.2f} {row['gap_before_us']:7.2f}")
-    write_result(args.out, {"model": args.model, "batch": args.batch, "steps": args.steps,
+    boundary = None
+    if args.boundary:
+        boundary = step_boundaries(device_events(prof), *args.boundary.split(",", 1))
+        print(f"between steps ({args.boundary}): {boundary['gap_us']:.2f} us mean over {boundary['boundaries']} "
+              f"boundaries, of which idle {boundary['idle_us']:.2f} us")
+        for op in boundary["ops"]:
+            print(f"  {op['us']:7.2f} us  {op['name']}")
+    write_result(args.out, {"model": args.model, "batch": args.batch, "steps": args.steps, "boundary": boundary,
                             "prefill_requests": args.prefill_requests, "prefill_len": args.prefill_len,
                             "positions": positions,
                             "overlap_schedule": core.overlap_schedule,
@@ -103,6 +114,43 @@ def main() -> int:
                             "kernels_per_step": launches, "kernels": kernels[:60],
                             "date": time.strftime("%Y-%m-%d")})
     return 0
+
+
+def device_events(prof) -> list:
+    """The profile's device-side events (kernels, copies, memsets) in start order, as (name, start µs, end µs)."""
+    from torch.autograd import DeviceType
+
+    events = (e for e in prof.events() if e.device_type == DeviceType.CUDA)
+    return sorted(((e.name, e.time_range.start, e.time_range.end) for e in events), key=lambda e: e[1])
+
+
+def step_boundaries(events: list, last: str, first: str) -> dict:
+    """Each step boundary: the end of a `last` kernel to the start of the next `first` one (name
+    prefixes). Returns the mean span, the mean idle time inside it (no device event running) and the
+    events inside it by name, each with its mean device time per boundary."""
+    spans, idle, ops = [], [], {}
+    open_at = None  # end of the last `last` kernel not yet followed by a `first` one
+    inside: list = []
+    for name, start, end in events:
+        if open_at is not None and name.startswith(first):
+            spans.append(start - open_at)
+            busy, cursor = 0.0, open_at
+            for _, s0, e0 in inside:  # union of the events' intervals inside the span
+                s0, e0 = max(s0, cursor), min(e0, start)
+                if e0 > s0:
+                    busy += e0 - s0
+                    cursor = e0
+            idle.append(spans[-1] - busy)
+            for op_name, s0, e0 in inside:
+                ops[op_name] = ops.get(op_name, 0.0) + (e0 - s0)
+            open_at, inside = None, []
+        if name.startswith(last):
+            open_at, inside = end, []
+        elif open_at is not None:
+            inside.append((name, start, end))
+    n = len(spans)
+    return {"boundaries": n, "gap_us": float(np.mean(spans)) if n else 0.0, "idle_us": float(np.mean(idle)) if n else 0.0,
+            "ops": sorted(({"name": k[:110], "us": v / n} for k, v in ops.items()), key=lambda o: -o["us"]) if n else []}
 
 
 def by_position(prof, name: str, period: str) -> list[dict]:

@@ -1,0 +1,46 @@
+"""The benchmark scripts' analysis helpers (pure functions over recorded steps and profiler events)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+
+import bench_offline  # noqa: E402
+import profile_decode  # noqa: E402
+from sim_admission import LLAMA_8B  # noqa: E402
+
+
+def test_step_boundaries_measure_the_span_between_steps_and_its_idle_time():
+    events = [("layer", 0, 10), ("_argmax_over_chunks", 10, 12), ("Memcpy DtoH", 14, 16), ("Memcpy HtoD", 18, 19),
+              ("_resolve_pending_kernel", 22, 23), ("layer", 23, 40), ("_argmax_over_chunks", 40, 42),
+              ("Memcpy DtoH", 43, 45), ("_resolve_pending_kernel", 50, 51), ("layer", 51, 60)]
+    result = profile_decode.step_boundaries(events, "_argmax_over_chunks", "_resolve_pending_kernel")
+    assert result["boundaries"] == 2
+    assert result["gap_us"] == pytest.approx((10 + 8) / 2)  # 12 -> 22 and 42 -> 50
+    assert result["idle_us"] == pytest.approx((7 + 6) / 2)
+    assert result["ops"] == [{"name": "Memcpy DtoH", "us": 2.0}, {"name": "Memcpy HtoD", "us": 0.5}]
+    assert profile_decode.step_boundaries(events[:2], "_argmax_over_chunks", "_resolve_pending_kernel")["boundaries"] == 0
+
+
+def test_offline_breakdown_sums_each_kind_of_step_against_its_roofline():
+    # (tokens, sampled rows, KV tokens read, keys attended) and (decode rows, prefill tokens) per step
+    records = [(432, 432, 432 * 1500, 432 * 1500), (430, 430, 430 * 1600, 430 * 1600),
+               (8192, 340, 8000 + 192 * 1500, 8 * 500_500 + 192 * 1500), (8192, 8, 8192, 8 * 512_512)]
+    shapes = [(432, 0), (430, 0), (192, 8000), (0, 8192)]
+    busy_ms = [33.0, 34.0, 210.0, 180.0]
+    kinds = bench_offline.breakdown(records, shapes, busy_ms, LLAMA_8B, 790e12, 4.15e12)
+    assert set(kinds) == {"decode, > 320 rows", "mixed (prefill + decode rows)", "prefill only"}
+    decode = kinds["decode, > 320 rows"]
+    assert decode["steps"] == 2 and decode["busy_s"] == pytest.approx(0.067)
+    assert decode["busy_ms_median"] == pytest.approx(33.5) and decode["busy_ms_max"] == 34.0
+    assert decode["mean_decode_rows"] == 431
+    expected = sum(LLAMA_8B.minimum_seconds(r, 790e12, 4.15e12) for r in records[:2])
+    assert decode["roofline_s"] == pytest.approx(expected)
+    assert decode["flops_s"] + decode["weights_s"] + decode["kv_s"] == pytest.approx(expected)
+    assert decode["fraction_of_roofline"] == pytest.approx(expected / 0.067)
+    assert kinds["mixed (prefill + decode rows)"]["mean_decode_rows"] == 192
+    assert bench_offline.step_kind(100, 0) == "decode, <= 128 rows" and bench_offline.step_kind(200, 0) == "decode, <= 320 rows"
