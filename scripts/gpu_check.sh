@@ -105,13 +105,19 @@ if [ "${BENCH_PDL:-0}" = 1 ]; then
 fi
 # A/B of one change, batch-1 latency, alternating rounds on one machine: ab_latency MODEL LABEL PATCH
 # runs bench_latency.py after the Python statement PATCH (empty: the defaults).
-ab_latency() {
-  PATCH="$3" timeout 100 python3 -c "
+# run_patched SECONDS PATCH SCRIPT ARGS...: scripts/SCRIPT after the Python statement PATCH.
+run_patched() {
+  local seconds=$1 patch=$2 script=$3
+  shift 3
+  PATCH="$patch" timeout "$seconds" python3 -c "
 import os, runpy, sys
 sys.path.insert(0, 'scripts')
 exec(os.environ['PATCH'])
-sys.argv = ['bench_latency.py'] + sys.argv[1:]
-runpy.run_path('scripts/bench_latency.py', run_name='__main__')" --model "$1" --prompt-len 128 --new-tokens 128 \
+sys.argv = ['$script'] + sys.argv[1:]
+runpy.run_path('scripts/$script', run_name='__main__')" "$@"
+}
+ab_latency() {
+  run_patched 100 "$3" bench_latency.py --model "$1" --prompt-len 128 --new-tokens 128 \
     --out "$OUT/latency_${1}_$2.json" 2>&1 | grep -E "decode:|rror|one program" | cut -c1-240 | sed "s/^/$1 $2: /" | tail -3
 }
 # ab_on_off LABEL PATCH: AB_ROUNDS (2) rounds of AB_MODELS (1B then 8B), each the defaults (LABEL_on_N) then PATCH (LABEL_off_N).
@@ -277,13 +283,9 @@ fi
 # (MIXED_AB=1) the same with every row of a mixed step through the extend kernel, as before.
 if [ "${BENCH_MIXED:-0}" = 1 ]; then
   for split in 1 ${MIXED_AB:+0}; do
-    PATCH="from tokenspeed_worker.layers.attention.triton_backend import TritonAttentionBackend as B; B.split_mixed = $split == 1" \
-      timeout ${MIXED_TIMEOUT:-330} python3 -c "
-import os, runpy, sys
-sys.path.insert(0, 'scripts')
-exec(os.environ['PATCH'])
-sys.argv = ['bench_offline.py'] + sys.argv[1:]
-runpy.run_path('scripts/bench_offline.py', run_name='__main__')" --model llama-3.1-8b --num-requests 1000 --input-len 1000 \
+    run_patched ${MIXED_TIMEOUT:-330} \
+      "from tokenspeed_worker.layers.attention.triton_backend import TritonAttentionBackend as B; B.split_mixed = $split == 1" \
+      bench_offline.py --model llama-3.1-8b --num-requests 1000 --input-len 1000 \
       --output-len 1000 --max-num-seqs 512 --engine-arg max_cudagraph_capture_size=512 \
       --out "$OUT/offline_8b_1000_s512_split$split.json" 2>&1 | grep -E "tokens in|idle|steps, |rror" | grep -v "tok/s$" \
       | sed "s/^/split_mixed=$split: /"

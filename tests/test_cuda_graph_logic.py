@@ -22,11 +22,12 @@ from tokenspeed_worker.model_executor.cuda_graph import (
     PREFILL_STEP,
     TABLE_TOO_WIDE,
     ROW_BYTES,
+    StepInputs,
     capture_sizes,
     decode_graph_size,
     graph_reserve_bytes,
     max_table_width,
-    pad_decode_inputs,
+    fill_decode_inputs,
     packed_input_bytes,
     padded_batch_size,
     static_buffer_bytes,
@@ -90,6 +91,15 @@ def test_graph_decisions():
     assert decode_graph_size(ones(9, np.int32), 5, sizes, 16) == (None, BATCH_TOO_LARGE)
     assert decode_graph_size(ones(3, np.int32), 17, sizes, 16) == (None, TABLE_TOO_WIDE)
     assert decode_graph_size(ones(3, np.int32), 5, [], 16) == (None, NOT_CAPTURED)
+
+
+def pad_decode_inputs(plan, size: int, dummy_block: int, block_size: int) -> StepInputs:
+    """The plan's B rows, then size - B dummy rows (fill_decode_inputs), in fresh host arrays."""
+    width = max(1, plan.block_tables.shape[1])
+    inputs = StepInputs(np.zeros(size, np.int64), np.zeros(size, np.int64), np.zeros(size, np.int64),
+                        np.ones(size, np.int32), np.zeros((size, width), np.int32))
+    fill_decode_inputs(plan, inputs, dummy_block, block_size)
+    return inputs
 
 
 def test_padded_rows_write_to_and_read_only_the_dummy_block():

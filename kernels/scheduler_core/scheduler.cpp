@@ -122,6 +122,8 @@ int32_t Scheduler::schedule_prefill_continuations(std::vector<ScheduledRow>& row
 }
 
 void Scheduler::schedule_admissions(std::vector<ScheduledRow>& rows, int32_t budget) {
+  // Nothing to admit (the usual decode step): skip the reservation's pass over the running requests.
+  if (waiting_.empty() || num_running() >= config_.max_num_seqs) return;
   const int32_t block_size = config_.block_size;
   const bool reserving = config_.schedule_conservativeness > 0;
   const double ratio = reserving ? reserve_ratio() : 0.0;

@@ -174,17 +174,6 @@ def fill_decode_inputs(plan: SchedulePlan, inputs: StepInputs, dummy_block: int,
     inputs.block_tables[num_reqs:, 0] = dummy_block
 
 
-def pad_decode_inputs(plan: SchedulePlan, size: int, dummy_block: int, block_size: int) -> StepInputs:
-    """The plan's B rows, then size - B dummy rows (fill_decode_inputs), in fresh host arrays."""
-    if size < plan.num_reqs:
-        raise ValueError(f"cannot pad {plan.num_reqs} rows to {size}")
-    width = max(1, plan.block_tables.shape[1])
-    inputs = StepInputs(np.zeros(size, np.int64), np.zeros(size, np.int64), np.zeros(size, np.int64),
-                        np.ones(size, np.int32), np.zeros((size, width), np.int32))
-    fill_decode_inputs(plan, inputs, dummy_block, block_size)
-    return inputs
-
-
 def static_buffer_bytes(max_batch: int, max_table_width: int, vocab_size: int, logits_itemsize: int) -> int:
     """Bytes of the static buffers: logits (float32) and the packed inputs (ROW_BYTES a row and the
     block tables). (logits_itemsize, the model dtype's, is kept for the callers; the buffer is float32.)"""
