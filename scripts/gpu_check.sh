@@ -169,6 +169,16 @@ if [ "${AB_ROPE:-0}" = 1 ]; then
     ab_latency llama-3.2-1b rope_off_$round "from tokenspeed_worker.layers import skinny; skinny.norm_qkv_rope = lambda *a, **k: None"
   done
 fi
+# The decode kernel's own rotary + KV write on and off (AB_ATTN_ROPE=1; off: the rotary kernel runs
+# before the attention, as before), after the kernel and backend tests on CUDA (the fused path
+# against the two kernels it replaces, bit for bit); batch-1 latency, AB_ROUNDS x AB_MODELS.
+if [ "${AB_ATTN_ROPE:-0}" = 1 ]; then
+  timeout 240 python3 -m pytest -q -p no:cacheprovider -rf --tb=line tests/test_triton_kernels.py \
+    tests/test_triton_backend.py tests/test_cuda_graph_logic.py -k "${AB_ATTN_ROPE_TESTS:-rope or rotate or gpu or graph}" \
+    2>&1 | tail -12
+  ab_on_off attn_rope "from tokenspeed_worker.layers.attention.triton_backend import TritonAttentionBackend as B
+B.fuse_decode_rope = False"
+fi
 # The decode attention's timed single-split threshold on and off (AB_SINGLE_SPLIT=1), 1B and 8B
 # (off: tune_decode times nothing, so every request splits as before).
 if [ "${AB_SINGLE_SPLIT:-0}" = 1 ]; then

@@ -248,14 +248,18 @@ def test_in_step_tuning_off_or_nothing_to_tune(fresh_decisions):
         skinny.set_step_tuning(previous)
 
 
-def test_tiny_bf16_model_decode_logits_match_the_unfused_path(tiny_model_paths, monkeypatch):
+@pytest.mark.parametrize("attention_rotates", [False, True])
+def test_tiny_bf16_model_decode_logits_match_the_unfused_path(tiny_model_paths, monkeypatch, attention_rotates):
     """A whole bf16 model: prefill (more than 4 rows: unfused either way), then two decode steps
-    of two rows, which take the skinny kernels when forced (q/k/v with the rotary + KV-write
-    epilogue included: the reference triton backend attends over K/V written beforehand)."""
+    of two rows, which take the skinny kernels when forced: q/k/v with the rotary + KV-write
+    epilogue included where the triton backend attends over K/V written beforehand, or without
+    it where the decode attention rotates and writes the cache itself (its default)."""
     from test_triton_backend import BLOCK_SIZE, Plans, random_seqs, reference_triton_backend
 
+    from tokenspeed_worker.layers.attention.triton_backend import TritonAttentionBackend
     from tokenspeed_worker.model_executor.model_runner import ModelRunner
 
+    monkeypatch.setattr(TritonAttentionBackend, "fuse_decode_rope", attention_rotates)
     epilogues = []
     real = gemv.skinny_linear
     monkeypatch.setattr(gemv, "skinny_linear", lambda *a, **kw: epilogues.append(kw.get("rotary") is not None)
@@ -278,7 +282,9 @@ def test_tiny_bf16_model_decode_logits_match_the_unfused_path(tiny_model_paths, 
     for got, expected in zip(logits[2:], logits[:2]):
         torch.testing.assert_close(got, expected, atol=5e-2, rtol=5e-2)
     layers = len(runner.attention_layers)
-    assert epilogues.count(True) == 2 * layers  # each decode step's q/k/v took the rotary epilogue
+    # each decode step's q/k/v took the rotary epilogue, unless the attention rotates
+    assert epilogues.count(True) == (0 if attention_rotates else 2 * layers)
+    assert len(epilogues) > 2 * layers  # the skinny kernels ran
 
 
 @pytest.mark.gpu

@@ -35,6 +35,9 @@ from tokenspeed_worker.scheduler.plan import SchedulePlan
 MODELS = ["llama-gqa-tied", "qwen2-bias", "qwen3-qknorm"]
 BLOCK_SIZE = 4
 NUM_BLOCKS = 96
+# Where the tests that run the real kernels put their tensors: compiled kernels on a GPU machine,
+# Triton's interpreter (CPU tensors) elsewhere.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CUDA = torch.cuda.is_available()
 
 
@@ -418,24 +421,26 @@ def test_warm_up_runs_each_attention_variant_and_leaves_the_cache_alone(monkeypa
                                               out, max_query_len=max_query_len)
         assert torch.isfinite(out).all()
 
-    def decode(q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_splits, workspace):
-        seen.append(("decode", num_splits))
+    def decode(q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_splits, workspace, rope):
+        seen.append(("decode", num_splits, rope is not None))
         triton_kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, out,
-                                              num_splits=num_splits, workspace=workspace)
+                                              num_splits=num_splits, workspace=workspace, rope=rope)
         assert torch.isfinite(out).all()
 
     kernels = SimpleNamespace(paged_extend_attention=extend, paged_decode_attention=decode,
                               choose_num_splits=triton_kernels.choose_num_splits,
                               decode_workspace=triton_kernels.decode_workspace)
-    backend = TritonAttentionBackend("cpu", kernels=kernels)
+    backend = TritonAttentionBackend(DEVICE, kernels=kernels)
     backend.setup(num_heads=4, num_kv_heads=2, head_dim=16, block_size=BLOCK_SIZE)
     monkeypatch.setattr(TritonAttentionBackend, "WARM_UP_QUERY_LENS", (1, 3, 2 * BLOCK_SIZE + 1))
-    k_cache = torch.randn(backend.kv_cache_shape(4, BLOCK_SIZE, 2, 16))
+    k_cache = torch.randn(backend.kv_cache_shape(4, BLOCK_SIZE, 2, 16), device=DEVICE)
     v_cache = torch.randn_like(k_cache)
     k_before, v_before = k_cache.clone(), v_cache.clone()
-    assert backend.warm_up(k_cache, v_cache, torch.float32) == 5
-    # ... and the decode kernel both ways: output written directly (one split) and through the workspace
-    assert seen == [1, 3, 2 * BLOCK_SIZE + 1, ("decode", 1), ("decode", 2)]
+    assert backend.warm_up(k_cache, v_cache, torch.float32) == 7
+    # ... and the decode kernel both ways: output written directly (one split) and through the
+    # workspace, each without and with its own rotary + KV write (whose slot is put back)
+    assert seen == [1, 3, 2 * BLOCK_SIZE + 1, ("decode", 1, False), ("decode", 2, False), ("decode", 1, True),
+                    ("decode", 2, True)]
     assert torch.equal(k_cache, k_before) and torch.equal(v_cache, v_before)
     assert _backend().warm_up(k_cache, v_cache, torch.float32) == 0  # the reference compiles nothing
 
@@ -527,9 +532,9 @@ def test_a_tuned_threshold_decodes_like_the_torch_backend(tiny_model_paths):
     kernels = SimpleNamespace(paged_decode_attention=decode, paged_extend_attention=triton_kernels.paged_extend_attention,
                               choose_num_splits=triton_kernels.choose_num_splits,
                               decode_workspace=triton_kernels.decode_workspace)
-    backend = TritonAttentionBackend("cpu", kernels=kernels)
-    runners = [ModelRunner(path, dtype="float32", block_size=BLOCK_SIZE),
-               ModelRunner(path, dtype="float32", block_size=BLOCK_SIZE, attention_backend=backend)]
+    backend = TritonAttentionBackend(DEVICE, kernels=kernels)
+    runners = [ModelRunner(path, dtype="float32", device=DEVICE, block_size=BLOCK_SIZE),
+               ModelRunner(path, dtype="float32", device=DEVICE, block_size=BLOCK_SIZE, attention_backend=backend)]
     for runner in runners:
         runner.allocate_kv_cache(NUM_BLOCKS)
     backend.single_split_tokens = {4: 1024}
@@ -542,6 +547,52 @@ def test_a_tuned_threshold_decodes_like_the_torch_backend(tiny_model_paths):
         expected, got = (runner.forward_all_logits(plan) for runner in runners)
         torch.testing.assert_close(got, expected, atol=2e-4, rtol=1e-3)
     assert thresholds and set(thresholds) == {1024}  # every layer's decode call got it
+
+
+def test_decode_steps_rotate_inside_the_decode_kernel_and_match_the_torch_backend(tiny_model_paths, monkeypatch):
+    # The real kernels (Triton's interpreter on CPU) with the fused kernels forced: a decode step's
+    # layers each make one decode call that rotates q and k and writes the cache (no rotary kernel
+    # before it), a prefill's do not; the logits match the torch backend's, and the cache the
+    # decode steps wrote serves the next step as the rotary kernel's would.
+    from types import SimpleNamespace
+
+    from tokenspeed_worker.kernels_triton import rotary
+    from tokenspeed_worker.layers.fused_kernels import fused_kernels
+
+    path = str(tiny_model_paths["llama-gqa-tied"])
+    calls = []
+
+    def decode(*args, **kwargs):
+        calls.append(kwargs.get("rope") is not None)
+        triton_kernels.paged_decode_attention(*args, **kwargs)
+
+    rotary_calls = []
+    real_rotary = rotary.rope_and_write_kv
+    monkeypatch.setattr(rotary, "rope_and_write_kv", lambda *a, **kw: rotary_calls.append(a[0].shape[0])
+                        or real_rotary(*a, **kw))
+    kernels = SimpleNamespace(paged_decode_attention=decode, paged_extend_attention=triton_kernels.paged_extend_attention,
+                              choose_num_splits=triton_kernels.choose_num_splits,
+                              decode_workspace=triton_kernels.decode_workspace)
+    backend = TritonAttentionBackend(DEVICE, kernels=kernels)
+    runners = [ModelRunner(path, dtype="float32", device=DEVICE, block_size=BLOCK_SIZE),
+               ModelRunner(path, dtype="float32", device=DEVICE, block_size=BLOCK_SIZE, attention_backend=backend)]
+    for runner in runners:
+        runner.allocate_kv_cache(NUM_BLOCKS)
+    layers = len(runners[1].attention_layers)
+    seqs = random_seqs([40, 90, 17], seed=5)
+    plans = Plans(seed=5)
+    steps = [plans.plan([(s, len(s.tokens) - 2) for s in seqs])]
+    with fused_kernels("force"):
+        for step in range(2):
+            if step:
+                for s in seqs:
+                    s.tokens.append(11)
+            steps.append(plans.plan([(s, 1) for s in seqs]))
+            for plan in steps[-2 if step == 0 else -1:]:
+                expected, got = (runner.forward_all_logits(plan) for runner in runners)
+                torch.testing.assert_close(got, expected, atol=2e-4, rtol=1e-3)
+    assert calls == [True] * (2 * layers)  # both decode steps, every layer: rotated in the kernel
+    assert rotary_calls == [sum(len(s.tokens) - 3 for s in seqs)] * layers  # the prefill's rotary kernel only
 
 
 @pytest.mark.gpu

@@ -318,6 +318,104 @@ def test_decode_reads_strided_q_and_writes_strided_out():
     assert (out_buffer[:, 1::2] == 7.0).all()
 
 
+def _rope_decode_inputs(case: PagedCase, seed: int = 0, cache_dtype: torch.dtype | None = None):
+    """What the attention layer has before the rotary: the unrotated q, k, v as views into one q/k/v
+    projection output, the rows' positions (seq_len - 1), slots (where the block table puts key
+    seq_len - 1; NaN in the cache, as not yet written) and a RotaryEmbedding over the head."""
+    from test_fused_kernels import _rope
+
+    gen = torch.Generator().manual_seed(seed)
+    batch, heads, kv_heads, head_dim = len(case.seq_lens), case.num_heads, case.num_kv_heads, case.head_dim
+    qkv = (2 * torch.randn(batch, heads + 2 * kv_heads, head_dim, generator=gen)).to(case.q.dtype).to(DEVICE)
+    if cache_dtype is not None:
+        case.k_cache, case.v_cache = case.k_cache.to(cache_dtype), case.v_cache.to(cache_dtype)
+    positions = torch.tensor([n - 1 for n in case.seq_lens], device=DEVICE)
+    slots = torch.stack([case.block_tables[b, (n - 1) // case.block_size].long() * case.block_size
+                         + (n - 1) % case.block_size for b, n in enumerate(case.seq_lens)])
+    for cache in (case.k_cache, case.v_cache):
+        cache.view(-1, kv_heads, head_dim)[slots] = float("nan")
+    q, k, v = qkv[:, :heads], qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:]
+    return q, k, v, positions, slots, _rope(head_dim, max_position=512)
+
+
+@pytest.mark.parametrize(
+    "seq_lens,group,head_dim,dtype,num_splits,single_split",
+    [
+        ([133], 4, 64, torch.bfloat16, None, 0),
+        ([133], 4, 64, torch.bfloat16, 4, 256),
+        ([1, 16, 257], 4, 32, torch.float32, 3, 0),
+        ([1, 16, 257], 1, 64, torch.float16, 1, 0),
+        ([2, 64, 65, 300], 2, 128, torch.bfloat16, 8, 64),
+    ],
+)
+def test_decode_with_rope_equals_rotary_kernel_then_decode(seq_lens, group, head_dim, dtype, num_splits, single_split):
+    # The fused path (rotary + KV write inside the decode kernel) against the two kernels it replaces:
+    # the same rotated key and value bits in the caches at the rows' slots, and the same output up
+    # to the order of the sums (the step's key is folded in after the tiles, not inside one).
+    from tokenspeed_worker.kernels_triton import rotary
+
+    case = _decode_case(seq_lens, group, head_dim, dtype, seed=len(seq_lens) + group)
+    q, k, v, positions, slots, rope = _rope_decode_inputs(case, seed=head_dim)
+    outs, caches = [], []
+    for fused in (True, False):
+        k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
+        out = torch.empty(q.shape, dtype=dtype, device=DEVICE)
+        fused_rope = None
+        q_in = q
+        if fused:
+            fused_rope = attention.DecodeRope(k, v, positions, rope.cos_cache, rope.sin_cache, slots)
+        else:
+            q_in = rotary.rope_and_write_kv(q, k, v, positions, rope.cos_cache, rope.sin_cache, k_cache, v_cache,
+                                            slots)
+        attention.paged_decode_attention(q_in, k_cache, v_cache, case.block_tables, case.seq_lens_t, case.scale, out,
+                                         num_splits=num_splits, single_split_tokens=single_split, rope=fused_rope)
+        outs.append(out)
+        caches.append((k_cache, v_cache))
+    _assert_close(outs[0], outs[1].float(), dtype)
+    for fused_cache, plain_cache in zip(caches[0], caches[1]):
+        assert torch.equal(fused_cache.nan_to_num(7.0), plain_cache.nan_to_num(7.0))  # the spare blocks stay NaN
+
+
+def test_decode_with_rope_into_an_fp8_cache_saturates_like_the_rotary_kernel():
+    from tokenspeed_worker.kernels_triton import rotary
+
+    fp8 = torch.float8_e4m3fn
+    case = _decode_case([40, 129], group=4, head_dim=64, dtype=torch.bfloat16, seed=9)
+    q, k, v, positions, slots, rope = _rope_decode_inputs(case, seed=2, cache_dtype=fp8)
+    k.mul_(300)  # some rotated keys and values saturate at 448
+    v.mul_(300)
+    outs, caches = [], []
+    for fused in (True, False):
+        k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
+        out = torch.empty(q.shape, dtype=q.dtype, device=DEVICE)
+        if fused:
+            rope_args = attention.DecodeRope(k, v, positions, rope.cos_cache, rope.sin_cache, slots)
+            attention.paged_decode_attention(q, k_cache, v_cache, case.block_tables, case.seq_lens_t, case.scale, out,
+                                             num_splits=2, rope=rope_args)
+        else:
+            q_rot = rotary.rope_and_write_kv(q, k, v, positions, rope.cos_cache, rope.sin_cache, k_cache, v_cache,
+                                             slots)
+            attention.paged_decode_attention(q_rot, k_cache, v_cache, case.block_tables, case.seq_lens_t, case.scale,
+                                             out, num_splits=2)
+        outs.append(out)
+        caches.append((k_cache.float().nan_to_num(7.0), v_cache.float().nan_to_num(7.0)))
+    assert caches[0][0].abs().max() == 448.0
+    _assert_close(outs[0], outs[1].float(), torch.bfloat16)
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+
+
+@pytest.mark.parametrize("field", ["k", "cos_cache", "positions"])
+def test_decode_rejects_rope_inputs_that_do_not_fit_and_names_them(field):
+    case = _decode_case([20, 20], group=2, head_dim=32, dtype=torch.float32)
+    q, k, v, positions, slots, rope = _rope_decode_inputs(case)
+    args = dict(k=k, v=v, positions=positions, cos_cache=rope.cos_cache, sin_cache=rope.sin_cache, slot_mapping=slots)
+    args[field] = {"k": k[:, :1], "cos_cache": rope.cos_cache[:, :16], "positions": positions[:1]}[field]
+    with pytest.raises(ValueError, match=field.split("_")[0]):
+        attention.paged_decode_attention(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens_t,
+                                         case.scale, torch.empty(q.shape, device=DEVICE),
+                                         rope=attention.DecodeRope(**args))
+
+
 @pytest.mark.parametrize("which", ["batch", "counter", "pair"])
 def test_decode_rejects_a_workspace_too_small(which):
     case = _decode_case([20, 20], group=1, head_dim=32, dtype=torch.float32)

@@ -29,10 +29,12 @@ they run in Triton's interpreter (TRITON_INTERPRET=1), which is how CI checks th
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
 from tokenspeed_worker.kernels_triton import pdl
+from tokenspeed_worker.layers.kv_cache import saturation_limit
 
 try:
     import triton
@@ -246,12 +248,23 @@ if AVAILABLE:
     # own, and Triton compiles on first use, inside the step that needs it (0.5-1 s a compile on
     # an H200). They only feed scalar address arithmetic, so nothing is lost (the 1000/1000 run's
     # decode steps kept their time, docs/benchmarks.md ninth pass).
+    @triton.jit
+    def _rope_row(x, x_swapped, cos, sin, first_half, dtype: tl.constexpr):
+        """x * cos + rotate_half(x) * sin (neox) over a head's HEAD_DIM columns, rounded as
+        kernels_triton/rotary.py (each product, then the sum, to dtype); x_swapped is x with its
+        halves swapped (column d holds x[(d + HEAD_DIM / 2) % HEAD_DIM]), cos and sin already
+        rounded to dtype, first_half: d < HEAD_DIM / 2."""
+        a = (x.to(tl.float32) * cos).to(dtype).to(tl.float32)
+        b = (x_swapped.to(tl.float32) * sin).to(dtype).to(tl.float32)
+        return tl.where(first_half, a - b, a + b).to(dtype)
+
     @triton.jit(do_not_specialize=["stride_table", "stride_pl_batch", "stride_pl_head", "num_splits",
                                    "single_split_tokens"],
                 do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr", "counter_ptr"])
     def _decode_split_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
         out_ptr, partial_out_ptr, partial_lse_ptr, counter_ptr,
+        k_new_ptr, v_new_ptr, positions_ptr, cos_ptr, sin_ptr, slots_ptr,
         scale_log2,
         stride_q_batch, stride_q_head,
         stride_k_block, stride_k_offset, stride_k_head,
@@ -261,6 +274,7 @@ if AVAILABLE:
         stride_po_batch, stride_po_head, stride_po_split,
         stride_pl_batch, stride_pl_head,
         stride_counter_batch,
+        stride_kn_batch, stride_kn_head, stride_vn_batch, stride_vn_head, stride_cos, stride_sin,
         num_splits,
         single_split_tokens,
         GROUP: tl.constexpr,
@@ -275,6 +289,8 @@ if AVAILABLE:
         DOT_PRECISION: tl.constexpr,
         PDL: tl.constexpr,
         FP16_DOTS: tl.constexpr,
+        ROPE: tl.constexpr,
+        KV_SATURATE: tl.constexpr,
     ):
         batch = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -296,25 +312,50 @@ if AVAILABLE:
         offs_n = tl.arange(0, BLOCK_N)
         heads = kv_head * GROUP + offs_g
         head_ok = offs_g < GROUP
-        if PDL:  # seq_lens and block tables are inputs of the step; q and the new keys come from the kernels before
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
-        q = tl.load(
-            q_ptr + batch.to(tl.int64) * stride_q_batch + heads[:, None] * stride_q_head + offs_d[None, :],
-            mask=head_ok[:, None], other=0.0,
-        )
-        if FP16_DOTS:
-            q = _fp16_query(q)
         table_row = block_tables_ptr + batch.to(tl.int64) * stride_table
         k_head = k_cache_ptr + kv_head.to(tl.int64) * stride_k_head
         v_head = v_cache_ptr + kv_head.to(tl.int64) * stride_v_head
+        if ROPE:  # positions, slots and the cos/sin tables are inputs of the step: read before the wait
+            dtype = q_ptr.dtype.element_ty
+            position = tl.load(positions_ptr + batch).to(tl.int64)
+            cos = tl.load(cos_ptr + position * stride_cos + offs_d).to(dtype).to(tl.float32)
+            sin = tl.load(sin_ptr + position * stride_sin + offs_d).to(dtype).to(tl.float32)
+            first_half = offs_d < HEAD_DIM // 2
+            swapped_d = (offs_d + HEAD_DIM // 2) % HEAD_DIM
+            slot = tl.load(slots_ptr + batch).to(tl.int64)
+        if PDL:  # seq_lens and block tables are inputs of the step; q and the new keys come from the kernels before
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        q_rows = q_ptr + batch.to(tl.int64) * stride_q_batch + heads[:, None] * stride_q_head
+        q = tl.load(q_rows + offs_d[None, :], mask=head_ok[:, None], other=0.0)
+        loop_end = end
+        if ROPE:
+            # q and the step's key arrive unrotated (the q/k/v projection's output): rotate them here,
+            # instead of in a kernel of their own before this one (one launch and one round trip of
+            # q through memory fewer per layer). The program whose keys end the sequence owns the
+            # step's key: its loop stops before it (its cache slot is not written yet) and it folds
+            # the key in from registers after the loop, then writes key and value to the cache.
+            q_swapped = tl.load(q_rows + swapped_d[None, :], mask=head_ok[:, None], other=0.0)
+            q = _rope_row(q, q_swapped, cos[None, :], sin[None, :], first_half[None, :], dtype)
+            k_row = k_new_ptr + batch.to(tl.int64) * stride_kn_batch + kv_head * stride_kn_head
+            k_new = _rope_row(tl.load(k_row + offs_d), tl.load(k_row + swapped_d), cos, sin, first_half, dtype)
+            v_new = tl.load(v_new_ptr + batch.to(tl.int64) * stride_vn_batch + kv_head * stride_vn_head + offs_d)
+            if KV_SATURATE > 0:  # an fp8 cache: e4m3 has no infinity
+                k_new = tl.clamp(k_new.to(tl.float32), -KV_SATURATE, KV_SATURATE)
+                v_new = tl.clamp(v_new.to(tl.float32), -KV_SATURATE, KV_SATURATE)
+            k_new = k_new.to(k_cache_ptr.dtype.element_ty)
+            v_new = v_new.to(v_cache_ptr.dtype.element_ty)
+            owns_newest = (start < seq_len) & (end == seq_len)
+            loop_end = tl.where(owns_newest, end - 1, end)
+        if FP16_DOTS:
+            q = _fp16_query(q)
 
         m_i = tl.full([GROUP_BLOCK], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([GROUP_BLOCK], dtype=tl.float32)
         acc = tl.zeros([GROUP_BLOCK, HEAD_DIM], dtype=tl.float32)
-        for tile_start in range(start, end, BLOCK_N):
+        for tile_start in range(start, loop_end, BLOCK_N):
             pos = tile_start + offs_n
-            key_ok = pos < end
+            key_ok = pos < loop_end
             # Entries past the sequence's last block may be garbage: masked, never read.
             block_id = tl.load(table_row + pos // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
             in_block = (pos % BLOCK_SIZE).to(tl.int64)
@@ -334,6 +375,24 @@ if AVAILABLE:
             )
             acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
             m_i = m_new
+        if ROPE:
+            if owns_newest:
+                # The step's key as one more key of the online softmax, rounded as the tiles are
+                # (q and the key in q's dtype, the weight in q's dtype before it meets the value).
+                k_last = k_new.to(q.dtype).to(tl.float32)
+                score = tl.sum(q.to(tl.float32) * k_last[None, :], axis=1) * scale_log2
+                m_new = tl.maximum(m_i, score)
+                alpha = tl.exp2(m_i - m_new)  # 0 where no tile came before (m_i = -inf)
+                p_last = tl.exp2(score - m_new)
+                l_i = l_i * alpha + p_last
+                acc = acc * alpha[:, None] + (p_last.to(q.dtype).to(tl.float32)[:, None]
+                                              * v_new.to(q.dtype).to(tl.float32)[None, :])
+                m_i = m_new
+                slot_in_block = slot % BLOCK_SIZE
+                tl.store(k_head + (slot // BLOCK_SIZE) * stride_k_block + slot_in_block * stride_k_offset + offs_d,
+                         k_new)
+                tl.store(v_head + (slot // BLOCK_SIZE) * stride_v_block + slot_in_block * stride_v_offset + offs_d,
+                         v_new)
 
         l_i = tl.where(l_i > 0, l_i, 1.0)  # an empty split (nothing stored) must not divide by zero
         split_out = acc / l_i[:, None]
@@ -508,6 +567,38 @@ def _reduce_split_tile(group_pad: int, head_dim: int) -> int:
     return tile
 
 
+@dataclass
+class DecodeRope:
+    """The rotary and KV-cache write that paged_decode_attention can do itself (its `rope`): q is
+    then the unrotated query, and the kernel rotates q and k (neox style over the whole head, the
+    cos/sin tables of layers/rotary.RotaryEmbedding) and writes the rotated k and v into the caches
+    at slot_mapping, as kernels_triton/rotary.rope_and_write_kv would before the attention."""
+
+    k: torch.Tensor  # [B, Hkv, D], unrotated (strided over B and Hkv, contiguous along D)
+    v: torch.Tensor  # [B, Hkv, D]
+    positions: torch.Tensor  # int [B]
+    cos_cache: torch.Tensor  # float32 [max_position, D]
+    sin_cache: torch.Tensor
+    slot_mapping: torch.Tensor  # int [B]: where block_tables puts each row's key seq_len - 1
+
+
+def _check_rope(rope: DecodeRope, q: torch.Tensor, num_kv_heads: int) -> None:
+    batch, _, head_dim = q.shape
+    for name in ("k", "v"):
+        t = getattr(rope, name)
+        if t.shape != (batch, num_kv_heads, head_dim) or t.stride(2) != 1 or t.dtype != q.dtype:
+            raise ValueError(f"rope.{name} {tuple(t.shape)} {t.dtype} must be [{batch}, {num_kv_heads}, {head_dim}] "
+                             f"{q.dtype}, contiguous along the head")
+    if head_dim % 2 or rope.cos_cache.shape[-1] != head_dim or rope.sin_cache.shape != rope.cos_cache.shape:
+        raise ValueError(f"rope.cos_cache {tuple(rope.cos_cache.shape)} and rope.sin_cache "
+                         f"{tuple(rope.sin_cache.shape)} must cover the whole (even) head {head_dim}")
+    if rope.cos_cache.stride(-1) != 1 or rope.sin_cache.stride(-1) != 1:
+        raise ValueError("rope.cos_cache and rope.sin_cache must be contiguous along the head")
+    if rope.positions.shape != (batch,) or rope.slot_mapping.shape != (batch,):
+        raise ValueError(f"rope.positions {tuple(rope.positions.shape)} and rope.slot_mapping "
+                         f"{tuple(rope.slot_mapping.shape)} must be [{batch}]")
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -519,6 +610,7 @@ def paged_decode_attention(
     num_splits: int | None = None,
     workspace: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     single_split_tokens: int = 0,
+    rope: DecodeRope | None = None,
 ) -> None:
     """One query token per request attends its whole sequence in the paged cache; writes `out` in place.
 
@@ -540,6 +632,8 @@ def paged_decode_attention(
     workspace). workspace: decode_workspace(...) made for at least B requests, Hkv kv heads and
     num_splits splits, whose counter is zero (every call leaves it so); made here when None
     (allocate it up front for CUDA-graph capture: nothing is allocated per call then).
+    rope: q is unrotated, and the kernel first does the rotary and the KV write (DecodeRope);
+    None: q is rotated and every row's key seq_len - 1 is already in the cache.
     """
     _require_triton()
     block_size, num_kv_heads, group, head_dim = _check_cache(q, k_cache, v_cache)
@@ -582,10 +676,20 @@ def paged_decode_attention(
                 "see decode_workspace"
             )
         stride_counter = counter.stride(0)
+    if rope is not None:
+        _check_rope(rope, q, num_kv_heads)
+        r = rope
+        rope_args = (r.k, r.v, r.positions, r.cos_cache, r.sin_cache, r.slot_mapping)
+        rope_strides = (r.k.stride(0), r.k.stride(1), r.v.stride(0), r.v.stride(1), r.cos_cache.stride(0),
+                        r.sin_cache.stride(0))
+    else:
+        rope_args = (q, q, seq_lens, q, q, seq_lens)  # unused pointers
+        rope_strides = (0,) * 6
     pdl_on = pdl.enabled(q.device)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens,
         out, partial_out, partial_lse, counter,
+        *rope_args,
         float(scale) * LOG2E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -595,6 +699,7 @@ def paged_decode_attention(
         partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
         partial_lse.stride(0), partial_lse.stride(1),
         stride_counter,
+        *rope_strides,
         num_splits,
         int(single_split_tokens),
         GROUP=group,
@@ -609,6 +714,8 @@ def paged_decode_attention(
         DOT_PRECISION=_dot_precision(q.dtype),
         PDL=pdl_on,
         FP16_DOTS=_fp16_dots(q, k_cache),
+        ROPE=rope is not None,
+        KV_SATURATE=saturation_limit(k_cache.dtype) if rope is not None else 0.0,
         num_warps=4,
         num_stages=2,
         **pdl.launch_options(pdl_on),
@@ -686,6 +793,7 @@ def paged_extend_attention(
 
 __all__ = [
     "AVAILABLE",
+    "DecodeRope",
     "choose_num_splits",
     "decode_workspace",
     "paged_decode_attention",

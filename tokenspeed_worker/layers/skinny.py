@@ -290,13 +290,15 @@ def norm_qkv_rope(norm, attention, x: torch.Tensor, residual: torch.Tensor | Non
     cache: (add +) RMSNorm, q/k/v projection, rotary and the cache write in one kernel (gemv's
     RotaryKV epilogue), when timing finds that faster than `norm_linear` followed by the rotary +
     KV-write kernel (the path `plain` runs, with norm_linear's own choice). None where it cannot
-    apply: the caller then takes that path itself.
+    apply, or where the attention kernel rotates and writes the cache itself (decode steps of the
+    triton backend: Attention.fuses_rope): the caller then takes that path itself.
 
     attention: a LlamaAttention (qkv_proj, rotary_emb, attn, qk_norm, q_size, kv_size)."""
     proj, rope, attn = attention.qkv_proj, attention.rotary_emb, attention.attn
     kernels = _kernels(x, proj.weight)
     if (kernels is None or attention.qk_norm or rope.rotary_dim != attn.head_dim or attn.head_dim % 2
-            or attn.backend is None or not attn.backend.supports_prewritten_kv or not rope.fuses(x)):
+            or attn.backend is None or not attn.backend.supports_prewritten_kv or not rope.fuses(x)
+            or attn.fuses_rope(rope, x, attn_metadata)):  # the attention kernel rotates: nothing to fold
         return None
     half = attn.head_dim // 2
     configs = tuple(c for c in kernels.NORM_CONFIGS if half % c[0] == 0)

@@ -80,6 +80,28 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:
         """Store k, v at the step's slots, then return attention output [T, num_heads, head_dim]."""
 
+    def fuses_rope(self, metadata: object) -> bool:
+        """Whether `attend_rotary` serves this step: the rotary and the KV write done inside the
+        attention kernel (Attention.forward_with_rotary). Default: never."""
+        return False
+
+    def attend_rotary(
+        self,
+        q: torch.Tensor,  # [T, num_heads, head_dim], unrotated
+        k: torch.Tensor,  # [T, num_kv_heads, head_dim], unrotated
+        v: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: object,
+        scale: float,
+        positions: torch.Tensor,  # [T]
+        cos_cache: torch.Tensor,  # float32 [max_position, head_dim]: rotary over the whole head
+        sin_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """Rotary on q and k, k and v written at the step's slots, and attention -> [T, num_heads,
+        head_dim], in the attention kernel itself (steps where `fuses_rope`)."""
+        raise NotImplementedError(f"attention backend {self.name!r} does not fuse the rotary")
+
     def attend(
         self,
         q: torch.Tensor,  # [T, num_heads, head_dim]

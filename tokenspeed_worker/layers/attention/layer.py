@@ -35,14 +35,27 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """Rotary on q and k, then attention -> [T, H * D].
 
-        With a backend that attends over K/V written beforehand and the fused kernels on
-        (rotary_emb.fuses, layers/fused_kernels.py), one kernel rotates q and writes the rotated k
-        and v into the cache, and the backend only attends; otherwise rotary_emb, then forward."""
+        With the fused kernels on (rotary_emb.fuses, layers/fused_kernels.py): where the backend
+        rotates inside its attention kernel (`fuses_rope`: decode steps of the triton backend),
+        one kernel does it all; else, with a backend that attends over K/V written beforehand, one
+        kernel rotates q and writes the rotated k and v into the cache, and the backend only
+        attends; otherwise rotary_emb, then forward."""
+        if self.fuses_rope(rotary_emb, q, attn_metadata):
+            out = self.backend.attend_rotary(
+                q, k, v.view(-1, self.num_kv_heads, self.head_dim), self.k_cache, self.v_cache, attn_metadata,
+                self.scale, positions, rotary_emb.cos_cache, rotary_emb.sin_cache,
+            )
+            return out.view(-1, self.num_heads * self.head_dim)
         if self.backend is not None and self.backend.supports_prewritten_kv and rotary_emb.fuses(q):
             return self.attend_prewritten(self.rope_and_write_kv(positions, q, k, v, rotary_emb, attn_metadata),
                                           attn_metadata)
         q, k = rotary_emb(positions, q, k)
         return self(q, k, v, attn_metadata)
+
+    def fuses_rope(self, rotary_emb: RotaryEmbedding, q: torch.Tensor, attn_metadata: object) -> bool:
+        """Whether forward_with_rotary leaves the rotary and the KV write to the attention kernel."""
+        return (self.backend is not None and rotary_emb.rotary_dim == self.head_dim and rotary_emb.fuses(q)
+                and self.backend.fuses_rope(attn_metadata))
 
     def rope_and_write_kv(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           rotary_emb: RotaryEmbedding, attn_metadata: object) -> torch.Tensor:

@@ -34,9 +34,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from tokenspeed_worker.kernels_triton.attention import DecodeRope
 from tokenspeed_worker.layers.attention.backend import AttentionBackend, AttentionInputs
 from tokenspeed_worker.layers.graph_timing import l2_flush_buffer, time_us
 from tokenspeed_worker.layers.kv_cache import write_kv_cache
+from tokenspeed_worker.layers.rotary import rotate_full_head
 
 # The decode kernel's single-split threshold (tune_decode): contexts tried, in keys; the margin by
 # which one program per kv head must beat the split path to be taken (timing noise must not make a
@@ -94,6 +96,9 @@ class TritonAttentionBackend(AttentionBackend):
     # Mixed batches: leading decode rows on the decode kernel (False: every row through the extend
     # kernel, as before; a switch for the benchmarks' A/B runs).
     split_mixed = True
+    # Decode-only steps: the rotary and the KV write inside the decode kernel (attend_rotary), not in
+    # a kernel of their own before it (False: as before; a switch for the benchmarks' A/B runs).
+    fuse_decode_rope = True
 
     def __init__(
         self, device: str | torch.device = "cuda", allow_reference: bool = False, kernels: object | None = None
@@ -262,9 +267,10 @@ class TritonAttentionBackend(AttentionBackend):
         Triton compiles a variant on first use, and on an H200 that stalled such a request's first
         token by 0.5-1 s. Runs one extend request of each WARM_UP_QUERY_LENS length, then the decode
         kernel writing its output directly (one split) and through the workspace (two), as a mixed
-        step's decode rows or an eager decode step may; all over block 0 of the given layer cache:
-        reads it, writes nothing to it. Returns the calls made (0 with the reference kernels, which
-        compile nothing)."""
+        step's decode rows or an eager decode step may, each also with its own rotary (as decode-only
+        steps run it: q/k/v views of one projection output, int64 positions and slots); all over
+        block 0 of the given layer cache: reads it, and puts back the slot the rotary calls write.
+        Returns the calls made (0 with the reference kernels, which compile nothing)."""
         if self.uses_reference:
             return 0
         device = k_cache.device
@@ -280,15 +286,24 @@ class TritonAttentionBackend(AttentionBackend):
                 1.0, torch.empty_like(q), max_query_len=query_len,
             )
             calls += 1
-        q = torch.zeros((1, self.num_heads, self.head_dim), dtype=dtype, device=device)
+        heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = torch.zeros((1, (heads + 2 * kv_heads) * head_dim), dtype=dtype, device=device)
+        q, k, v = (part.view(1, -1, head_dim) for part in qkv.split([heads * head_dim, kv_heads * head_dim,
+                                                                     kv_heads * head_dim], dim=-1))
         table = torch.zeros((1, 1), dtype=torch.int32, device=device)
         seq_lens = torch.ones(1, dtype=torch.int32, device=device)
-        for num_splits in (1, 2):
-            self.kernels.paged_decode_attention(
-                q, k_cache, v_cache, table, seq_lens, 1.0, torch.empty_like(q), num_splits=num_splits,
-                workspace=self._make_workspace(1, num_splits),
-            )
-            calls += 1
+        zero = torch.zeros(1, dtype=torch.int64, device=device)
+        tables = torch.zeros((1, head_dim), dtype=torch.float32, device=device)
+        slot_0 = (k_cache[0, 0].clone(), v_cache[0, 0].clone())
+        for rope in (None, DecodeRope(k, v, zero, tables, tables, zero)):
+            for num_splits in (1, 2):
+                self.kernels.paged_decode_attention(
+                    q, k_cache, v_cache, table, seq_lens, 1.0, torch.empty(q.shape, dtype=dtype, device=device),
+                    num_splits=num_splits, workspace=self._make_workspace(1, num_splits), rope=rope,
+                )
+                calls += 1
+        k_cache[0, 0].copy_(slot_0[0])
+        v_cache[0, 0].copy_(slot_0[1])
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         return calls
@@ -333,11 +348,25 @@ class TritonAttentionBackend(AttentionBackend):
         )
         return out
 
-    def _decode(self, q, k_cache, v_cache, metadata: TritonAttentionMetadata, scale: float, out) -> None:
+    def fuses_rope(self, metadata: TritonAttentionMetadata) -> bool:
+        """Decode-only steps (eager or in a CUDA graph) take the decode kernel's own rotary."""
+        return self.fuse_decode_rope and metadata.decode_only
+
+    def attend_rotary(self, q, k, v, k_cache, v_cache, metadata: TritonAttentionMetadata, scale: float,
+                      positions, cos_cache, sin_cache) -> torch.Tensor:
+        if not self.fuses_rope(metadata):
+            raise ValueError("attend_rotary serves decode-only steps (fuses_rope)")
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        rope = DecodeRope(k, v, positions, cos_cache, sin_cache, metadata.slot_mapping)
+        self._decode(q, k_cache, v_cache, metadata, scale, out, rope)
+        return out
+
+    def _decode(self, q, k_cache, v_cache, metadata: TritonAttentionMetadata, scale: float, out,
+                rope: DecodeRope | None = None) -> None:
         self.kernels.paged_decode_attention(
             q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens, scale, out,
             num_splits=metadata.num_splits, workspace=metadata.workspace,
-            single_split_tokens=metadata.single_split_tokens,
+            single_split_tokens=metadata.single_split_tokens, rope=rope,
         )
 
 
@@ -393,8 +422,14 @@ def _reference_paged_decode_attention(
     num_splits: int | None = None,
     workspace: object | None = None,
     single_split_tokens: int = 0,
+    rope: DecodeRope | None = None,
 ) -> None:
-    """One query token per request at position seq_len - 1 (the split count does not change the result)."""
+    """One query token per request at position seq_len - 1 (the split count does not change the
+    result); with rope, q and rope.k unrotated: rotated here, k and v written at the slots first."""
+    if rope is not None:
+        q = rotate_full_head(q, rope.positions, rope.cos_cache, rope.sin_cache)
+        k = rotate_full_head(rope.k, rope.positions, rope.cos_cache, rope.sin_cache)
+        write_kv_cache(k_cache, v_cache, rope.slot_mapping, k, rope.v)
     batch_size = q.shape[0]
     query_start_loc = torch.arange(batch_size + 1, dtype=torch.int32, device=q.device)
     _reference_paged_extend_attention(
