@@ -179,6 +179,15 @@ if [ "${AB_ATTN_ROPE:-0}" = 1 ]; then
   ab_on_off attn_rope "from tokenspeed_worker.layers.attention.triton_backend import TritonAttentionBackend as B
 B.fuse_decode_rope = False"
 fi
+# The decode graphs' tail, the float32 widening of the logits and their argmax in one kernel, on and
+# off (AB_LOGITS=1; off: the copy and the two argmax kernels, as before), after its kernel test and
+# the graph tests on CUDA; batch-1 latency, AB_ROUNDS x AB_MODELS.
+if [ "${AB_LOGITS:-0}" = 1 ]; then
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -rf --tb=line tests/test_triton_kernels.py \
+    tests/test_cuda_graph_logic.py tests/test_model_runner.py -k "widen or argmax or graph or gpu" 2>&1 | tail -8
+  ab_on_off logits "from tokenspeed_worker.model_executor.cuda_graph import DecodeGraphs
+DecodeGraphs.fuse_logits_argmax = False"
+fi
 # The decode attention's timed single-split threshold on and off (AB_SINGLE_SPLIT=1), 1B and 8B
 # (off: tune_decode times nothing, so every request splits as before).
 if [ "${AB_SINGLE_SPLIT:-0}" = 1 ]; then

@@ -637,3 +637,35 @@ def test_chunked_argmax_equals_torch_argmax_with_ties(rows, vocab, block):
     wide = torch.full((2 * rows, vocab), float("-inf"), device=DEVICE)
     wide[::2] = scores
     assert torch.equal(sampling.argmax(wide[::2], block=block).cpu(), scores.cpu().argmax(dim=-1))
+
+
+@pytest.mark.parametrize("rows,vocab,block,dtype", [(1, 1000, 128, torch.bfloat16), (5, 4096, 512, torch.float16),
+                                                    (3, 777, 64, torch.float32), (2, 1, 64, torch.bfloat16)])
+def test_widen_and_argmax_equals_the_copy_and_torch_argmax_and_reuses_its_workspace(rows, vocab, block, dtype):
+    # The decode graphs' tail in one launch: the float32 logits and the first maximum of each row,
+    # with ties across chunks; the workspace (counters back at zero) serves the next call, as a
+    # replay reuses it, including a call with fewer rows.
+    from tokenspeed_worker.kernels_triton import sampling
+
+    workspace = sampling.argmax_workspace(rows + 2, vocab, DEVICE, block=block)
+    for seed in range(2):
+        gen = torch.Generator().manual_seed(rows * vocab + seed)
+        logits = torch.randint(-3, 4, (rows, vocab), generator=gen).to(dtype)
+        logits[0, vocab // 2:] = 3.0  # the row's maximum repeats in many chunks: the first must win
+        logits = logits.to(DEVICE)
+        out_logits = torch.full((rows, vocab), 7.0, device=DEVICE)
+        tokens = torch.full((rows,), -1, dtype=torch.int64, device=DEVICE)
+        sampling.widen_and_argmax(logits, out_logits, tokens, workspace, block=block)
+        assert torch.equal(out_logits, logits.float())
+        assert torch.equal(tokens.cpu(), logits.float().cpu().argmax(dim=-1))
+        assert int(workspace[2].abs().sum()) == 0
+        rows = max(1, rows - 1)
+
+
+def test_widen_and_argmax_rejects_a_workspace_too_small():
+    from tokenspeed_worker.kernels_triton import sampling
+
+    logits = torch.zeros((3, 100), device=DEVICE)
+    with pytest.raises(ValueError, match="workspace"):
+        sampling.widen_and_argmax(logits, torch.empty_like(logits), torch.empty(3, dtype=torch.int64, device=DEVICE),
+                                  sampling.argmax_workspace(2, 100, DEVICE))

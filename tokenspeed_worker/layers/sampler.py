@@ -229,6 +229,30 @@ def default_sampling_backend(device: str | torch.device | None = None) -> str:
     return "triton" if on_cuda and triton_sampling_available() else "torch"
 
 
+def greedy_workspace(max_rows: int, vocab_size: int, device: torch.device) -> tuple | None:
+    """widen_and_greedy's scratch (kernels_triton/sampling.argmax_workspace) on CUDA where Triton
+    imports, else None (the unfused path needs none). Allocate outside any CUDA-graph capture."""
+    if torch.device(device).type != "cuda" or not _triton_importable():
+        return None
+    from tokenspeed_worker.kernels_triton.sampling import argmax_workspace
+
+    return argmax_workspace(max_rows, vocab_size, device)
+
+
+def widen_and_greedy(logits: torch.Tensor, out_logits: torch.Tensor, out_tokens: torch.Tensor,
+                     workspace: tuple | None) -> None:
+    """out_logits[:] = logits (float32) and out_tokens[:] = their rows' argmax: one Triton kernel
+    given a workspace (greedy_workspace), else the copy and greedy_argmax. The decode graphs' tail
+    (model_executor/cuda_graph.py)."""
+    if workspace is not None and logits.is_cuda:
+        from tokenspeed_worker.kernels_triton.sampling import widen_and_argmax
+
+        widen_and_argmax(logits, out_logits, out_tokens, workspace)
+        return
+    out_logits.copy_(logits)
+    greedy_argmax(out_logits, out=out_tokens)
+
+
 def greedy_argmax(scores: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """out[:] = the first index of each row's maximum of float [S, V] scores: the Triton kernels
     on CUDA where Triton imports (the sampler's triton backend), else torch.argmax (the same

@@ -13,7 +13,8 @@ the pool with one block more than the scheduler hands out) and attending only to
 (sequence length 1). The LM head output is written as float32 into a static logits buffer
 inside the graph, and the sampler (never inside a graph) reads the real rows there: a view
 when they are the leading rows, else a gathered copy. The graph also takes each row's argmax
-of those logits into the runner's `last_sampled` buffer: for an all-greedy step whose rows
+of those logits into the runner's `last_sampled` buffer (the widening and the argmax are one
+kernel on CUDA, layers/sampler.widen_and_greedy): for an all-greedy step whose rows
 are the leading ones those are the sampled tokens (the engine's sampler then runs no kernel
 and nothing is copied into `last_sampled`); any other step's sampler overwrites them. The
 view is safe because everything
@@ -42,7 +43,7 @@ import torch
 from tokenspeed_worker.layers.attention import AttentionBackend
 from tokenspeed_worker.layers.fused_kernels import use_fused
 from tokenspeed_worker.layers.graph_timing import back_to_back_us
-from tokenspeed_worker.layers.sampler import greedy_argmax
+from tokenspeed_worker.layers.sampler import greedy_workspace, widen_and_greedy
 from tokenspeed_worker.scheduler.plan import SchedulePlan
 
 logger = logging.getLogger(__name__)
@@ -221,6 +222,10 @@ class CaptureReport:
 
 
 class DecodeGraphs:
+    # The LM head's output widened to float32 and its argmax in one kernel (False: the copy and the
+    # two argmax kernels, as before; a switch for the benchmarks' A/B runs).
+    fuse_logits_argmax = True
+
     """The captured decode graphs of one model, their static buffers, and the replay of a plan."""
 
     def __init__(
@@ -276,6 +281,8 @@ class DecodeGraphs:
             self.logits = torch.zeros((self.max_batch, vocab_size), dtype=torch.float32, device=device)
             self.greedy_tokens = last_sampled if last_sampled is not None else torch.zeros(
                 self.max_batch, dtype=torch.int64, device=device)
+            self._argmax_workspace = (greedy_workspace(self.max_batch, vocab_size, device)
+                                      if self.fuse_logits_argmax else None)
             # The host mirrors of the packed buffer, used in turn; each copy's event guards its reuse.
             self._host = [torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
         # Recorded after each mirror's copy; waiting on one never recorded returns at once.
@@ -340,9 +347,9 @@ class DecodeGraphs:
             if self.last_sampled is not None:
                 input_ids = resolve_pending_ids(input_ids, self.last_sampled)
             hidden_states = self.model(input_ids, inputs.positions, metadata)
-            self.logits[:size].copy_(self.model.compute_logits(hidden_states))
             # After the last read of last_sampled above: it may be the same buffer.
-            greedy_argmax(self.logits[:size], out=self.greedy_tokens[:size])
+            widen_and_greedy(self.model.compute_logits(hidden_states), self.logits[:size], self.greedy_tokens[:size],
+                             self._argmax_workspace)
 
         return step
 
