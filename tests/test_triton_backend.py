@@ -595,6 +595,23 @@ def test_decode_steps_rotate_inside_the_decode_kernel_and_match_the_torch_backen
     assert rotary_calls == [sum(len(s.tokens) - 3 for s in seqs)] * layers  # the prefill's rotary kernel only
 
 
+def test_only_small_decode_steps_rotate_inside_the_decode_kernel(monkeypatch):
+    backend = _backend()
+    seqs = random_seqs([5] * 40, seed=2)
+    plans = Plans(seed=2)
+    prefill = backend.build_metadata(_inputs(plans.plan([(s, len(s.tokens) - 1) for s in seqs[:3]])))
+    assert not backend.fuses_rope(prefill)  # the extend kernel has no rotary of its own
+    for rows, fuses in ((1, True), (TritonAttentionBackend.fuse_rope_max_rows, True),
+                        (TritonAttentionBackend.fuse_rope_max_rows + 1, False)):
+        decode = backend.build_metadata(_inputs(plans.plan([(s, 1) for s in seqs[:rows]], advance=False)))
+        assert decode.decode_only and backend.fuses_rope(decode) is fuses
+    monkeypatch.setattr(TritonAttentionBackend, "fuse_decode_rope", False)
+    assert not backend.fuses_rope(decode_metadata := backend.build_metadata(
+        _inputs(plans.plan([(s, 1) for s in seqs[:1]], advance=False))))
+    with pytest.raises(ValueError, match="decode-only"):
+        backend.attend_rotary(None, None, None, None, None, decode_metadata, 1.0, None, None, None)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_tune_decode_on_cuda_picks_a_candidate_for_each_split_batch():

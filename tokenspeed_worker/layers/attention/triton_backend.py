@@ -96,9 +96,13 @@ class TritonAttentionBackend(AttentionBackend):
     # Mixed batches: leading decode rows on the decode kernel (False: every row through the extend
     # kernel, as before; a switch for the benchmarks' A/B runs).
     split_mixed = True
-    # Decode-only steps: the rotary and the KV write inside the decode kernel (attend_rotary), not in
-    # a kernel of their own before it (False: as before; a switch for the benchmarks' A/B runs).
+    # Decode-only steps of at most fuse_rope_max_rows rows: the rotary and the KV write inside the
+    # decode kernel (attend_rotary), not in a kernel of their own before it (False: as before; a
+    # switch for the benchmarks' A/B runs). Small batches are latency-bound, and there the launch
+    # saved pays (docs/benchmarks.md, tenth pass); large ones keep the rotary kernel: the 1000/1000
+    # run with the fusion at every size was 5 % slower than the last session's, unexplained.
     fuse_decode_rope = True
+    fuse_rope_max_rows = 32
 
     def __init__(
         self, device: str | torch.device = "cuda", allow_reference: bool = False, kernels: object | None = None
@@ -349,8 +353,10 @@ class TritonAttentionBackend(AttentionBackend):
         return out
 
     def fuses_rope(self, metadata: TritonAttentionMetadata) -> bool:
-        """Decode-only steps (eager or in a CUDA graph) take the decode kernel's own rotary."""
-        return self.fuse_decode_rope and metadata.decode_only
+        """Decode-only steps (eager or in a CUDA graph) of at most fuse_rope_max_rows rows take the
+        decode kernel's own rotary."""
+        return (self.fuse_decode_rope and metadata.decode_only
+                and metadata.seq_lens.shape[0] <= self.fuse_rope_max_rows)
 
     def attend_rotary(self, q, k, v, k_cache, v_cache, metadata: TritonAttentionMetadata, scale: float,
                       positions, cos_cache, sin_cache) -> torch.Tensor:
