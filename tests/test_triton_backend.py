@@ -517,17 +517,10 @@ def test_tune_decode_needs_cuda_or_a_timer_and_real_kernels():
     assert backend.tune_decode(k_cache, k_cache, torch.float32, [1], 1024) == {}  # CPU, no timer: no timing
 
 
-def test_a_tuned_threshold_decodes_like_the_torch_backend(tiny_model_paths):
-    # The real kernels (Triton's interpreter on CPU) with a threshold above every context: the
-    # decode step runs one program per kv head, and its logits still match the torch backend's.
+def _torch_and_real_kernel_runners(path: str, decode) -> tuple[TritonAttentionBackend, list[ModelRunner]]:
+    """A float32 runner on the torch backend and one on the triton backend whose decode calls go
+    through `decode` (which calls the real kernel: Triton's interpreter on CPU), caches allocated."""
     from types import SimpleNamespace
-
-    path = str(tiny_model_paths["llama-gqa-tied"])
-    thresholds = []
-
-    def decode(*args, **kwargs):
-        thresholds.append(kwargs["single_split_tokens"])
-        triton_kernels.paged_decode_attention(*args, **kwargs)
 
     kernels = SimpleNamespace(paged_decode_attention=decode, paged_extend_attention=triton_kernels.paged_extend_attention,
                               choose_num_splits=triton_kernels.choose_num_splits,
@@ -537,6 +530,20 @@ def test_a_tuned_threshold_decodes_like_the_torch_backend(tiny_model_paths):
                ModelRunner(path, dtype="float32", device=DEVICE, block_size=BLOCK_SIZE, attention_backend=backend)]
     for runner in runners:
         runner.allocate_kv_cache(NUM_BLOCKS)
+    return backend, runners
+
+
+def test_a_tuned_threshold_decodes_like_the_torch_backend(tiny_model_paths):
+    # The real kernels (Triton's interpreter on CPU) with a threshold above every context: the
+    # decode step runs one program per kv head, and its logits still match the torch backend's.
+    path = str(tiny_model_paths["llama-gqa-tied"])
+    thresholds = []
+
+    def decode(*args, **kwargs):
+        thresholds.append(kwargs["single_split_tokens"])
+        triton_kernels.paged_decode_attention(*args, **kwargs)
+
+    backend, runners = _torch_and_real_kernel_runners(path, decode)
     backend.single_split_tokens = {4: 1024}
     seqs = random_seqs([40, 90, 130], seed=3)
     plans = Plans(seed=3)
@@ -554,8 +561,6 @@ def test_decode_steps_rotate_inside_the_decode_kernel_and_match_the_torch_backen
     # layers each make one decode call that rotates q and k and writes the cache (no rotary kernel
     # before it), a prefill's do not; the logits match the torch backend's, and the cache the
     # decode steps wrote serves the next step as the rotary kernel's would.
-    from types import SimpleNamespace
-
     from tokenspeed_worker.kernels_triton import rotary
     from tokenspeed_worker.layers.fused_kernels import fused_kernels
 
@@ -570,14 +575,7 @@ def test_decode_steps_rotate_inside_the_decode_kernel_and_match_the_torch_backen
     real_rotary = rotary.rope_and_write_kv
     monkeypatch.setattr(rotary, "rope_and_write_kv", lambda *a, **kw: rotary_calls.append(a[0].shape[0])
                         or real_rotary(*a, **kw))
-    kernels = SimpleNamespace(paged_decode_attention=decode, paged_extend_attention=triton_kernels.paged_extend_attention,
-                              choose_num_splits=triton_kernels.choose_num_splits,
-                              decode_workspace=triton_kernels.decode_workspace)
-    backend = TritonAttentionBackend(DEVICE, kernels=kernels)
-    runners = [ModelRunner(path, dtype="float32", device=DEVICE, block_size=BLOCK_SIZE),
-               ModelRunner(path, dtype="float32", device=DEVICE, block_size=BLOCK_SIZE, attention_backend=backend)]
-    for runner in runners:
-        runner.allocate_kv_cache(NUM_BLOCKS)
+    backend, runners = _torch_and_real_kernel_runners(path, decode)
     layers = len(runners[1].attention_layers)
     seqs = random_seqs([40, 90, 17], seed=5)
     plans = Plans(seed=5)
