@@ -242,12 +242,6 @@ if AVAILABLE:
         mantissa bits to bfloat16's 7), and q is clamped to its range."""
         return tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
 
-    # Arguments that change from one eager step to the next (the plan's block-table width, the
-    # split count, a mixed batch's row offsets into seq_lens and the block tables) are not
-    # specialized on: each distinct divisibility or 16-byte alignment would be a compile of its
-    # own, and Triton compiles on first use, inside the step that needs it (0.5-1 s a compile on
-    # an H200). They only feed scalar address arithmetic, so nothing is lost (the 1000/1000 run's
-    # decode steps kept their time, docs/benchmarks.md ninth pass).
     @triton.jit
     def _rope_row(x, x_swapped, cos, sin, first_half, dtype: tl.constexpr):
         """x * cos + rotate_half(x) * sin (neox) over a head's HEAD_DIM columns, rounded as
@@ -258,6 +252,12 @@ if AVAILABLE:
         b = (x_swapped.to(tl.float32) * sin).to(dtype).to(tl.float32)
         return tl.where(first_half, a - b, a + b).to(dtype)
 
+    # Arguments that change from one eager step to the next (the plan's block-table width, the
+    # split count, a mixed batch's row offsets into seq_lens and the block tables) are not
+    # specialized on: each distinct divisibility or 16-byte alignment would be a compile of its
+    # own, and Triton compiles on first use, inside the step that needs it (0.5-1 s a compile on
+    # an H200). They only feed scalar address arithmetic, so nothing is lost (the 1000/1000 run's
+    # decode steps kept their time, docs/benchmarks.md ninth pass).
     @triton.jit(do_not_specialize=["stride_table", "stride_pl_batch", "stride_pl_head", "num_splits",
                                    "single_split_tokens"],
                 do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr", "counter_ptr"])

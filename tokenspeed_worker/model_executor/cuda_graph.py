@@ -222,11 +222,11 @@ class CaptureReport:
 
 
 class DecodeGraphs:
+    """The captured decode graphs of one model, their static buffers, and the replay of a plan."""
+
     # The LM head's output widened to float32 and its argmax in one kernel (False: the copy and the
     # two argmax kernels, as before; a switch for the benchmarks' A/B runs).
     fuse_logits_argmax = True
-
-    """The captured decode graphs of one model, their static buffers, and the replay of a plan."""
 
     def __init__(
         self,

@@ -10,7 +10,9 @@ in the extend kernel a decode row gets one query-tile program per kv head readin
 Each layer first writes
 its K/V at the step's slots with `index_copy_` (a device scatter, graph-safe) in
 `forward`; or, with the fused kernels on (layers/fused_kernels.py), the rotary kernel
-already wrote them and the layer calls `attend`, which only attends.
+already wrote them and the layer calls `attend`, which only attends; or, in a decode-only step
+of at most `fuse_rope_max_rows` rows, the layer calls `attend_rotary` and the decode kernel
+rotates q and the step's key and writes the cache itself (no rotary kernel).
 
 Decode batches replayed as CUDA graphs (model_executor/cuda_graph.py) get their
 metadata from `decode_graph_metadata`, built over the graph's static input buffers.
