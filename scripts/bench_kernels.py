@@ -309,10 +309,10 @@ def bench_skinny(device: torch.device, dtype: torch.dtype, timer: Timer, copy_bw
                 with fused_kernels("auto"):
                     expected = unfused()
                     unfused_s = timer(unfused, graph=graph)
-                best = None
+                best, config_us = None, {}
                 configs = gemv.NORM_CONFIGS if "norm" in site else gemv.CONFIGS
                 if site.endswith("rope"):  # columns pair within half a head
-                    configs = [c for c in configs if (head_dim // 2) % c[0] == 0]
+                    configs = [c for c in configs if not isinstance(c, gemv.Persistent) and (head_dim // 2) % c[0] == 0]
                 for config in configs:
                     try:
                         got = fused(config)
@@ -321,15 +321,17 @@ def bench_skinny(device: torch.device, dtype: torch.dtype, timer: Timer, copy_bw
                         print(f"skinny {shape} {site} m={m} {config}: {type(error).__name__}: {error}", flush=True)
                         continue
                     err = (got.float() - expected.float()).abs().max().item()
+                    config_us[str(config)] = seconds * 1e6
                     if best is None or seconds < best[1]:
                         best = (config, seconds, err)
                 if best is None:
                     continue
                 config, seconds, err = best
-                row = {"shape": shape, "site": site, "rows": m, "bytes": moved, "best_config": list(config),
+                row = {"shape": shape, "site": site, "rows": m, "bytes": moved, "best_config": str(config),
                        "time_us": seconds * 1e6, "GBps": moved / seconds / 1e9, "fraction_of_copy": moved / seconds / copy_bw,
                        "unfused_time_us": unfused_s * 1e6, "unfused_GBps": moved / unfused_s / 1e9,
-                       "speedup_vs_unfused": unfused_s / seconds, "max_abs_err_vs_unfused": err}
+                       "speedup_vs_unfused": unfused_s / seconds, "max_abs_err_vs_unfused": err,
+                       "config_us": config_us}
                 rows_out.append(row)
                 print(f"skinny {shape} {site:22s} m={m:2d}: {row['time_us']:7.1f} us {row['GBps']:6.0f} GB/s "
                       f"({100 * row['fraction_of_copy']:5.1f}% of copy) {config}  unfused {row['unfused_time_us']:7.1f} us "

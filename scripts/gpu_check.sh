@@ -117,7 +117,7 @@ sys.argv = ['$script'] + sys.argv[1:]
 runpy.run_path('scripts/$script', run_name='__main__')" "$@"
 }
 ab_latency() {
-  run_patched 100 "$3" bench_latency.py --model "$1" --prompt-len 128 --new-tokens 128 \
+  run_patched ${LATENCY_TIMEOUT:-100} "$3" bench_latency.py --model "$1" --prompt-len 128 --new-tokens 128 \
     --out "$OUT/latency_${1}_$2.json" 2>&1 | grep -E "decode:|rror|one program" | cut -c1-240 | sed "s/^/$1 $2: /" | tail -3
 }
 # ab_on_off LABEL PATCH: AB_ROUNDS (2) rounds of AB_MODELS (1B then 8B), each the defaults (LABEL_on_N) then PATCH (LABEL_off_N).
@@ -187,6 +187,19 @@ if [ "${AB_LOGITS:-0}" = 1 ]; then
     tests/test_cuda_graph_logic.py tests/test_model_runner.py -k "widen or argmax or graph or gpu" 2>&1 | tail -8
   ab_on_off logits "from tokenspeed_worker.model_executor.cuda_graph import DecodeGraphs
 DecodeGraphs.fuse_logits_argmax = False"
+fi
+# Persistent skinny programs (AB_PERSISTENT=1): the skinny kernel tests on CUDA, every
+# configuration of every 1B and 8B site alone at one row (bench_kernels' config_us), then batch-1
+# latency, AB_ROUNDS x AB_MODELS, with the Persistent configurations offered (on) and not (off).
+if [ "${AB_PERSISTENT:-0}" = 1 ]; then
+  if [ "${AB_PERSISTENT_TESTS:-1}" = 1 ]; then
+    timeout 240 python3 -m pytest -q -p no:cacheprovider -rf --tb=line tests/test_skinny_kernels.py 2>&1 | tail -8
+    timeout 150 python3 scripts/bench_kernels.py --only skinny --skinny-rows 1 --out "$OUT/kernels_skinny_persistent.json" \
+      2>&1 | grep -E "^skinny|copy|rror" | tail -14
+  fi
+  ab_on_off persistent "from tokenspeed_worker.kernels_triton import gemv
+gemv.CONFIGS = tuple(c for c in gemv.CONFIGS if not isinstance(c, gemv.Persistent))
+gemv.NORM_CONFIGS = tuple(c for c in gemv.NORM_CONFIGS if not isinstance(c, gemv.Persistent))"
 fi
 # The decode attention's timed single-split threshold on and off (AB_SINGLE_SPLIT=1), 1B and 8B
 # (off: tune_decode times nothing, so every request splits as before).

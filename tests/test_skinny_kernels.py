@@ -65,7 +65,7 @@ def _norm(hidden: int, seed: int) -> RMSNorm:
 
 
 @pytest.mark.parametrize("rows", [1, 3, 4])
-@pytest.mark.parametrize("config", [gemv.CONFIGS[0], gemv.CONFIGS[2]])
+@pytest.mark.parametrize("config", [gemv.CONFIGS[0], gemv.CONFIGS[2], gemv.Persistent(2, 4, 4), gemv.Persistent(4, 8, 2)])
 def test_plain_product_with_ragged_shapes_and_bias(rows, config):
     k, n = 300, 40  # neither a multiple of the blocks
     x, w, b = _randn(rows, k, seed=1), _randn(n, k, seed=2, scale=0.05), _randn(n, seed=3)
@@ -129,6 +129,33 @@ def test_silu_epilogue_over_gate_up_rows():
     torch.testing.assert_close(out.double(), expected.double(), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("rows", [1, 4])
+@pytest.mark.parametrize("with_residual", [True, False])
+@pytest.mark.parametrize("config", [gemv.Persistent(1, 4, 4), gemv.Persistent(4, 8, 2)])
+def test_persistent_programs_match_the_one_shot_kernel(rows, with_residual, config):
+    # 52 strips of 1 or 13 of 4 rows over 2 (interpreter) or #SM x per_sm programs: each program
+    # loops over several strips (CPU) and the last strip is ragged. The input rows are normalized
+    # once per program with the one-shot kernel's roundings: the same residual bits and, the sums'
+    # order aside, the same products.
+    k, n = 264, 52
+    norm = _norm(k, seed=40)
+    x, residual = _randn(rows, k, seed=41, scale=2.0), _randn(rows, k, seed=42)
+    w, b = _randn(n, k, seed=43, scale=0.05), _randn(n, seed=44)
+    kwargs = dict(norm_weight=norm.weight, residual=residual if with_residual else None, eps=norm.eps)
+    got, got_residual = gemv.skinny_linear(x, w, b, **kwargs, config=config)
+    one_shot, one_shot_residual = gemv.skinny_linear(x, w, b, **kwargs, config=(16, 128, 4))
+    with fused_mode("off"):
+        normed = norm(x, residual)[0] if with_residual else norm(x)
+    assert torch.equal(got_residual, one_shot_residual)
+    _close(got, _matmul_reference(normed, w, b))
+    torch.testing.assert_close(got, one_shot, atol=1e-2, rtol=1e-2)
+    gate_up = _randn(2 * n, k, seed=45, scale=0.1)
+    act = gemv.skinny_linear(x, gate_up, **kwargs, silu=True, config=config)[0]
+    assert act.shape == (rows, n)
+    torch.testing.assert_close(act, gemv.skinny_linear(x, gate_up, **kwargs, silu=True, config=(16, 64, 4))[0],
+                               atol=1e-2, rtol=1e-2)
+
+
 def test_refusals():
     x = _randn(5, 64, seed=12)
     with pytest.raises(ValueError, match="at most 4 rows"):
@@ -137,6 +164,9 @@ def test_refusals():
         gemv.skinny_linear(x[:2], _randn(8, 32, seed=13))
     with pytest.raises(ValueError, match="silu"):
         gemv.skinny_linear(x[:2], _randn(9, 64, seed=13), silu=True)
+    wide = _randn(4, 16384, seed=14)  # 4 rows x 16384 held in registers: more than a persistent program takes
+    with pytest.raises(ValueError, match="input elements"):
+        gemv.skinny_linear(wide, _randn(8, 16384, seed=15), config=gemv.Persistent(2, 4, 4))
 
 
 def test_the_layers_take_the_kernel_only_when_told_and_for_few_rows(monkeypatch):
@@ -248,22 +278,27 @@ def test_in_step_tuning_off_or_nothing_to_tune(fresh_decisions):
         skinny.set_step_tuning(previous)
 
 
-@pytest.mark.parametrize("attention_rotates", [False, True])
-def test_tiny_bf16_model_decode_logits_match_the_unfused_path(tiny_model_paths, monkeypatch, attention_rotates):
+@pytest.mark.parametrize("attention_rotates, persistent", [(False, False), (True, False), (True, True)])
+def test_tiny_bf16_model_decode_logits_match_the_unfused_path(tiny_model_paths, monkeypatch, attention_rotates,
+                                                               persistent):
     """A whole bf16 model: prefill (more than 4 rows: unfused either way), then two decode steps
     of two rows, which take the skinny kernels when forced: q/k/v with the rotary + KV-write
     epilogue included where the triton backend attends over K/V written beforehand, or without
-    it where the decode attention rotates and writes the cache itself (its default)."""
+    it where the decode attention rotates and writes the cache itself (its default); with
+    `persistent`, every site but the rotary epilogue's runs a Persistent configuration."""
     from test_triton_backend import BLOCK_SIZE, Plans, random_seqs, reference_triton_backend
 
     from tokenspeed_worker.layers.attention.triton_backend import TritonAttentionBackend
     from tokenspeed_worker.model_executor.model_runner import ModelRunner
 
     monkeypatch.setattr(TritonAttentionBackend, "fuse_decode_rope", attention_rotates)
-    epilogues = []
+    if persistent:  # forced mode runs each site's first configuration
+        monkeypatch.setattr(gemv, "CONFIGS", (gemv.Persistent(2, 4, 4), *gemv.CONFIGS))
+        monkeypatch.setattr(gemv, "NORM_CONFIGS", (gemv.Persistent(4, 8, 2), *gemv.NORM_CONFIGS))
+    epilogues, configs = [], []
     real = gemv.skinny_linear
     monkeypatch.setattr(gemv, "skinny_linear", lambda *a, **kw: epilogues.append(kw.get("rotary") is not None)
-                        or real(*a, **kw))
+                        or configs.append(kw.get("config")) or real(*a, **kw))
     logits = []
     for mode in ("off", "force"):
         runner = ModelRunner(
@@ -285,6 +320,34 @@ def test_tiny_bf16_model_decode_logits_match_the_unfused_path(tiny_model_paths, 
     # each decode step's q/k/v took the rotary epilogue, unless the attention rotates
     assert epilogues.count(True) == (0 if attention_rotates else 2 * layers)
     assert len(epilogues) > 2 * layers  # the skinny kernels ran
+    assert all(isinstance(c, gemv.Persistent) == persistent for c in configs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("shape", ["1b", "8b"])
+@pytest.mark.parametrize("rows", [1, 2])
+def test_persistent_configurations_at_llama_shapes(shape, rows):
+    # Every site of Llama-3.2-1B and -3.1-8B at its real size (down_proj's K = 8192 and 14336: not a
+    # power of two at 8B, so the tile is masked), each Persistent configuration against float64.
+    hidden, qkv_out, inter = {"1b": (2048, 3072, 8192), "8b": (4096, 6144, 14336)}[shape]
+    norm = _norm(hidden, seed=50)
+    x, residual = _randn(rows, hidden, seed=51), _randn(rows, hidden, seed=52)
+    w_qkv, w_o = _randn(qkv_out, hidden, seed=53, scale=0.02), _randn(hidden, hidden, seed=54, scale=0.02)
+    w_gate_up, w_down = _randn(2 * inter, hidden, seed=55, scale=0.02), _randn(hidden, inter, seed=56, scale=0.02)
+    h = _randn(rows, inter, seed=57)
+    normed, expected_residual = norm(x, residual)
+    gate_up = F.linear(normed.double(), w_gate_up.double()).to(DTYPE)
+    for config in (c for c in gemv.CONFIGS if isinstance(c, gemv.Persistent)):
+        out, new_residual = gemv.skinny_linear(x, w_qkv, norm_weight=norm.weight, residual=residual, eps=norm.eps,
+                                               config=config)
+        assert torch.equal(new_residual, expected_residual)
+        _close(out, _matmul_reference(normed, w_qkv))
+        _close(gemv.skinny_linear(x, w_o, config=config)[0], _matmul_reference(x, w_o))
+        _close(gemv.skinny_linear(h, w_down, config=config)[0], _matmul_reference(h, w_down))
+        act = gemv.skinny_linear(x, w_gate_up, norm_weight=norm.weight, residual=residual, eps=norm.eps, silu=True,
+                                 config=config)[0]
+        torch.testing.assert_close(act, SiluAndMul()(gate_up), atol=3e-2, rtol=3e-2)
 
 
 @pytest.mark.gpu
@@ -367,3 +430,5 @@ def test_rotary_epilogue_refuses_shapes_it_cannot_pair():
         gemv.skinny_linear(x, w, rotary=rotary, config=(8, 32, 4))  # half a head (4) is not a multiple of 8
     with pytest.raises(ValueError, match="q/k/v rows"):
         gemv.skinny_linear(x, w[:-head_dim], rotary=rotary, config=(4, 32, 4))
+    with pytest.raises(ValueError, match="no rotary epilogue"):
+        gemv.skinny_linear(x, w, rotary=rotary, config=gemv.Persistent(2, 4, 4))

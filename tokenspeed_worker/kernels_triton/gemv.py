@@ -29,6 +29,8 @@ Importable without triton: AVAILABLE says whether the kernel can be used.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
+from typing import NamedTuple
 
 import torch
 
@@ -52,12 +54,29 @@ except ImportError:  # pragma: no cover - depends on the machine
     AVAILABLE = False
 
 MAX_ROWS = 4  # rows (tokens) the kernel takes: each row is its own accumulator (CUDA cores, not tensor cores)
-# (BLOCK_N, BLOCK_K, num_warps) tried per shape by layers/skinny.py; the first is the default
-# where nothing was timed (CPU, interpreter, or a shape first seen while capturing).
+
+
+class Persistent(NamedTuple):
+    """A persistent configuration: per_sm programs per multiprocessor, each looping over strips of
+    block_n weight rows (the whole of K in one tile); strip s + programs' loads are issued before
+    strip s is multiplied, and the input rows (normalized) are read once per program instead of
+    once per strip. The one-shot grid pays, per strip, a program start, the input rows' L2 round
+    trips and a stretch with no weight loads in flight; here weight loads are in flight throughout."""
+
+    block_n: int
+    num_warps: int
+    per_sm: int
+
+
+PERSISTENT_MAX_ELEMENTS = 32768  # rows x next_power_of_2(K): the input rows held as float32 across the program
+# Tried per shape by layers/skinny.py: one-shot (BLOCK_N, BLOCK_K, num_warps) (one program per
+# BLOCK_N weight rows, looping over K), then Persistent ones. The first is the default where nothing
+# was timed (CPU, interpreter, or a shape first seen while capturing).
 # The wide-K ones (2048) are for long rows such as down_proj's (K = 8192 at 1B, 14336 at 8B), where
 # more bytes per program and iteration keep more loads in flight.
 CONFIGS = ((8, 512, 4), (16, 512, 4), (4, 1024, 4), (16, 256, 4), (32, 256, 8), (4, 2048, 4), (2, 2048, 4),
-           (8, 1024, 8), (4, 2048, 8))
+           (8, 1024, 8), (4, 2048, 8),
+           Persistent(1, 4, 4), Persistent(2, 4, 4), Persistent(2, 8, 2), Persistent(4, 8, 2))
 # Sites with the RMSNorm prologue also try it in one pass (a fourth field, True): the squares are
 # summed alongside the product and 1 / RMS scales the result, instead of every program first reading
 # the row for its RMS. It rounds the normalized input differently from the norm layer (x * w in
@@ -362,6 +381,115 @@ if AVAILABLE:
             if ROWS > 3:
                 _epilogue(acc3, up3, bias_ptr, out_ptr, 3, offs_n, n_ok, stride_out, SILU, HAS_BIAS, LIBDEVICE)
 
+    @triton.jit
+    def _whole_row(x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, row, offs_k, k_ok, pid, K,
+                   stride_x, stride_residual, stride_residual_out, eps,
+                   NORM: tl.constexpr, ADD_RESIDUAL: tl.constexpr, LIBDEVICE: tl.constexpr):
+        """Row `row`'s whole input, float32 (offs_k covers K): x, or the normalized x (+ residual),
+        with _row_rstd's and _row_in's roundings; program 0 writes x + residual."""
+        xt = tl.load(x_ptr + row * stride_x + offs_k, mask=k_ok, other=0.0)
+        if NORM:
+            if ADD_RESIDUAL:
+                rt = tl.load(residual_ptr + row * stride_residual + offs_k, mask=k_ok, other=0.0)
+                xt = (xt.to(tl.float32) + rt.to(tl.float32)).to(x_ptr.dtype.element_ty)
+                tl.store(residual_out_ptr + row * stride_residual_out + offs_k, xt, mask=k_ok & (pid == 0))
+            x32 = xt.to(tl.float32)
+            rstd = _rstd_of(x32 * x32, K, eps, LIBDEVICE)
+            nw = tl.load(norm_weight_ptr + offs_k, mask=k_ok, other=0.0)
+            normed = (x32 * rstd).to(x_ptr.dtype.element_ty)
+            xt = (normed.to(tl.float32) * nw.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        return xt.to(tl.float32)
+
+    @triton.jit
+    def _skinny_persistent_kernel(
+        x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, w_ptr, bias_ptr, out_ptr,
+        N, K, up_offset,
+        stride_x, stride_residual, stride_residual_out, stride_w, stride_out,
+        eps,
+        ROWS: tl.constexpr,
+        NORM: tl.constexpr,
+        ADD_RESIDUAL: tl.constexpr,
+        SILU: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        LIBDEVICE: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        PDL: tl.constexpr,
+    ):
+        # A Persistent configuration: program p takes strips p, p + programs, ... of BLOCK_N weight
+        # rows over the whole of K (BLOCK_K >= K). The next strip's tile is loaded before the current
+        # one is multiplied, so every program keeps a strip of weight loads in flight from its first
+        # load (before the PDL wait: weights are never written by a step) to its last strip; the
+        # input rows are read and normalized once, into registers.
+        pid = tl.program_id(0)
+        programs = tl.num_programs(0)
+        offs_b = tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        first = pid * BLOCK_N + offs_b
+        first_mask = (first < N)[:, None] & k_ok[None, :]
+        w_next = tl.load(w_ptr + first.to(tl.int64)[:, None] * stride_w + offs_k[None, :], mask=first_mask, other=0.0)
+        wu_next = w_next
+        if SILU:
+            wu_next = tl.load(w_ptr + (up_offset + first).to(tl.int64)[:, None] * stride_w + offs_k[None, :],
+                              mask=first_mask, other=0.0)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        x0 = _whole_row(x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, 0, offs_k, k_ok, pid, K, stride_x,
+                        stride_residual, stride_residual_out, eps, NORM, ADD_RESIDUAL, LIBDEVICE)
+        x1 = x0
+        x2 = x0
+        x3 = x0
+        if ROWS > 1:
+            x1 = _whole_row(x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, 1, offs_k, k_ok, pid, K, stride_x,
+                            stride_residual, stride_residual_out, eps, NORM, ADD_RESIDUAL, LIBDEVICE)
+        if ROWS > 2:
+            x2 = _whole_row(x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, 2, offs_k, k_ok, pid, K, stride_x,
+                            stride_residual, stride_residual_out, eps, NORM, ADD_RESIDUAL, LIBDEVICE)
+        if ROWS > 3:
+            x3 = _whole_row(x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, 3, offs_k, k_ok, pid, K, stride_x,
+                            stride_residual, stride_residual_out, eps, NORM, ADD_RESIDUAL, LIBDEVICE)
+        for strip in range(pid, tl.cdiv(N, BLOCK_N), programs):
+            w = w_next.to(tl.float32)
+            wu = wu_next.to(tl.float32)
+            offs_n = strip * BLOCK_N + offs_b
+            n_ok = offs_n < N
+            nxt = offs_n + programs * BLOCK_N  # past N (the last strip): no load, no traffic
+            nxt_mask = (nxt < N)[:, None] & k_ok[None, :]
+            w_next = tl.load(w_ptr + nxt.to(tl.int64)[:, None] * stride_w + offs_k[None, :], mask=nxt_mask, other=0.0)
+            if SILU:
+                wu_next = tl.load(w_ptr + (up_offset + nxt).to(tl.int64)[:, None] * stride_w + offs_k[None, :],
+                                  mask=nxt_mask, other=0.0)
+            acc = tl.sum(w * x0[None, :], axis=1)
+            up = acc
+            if SILU:
+                up = tl.sum(wu * x0[None, :], axis=1)
+            _epilogue(acc, up, bias_ptr, out_ptr, 0, offs_n, n_ok, stride_out, SILU, HAS_BIAS, LIBDEVICE)
+            if ROWS > 1:
+                acc = tl.sum(w * x1[None, :], axis=1)
+                if SILU:
+                    up = tl.sum(wu * x1[None, :], axis=1)
+                _epilogue(acc, up, bias_ptr, out_ptr, 1, offs_n, n_ok, stride_out, SILU, HAS_BIAS, LIBDEVICE)
+            if ROWS > 2:
+                acc = tl.sum(w * x2[None, :], axis=1)
+                if SILU:
+                    up = tl.sum(wu * x2[None, :], axis=1)
+                _epilogue(acc, up, bias_ptr, out_ptr, 2, offs_n, n_ok, stride_out, SILU, HAS_BIAS, LIBDEVICE)
+            if ROWS > 3:
+                acc = tl.sum(w * x3[None, :], axis=1)
+                if SILU:
+                    up = tl.sum(wu * x3[None, :], axis=1)
+                _epilogue(acc, up, bias_ptr, out_ptr, 3, offs_n, n_ok, stride_out, SILU, HAS_BIAS, LIBDEVICE)
+
+
+@lru_cache(maxsize=None)
+def _multiprocessors(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device; 2 elsewhere (the interpreter: a few strips per program)."""
+    if device.type != "cuda":
+        return 2
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
 
 def _rows(t: torch.Tensor, k: int) -> torch.Tensor:
     t = t.reshape(-1, k)
@@ -420,7 +548,16 @@ def skinny_linear(
         raise ValueError("silu needs an even number of weight rows [gate | up] and no bias")
     n = weight.shape[0] // 2 if silu else weight.shape[0]
     out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
-    block_n, block_k, num_warps, *one_pass = config
+    persistent = isinstance(config, Persistent)
+    if persistent:
+        block_n, num_warps, block_k, one_pass = config.block_n, config.num_warps, triton.next_power_of_2(k), ()
+        if rotary is not None:
+            raise ValueError(f"{config} has no rotary epilogue: use a one-shot configuration")
+        if m * block_k > PERSISTENT_MAX_ELEMENTS:
+            raise ValueError(f"{config}: {m} rows x K {k} exceed the {PERSISTENT_MAX_ELEMENTS} input elements a "
+                             f"persistent program holds")
+    else:
+        block_n, block_k, num_warps, *one_pass = config
     if rotary is not None:
         r = rotary
         half = r.head_dim // 2
@@ -452,6 +589,28 @@ def skinny_linear(
     if m == 0 or n == 0:
         return out, residual_out
     pdl_on = pdl.enabled(x.device)
+    if persistent:
+        out_rows = out.view(-1, n)
+        programs = min(triton.cdiv(n, block_n), _multiprocessors(x.device) * config.per_sm)
+        _skinny_persistent_kernel[(programs,)](
+            rows, residual_rows, residual_out_rows, norm_weight if norm_weight is not None else weight, weight,
+            bias if bias is not None else weight, out_rows,
+            n, k, n if silu else 0,
+            rows.stride(0), residual_rows.stride(0), residual_out_rows.stride(0), weight.stride(0), out_rows.stride(0),
+            float(eps),
+            ROWS=m,
+            NORM=norm_weight is not None,
+            ADD_RESIDUAL=norm_weight is not None and residual is not None,
+            SILU=silu,
+            HAS_BIAS=bias is not None,
+            LIBDEVICE=not interpreting(),
+            BLOCK_N=block_n,
+            BLOCK_K=block_k,
+            PDL=pdl_on,
+            num_warps=num_warps,
+            **pdl.launch_options(pdl_on),
+        )
+        return out, residual_out
     if rotary is None:
         out_rows = out.view(-1, n)
         grid = triton.cdiv(n, block_n)
@@ -496,4 +655,5 @@ def skinny_linear(
     return out, residual_out
 
 
-__all__ = ["AVAILABLE", "CONFIGS", "MAX_ROWS", "NORM_CONFIGS", "RotaryKV", "skinny_linear"]
+__all__ = ["AVAILABLE", "CONFIGS", "MAX_ROWS", "NORM_CONFIGS", "PERSISTENT_MAX_ELEMENTS", "Persistent", "RotaryKV",
+           "skinny_linear"]

@@ -301,7 +301,7 @@ def norm_qkv_rope(norm, attention, x: torch.Tensor, residual: torch.Tensor | Non
             or attn.fuses_rope(rope, x, attn_metadata)):  # the attention kernel rotates: nothing to fold
         return None
     half = attn.head_dim // 2
-    configs = tuple(c for c in kernels.NORM_CONFIGS if half % c[0] == 0)
+    configs = tuple(c for c in kernels.NORM_CONFIGS if not isinstance(c, kernels.Persistent) and half % c[0] == 0)
     if not configs:
         return None
     heads, kv_heads, head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
