@@ -197,9 +197,7 @@ if [ "${AB_PERSISTENT:-0}" = 1 ]; then
     timeout 150 python3 scripts/bench_kernels.py --only skinny --skinny-rows 1 --out "$OUT/kernels_skinny_persistent.json" \
       2>&1 | grep -E "^skinny|copy|rror" | tail -14
   fi
-  ab_on_off persistent "from tokenspeed_worker.kernels_triton import gemv
-gemv.CONFIGS = tuple(c for c in gemv.CONFIGS if not isinstance(c, gemv.Persistent))
-gemv.NORM_CONFIGS = tuple(c for c in gemv.NORM_CONFIGS if not isinstance(c, gemv.Persistent))"
+  ab_on_off persistent "import os; os.environ['TOKENSPEED_SKINNY_PERSISTENT'] = '0'"
 fi
 # The decode attention's timed single-split threshold on and off (AB_SINGLE_SPLIT=1), 1B and 8B
 # (off: tune_decode times nothing, so every request splits as before).
@@ -234,7 +232,7 @@ fi
 if [ "${STARTUP_TIME:-0}" = 1 ]; then
   for m in ${STARTUP_MODELS:-llama-3.2-1b llama-3.1-8b}; do
     for tuning in ${STARTUP_TUNING:-1 0}; do
-      TOKENSPEED_STEP_TUNING=$tuning timeout 200 python3 -c '
+      TOKENSPEED_SKINNY_PERSISTENT=${STARTUP_PERSISTENT:-1} TOKENSPEED_STEP_TUNING=$tuning timeout 200 python3 -c '
 import logging, sys, time
 sys.path.insert(0, "scripts")
 logging.basicConfig(level=logging.INFO, format="%(message)s")

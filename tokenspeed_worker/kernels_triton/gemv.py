@@ -28,6 +28,7 @@ Importable without triton: AVAILABLE says whether the kernel can be used.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import NamedTuple
@@ -77,6 +78,9 @@ PERSISTENT_MAX_ELEMENTS = 32768  # rows x next_power_of_2(K): the input rows hel
 CONFIGS = ((8, 512, 4), (16, 512, 4), (4, 1024, 4), (16, 256, 4), (32, 256, 8), (4, 2048, 4), (2, 2048, 4),
            (8, 1024, 8), (4, 2048, 8),
            Persistent(1, 4, 4), Persistent(2, 4, 4), Persistent(2, 8, 2), Persistent(4, 8, 2))
+PERSISTENT_ENV_VAR = "TOKENSPEED_SKINNY_PERSISTENT"  # 0: only the one-shot configurations are timed (A/B, startup)
+if os.environ.get(PERSISTENT_ENV_VAR, "1").strip().lower() in ("0", "off", "false", "no"):
+    CONFIGS = tuple(c for c in CONFIGS if not isinstance(c, Persistent))
 # Sites with the RMSNorm prologue also try it in one pass (a fourth field, True): the squares are
 # summed alongside the product and 1 / RMS scales the result, instead of every program first reading
 # the row for its RMS. It rounds the normalized input differently from the norm layer (x * w in
@@ -483,6 +487,26 @@ if AVAILABLE:
                 _epilogue(acc, up, bias_ptr, out_ptr, 3, offs_n, n_ok, stride_out, SILU, HAS_BIAS, LIBDEVICE)
 
 
+_spills: dict[tuple, int] = {}
+
+
+def spilled_registers(args: tuple, meta: dict, shape_key: tuple) -> int:
+    """Registers the persistent kernel spills for these arguments (compiled, not launched; cached
+    per shape and constexprs). Each persistent program holds its input rows and two weight strips
+    in registers; where that is too much the compiler spills to local memory, which the driver then
+    reserves at launch for every thread the GPU can hold: on an H200 about 800 MiB more device
+    memory after an 8B startup timed spilling configurations (docs/benchmarks.md, eleventh pass),
+    memory the KV pool was sized without. 0 in the interpreter."""
+    if interpreting():
+        return 0
+    key = (*shape_key, *sorted(meta.items()))
+    if key not in _spills:
+        compiled = _skinny_persistent_kernel.warmup(*args, grid=(1,), **meta)
+        compiled._init_handles()  # loads the binary: n_spills is read from it
+        _spills[key] = int(getattr(compiled, "n_spills", 0) or 0)
+    return _spills[key]
+
+
 @lru_cache(maxsize=None)
 def _multiprocessors(device: torch.device) -> int:
     """Multiprocessors of a CUDA device; 2 elsewhere (the interpreter: a few strips per program)."""
@@ -592,24 +616,19 @@ def skinny_linear(
     if persistent:
         out_rows = out.view(-1, n)
         programs = min(triton.cdiv(n, block_n), _multiprocessors(x.device) * config.per_sm)
-        _skinny_persistent_kernel[(programs,)](
-            rows, residual_rows, residual_out_rows, norm_weight if norm_weight is not None else weight, weight,
-            bias if bias is not None else weight, out_rows,
-            n, k, n if silu else 0,
-            rows.stride(0), residual_rows.stride(0), residual_out_rows.stride(0), weight.stride(0), out_rows.stride(0),
-            float(eps),
-            ROWS=m,
-            NORM=norm_weight is not None,
-            ADD_RESIDUAL=norm_weight is not None and residual is not None,
-            SILU=silu,
-            HAS_BIAS=bias is not None,
-            LIBDEVICE=not interpreting(),
-            BLOCK_N=block_n,
-            BLOCK_K=block_k,
-            PDL=pdl_on,
-            num_warps=num_warps,
-            **pdl.launch_options(pdl_on),
-        )
+        args = (rows, residual_rows, residual_out_rows, norm_weight if norm_weight is not None else weight, weight,
+                bias if bias is not None else weight, out_rows,
+                n, k, n if silu else 0,
+                rows.stride(0), residual_rows.stride(0), residual_out_rows.stride(0), weight.stride(0),
+                out_rows.stride(0), float(eps))
+        meta = dict(ROWS=m, NORM=norm_weight is not None, ADD_RESIDUAL=norm_weight is not None and residual is not None,
+                    SILU=silu, HAS_BIAS=bias is not None, LIBDEVICE=not interpreting(), BLOCK_N=block_n,
+                    BLOCK_K=block_k, PDL=pdl_on, num_warps=num_warps, **pdl.launch_options(pdl_on))
+        spills = spilled_registers(args, meta, (x.dtype, weight.dtype, n, k, x.device))
+        if spills:
+            raise ValueError(f"{config} spills {spills} registers at {m} rows x K {k}: refused (a spilling kernel "
+                             f"makes the driver reserve local memory for every resident thread)")
+        _skinny_persistent_kernel[(programs,)](*args, **meta)
         return out, residual_out
     if rotary is None:
         out_rows = out.view(-1, n)
@@ -655,5 +674,5 @@ def skinny_linear(
     return out, residual_out
 
 
-__all__ = ["AVAILABLE", "CONFIGS", "MAX_ROWS", "NORM_CONFIGS", "PERSISTENT_MAX_ELEMENTS", "Persistent", "RotaryKV",
+__all__ = ["AVAILABLE", "CONFIGS", "MAX_ROWS", "NORM_CONFIGS", "PERSISTENT_ENV_VAR", "PERSISTENT_MAX_ELEMENTS", "Persistent", "RotaryKV",
            "skinny_linear"]
