@@ -387,7 +387,7 @@ def test_llama_8b_shapes_and_the_timed_choice(rows):
     w_qkv = _randn(6144, hidden, seed=23, scale=0.02)
     w_gate_up = _randn(2 * inter, hidden, seed=24, scale=0.02)
     w_down = _randn(hidden, inter, seed=25, scale=0.02)
-    for config in gemv.NORM_CONFIGS:
+    for config in (c for c in gemv.NORM_CONFIGS if not isinstance(c, gemv.Persistent)):  # those: the test above
         out, new_residual = gemv.skinny_linear(x, w_qkv, norm_weight=norm.weight, residual=residual, eps=norm.eps,
                                                config=config)
         normed, expected_residual = norm(x, residual)

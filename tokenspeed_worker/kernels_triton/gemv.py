@@ -15,7 +15,9 @@ cuBLAS's own split-K reduction after o_proj and down_proj) cost a launch each: o
 
 Each program streams a strip of weight rows once for all input rows (up to MAX_ROWS), on the
 CUDA cores: at so few rows the product is bound by the weight bytes, and a grid of many small
-programs (all resident at once) keeps enough loads in flight. A first version on the tensor cores
+programs (all resident at once) keeps enough loads in flight. Persistent configurations instead
+run a few programs per multiprocessor that loop over the strips, the next strip's loads in
+flight while the current one is multiplied (class Persistent); on an H200 they win at most sites. A first version on the tensor cores
 (rows padded to 16, tl.dot, software-pipelined tiles) reached only 35-65 % of the copy bandwidth
 on an H200, its few large programs leaving multiprocessors idle (docs/benchmarks.md). No
 library offers these fusions for a skinny product (cuBLAS and cuBLASLt epilogues cannot normalize
