@@ -407,6 +407,16 @@ if AVAILABLE:
         return xt.to(tl.float32)
 
     @triton.jit
+    def _strip_out(w, wu, xr, bias_ptr, out_ptr, row, offs_n, n_ok, stride_out,
+                   SILU: tl.constexpr, HAS_BIAS: tl.constexpr, LIBDEVICE: tl.constexpr):
+        """One input row's products with a strip (w, and wu: its up rows under SILU), through _epilogue."""
+        acc = tl.sum(w * xr[None, :], axis=1)
+        up = acc
+        if SILU:
+            up = tl.sum(wu * xr[None, :], axis=1)
+        _epilogue(acc, up, bias_ptr, out_ptr, row, offs_n, n_ok, stride_out, SILU, HAS_BIAS, LIBDEVICE)
+
+    @triton.jit
     def _skinny_persistent_kernel(
         x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, w_ptr, bias_ptr, out_ptr,
         N, K, up_offset,
@@ -467,26 +477,13 @@ if AVAILABLE:
             if SILU:
                 wu_next = tl.load(w_ptr + (up_offset + nxt).to(tl.int64)[:, None] * stride_w + offs_k[None, :],
                                   mask=nxt_mask, other=0.0)
-            acc = tl.sum(w * x0[None, :], axis=1)
-            up = acc
-            if SILU:
-                up = tl.sum(wu * x0[None, :], axis=1)
-            _epilogue(acc, up, bias_ptr, out_ptr, 0, offs_n, n_ok, stride_out, SILU, HAS_BIAS, LIBDEVICE)
+            _strip_out(w, wu, x0, bias_ptr, out_ptr, 0, offs_n, n_ok, stride_out, SILU, HAS_BIAS, LIBDEVICE)
             if ROWS > 1:
-                acc = tl.sum(w * x1[None, :], axis=1)
-                if SILU:
-                    up = tl.sum(wu * x1[None, :], axis=1)
-                _epilogue(acc, up, bias_ptr, out_ptr, 1, offs_n, n_ok, stride_out, SILU, HAS_BIAS, LIBDEVICE)
+                _strip_out(w, wu, x1, bias_ptr, out_ptr, 1, offs_n, n_ok, stride_out, SILU, HAS_BIAS, LIBDEVICE)
             if ROWS > 2:
-                acc = tl.sum(w * x2[None, :], axis=1)
-                if SILU:
-                    up = tl.sum(wu * x2[None, :], axis=1)
-                _epilogue(acc, up, bias_ptr, out_ptr, 2, offs_n, n_ok, stride_out, SILU, HAS_BIAS, LIBDEVICE)
+                _strip_out(w, wu, x2, bias_ptr, out_ptr, 2, offs_n, n_ok, stride_out, SILU, HAS_BIAS, LIBDEVICE)
             if ROWS > 3:
-                acc = tl.sum(w * x3[None, :], axis=1)
-                if SILU:
-                    up = tl.sum(wu * x3[None, :], axis=1)
-                _epilogue(acc, up, bias_ptr, out_ptr, 3, offs_n, n_ok, stride_out, SILU, HAS_BIAS, LIBDEVICE)
+                _strip_out(w, wu, x3, bias_ptr, out_ptr, 3, offs_n, n_ok, stride_out, SILU, HAS_BIAS, LIBDEVICE)
 
 
 _spills: dict[tuple, int] = {}
