@@ -170,9 +170,28 @@ def test_metrics_counters_histograms_gauges_and_stats_line(worker):
 
 
 def _port_open(port: int) -> bool:
+    """Whether a socket listens on port: binding it (SO_REUSEADDR, which Linux refuses only while a
+    socket listens there) fails. Not a connect() probe: a port from free_port() is in the ephemeral
+    range, and a connect to it with no listener can pick that same port as its source and connect
+    to itself (a flaky CI failure of the test below)."""
     with socket.socket() as s:
-        s.settimeout(1.0)
-        return s.connect_ex(("127.0.0.1", port)) == 0
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+        return False
+
+
+def test_port_probe_sees_listeners_only():
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as prometheus_client's server
+        listener.bind(("0.0.0.0", 0))
+        port = listener.getsockname()[1]
+        assert not _port_open(port)  # bound, not listening
+        listener.listen()
+        assert _port_open(port)
+    assert not _port_open(port)
 
 
 def test_metrics_disabled_means_no_port(model_dir):
