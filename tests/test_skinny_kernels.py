@@ -65,7 +65,8 @@ def _norm(hidden: int, seed: int) -> RMSNorm:
 
 
 @pytest.mark.parametrize("rows", [1, 3, 4])
-@pytest.mark.parametrize("config", [gemv.CONFIGS[0], gemv.CONFIGS[2], gemv.Persistent(2, 4, 4), gemv.Persistent(4, 8, 2)])
+@pytest.mark.parametrize("config", [gemv.CONFIGS[0], gemv.CONFIGS[2], gemv.Persistent(2, 4, 4),
+                                    gemv.Persistent(4, 8, 2)])
 def test_plain_product_with_ragged_shapes_and_bias(rows, config):
     k, n = 300, 40  # neither a multiple of the blocks
     x, w, b = _randn(rows, k, seed=1), _randn(n, k, seed=2, scale=0.05), _randn(n, seed=3)

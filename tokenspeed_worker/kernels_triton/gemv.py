@@ -17,9 +17,10 @@ Each program streams a strip of weight rows once for all input rows (up to MAX_R
 CUDA cores: at so few rows the product is bound by the weight bytes, and a grid of many small
 programs (all resident at once) keeps enough loads in flight. Persistent configurations instead
 run a few programs per multiprocessor that loop over the strips, the next strip's loads in
-flight while the current one is multiplied (class Persistent); on an H200 they win at most sites. A first version on the tensor cores
-(rows padded to 16, tl.dot, software-pipelined tiles) reached only 35-65 % of the copy bandwidth
-on an H200, its few large programs leaving multiprocessors idle (docs/benchmarks.md). No
+flight while the current one is multiplied (class Persistent); on an H200 they win at most
+sites. A first version on the tensor cores (rows padded to 16, tl.dot, software-pipelined tiles)
+reached only 35-65 % of the copy bandwidth on an H200, its few large programs leaving
+multiprocessors idle (docs/benchmarks.md). No
 library offers these fusions for a skinny product (cuBLAS and cuBLASLt epilogues cannot normalize
 the input rows), hence a kernel of our own. layers/skinny.py decides, per shape and row count,
 whether this kernel or the unfused torch/cuBLAS path is faster on the machine, by timing both
@@ -573,7 +574,7 @@ def skinny_linear(
     out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
     persistent = isinstance(config, Persistent)
     if persistent:
-        block_n, num_warps, block_k, one_pass = config.block_n, config.num_warps, triton.next_power_of_2(k), ()
+        block_n, num_warps, block_k = config.block_n, config.num_warps, triton.next_power_of_2(k)
         if rotary is not None:
             raise ValueError(f"{config} has no rotary epilogue: use a one-shot configuration")
         if m * block_k > PERSISTENT_MAX_ELEMENTS:
@@ -673,5 +674,5 @@ def skinny_linear(
     return out, residual_out
 
 
-__all__ = ["AVAILABLE", "CONFIGS", "MAX_ROWS", "NORM_CONFIGS", "PERSISTENT_ENV_VAR", "PERSISTENT_MAX_ELEMENTS", "Persistent", "RotaryKV",
-           "skinny_linear"]
+__all__ = ["AVAILABLE", "CONFIGS", "MAX_ROWS", "NORM_CONFIGS", "PERSISTENT_ENV_VAR", "PERSISTENT_MAX_ELEMENTS",
+           "Persistent", "RotaryKV", "skinny_linear"]
