@@ -106,6 +106,27 @@ def test_completions(stack, model_dir):
     assert "Paris" in r["choices"][0]["text"]
 
 
+def test_completions_echo_with_max_tokens_zero(stack):
+    """How lm-evaluation-harness and other scoring clients ask for the prompt back (the gateway
+    project's test_non_streaming_echo_max_tokens_zero / test_streaming_echo_max_tokens_zero)."""
+    worker, gateway = stack
+    prompt = "The capital of France is"
+    body = {"model": "smollm2", "prompt": prompt, "max_tokens": 0, "temperature": 0, "echo": True}
+    r = post(gateway, "/v1/completions", body)
+    assert r["choices"][0]["text"] == prompt
+    assert r["choices"][0]["finish_reason"] in ("stop", "length")
+    assert r["usage"]["completion_tokens"] == 0
+    texts, reasons = [], []
+    for event in stream_events(gateway, "/v1/completions", body):
+        for choice in event.get("choices", []):
+            texts.append(choice.get("text") or "")
+            if choice.get("finish_reason"):
+                reasons.append(choice["finish_reason"])
+    assert "".join(texts) == prompt and len(reasons) == 1 and reasons[0] in ("stop", "length")
+    load = worker.stub.GetLoads(pb.GetLoadsRequest(), timeout=5).loads[0]
+    assert load.num_running_reqs == 0 and load.num_used_tokens == 0
+
+
 def test_client_dropping_a_stream_frees_its_request(stack):
     worker, gateway = stack
     req = urllib.request.Request(

@@ -251,10 +251,8 @@ BAD = [
     ("negative temperature", lambda: gen(PROMPT, temperature=-0.5), "INVALID_ARGUMENT", "temperature"),
     ("top_p zero", lambda: gen(PROMPT, top_p=0.0), "INVALID_ARGUMENT", "top_p"),
     ("top_p above one", lambda: gen(PROMPT, top_p=1.5), "INVALID_ARGUMENT", "top_p"),
-    ("top_k zero", lambda: gen(PROMPT, top_k=0), "INVALID_ARGUMENT", "top_k"),
     ("top_k below -1", lambda: gen(PROMPT, top_k=-2), "INVALID_ARGUMENT", "top_k"),
     ("min_p above one", lambda: gen(PROMPT, min_p=1.5), "INVALID_ARGUMENT", "min_p"),
-    ("max_new_tokens zero", lambda: gen(PROMPT, max_new_tokens=0), "INVALID_ARGUMENT", "max_new_tokens"),
     ("stop token out of vocab", lambda: gen(PROMPT, stop_token_ids=[10**6]), "INVALID_ARGUMENT", "stop_token_ids"),
     ("n too large", lambda: gen(PROMPT, n=1000), "INVALID_ARGUMENT", "sampling_params.n"),
     ("json schema", lambda: gen(PROMPT, json_schema="{not json"), "INVALID_ARGUMENT", "json_schema"),
@@ -265,8 +263,6 @@ BAD = [
     ("pd disaggregation", lambda: pb.GenerateRequest(
         request_id="b4", tokenized=pb.TokenizedInput(input_ids=PROMPT),
         kv_bootstrap_info=pb.KvBootstrapInfo(bootstrap_host="h")), "UNIMPLEMENTED", "kv_bootstrap_info"),
-    ("empty request id", lambda: pb.GenerateRequest(tokenized=pb.TokenizedInput(input_ids=PROMPT)),
-     "INVALID_ARGUMENT", "request_id"),
 ]
 
 
@@ -274,13 +270,60 @@ BAD = [
 def test_bad_input_gets_a_status_naming_the_field(worker, case):
     _, make, code, field_name = case
     request = make()
-    if not request.request_id and field_name != "request_id":
+    if not request.request_id:
         request.request_id = f"bad-{time.monotonic_ns()}"
     with pytest.raises(grpc.RpcError) as e:
         run(worker, request)
     assert e.value.code() == getattr(grpc.StatusCode, code)
     assert field_name in e.value.details()
     assert worker.stub.HealthCheck(pb.HealthCheckRequest(), timeout=5).healthy
+
+
+# ---- proto3 defaults: an unset plain scalar arrives as its zero ----------------------------
+
+
+def test_raw_client_setting_only_input_ids_and_max_new_tokens(worker):
+    """As a stranger's client builds it: no request_id, no n (proto3's 0), nothing else."""
+    for stream in (False, True):
+        request = pb.GenerateRequest(tokenized=pb.TokenizedInput(input_ids=PROMPT),
+                                     sampling_params=pb.SamplingParams(max_new_tokens=5), stream=stream)
+        out = run(worker, request)
+        completes = [r.complete for r in out if r.HasField("complete")]
+        assert len(completes) == 1 and completes[0].index == 0
+        assert out[-1].request_id.startswith("gen-") and len({r.request_id for r in out}) == 1
+        tokens = [t for r in out if r.HasField("chunk") for t in r.chunk.token_ids] + list(completes[0].output_ids)
+        assert 1 <= len(tokens) <= 5 and completes[0].completion_tokens == len(tokens)
+        assert completes[0].finish_reason in ("length", "stop")
+    # No sampling_params at all: every field its default (up to the context limit, one sample).
+    out = run(worker, pb.GenerateRequest(request_id=f"bare-{time.monotonic_ns()}",
+                                         tokenized=pb.TokenizedInput(input_ids=PROMPT)))
+    assert len(out) == 1 and out[0].complete.finish_reason in ("length", "stop")
+    wait_idle(worker)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+@pytest.mark.parametrize("n", [0, 1, 3])
+def test_max_new_tokens_zero_gives_the_prompt_back_at_once(worker, stream, n):
+    """/v1/completions echo with max_tokens 0 (scoring clients): one GenerateComplete per sample,
+    finish_reason length, no output, nothing held."""
+    request = gen(PROMPT, max_new_tokens=0, stream=stream, n=n)
+    out = run(worker, request, timeout=10)
+    assert [r.WhichOneof("response") for r in out] == ["complete"] * max(n, 1)
+    assert sorted(r.complete.index for r in out) == list(range(max(n, 1)))
+    for r in out:
+        c = r.complete
+        assert r.request_id == request.request_id
+        assert (c.finish_reason, c.prompt_tokens, c.completion_tokens, list(c.output_ids)) == \
+            ("length", len(PROMPT), 0, [])
+    wait_idle(worker)
+
+
+def test_top_k_zero_is_off(worker):
+    def answer(top_k):
+        out = run(worker, gen(PROMPT, max_new_tokens=6, ignore_eos=True, top_k=top_k, sampling_seed=11))
+        return list(out[-1].complete.output_ids)
+
+    assert answer(0) == answer(-1)
 
 
 def test_duplicate_in_flight_request_id_is_rejected(long_worker):

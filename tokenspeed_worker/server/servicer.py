@@ -169,6 +169,7 @@ class TokenSpeedSchedulerServicer(pb_grpc.TokenSpeedSchedulerServicer):
             v = validate_generate(request, self.facts)
         except RequestError as e:
             await self._reject(context, rid, e.code, e.message)
+        rid = v.request_id
         if not self.serving:
             await self._reject(context, rid, grpc.StatusCode.UNAVAILABLE,
                                "worker is not serving (starting up or shutting down)")
@@ -182,6 +183,12 @@ class TokenSpeedSchedulerServicer(pb_grpc.TokenSpeedSchedulerServicer):
                 f"queue full: {self.engine.num_queued()} requests waiting (--max-queued-requests "
                 f"{self.max_queued_requests}); retry on another worker",
             )
+        if v.adds[0].max_new_tokens == 0:
+            # The prompt back and nothing generated: every sample ends here, the engine never sees it.
+            for index in range(v.n):
+                yield pb.GenerateResponse(request_id=rid, complete=pb.GenerateComplete(
+                    finish_reason="length", prompt_tokens=len(v.adds[0].prompt_ids), index=index))
+            return
         try:
             states = self.engine.submit(rid, v.adds, v.dp_rank)
         except EngineUnavailable as e:

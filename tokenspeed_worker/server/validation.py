@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import secrets
+import uuid
 from dataclasses import dataclass, field
 
 import grpc
@@ -41,6 +42,7 @@ MAX_LOGIT_BIAS = 1024
 
 @dataclass
 class ValidatedRequest:
+    request_id: str  # as sent, or generated when the client left it empty
     adds: list[AddRequest]  # one per sample (n)
     stream: bool
     n: int
@@ -68,8 +70,11 @@ def sample_seed(seed: int, index: int) -> int:
 
 
 def validate_generate(req, facts: ModelFacts) -> ValidatedRequest:
-    if not req.request_id:
-        raise _invalid("request_id: must not be empty")
+    """Proto3 cannot tell an unset plain scalar from its zero: every such field's zero means that
+    field's default (the table in docs/parameters.md): an empty request_id gets a generated one,
+    n 0 is one sample, top_k 0 is off. Explicit optional fields are taken as sent; a
+    max_new_tokens of 0 is a real request (the prompt back, no output: the servicer ends it at once)."""
+    request_id = req.request_id or f"gen-{uuid.uuid4().hex}"
     if req.HasField("mm_inputs"):
         raise _unimplemented("mm_inputs: multimodal inputs are not supported (text models only)")
     if req.HasField("encode_bootstrap_info"):
@@ -116,13 +121,15 @@ def validate_generate(req, facts: ModelFacts) -> ValidatedRequest:
     temperature = sp.temperature if sp.HasField("temperature") else 1.0
     top_p = sp.top_p if sp.HasField("top_p") else 1.0
     top_k = sp.top_k if sp.HasField("top_k") else -1
+    if top_k == 0:  # 0 disables top-k, as in transformers and vLLM
+        top_k = -1
     min_p = sp.min_p if sp.HasField("min_p") else 0.0
     if not math.isfinite(temperature) or temperature < 0:
         raise _invalid(f"sampling_params.temperature: must be >= 0, got {temperature}")
     if not math.isfinite(top_p) or not (0.0 < top_p <= 1.0):
         raise _invalid(f"sampling_params.top_p: must be in (0, 1], got {top_p}")
-    if top_k == 0 or top_k < -1:
-        raise _invalid(f"sampling_params.top_k: must be -1 (off) or >= 1, got {top_k}")
+    if top_k < -1:
+        raise _invalid(f"sampling_params.top_k: must be -1 or 0 (off) or >= 1, got {top_k}")
     if not math.isfinite(min_p) or not (0.0 <= min_p <= 1.0):
         raise _invalid(f"sampling_params.min_p: must be in [0, 1], got {min_p}")
     frequency_penalty = sp.frequency_penalty if sp.HasField("frequency_penalty") else 0.0
@@ -168,9 +175,7 @@ def validate_generate(req, facts: ModelFacts) -> ValidatedRequest:
             except ValueError as exc:
                 raise _invalid(f"sampling_params.{constraint}: not valid JSON ({exc})") from None
         constraint_spec = (constraint, text)
-    n = sp.n
-    if n == 0:
-        raise _invalid("sampling_params.n: must be at least 1")
+    n = sp.n or 1  # proto3's 0 is an unset n
     if n > MAX_SAMPLES:
         raise _invalid(f"sampling_params.n: at most {MAX_SAMPLES} samples per request (got {n})")
 
@@ -182,11 +187,10 @@ def validate_generate(req, facts: ModelFacts) -> ValidatedRequest:
         stop_ids.extend(facts.eos_token_ids)
     stop_ids = sorted(set(stop_ids))
 
-    # Unset max_new_tokens means up to the context limit; a larger one is clamped to it.
+    # Unset max_new_tokens means up to the context limit; a larger one is clamped to it; 0 asks for
+    # the prompt back and nothing else (scoring clients: /v1/completions echo with max_tokens 0).
     room = facts.max_context_length - prompt_len
     if sp.HasField("max_new_tokens"):
-        if sp.max_new_tokens == 0:
-            raise _invalid("sampling_params.max_new_tokens: must be at least 1")
         max_new = min(int(sp.max_new_tokens), room)
     else:
         max_new = room
@@ -219,6 +223,7 @@ def validate_generate(req, facts: ModelFacts) -> ValidatedRequest:
         for i in range(n)
     ]
     return ValidatedRequest(
+        request_id=request_id,
         adds=adds,
         stream=bool(req.stream),
         n=n,
