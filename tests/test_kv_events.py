@@ -1,9 +1,11 @@
-"""KV cache events (--kv-events-config): the ZMQ stream, SubscribeKvEvents, and the gateway."""
+"""KV cache events: SubscribeKvEvents (always served, with pushed loads), the --kv-events-config
+ZMQ stream, and the gateway's use of both."""
 
 from __future__ import annotations
 
 import json
 import queue
+import re
 import struct
 import threading
 import time
@@ -11,13 +13,10 @@ import time
 import grpc
 import pytest
 
-zmq = pytest.importorskip("zmq")
-msgpack = pytest.importorskip("msgpack")
-
-from tokenspeed_worker.config import kv_events_settings  # noqa: E402
-from tokenspeed_worker.proto import common_pb2, tokenspeed_scheduler_pb2 as pb  # noqa: E402
-from tokenspeed_worker.scheduler.core import block_hash  # noqa: E402
-from worker_harness import Gateway, Worker, free_port, smollm2_dir, tiny_models  # noqa: E402
+from tokenspeed_worker.config import kv_events_settings
+from tokenspeed_worker.proto import common_pb2, tokenspeed_scheduler_pb2 as pb
+from tokenspeed_worker.scheduler.core import block_hash
+from worker_harness import Gateway, Worker, free_port, smollm2_dir, tiny_models
 
 BLOCK = 8
 TOPIC = "kv-events"
@@ -48,6 +47,9 @@ def test_config_defaults_and_errors():
 
 @pytest.fixture(scope="module")
 def kv_worker():
+    """With --kv-events-config: the ZMQ publisher (the `zmq` extra) beside the gRPC stream."""
+    pytest.importorskip("zmq")
+    pytest.importorskip("msgpack")
     port = free_port()
     w = Worker(tiny_models()["llama-gqa-tied"], "--max-model-len", "96", "--max-total-tokens", "2048",
                "--block-size", str(BLOCK), "--kv-events-config", kv_config(port))
@@ -60,6 +62,9 @@ class RawSubscriber:
     """A plain ZMQ SUB socket on the worker's endpoint, collecting (seq, payload) in a thread."""
 
     def __init__(self, port: int) -> None:
+        import zmq
+
+        self.zmq = zmq
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.SUB)
         self.sock.setsockopt(zmq.SUBSCRIBE, TOPIC.encode())
@@ -72,10 +77,12 @@ class RawSubscriber:
         time.sleep(0.5)  # ZMQ slow joiner: let the subscription reach the publisher
 
     def _run(self):
+        import msgpack
+
         while not self.stop_flag:
             try:
                 frames = self.sock.recv_multipart()
-            except zmq.Again:
+            except self.zmq.Again:
                 continue
             assert len(frames) == 3 and frames[0] == TOPIC.encode()
             assert len(frames[1]) == 8
@@ -163,7 +170,7 @@ def test_subscribe_kv_events_over_grpc(kv_worker):
 
     t = threading.Thread(target=reader, daemon=True)
     t.start()
-    time.sleep(1.0)  # the server's SUB socket connects
+    time.sleep(0.5)  # the subscription is registered
     prompt = prompt_of(2)
     chain = expected_chain(prompt)
     want = {h: (parent, toks) for h, parent, toks in chain}
@@ -179,14 +186,11 @@ def test_subscribe_kv_events_over_grpc(kv_worker):
         assert not isinstance(batch, grpc.RpcError), batch
         assert batch.dp_rank == 0 and batch.timestamp > 0
         seqs.append(batch.sequence_number)
+        seen.update({h: v for h, v in stored_hashes([batch]).items() if h in want})
         for ev in batch.events:
             kind = ev.WhichOneof("data")
             if kind == "stored":
-                for blk in ev.stored.blocks:
-                    if blk.block_hash in want:
-                        parent = ev.stored.parent_block_hash if ev.stored.HasField("parent_block_hash") else None
-                        seen[blk.block_hash] = (parent, list(blk.token_ids))
-                        assert blk.block_size == BLOCK
+                assert all(blk.block_size == BLOCK for blk in ev.stored.blocks)
             elif kind == "cleared":
                 cleared = True
     call.cancel()
@@ -196,14 +200,149 @@ def test_subscribe_kv_events_over_grpc(kv_worker):
     assert seqs == sorted(seqs)
 
 
-def test_subscribe_unimplemented_without_config():
-    w = Worker(tiny_models()["llama-gqa-tied"], "--max-model-len", "96", "--max-total-tokens", "1024")
+class StreamReader:
+    """A SubscribeKvEvents call read in a thread: (arrival time.monotonic(), batch) pairs."""
+
+    def __init__(self, stub, **request) -> None:
+        self.call = stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(**request), timeout=120)
+        self.q: queue.Queue = queue.Queue()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        try:
+            for batch in self.call:
+                self.q.put((time.monotonic(), batch))
+        except grpc.RpcError as e:
+            self.q.put((time.monotonic(), e))
+
+    def until(self, predicate, timeout=20.0) -> list:
+        got = []
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                item = self.q.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            assert not isinstance(item[1], grpc.RpcError) or item[1].code() == grpc.StatusCode.CANCELLED, item[1]
+            got.append(item)
+            if predicate(got):
+                return got
+        raise AssertionError(f"timed out; got {[b for _, b in got]}")
+
+    def close(self):
+        self.call.cancel()
+        self.thread.join(5)
+
+
+def stored_hashes(batches) -> dict[int, tuple]:
+    out = {}
+    for b in batches:
+        for ev in b.events:
+            if ev.WhichOneof("data") == "stored":
+                parent = ev.stored.parent_block_hash if ev.stored.HasField("parent_block_hash") else None
+                for blk in ev.stored.blocks:
+                    out[blk.block_hash] = (parent, list(blk.token_ids))
+                    parent = blk.block_hash
+    return out
+
+
+@pytest.fixture(scope="module")
+def plain_worker():
+    """No --kv-events-config: the stream is served all the same."""
+    w = Worker(tiny_models()["llama-gqa-tied"], "--max-model-len", "96", "--max-total-tokens", "1024",
+               "--block-size", str(BLOCK))
+    yield w
+    assert w.stop() == 0, w.log()
+
+
+def test_subscribe_without_config_streams_events_and_pushed_loads(plain_worker):
+    w = plain_worker
+    t0 = time.monotonic()
+    stream = StreamReader(w.stub, load_records_before_first_batch=True)
     try:
-        with pytest.raises(grpc.RpcError) as e:
-            list(w.stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(), timeout=10))
-        assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        # A load-only record numbered 0 at once, before any event.
+        (arrived, first), = stream.until(lambda got: len(got) >= 1, timeout=5)
+        assert arrived - t0 < 2.0
+        assert first.sequence_number == 0 and not first.events and first.load.load_only
+        assert first.load.engine_reports_steps and first.load.max_running_requests > 0
+        assert first.load.max_total_num_tokens > 0 and first.load.memory.token_capacity > 0
+        # Events of a generation, each batch with the load then (not load_only).
+        prompt = prompt_of(3)
+        want = {h: (parent, toks) for h, parent, toks in expected_chain(prompt)}
+        list(w.stub.Generate(gen(prompt), timeout=60))
+        got = stream.until(lambda got: set(want) <= set(stored_hashes([b for _, b in got])))
+        batches = [b for _, b in got]
+        assert {h: v for h, v in stored_hashes(batches).items() if h in want} == want
+        event_batches = [b for b in batches if b.events]
+        assert event_batches and all(not b.load.load_only and b.load.sample > 0 for b in event_batches)
+        seqs = [b.sequence_number for b in event_batches]
+        assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
+        # Then, with nothing stored or evicted, heartbeats about every second numbered like the last batch.
+        beats = stream.until(lambda got: sum(1 for _, b in got if b.load.load_only) >= 3, timeout=10)
+        beats = [(t, b) for t, b in beats if b.load.load_only]
+        assert all(b.sequence_number == seqs[-1] and not b.events for _, b in beats)
+        gaps = [t2 - t1 for (t1, _), (t2, _) in zip(beats, beats[1:])]
+        assert all(0.5 < g < 2.0 for g in gaps), gaps
+        samples = [b.load.sample for b in batches + [b for _, b in beats]]
+        assert samples == sorted(samples) and len(set(samples)) == len(samples)
+        last = beats[-1][1].load
+        assert last.running_requests == 0 and not last.HasField("engine_silence_ms") and last.age_ms < 1000
     finally:
-        assert w.stop() == 0
+        stream.close()
+
+
+def test_subscribe_resumes_after_a_cursor(plain_worker):
+    w = plain_worker
+    first = StreamReader(w.stub)
+    try:
+        list(w.stub.Generate(gen(prompt_of(4)), timeout=60))
+        list(w.stub.Generate(gen(prompt_of(5)), timeout=60))
+        got = first.until(lambda got: len({b.sequence_number for _, b in got if b.events}) >= 2)
+    finally:
+        first.close()
+    seqs = sorted({b.sequence_number for _, b in got if b.events})
+    cursor = seqs[0]
+    after = [b for _, b in got if b.events and b.sequence_number > cursor]
+    resumed = StreamReader(w.stub, start_sequence_number=cursor)
+    try:
+        replay = resumed.until(lambda got: len(got) >= len(after))
+    finally:
+        resumed.close()
+    assert [b.sequence_number for _, b in replay[:len(after)]] == [b.sequence_number for b in after]
+    assert [list(b.events) for _, b in replay[:len(after)]] == [list(b.events) for b in after]
+    # A cursor from another process (far ahead) starts at the current state.
+    ahead = StreamReader(w.stub, start_sequence_number=seqs[-1] + 10**6, load_records_before_first_batch=True)
+    try:
+        (_, b), = ahead.until(lambda got: len(got) >= 1)
+        assert b.load.load_only and b.sequence_number == 0
+    finally:
+        ahead.close()
+
+
+def test_engine_silence_is_pushed_while_the_engine_stalls():
+    """A stalled engine (fault injection: a 4 s stall at step 6) shows in the pushed loads: the
+    silence grows while the request is in flight, and drops once the engine recovers."""
+    w = Worker(tiny_models()["llama-gqa-tied"], "--max-model-len", "96", "--max-total-tokens", "1024",
+               env={"TOKENSPEED_FAULT_INJECT": "hang@6:4"})
+    stream = StreamReader(w.stub, load_records_before_first_batch=True)
+    try:
+        stream.until(lambda got: len(got) >= 1)
+        result: list = []
+        t = threading.Thread(target=lambda: result.append(list(w.stub.Generate(gen(prompt_of(6), 12), timeout=60))))
+        t.start()
+        got = stream.until(lambda got: any(b.load.engine_silence_ms >= 2500 for _, b in got), timeout=10)
+        stalled = [b.load for _, b in got if b.load.HasField("engine_silence_ms")]
+        assert max(x.engine_silence_ms for x in stalled) >= 2500
+        assert all(x.load_only for x in stalled if x.engine_silence_ms >= 1500)  # heartbeats carry it
+        t.join(30)
+        assert result and result[0][-1].complete.finish_reason == "length"
+        after = stream.until(lambda got: any(b.load.load_only and not b.load.HasField("engine_silence_ms")
+                                             for _, b in got), timeout=10)
+        assert after
+    finally:
+        stream.close()
+        assert w.stop() == 0, w.log()
 
 
 # ---- end to end: two workers behind the real gateway, cache-aware routing -----------------
@@ -286,7 +425,11 @@ def test_gateway_routes_each_prefix_to_the_worker_holding_it():
     result = route_prefixes_through_gateway(events=True)
     log = result["gateway_log"]
     assert "Failed to subscribe to KV events" not in log, log
-    assert "vetoed" not in log, log
+    # A 1000-token prefill step takes seconds on this CPU: the pushed engine_silence_ms may veto a
+    # worker for a moment while the direct prefills run (before any request goes through the
+    # gateway); never for another cause.
+    causes = set(re.findall(r'Worker vetoed by liveness.*?cause="([^"]*)"', re.sub(r"\x1b\[[0-9;]*m", "", log)))
+    assert causes <= {"the engine reports no output for its in-flight requests"}, log
     # Every request reached the worker holding its prefix (which served the whole prefix from
     # its cache), though the prefixes were placed behind the gateway's back on both workers.
     assert all(c is not None and c >= 992 for c in result["cached"]), result["cached"]

@@ -45,10 +45,14 @@ def free_port() -> int:
 
 
 class Worker:
-    """A worker subprocess; `stub` talks TokenSpeedScheduler to it."""
+    """A worker subprocess; `stub` talks TokenSpeedScheduler to it.
+
+    `new_session=True` starts it in its own session and process group (as a service manager or a
+    terminal would), for `signal_group`; `stop` then also SIGKILLs whatever of the group is left."""
 
     def __init__(self, model: Path | str, *extra: str, startup_timeout: float = 240.0,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, new_session: bool = False) -> None:
+        self.new_session = new_session
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.log_path = CACHE / "logs" / f"worker-{self.port}.log"
@@ -57,7 +61,7 @@ class Worker:
         cmd = [sys.executable, "-m", "tokenspeed_worker", str(model), "--host", "127.0.0.1",
                "--grpc-port", str(self.port), *extra]
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO,
-                                     env=dict(os.environ, **(env or {})))
+                                     env=dict(os.environ, **(env or {})), start_new_session=new_session)
         self.channel = grpc.insecure_channel(self.address)
         from tokenspeed_worker.proto import tokenspeed_scheduler_pb2_grpc as pb_grpc
 
@@ -86,6 +90,11 @@ class Worker:
         self._log.flush()
         return self.log_path.read_text(errors="replace")[-6000:]
 
+    def signal_group(self, sig: int) -> None:
+        """`kill -SIG -- -PGID`: the signal to every process of the worker's group (new_session=True)."""
+        assert self.new_session, "signal_group needs Worker(..., new_session=True)"
+        os.killpg(self.proc.pid, sig)
+
     def stop(self, timeout: float = 20.0) -> int:
         self.channel.close()
         if self.proc.poll() is None:
@@ -95,6 +104,9 @@ class Worker:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        if self.new_session:  # leave nothing behind, whatever the test found
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
         self._log.close()
         return self.proc.returncode
 
@@ -110,9 +122,11 @@ class Gateway:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "wb")
         smg = Path(sys.executable).with_name("smg")
+        metrics_port = free_port()
+        self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
         cmd = [str(smg) if smg.exists() else "smg", "launch", "--host", "127.0.0.1", "--port", str(self.port),
                "--worker-urls", *[f"grpc://{a}" for a in worker_addresses], "--model-path", str(model_dir),
-               "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+               "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
                "--worker-startup-timeout-secs", "60", "--worker-startup-check-interval", "1", *extra_args]
         env = dict(os.environ, HF_HUB_OFFLINE="1", NO_PROXY="127.0.0.1,localhost", no_proxy="127.0.0.1,localhost")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
@@ -137,6 +151,13 @@ class Gateway:
     def log(self) -> str:
         self._log.flush()
         return self.log_path.read_text(errors="replace")[-6000:]
+
+    def metrics(self) -> str:
+        """The gateway's Prometheus exposition text."""
+        import urllib.request
+
+        with urllib.request.urlopen(self.metrics_url, timeout=5) as r:
+            return r.read().decode()
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -174,6 +174,7 @@ NB_MODULE(_scheduler_core, m) {
       .def_prop_ro("expected_output_ratio", &Scheduler::expected_output_ratio)
       .def_prop_ro("reserved_blocks", &Scheduler::reserved_blocks)
       .def_prop_ro("waiting_tokens", &Scheduler::waiting_tokens)
+      .def_prop_ro("num_retracted", &Scheduler::num_retracted)
       .def_prop_ro("plan_outstanding", &Scheduler::plan_outstanding)
       .def_prop_ro("num_cached_blocks", &Scheduler::num_cached_blocks)
       .def_prop_ro("num_evictable_blocks", &Scheduler::num_evictable_blocks)

@@ -457,6 +457,12 @@ int64_t Scheduler::waiting_tokens() const {
   return tokens;
 }
 
+int32_t Scheduler::num_retracted() const {
+  int32_t count = 0;
+  for (const Request* request : waiting_) count += request->output_len() > 0 ? 1 : 0;
+  return count;
+}
+
 const Request& Scheduler::find(int64_t req_id) const {
   auto it = requests_.find(req_id);
   if (it == requests_.end()) throw std::out_of_range("unknown request " + std::to_string(req_id));

@@ -131,6 +131,8 @@ class Scheduler {
   // Blocks the running requests are expected to need beyond those they hold (0 when off).
   int64_t reserved_blocks() const;
   int64_t waiting_tokens() const;
+  // Waiting requests that were preempted (they keep their output and recompute it).
+  int32_t num_retracted() const;
   bool has_work() const { return !waiting_.empty() || !running_.empty(); }
   bool contains(int64_t req_id) const { return requests_.count(req_id) != 0; }
   bool plan_outstanding() const { return plan_outstanding_; }

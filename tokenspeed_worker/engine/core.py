@@ -66,6 +66,9 @@ class EngineConfig:
     max_cudagraph_capture_size: int | None = None  # None: min(256, max_num_seqs)
     # --kv-events-config, resolved (config.kv_events_settings) when it turns publishing on, else None.
     kv_events: dict | None = None
+    # Record prefix-cache events for the server's SubscribeKvEvents (the CLI always does; engines
+    # driven directly, as benchmarks do, leave it off so nothing accumulates undrained).
+    report_kv_events: bool = False
     # Overlap scheduling (host work of step N+1 while the device runs step N); None: on for CUDA
     # devices (env TOKENSPEED_OVERLAP_SCHEDULE=1/0 forces it on/off, for tests), off on CPU.
     overlap_schedule: bool | None = None
@@ -206,7 +209,7 @@ class EngineCore:
             chunked_prefill=chunked,
             max_prefill_tokens=cfg.max_prefill_tokens,
             enable_prefix_caching=cfg.enable_prefix_caching,
-            enable_kv_events=cfg.kv_events is not None,
+            enable_kv_events=cfg.kv_events is not None or cfg.report_kv_events,
             schedule_conservativeness=cfg.schedule_conservativeness,
         )
         self.kv_publisher = None
@@ -273,6 +276,7 @@ class EngineCore:
             weight_bytes=self.runner.weight_bytes(),
             device=str(self.device),
             dtype=str(self.runner.dtype).replace("torch.", ""),
+            graph_bytes=self.runner.graph_bytes,
         )
 
     def loads(self) -> Loads:
@@ -294,6 +298,8 @@ class EngineCore:
             gen_throughput=throughput,
             cache_hit_rate=s.cache_hit_rate,
             num_cached_blocks=s.num_cached_blocks,
+            num_grammar_waiting=len(self._grammar_pending),
+            num_retracted=s.num_retracted,
         )
 
     def has_work(self) -> bool:
@@ -409,14 +415,17 @@ class EngineCore:
 
     def flush_prefix_cache(self) -> int:
         """Drop every cached prefix; returns how many blocks stopped being shareable."""
-        dropped = int(self.scheduler.flush_prefix_cache())
-        self.publish_kv_events()
-        return dropped
+        return int(self.scheduler.flush_prefix_cache())
 
-    def publish_kv_events(self) -> None:
-        """Send the prefix-cache events recorded since the last call as one batch (if any)."""
-        if self.kv_publisher is not None:
-            self.kv_publisher.publish(self.scheduler.drain_kv_events())
+    def take_kv_events(self) -> list[tuple]:
+        """The prefix-cache events recorded since the last call (published on ZMQ too, as one
+        batch, with --kv-events-config); [] when there are none or none are recorded."""
+        if self.kv_publisher is None and not self.cfg.report_kv_events:
+            return []
+        events = self.scheduler.drain_kv_events()
+        if events and self.kv_publisher is not None:
+            self.kv_publisher.publish(events)
+        return events
 
     def abort(self, req_id: int) -> bool:
         if self._grammar_pending.pop(req_id, None) is not None:
@@ -596,14 +605,15 @@ class EngineCore:
         return StepFailed(failed, message)
 
     def _inject_fault(self) -> None:
-        """Test hook (env TOKENSPEED_FAULT_INJECT=kind@step): oom, hang or crash at that step."""
-        kind, step = self._fault
+        """Test hook (env TOKENSPEED_FAULT_INJECT=kind@step[:seconds]): oom, hang (for seconds) or
+        crash at that step."""
+        kind, step, duration = self._fault
         if self._steps != step:
             return
         if kind == "oom":
             raise torch.OutOfMemoryError("injected by TOKENSPEED_FAULT_INJECT")
         if kind == "hang":
-            time.sleep(3600)
+            time.sleep(duration)
         if kind == "crash":
             os._exit(3)
 
@@ -678,14 +688,20 @@ class StepFailed(RuntimeError):
         self.message = message
 
 
-def _parse_fault(spec: str) -> tuple[str, int] | None:
+def _parse_fault(spec: str) -> tuple[str, int, float] | None:
+    """kind@STEP, or hang@STEP:SECONDS (a stall that ends; hang alone is an hour)."""
     if not spec:
         return None
-    kind, _, step = spec.partition("@")
-    if kind not in ("oom", "hang", "crash") or not step.isdigit():
-        raise ValueError(f"TOKENSPEED_FAULT_INJECT: expected oom|hang|crash@STEP, got {spec!r}")
-    logger.warning("fault injection armed: %s at step %s", kind, step)
-    return kind, int(step)
+    kind, _, when = spec.partition("@")
+    step, _, seconds = when.partition(":")
+    try:
+        duration = float(seconds) if seconds else 3600.0
+    except ValueError:
+        duration = -1.0
+    if kind not in ("oom", "hang", "crash") or not step.isdigit() or duration < 0 or (seconds and kind != "hang"):
+        raise ValueError(f"TOKENSPEED_FAULT_INJECT: expected oom|hang|crash@STEP or hang@STEP:SECONDS, got {spec!r}")
+    logger.warning("fault injection armed: %s at step %s", kind, when)
+    return kind, int(step), duration
 
 
 def _to_host_async(t: torch.Tensor) -> torch.Tensor:

@@ -97,6 +97,7 @@ class EngineReady:
     weight_bytes: int
     device: str
     dtype: str
+    graph_bytes: int = 0  # device memory the captured CUDA graphs took (0: none captured)
 
 
 @dataclass
@@ -143,6 +144,19 @@ class Loads:
     gen_throughput: float  # output tokens / s over the last window
     cache_hit_rate: float = 0.0  # prompt tokens served from the prefix cache / prompt tokens
     num_cached_blocks: int = 0
+    num_grammar_waiting: int = 0  # requests waiting for their grammar to compile (not yet scheduled)
+    num_retracted: int = 0  # waiting requests that were preempted and keep output to recompute
+
+
+@dataclass
+class KvEvents:
+    """The prefix-cache events of one engine turn (the scheduler's ("stored", hash, parent, tokens,
+    block_size) / ("removed", hash) / ("cleared",) tuples, in order) and the engine's loads then.
+    Sent only when there are events; the server streams them as SubscribeKvEvents batches."""
+
+    timestamp: float  # time.time() when drained
+    events: list[tuple]
+    loads: Loads
 
 
 @dataclass

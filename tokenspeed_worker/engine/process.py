@@ -6,6 +6,10 @@ scheduling (the GPU default) the next step is launched before the last one's out
 is completed and sent. If a step
 raises, it reports `EngineDead` and exits non-zero so the server fails every
 in-flight request instead of leaving it hanging.
+
+Signals: the engine ignores SIGTERM and SIGINT (a stop of the whole process group must not kill it
+while the server drains) and dies with the server (engine/lifetime.py). It exits when the server
+sends Shutdown, when the pipe closes, or when the server kills it.
 """
 
 from __future__ import annotations
@@ -13,15 +17,18 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 import traceback
 from multiprocessing.connection import Connection
 
+from tokenspeed_worker.engine import lifetime
 from tokenspeed_worker.engine.messages import (
     AbortRequests,
     AddRequest,
     EngineDead,
     FlushCache,
     FlushReply,
+    KvEvents,
     Probe,
     ProbeReply,
     ProfileReply,
@@ -44,6 +51,7 @@ def _setup_logging(level: str) -> None:
 
 def engine_main(cfg, conn: Connection, log_level: str = "info") -> None:
     """Entry point of the engine process (spawned by the server)."""
+    lifetime.guard()  # first: ignore the service's stop signals, die with the server
     _setup_logging(log_level)
     try:
         from tokenspeed_worker.engine.core import EngineCore
@@ -131,8 +139,10 @@ def _loop(core, conn: Connection) -> None:
             conn.send(RequestFailed(req_id, code, message))
         if not launched and pending is None and core.waiting_for_grammar and not core.scheduler.has_work():
             conn.poll(0.002)  # only grammars compiling: wait a little (or for a message) instead of spinning
-        # KV cache events of this step (and of aborts applied before it): one batch, if any.
-        core.publish_kv_events()
+        # KV cache events of this step (and of aborts and flushes applied before it): one batch, if any.
+        events = core.take_kv_events()
+        if events:
+            conn.send(KvEvents(time.time(), events, core.loads()))
 
 
 def _send_output(core, conn: Connection, out) -> None:

@@ -9,6 +9,10 @@ ids (overlap scheduling).
 Failure: a rank that dies closes its sockets, so the others' next collective fails; rank 0 then
 reports the engine dead (the server fails every request and exits 1) and the followers exit
 non-zero. A follower whose rank 0 went away exits the same way.
+
+Signals: the ranks ignore SIGTERM and SIGINT and die with the process that started them
+(engine/lifetime.py); they exit when rank 0 broadcasts stop, which it does when the server shuts
+it down.
 """
 
 from __future__ import annotations
@@ -17,8 +21,11 @@ import dataclasses
 import logging
 import multiprocessing
 import os
+import signal
 import socket
 import sys
+
+from tokenspeed_worker.engine import lifetime
 
 logger = logging.getLogger(__name__)
 
@@ -48,14 +55,31 @@ def start_followers(cfg, log_level: str = "info", node_rank: int = 0) -> list:
             continue
         rank_cfg = dataclasses.replace(cfg, tp_rank=rank)
         proc = ctx.Process(target=follower_main, args=(rank_cfg, log_level), name=f"tokenspeed-tp{rank}", daemon=True)
-        proc.start()
+        lifetime.start(proc)
         procs.append(proc)
     return procs
 
 
 def run_node(cfg, node_rank: int, log_level: str = "info") -> int:
     """A node other than 0 (`--node-rank N`): run its ranks until they end (node 0 stops them, or the
-    group fails). Returns 0 when every rank stopped cleanly, else 1."""
+    group fails). Returns 0 when every rank stopped cleanly, else 1.
+
+    SIGTERM/SIGINT (to this process or its group): the ranks keep serving node 0, which drains and
+    then stops them, so a whole cluster being stopped drains; a second signal kills them now (the
+    group then fails on node 0) and returns 0."""
+    signals = []
+
+    def on_signal(signum, frame) -> None:
+        signals.append(signum)
+        if len(signals) == 1:
+            logger.info("node %d: %s: the ranks exit when node 0 stops them (a second signal kills them now)",
+                        node_rank, signal.Signals(signum).name)
+        else:
+            logger.warning("node %d: %s again: killing the ranks", node_rank, signal.Signals(signum).name)
+            lifetime.kill_all()
+
+    for sig in lifetime.STOP_SIGNALS:
+        signal.signal(sig, on_signal)
     procs = start_followers(cfg, log_level, node_rank)
     logger.info("node %d of %d: ranks %s started, meeting at %s", node_rank, cfg.nnodes,
                 list(node_ranks(cfg, node_rank)), cfg.dist_init_method)
@@ -63,11 +87,14 @@ def run_node(cfg, node_rank: int, log_level: str = "info") -> int:
         proc.join()
     codes = [proc.exitcode for proc in procs]
     logger.info("node %d: ranks ended with exit codes %s", node_rank, codes)
+    if len(signals) > 1:
+        return 0
     return 0 if all(code == 0 for code in codes) else 1
 
 
 def follower_main(cfg, log_level: str = "info") -> None:
     """Ranks 1..N-1: build the same runner in lockstep with rank 0, then run every plan it broadcasts."""
+    lifetime.guard()  # first: ignore the service's stop signals, die with the server
     logging.basicConfig(
         level=getattr(logging, log_level.upper(), logging.INFO),
         format=f"%(asctime)s %(levelname)s [tp{cfg.tp_rank}] %(name)s: %(message)s",

@@ -169,6 +169,7 @@ class ModelRunner:
         self.cuda_graphs_off_reason = self._cuda_graphs_off_reason(enforce_eager)
         self.use_cuda_graphs = self.cuda_graphs_off_reason is None
         self.cuda_graphs: DecodeGraphs | None = None
+        self.graph_bytes = 0  # device memory of the captured decode graphs (capture_cuda_graphs)
         # The last step's sampled tokens, on the device: with overlap scheduling a plan's input
         # id -1 - i stands for sample i of the previous step, not yet known on the host.
         self.last_sampled = torch.zeros(max(1, max_num_seqs, *self.cudagraph_sizes), dtype=torch.int64,
@@ -329,6 +330,7 @@ class ModelRunner:
             step_tuner=step_tuner(self.device),
         )
         report = graphs.capture()
+        self.graph_bytes = int(report.graph_bytes)
         for size, tuning in sorted(graphs.tuning.items()):
             _log_step_tuning(size, tuning)
         self.cuda_graphs = graphs

@@ -227,6 +227,11 @@ class Scheduler:
         of a preempted request)."""
         return self._core.waiting_tokens
 
+    @property
+    def num_retracted(self) -> int:
+        """Waiting requests that were preempted (they keep their output and recompute it)."""
+        return self._core.num_retracted
+
     # -- prefix cache ---------------------------------------------------------------
 
     @property

@@ -11,6 +11,11 @@ Replicas: a new request goes to the replica with the fewest requests in flight (
 one in turn), or to `data_parallel_rank` when the client pins it; all n samples of a request go
 to the same replica (they share its prefill). Probes, flushes and profiles go to every replica.
 If any replica dies, every request fails and the worker exits (as with one engine).
+
+Every child (engines, tensor-parallel ranks) is started through engine/lifetime.py: it ignores
+SIGTERM and SIGINT, so a stop signal to the whole process group reaches only the server, which
+drains; the children exit when `shutdown` tells them to, when they are killed, or within a second
+of the server's death.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from tokenspeed_worker.engine import lifetime
 from tokenspeed_worker.engine.messages import (
     AbortRequests,
     AddRequest,
@@ -33,6 +39,7 @@ from tokenspeed_worker.engine.messages import (
     FINISH_ABORT,
     FlushCache,
     FlushReply,
+    KvEvents,
     Loads,
     Probe,
     ProbeReply,
@@ -49,6 +56,10 @@ logger = logging.getLogger(__name__)
 
 class EngineUnavailable(RuntimeError):
     pass
+
+
+class StartCancelled(Exception):
+    """`cancel_start` was called (a stop signal) while the engine processes were starting."""
 
 
 @dataclass(eq=False)
@@ -101,6 +112,13 @@ class _Replica:
                 proc.kill()
             proc.join(5)
 
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.pid is not None:
+            if self.proc.is_alive():
+                self.proc.kill()
+            self.proc.join(5)
+        self.kill_followers()
+
 
 def replica_config(cfg, index: int):
     """Replica `index`'s engine config: on GPUs its own block of tensor_parallel_size devices."""
@@ -133,7 +151,13 @@ class EngineClient:
         self._replicas = [_Replica(k, replica_config(engine_cfg, k)) for k in range(self.data_parallel_size)]
         self._turn = 0  # round-robin among equally loaded replicas
         self._closing = False
+        self._start_cancelled = False
         self.on_dead = None  # optional callback(message) run on the loop
+        # Optional callback(replica index, KvEvents) run on the loop (server/kv_events.KvEventHub).
+        self.on_kv_events = None
+        # Each replica's latest loads and when they arrived (time.monotonic()), from a probe or
+        # a KvEvents message; None before the first.
+        self.latest_loads: list[tuple[Loads, float] | None] = [None] * self.data_parallel_size
         # Optional server/metrics.RequestObserver (metrics, request stats, request logs);
         # None: no timestamp, no per-token work.
         self.observer = None
@@ -144,15 +168,28 @@ class EngineClient:
     # ---- lifecycle ---------------------------------------------------------
 
     def start(self, timeout: float | None = None) -> EngineReady:
-        """Spawn the engine processes and block until each reports ready (or one failed)."""
+        """Spawn the engine processes and block until each reports ready (or one failed); raises
+        StartCancelled, with every process started so far killed, after `cancel_start`."""
         try:
             for replica in self._replicas:
                 self._start_replica(replica, timeout)
         except EngineUnavailable:
             self.shutdown(5.0)
             raise
+        except BaseException:  # StartCancelled, KeyboardInterrupt: nothing is in flight, kill at once
+            for replica in self._replicas:
+                replica.kill()
+            raise
         self.ready = self._replicas[0].ready
         return self.ready
+
+    def cancel_start(self) -> None:
+        """Make a `start` in progress stop within a fraction of a second (safe in a signal handler)."""
+        self._start_cancelled = True
+
+    def _check_cancelled(self) -> None:
+        if self._start_cancelled:
+            raise StartCancelled("stopped during startup")
 
     def _start_replica(self, replica: _Replica, timeout: float | None) -> None:
         from tokenspeed_worker.engine.process import engine_main
@@ -163,15 +200,17 @@ class EngineClient:
             from tokenspeed_worker.engine.tp_worker import start_followers
 
             replica.followers = start_followers(cfg, self._log_level)
+        self._check_cancelled()
         parent, child = ctx.Pipe(duplex=True)
         name = "tokenspeed-engine" if self.data_parallel_size == 1 else f"tokenspeed-engine-dp{replica.index}"
         replica.proc = ctx.Process(target=engine_main, args=(cfg, child, self._log_level), name=name, daemon=True)
-        replica.proc.start()
+        lifetime.start(replica.proc)
         child.close()
         replica.conn = parent
         where = "" if self.data_parallel_size == 1 else f" (data-parallel replica {replica.index})"
         while True:
-            if not parent.poll(timeout if timeout is not None else 1.0):
+            self._check_cancelled()
+            if not parent.poll(timeout if timeout is not None else 0.25):
                 if timeout is not None or not replica.proc.is_alive():
                     replica.proc.kill()
                     replica.kill_followers()
@@ -201,10 +240,18 @@ class EngineClient:
                              daemon=True).start()
 
     def shutdown(self, timeout: float = 10.0) -> None:
+        """Tell every engine to stop (each stops its tensor-parallel ranks) and wait for them; kill
+        what is still alive after `timeout` s."""
         self._closing = True
         for replica in self._replicas:
             if replica.proc is not None and replica.proc.is_alive():
-                replica.outbox.put(Shutdown())
+                if self._loop is None:  # no writer thread yet (stopped before serving)
+                    try:
+                        replica.conn.send(Shutdown())
+                    except (OSError, ValueError, AttributeError):
+                        pass
+                else:
+                    replica.outbox.put(Shutdown())
         for replica in self._replicas:
             if replica.proc is None:
                 continue
@@ -216,6 +263,11 @@ class EngineClient:
                 proc.join(max(1.0, timeout / 2))
             replica.kill_followers()
             replica.outbox.put(None)
+
+    def kill_now(self) -> None:
+        """SIGKILL every engine process and tensor-parallel rank, without waiting (safe in a signal
+        handler): a stop signal during `shutdown`."""
+        lifetime.kill_all()
 
     @property
     def alive(self) -> bool:
@@ -252,7 +304,7 @@ class EngineClient:
                 replica.proc.join(1.0)
                 msg = EngineDead(f"engine process exited unexpectedly (exit code {replica.proc.exitcode}){where}")
             try:
-                self._loop.call_soon_threadsafe(self._on_message, msg)
+                self._loop.call_soon_threadsafe(self._on_message, msg, replica.index)
             except RuntimeError:  # the event loop is gone: the server is shutting down
                 return
             if isinstance(msg, EngineDead):
@@ -260,7 +312,7 @@ class EngineClient:
 
     # ---- inbound (runs on the event loop) -----------------------------------
 
-    def _on_message(self, msg) -> None:
+    def _on_message(self, msg, replica: int = 0) -> None:
         if isinstance(msg, (StepOutput, RequestFailed)):
             self.last_progress = time.monotonic()
         if isinstance(msg, StepOutput):
@@ -293,7 +345,13 @@ class EngineClient:
                 st.error = (msg.code, msg.message)
                 self._forget(st)
                 st.event.set()
+        elif isinstance(msg, KvEvents):
+            self.latest_loads[replica] = (msg.loads, time.monotonic())
+            if self.on_kv_events is not None:
+                self.on_kv_events(replica, msg)
         elif isinstance(msg, (ProbeReply, FlushReply, ProfileReply)):
+            if isinstance(msg, ProbeReply):
+                self.latest_loads[replica] = (msg.loads, time.monotonic())
             fut = self._waiters.pop(msg.nonce, None)
             if fut is not None and not fut.done():
                 fut.set_result(msg)
@@ -388,6 +446,11 @@ class EngineClient:
             replica.outbox.put(add)
         return states
 
+    def prefill_pending_tokens(self) -> int:
+        """Prompt tokens of requests handed to the engine that have produced no output yet (a
+        request's later samples share its first's prefill and are not counted again)."""
+        return sum(st.prompt_len for st in self.requests.values() if st.index == 0 and st.num_output_tokens == 0)
+
     def num_queued(self) -> int:
         """Samples submitted that have not produced a token yet (waiting or prefilling)."""
         return sum(1 for st in self.requests.values() if st.num_output_tokens == 0)
@@ -451,15 +514,7 @@ class EngineClient:
     async def probe(self, timeout: float) -> Loads:
         """Round trip through every engine loop; the loads of all replicas together (sums; the hit
         rate and throughput as the replicas' mean and sum)."""
-        loads = await self.probe_all(timeout)
-        if len(loads) == 1:
-            return loads[0]
-        total = Loads(**{f.name: getattr(loads[0], f.name) for f in dataclasses.fields(Loads)})
-        for name in ("num_running", "num_waiting", "num_used_tokens", "num_free_blocks", "num_total_blocks",
-                     "waiting_tokens", "num_preemptions", "gen_throughput", "num_cached_blocks"):
-            setattr(total, name, sum(getattr(x, name) for x in loads))
-        total.cache_hit_rate = sum(x.cache_hit_rate for x in loads) / len(loads)
-        return total
+        return combine_loads(await self.probe_all(timeout))
 
     async def flush_cache(self, timeout: float) -> FlushReply:
         return _combined(await self._ask_all(FlushCache, timeout))
@@ -469,6 +524,19 @@ class EngineClient:
 
     async def stop_profile(self, timeout: float) -> ProfileReply:
         return _combined(await self._ask_all(StopProfile, timeout))
+
+
+def combine_loads(loads: list[Loads]) -> Loads:
+    """The replicas' loads as one: counts and throughput summed, the hit rate their mean."""
+    if len(loads) == 1:
+        return loads[0]
+    total = dataclasses.replace(loads[0])
+    for name in ("num_running", "num_waiting", "num_used_tokens", "num_free_blocks", "num_total_blocks",
+                 "waiting_tokens", "num_preemptions", "gen_throughput", "num_cached_blocks",
+                 "num_grammar_waiting", "num_retracted"):
+        setattr(total, name, sum(getattr(x, name) for x in loads))
+    total.cache_hit_rate = sum(x.cache_hit_rate for x in loads) / len(loads)
+    return total
 
 
 def _combined(replies: list):

@@ -4,6 +4,11 @@ Order matters to the gateway and to probes: the port opens only once the model
 is loaded and one generation went through the whole path, so nothing ever sees a
 half-started worker; both health surfaces say SERVING from then on, and
 NOT_SERVING again as soon as shutdown starts.
+
+Stop signals (SIGTERM, SIGINT), to the server alone or to its whole process group (the child
+processes ignore them, engine/lifetime.py): the first drains (`_drain`), a second during the drain
+aborts what remains and exits at once; both exit 0. During startup one stops the start (the engine
+processes are killed; exit 0); during the final shutdown one kills the engine processes at once.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import time
 import logging
 import os
 import signal
+import threading
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -23,7 +29,8 @@ from grpc_reflection.v1alpha import reflection
 from tokenspeed_worker.engine.core import EngineConfig
 from tokenspeed_worker.engine.messages import AddRequest
 from tokenspeed_worker.proto import tokenspeed_scheduler_pb2 as pb, tokenspeed_scheduler_pb2_grpc as pb_grpc
-from tokenspeed_worker.server.engine_client import EngineClient, EngineUnavailable
+from tokenspeed_worker.engine.lifetime import STOP_SIGNALS
+from tokenspeed_worker.server.engine_client import EngineClient, EngineUnavailable, StartCancelled
 from tokenspeed_worker.server.model_info import load_model_facts
 from tokenspeed_worker.server.servicer import SERVICE_NAME, TokenSpeedSchedulerServicer
 
@@ -97,6 +104,7 @@ def engine_config_from_args(args, max_model_len: int, device: str, dtype: str) -
         max_cudagraph_capture_size=args.max_cudagraph_capture_size,
         seed=getattr(args, "seed", 0) or 0,
         kv_events=_kv_events(args),
+        report_kv_events=True,  # SubscribeKvEvents is always served
     )
 
 
@@ -144,26 +152,72 @@ async def _warm_up(engine: EngineClient, facts) -> None:
         raise EngineUnavailable(f"warm-up generation failed: {st.error[1]}")
 
 
-async def serve(args, facts, engine: EngineClient) -> int:
+def _kill_on_signal(engine: EngineClient):
+    """The stop signals' handler once serving is over: kill the engine processes now."""
+
+    def handler(signum, frame) -> None:
+        logger.warning("%s during shutdown: killing the engine processes now", signal.Signals(signum).name)
+        engine.kill_now()
+
+    return handler
+
+
+async def serve(args, facts, engine: EngineClient, signals: list[int] | None = None) -> int:
+    """Serve until a stop signal or the engine's death. `signals`: stop signals already received
+    (during startup); the ones received here are appended."""
     loop = asyncio.get_running_loop()
     engine.attach(loop)
     stop = asyncio.Event()
+    now = asyncio.Event()  # a second stop signal: abort what remains, exit at once
     exit_code = 0
+    signals = signals if signals is not None else []
 
     def on_dead(message: str) -> None:
         nonlocal exit_code
         exit_code = 1
         stop.set()
 
-    engine.on_dead = on_dead
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        try:
-            loop.add_signal_handler(sig, stop.set)
-        except (NotImplementedError, RuntimeError):
-            pass
+    def on_signal(sig: int) -> None:
+        signals.append(sig)
+        name = signal.Signals(sig).name
+        if not stop.is_set():
+            logger.info("%s: shutting down: draining in-flight requests for up to %.0fs "
+                        "(a second SIGTERM/SIGINT stops at once)", name, float(getattr(args, "drain_timeout", 30.0)))
+            stop.set()
+        elif not now.is_set():
+            logger.warning("%s again: stopping now", name)
+            now.set()
 
+    engine.on_dead = on_dead
+    handled = []
+    for sig in STOP_SIGNALS:
+        try:
+            loop.add_signal_handler(sig, on_signal, sig)
+            handled.append(sig)
+        except (NotImplementedError, RuntimeError, ValueError):
+            pass
+    try:
+        return await _serve(args, facts, engine, stop, now, signals, lambda: exit_code)  # read late: on_dead sets it
+    finally:
+        # From here a stop signal kills the engine processes (engine.shutdown is next); swapped
+        # here, not after the loop closes, which would restore the default handlers meanwhile.
+        for sig in handled:
+            loop.remove_signal_handler(sig)
+            signal.signal(sig, _kill_on_signal(engine))
+
+
+async def _serve(args, facts, engine: EngineClient, stop: asyncio.Event, now: asyncio.Event,
+                 signals: list[int], exit_code) -> int:
+    """serve()'s body; `exit_code()`: 0, or 1 once the engine died."""
+    if signals:  # a stop signal came between the engine's start and the handlers above
+        stop.set()
+        if len(signals) > 1:
+            now.set()
     await _warm_up(engine, facts)
     logger.info("warm-up generation passed")
+    if stop.is_set():  # stopped during the warm-up: never open the port
+        logger.info("stopped before serving")
+        return exit_code()
 
     # Observability starts after the warm-up, so its generation is never counted.
     from tokenspeed_worker.server.metrics import make_observer, metrics_address
@@ -221,12 +275,12 @@ async def serve(args, facts, engine: EngineClient) -> int:
     servicer.serving = False
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    if exit_code == 0:
-        await _drain(engine, servicer, float(getattr(args, "drain_timeout", 30.0)))
+    if exit_code() == 0:
+        await _drain(engine, servicer, float(getattr(args, "drain_timeout", 30.0)), now)
     await server.stop(grace=1.0)
     if metrics_server is not None:
         metrics_server.shutdown()
-    return exit_code
+    return exit_code()
 
 
 GAUGE_REFRESH_S = 1.0
@@ -247,16 +301,23 @@ async def _refresh_gauges(engine: EngineClient, metrics) -> None:
         await asyncio.sleep(GAUGE_REFRESH_S)
 
 
-async def _drain(engine: EngineClient, servicer: TokenSpeedSchedulerServicer, timeout: float) -> None:
-    """Let in-flight requests finish for up to `timeout` s, then end the rest with abort."""
+async def _drain(engine: EngineClient, servicer: TokenSpeedSchedulerServicer, timeout: float,
+                 now: asyncio.Event | None = None) -> None:
+    """Let in-flight requests finish for up to `timeout` s (or until `now` is set: a second stop
+    signal), then end the rest with abort: each gets its one terminal message."""
     loop = asyncio.get_running_loop()
+    now = now if now is not None else asyncio.Event()
     deadline = loop.time() + timeout
     logger.info("draining %d request(s) for up to %.0fs", len(engine.requests), timeout)
-    while engine.requests and loop.time() < deadline and engine.dead_message is None:
-        await asyncio.sleep(0.05)
+    while engine.requests and loop.time() < deadline and engine.dead_message is None and not now.is_set():
+        try:
+            await asyncio.wait_for(now.wait(), 0.05)
+        except asyncio.TimeoutError:
+            pass
     if engine.requests:
         groups = list(engine.by_request_id.values())
-        logger.warning("drain timeout: aborting %d request(s)", len(groups))
+        why = "second stop signal" if now.is_set() else "drain timeout"
+        logger.warning("%s: aborting %d request(s)", why, len(groups))
         for states in groups:
             engine.abort(states)
     # Give the handlers a moment to send their terminal messages.
@@ -293,7 +354,8 @@ def _max_positions(model_path: str) -> int | None:
 
 
 def run_server(args) -> int:
-    """Run the worker until SIGTERM/SIGINT (exit 0) or an engine failure (exit 1)."""
+    """Run the worker until SIGTERM/SIGINT (exit 0) or an engine failure (exit 1). The stop signals
+    are handled from the engine's start on (see the module docstring)."""
     if not os.path.isdir(args.model):
         logger.error("model %r is not a local folder (this worker never downloads weights)", args.model)
         return 2
@@ -324,21 +386,40 @@ def run_server(args) -> int:
     if not facts.structured_output:  # one decision: the server refuses constraints, the engine builds nothing
         engine_cfg.grammar_backend = "none"
     engine = EngineClient(engine_cfg, args.log_level, facts.data_parallel_size)
+    signals: list[int] = []
+
+    def during_startup(signum, frame) -> None:  # the loading can take minutes: stop it
+        signals.append(signum)
+        engine.cancel_start()
+
+    # Only the main thread may set handlers (and the engine processes are spawned from it).
+    own_signals = threading.current_thread() is threading.main_thread()
+    previous = {sig: signal.signal(sig, during_startup) for sig in STOP_SIGNALS} if own_signals else {}
     try:
-        ready = engine.start()
-    except EngineUnavailable as e:
-        logger.error("%s", e)
-        return 1
-    facts.dtype = ready.dtype
-    try:
-        uvloop = __import__("uvloop")
-        runner = uvloop.run
-    except ImportError:
-        runner = asyncio.run
-    try:
-        return runner(serve(args, facts, engine))
-    except EngineUnavailable as e:
-        logger.error("%s", e)
-        return 1
+        try:
+            ready = engine.start()
+        except StartCancelled:
+            logger.info("%s during startup: engine processes killed, exiting", signal.Signals(signals[0]).name)
+            return 0
+        except EngineUnavailable as e:
+            logger.error("%s", e)
+            return 1
+        facts.dtype = ready.dtype
+        try:
+            uvloop = __import__("uvloop")
+            runner = uvloop.run
+        except ImportError:
+            runner = asyncio.run
+        try:
+            return runner(serve(args, facts, engine, signals))
+        except EngineUnavailable as e:
+            logger.error("%s", e)
+            return 1
+        finally:
+            if own_signals:
+                for sig in STOP_SIGNALS:
+                    signal.signal(sig, _kill_on_signal(engine))
+            engine.shutdown()
     finally:
-        engine.shutdown()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

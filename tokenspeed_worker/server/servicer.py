@@ -22,6 +22,7 @@ from tokenspeed_worker import __version__
 from tokenspeed_worker.engine.messages import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP
 from tokenspeed_worker.proto import common_pb2, tokenspeed_scheduler_pb2 as pb, tokenspeed_scheduler_pb2_grpc as pb_grpc
 from tokenspeed_worker.server.engine_client import EngineClient, EngineUnavailable
+from tokenspeed_worker.server.kv_events import KvEventHub, SubscriberFellBehind
 from tokenspeed_worker.server.model_info import ModelFacts
 from tokenspeed_worker.server.validation import RequestError, validate_generate
 
@@ -160,6 +161,7 @@ class TokenSpeedSchedulerServicer(pb_grpc.TokenSpeedSchedulerServicer):
             self.tokenizer = load_tokenizer(facts.tokenizer_path)
         self.start_time = time.time()
         self.serving = False  # True once warm; False again while shutting down
+        self.kv_hub = KvEventHub(engine)  # SubscribeKvEvents' stream (and its load records)
 
     # ---- Generate -------------------------------------------------------------
 
@@ -395,12 +397,14 @@ class TokenSpeedSchedulerServicer(pb_grpc.TokenSpeedSchedulerServicer):
                 pb.MemoryMetrics(
                     weight_gb=r.weight_bytes / 1e9,
                     kv_cache_gb=r.kv_cache_bytes / 1e9,
-                    graph_gb=0.0,
+                    graph_gb=r.graph_bytes / 1e9,
                     token_capacity=capacity,
                 )
             )
         if sections & {"queues", "all"}:
-            load.queues.CopyFrom(pb.QueueMetrics(waiting=loads.num_waiting, grammar=0, paused=0, retracted=0))
+            # paused: the worker has no pause (no PauseGeneration RPC), so always 0.
+            load.queues.CopyFrom(pb.QueueMetrics(waiting=loads.num_waiting, grammar=loads.num_grammar_waiting,
+                                                 paused=0, retracted=loads.num_retracted))
         return load
 
     # ---- admin --------------------------------------------------------------------
@@ -463,21 +467,11 @@ class TokenSpeedSchedulerServicer(pb_grpc.TokenSpeedSchedulerServicer):
         return common_pb2.ProfileResponse(success=reply.success, message=reply.message)
 
     async def SubscribeKvEvents(self, request, context):
-        from tokenspeed_worker.config import kv_events_enabled, kv_events_settings
-
-        text = getattr(self.server_args, "kv_events_config", None)
-        if not kv_events_enabled(text):
-            # UNIMPLEMENTED makes the gateway fall back to polling GetLoads.
-            await context.abort(
-                grpc.StatusCode.UNIMPLEMENTED,
-                "SubscribeKvEvents: KV cache events are off (start the worker with --kv-events-config "
-                '\'{"enable_kv_cache_events": true, "publisher": "zmq"}\')',
-            )
-        from tokenspeed_worker.server.kv_events import subscribe
-
         # The gateway gives the call 2 s to answer (else it marks the worker unreachable and
         # retries): send the response headers now, before the first batch exists.
         await context.send_initial_metadata(())
-        # Streams the engine's batches until the client cancels (which cancels this generator).
-        async for batch in subscribe(kv_events_settings(text)):
-            yield batch
+        try:  # until the client cancels (which cancels this generator)
+            async for batch in self.kv_hub.subscribe(request):
+                yield batch
+        except SubscriberFellBehind as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"SubscribeKvEvents: {e}")

@@ -1,0 +1,279 @@
+"""Stop signals to the worker's whole process group (systemd's KillMode=control-group, Ctrl-C in a
+terminal, `kill -- -PGID`) drain exactly as SIGTERM to the main process does: the child processes
+(engine, tensor-parallel ranks, data-parallel replicas, multiprocessing's resource tracker) ignore
+them and exit when the server tells them to; a second signal stops at once; and when the server is
+SIGKILLed every child is gone within seconds. Each against a real worker started in its own
+session, as a service manager or a terminal starts it."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from test_reliability import Collector, gen
+from worker_harness import CACHE, REPO, Worker, child_pids, free_port, tiny_models
+
+FLAGS = ("--max-model-len", "4096", "--max-total-tokens", "16384")
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    return tiny_models()["llama-gqa-tied"]
+
+
+def descendants(pid: int) -> list[int]:
+    out: list[int] = []
+    todo = child_pids(pid)
+    while todo:
+        p = todo.pop()
+        if p not in out:
+            out.append(p)
+            todo.extend(child_pids(p))
+    return sorted(out)
+
+
+def alive(pid: int) -> bool:
+    """The process exists and is not a zombie (an exited child waiting for a reaper counts as gone)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def still_alive(pids, timeout: float) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while True:
+        left = [p for p in pids if alive(p)]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.05)
+
+
+def ignores_stop_signals(pid: int) -> bool:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigIgn:"):
+            mask = int(line.split()[1], 16)
+            return all(mask & (1 << (sig - 1)) for sig in (signal.SIGTERM, signal.SIGINT))
+    return False
+
+
+def wait_not_serving(w: Worker, within: float) -> None:
+    """grpc.health.v1 says NOT_SERVING (or the port is already closed) within `within` s."""
+    health = health_pb2_grpc.HealthStub(w.channel)
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            status = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=0.5).status
+            if status == health_pb2.HealthCheckResponse.NOT_SERVING:
+                return
+        except grpc.RpcError as e:
+            if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) and w.proc.poll() is not None:
+                return  # closed: the drain was already over
+        assert time.monotonic() < deadline, f"health still SERVING {within} s after the signal"
+        time.sleep(0.02)
+
+
+def drain_under_group_signal(w: Worker, sig: int, streams: int, max_new: int) -> None:
+    """`streams` streams in flight when `sig` goes to the whole group; all finish normally, health
+    goes NOT_SERVING, the worker exits 0 and no child is left."""
+    kids = descendants(w.proc.pid)
+    assert kids and all(ignores_stop_signals(k) for k in kids), (kids, w.log())
+    calls = [Collector(w.stub, gen(max_new_tokens=max_new)) for _ in range(streams)]
+    for c in calls:
+        assert c.first.wait(60), w.log()
+    w.signal_group(sig)
+    assert not any(c.completes for c in calls), "a stream ended before the signal: make them longer"
+    wait_not_serving(w, 1.0)
+    for c in calls:
+        c.join(60)
+        assert not c.is_alive()
+    for c in calls:
+        assert c.code == grpc.StatusCode.OK, (c.code, c.details, w.log())
+        assert [(x.finish_reason, x.completion_tokens) for x in c.completes] == [("length", max_new)]
+        assert c.messages[-1].HasField("complete")
+    assert w.proc.wait(30) == 0, w.log()
+    assert still_alive(kids, 5.0) == [], w.log()
+    assert "exited unexpectedly" not in w.log()
+
+
+def test_group_sigterm_under_load_drains_every_stream_and_exits_0(model_dir):
+    w = Worker(model_dir, *FLAGS, "--drain-timeout", "30", new_session=True)
+    try:
+        drain_under_group_signal(w, signal.SIGTERM, streams=8, max_new=100)
+    finally:
+        w.stop()
+
+
+def test_group_sigint_drains_like_sigterm(model_dir):
+    w = Worker(model_dir, *FLAGS, "--drain-timeout", "30", new_session=True)
+    try:
+        drain_under_group_signal(w, signal.SIGINT, streams=3, max_new=60)
+    finally:
+        w.stop()
+
+
+def test_second_group_signal_mid_drain_aborts_the_rest_and_exits_promptly(model_dir):
+    w = Worker(model_dir, *FLAGS, "--drain-timeout", "60", new_session=True)
+    try:
+        kids = descendants(w.proc.pid)
+        calls = [Collector(w.stub, gen()) for _ in range(4)]  # to the context limit: minutes on a CPU
+        for c in calls:
+            assert c.first.wait(60), w.log()
+        w.signal_group(signal.SIGTERM)
+        wait_not_serving(w, 1.0)
+        time.sleep(1.0)
+        assert w.proc.poll() is None and all(c.is_alive() for c in calls)  # draining, 59 s to go
+        w.signal_group(signal.SIGINT)  # either signal counts as the second
+        t0 = time.monotonic()
+        assert w.proc.wait(10) == 0, w.log()
+        assert time.monotonic() - t0 < 5, "the worker did not stop promptly on the second signal"
+        for c in calls:
+            c.join(10)
+            assert not c.is_alive()
+            # Exactly one terminal message: a GenerateComplete (abort) closing an OK stream, or a status.
+            if c.code == grpc.StatusCode.OK:
+                assert [x.finish_reason for x in c.completes] == ["abort"], c.messages[-1:]
+                assert c.messages[-1].HasField("complete")
+            else:
+                assert c.completes == [], (c.code, c.details)
+        assert still_alive(kids, 5.0) == [], w.log()
+        assert "second stop signal: aborting" in w.log()
+    finally:
+        w.stop()
+
+
+@pytest.mark.slow
+def test_tp2_group_sigterm_drains_and_every_rank_exits(model_dir):
+    w = Worker(model_dir, *FLAGS, "--drain-timeout", "30", "--tp", "2", new_session=True)
+    try:
+        assert len(descendants(w.proc.pid)) >= 3  # engine (rank 0), rank 1, resource tracker
+        drain_under_group_signal(w, signal.SIGTERM, streams=3, max_new=60)
+    finally:
+        w.stop()
+
+
+@pytest.mark.slow
+def test_dp2_group_sigterm_drains_and_every_replica_exits(model_dir):
+    w = Worker(model_dir, *FLAGS, "--drain-timeout", "30", "--dp-size", "2", new_session=True)
+    try:
+        assert len(descendants(w.proc.pid)) >= 3  # two engines, resource tracker
+        drain_under_group_signal(w, signal.SIGTERM, streams=4, max_new=60)
+    finally:
+        w.stop()
+
+
+@pytest.mark.slow
+def test_server_sigkilled_while_the_engine_is_stuck_leaves_no_child(model_dir):
+    """The engine hangs inside a step (so it never reads its pipe to see the server gone) and rank 1
+    waits for rank 0's next plan: only the parent-death signal or the parent watch can end them."""
+    w = Worker(model_dir, *FLAGS, "--tp", "2", env={"TOKENSPEED_FAULT_INJECT": "hang@20"}, new_session=True)
+    try:
+        kids = descendants(w.proc.pid)
+        assert len(kids) >= 3  # engine (rank 0), rank 1, resource tracker
+        c = Collector(w.stub, gen(max_new_tokens=200))
+        assert c.first.wait(60), w.log()
+        seen, since = -1, time.monotonic()
+        while time.monotonic() - since < 2.0:  # no token for 2 s: hung at step 20
+            if len(c.messages) != seen:
+                seen, since = len(c.messages), time.monotonic()
+            assert time.monotonic() - since < 60 and c.is_alive(), "the engine did not hang at step 20"
+            time.sleep(0.05)
+        assert seen < 30, seen
+        os.kill(w.proc.pid, signal.SIGKILL)  # the main pid only
+        assert w.proc.wait(5) == -signal.SIGKILL
+        assert still_alive(kids, 5.0) == [], (kids, w.log())
+    finally:
+        w.stop()
+
+
+def test_server_sigkilled_during_startup_leaves_no_child(model_dir):
+    """Killed while the engine starts (interpreter, imports, loading) and rank 1 waits to meet it."""
+    log_path = CACHE / "logs" / f"worker-startup-kill-{os.getpid()}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "tokenspeed_worker", str(model_dir), "--host", "127.0.0.1",
+                                 "--grpc-port", str(free_port()), *FLAGS, "--tp", "2"],
+                                stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 60
+            while len(descendants(proc.pid)) < 3:  # resource tracker, rank 1, engine
+                assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
+                time.sleep(0.05)
+            time.sleep(1.0)  # in their imports and the rendezvous
+            kids = descendants(proc.pid)
+            assert "serving" not in log_path.read_text()
+            proc.kill()
+            proc.wait(5)
+            assert still_alive(kids, 5.0) == [], log_path.read_text()
+        finally:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def test_group_sigterm_during_startup_exits_0_and_leaves_no_child(model_dir):
+    log_path = CACHE / "logs" / f"worker-startup-term-{os.getpid()}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "tokenspeed_worker", str(model_dir), "--host", "127.0.0.1",
+                                 "--grpc-port", str(free_port()), *FLAGS],
+                                stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 60
+            while len(descendants(proc.pid)) < 2:  # resource tracker, engine
+                assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
+                time.sleep(0.05)
+            kids = descendants(proc.pid)
+            os.killpg(proc.pid, signal.SIGTERM)  # lands in the engine's interpreter start or imports
+            assert proc.wait(10) == 0, log_path.read_text()
+            assert still_alive(kids, 5.0) == [], log_path.read_text()
+            assert "SIGTERM during startup" in log_path.read_text()
+        finally:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@pytest.mark.slow
+def test_other_node_waits_for_node_0_to_drain(model_dir):
+    """`--node-rank 1` (ranks only) gets the stop signal first: its rank keeps serving node 0 until
+    node 0, signalled in turn, drains and stops it; both exit 0."""
+    addr = f"127.0.0.1:{free_port()}"
+    dist = ("--tp", "2", "--nnodes", "2", "--dist-init-addr", addr)
+    log_path = CACHE / "logs" / f"node1-signals-{addr.split(':')[1]}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "wb") as log:
+        node1 = subprocess.Popen([sys.executable, "-m", "tokenspeed_worker", str(model_dir), *FLAGS, *dist,
+                                  "--node-rank", "1"], stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+                                 start_new_session=True)
+        try:
+            w = Worker(model_dir, *FLAGS, *dist, "--node-rank", "0", "--drain-timeout", "30", new_session=True)
+            try:
+                kids = descendants(node1.pid)
+                c = Collector(w.stub, gen(max_new_tokens=60))
+                assert c.first.wait(60), w.log()
+                os.killpg(node1.pid, signal.SIGTERM)
+                time.sleep(1.0)
+                assert node1.poll() is None and c.is_alive()  # still serving node 0
+                w.signal_group(signal.SIGTERM)
+                c.join(60)
+                assert c.code == grpc.StatusCode.OK and [x.finish_reason for x in c.completes] == ["length"], w.log()
+                assert w.proc.wait(30) == 0, w.log()
+            finally:
+                w.stop()
+            assert node1.wait(30) == 0, log_path.read_text()
+            assert still_alive(kids, 5.0) == [], log_path.read_text()
+        finally:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(node1.pid, signal.SIGKILL)
+            node1.wait()
