@@ -623,12 +623,13 @@ class ServerArgs:
     kv_events_config: str | None = _option(
         None,
         OBSERVABILITY,
-        "JSON config for KV cache mutation events (prefix-cache blocks stored, removed, cleared), "
-        'published over ZMQ for cache-aware routing, e.g. \'{"enable_kv_cache_events": true, '
+        "JSON config for a ZMQ publisher of the KV cache mutation events (prefix-cache blocks stored, "
+        'removed, cleared), e.g. \'{"enable_kv_cache_events": true, '
         '"publisher": "zmq", "endpoint": "tcp://*:5557", "topic": "kv-events"}\'. Keys: '
         "enable_kv_cache_events (default false), publisher ('zmq' or 'null', default 'zmq'), "
-        "endpoint (ZMQ PUB bind address, default 'tcp://*:5557'), topic (default ''). When enabled, "
-        "SubscribeKvEvents streams the same events over gRPC. Needs pyzmq and msgpack.",
+        "endpoint (ZMQ PUB bind address, default 'tcp://*:5557'), topic (default ''). Without it "
+        "SubscribeKvEvents still streams the events (and the pushed loads) over gRPC, which is what "
+        "the smg gateway uses; this only adds ZMQ. Needs pyzmq and msgpack (the zmq extra).",
         parse=_kv_events_config,
     )
 
