@@ -42,6 +42,22 @@ def test_config_defaults_and_errors():
         kv_events_settings("{nope")
 
 
+def test_events_to_proto_merges_chains_and_counts_them_first():
+    from tokenspeed_worker.server.kv_events import count_events, events_to_proto
+
+    events = [("stored", 1, None, [1, 2], 2), ("stored", 2, 1, [3, 4], 2), ("stored", 5, 9, [5, 6], 2),
+              ("removed", 7), ("stored", 8, 5, [7, 8], 2), ("cleared",), ("stored", 3, 2, [9, 9], 2)]
+    batch = common_pb2.KvEventBatch()
+    assert events_to_proto(batch, events, 10) == 10 + count_events(events) == 16
+    assert [e.event_id for e in batch.events] == list(range(10, 16))
+    first = batch.events[0].stored  # blocks 1 -> 2 chain: one event, the parent of the first
+    assert [b.block_hash for b in first.blocks] == [1, 2] and not first.HasField("parent_block_hash")
+    assert [b.block_hash for b in batch.events[1].stored.blocks] == [5]
+    assert batch.events[1].stored.parent_block_hash == 9
+    assert [e.WhichOneof("data") for e in batch.events] == ["stored", "stored", "removed", "stored", "cleared",
+                                                             "stored"]
+
+
 # ---- one worker on a tiny model --------------------------------------------------------
 
 

@@ -51,6 +51,20 @@ class SubscriberFellBehind(Exception):
     pass
 
 
+def count_events(events: list[tuple]) -> int:
+    """How many KvCacheEvents `events_to_proto` makes of these tuples."""
+    count, last_hash = 0, None
+    for ev in events:
+        if ev[0] == "stored":
+            if last_hash is None or ev[2] is None or int(ev[2]) != last_hash:
+                count += 1
+            last_hash = int(ev[1])
+        else:
+            last_hash = None
+            count += ev[0] in ("removed", "cleared")
+    return count
+
+
 def events_to_proto(batch: common_pb2.KvEventBatch, events: list[tuple], first_event_id: int) -> int:
     """Append the scheduler's event tuples to `batch`; a run of stored blocks that chain (each the
     parent of the next) becomes one KvBlocksStored. Returns the next event id."""
@@ -120,14 +134,23 @@ class KvEventHub:
 
     def _on_events(self, replica: int, msg) -> None:
         self.seq += 1
-        batch = common_pb2.KvEventBatch(sequence_number=self.seq, timestamp=float(msg.timestamp), dp_rank=replica)
-        self._event_id = events_to_proto(batch, msg.events, self._event_id)
-        self.history.append(batch)
+        # Kept raw: with nobody subscribed a batch costs an append, not a protobuf. Its event ids are
+        # fixed now, so a replay repeats them.
+        entry = (self.seq, replica, msg, self._event_id)
+        self._event_id += count_events(msg.events)
+        self.history.append(entry)
         if self._subscribers:
+            batch = self._batch(*entry)
             batch.load.CopyFrom(self.load_record(load_only=False))
             for sub in self._subscribers:
                 sub.put(batch)
             self._last_push = time.monotonic()
+
+    @staticmethod
+    def _batch(seq: int, replica: int, msg, first_event_id: int) -> common_pb2.KvEventBatch:
+        batch = common_pb2.KvEventBatch(sequence_number=seq, timestamp=float(msg.timestamp), dp_rank=replica)
+        events_to_proto(batch, msg.events, first_event_id)
+        return batch
 
     # ---- load records ----------------------------------------------------------------
 
@@ -201,9 +224,9 @@ class KvEventHub:
         start = int(request.start_sequence_number)
         replay = []
         if start > 0:
-            oldest = self.history[0].sequence_number if self.history else self.seq + 1
+            oldest = self.history[0][0] if self.history else self.seq + 1
             if oldest <= start + 1 <= self.seq + 1:
-                replay = [b for b in self.history if b.sequence_number > start]
+                replay = [self._batch(*entry) for entry in self.history if entry[0] > start]
             else:
                 logger.info("SubscribeKvEvents: cursor %d is outside the history (%d..%d); streaming from now",
                             start, oldest, self.seq)
@@ -216,11 +239,9 @@ class KvEventHub:
             if replay:
                 record = self.load_record(load_only=False)
                 for batch in replay:
-                    out = common_pb2.KvEventBatch()
-                    out.CopyFrom(batch)
-                    out.load.CopyFrom(record)
-                    sub.last_seq = out.sequence_number
-                    yield out
+                    batch.load.CopyFrom(record)
+                    sub.last_seq = batch.sequence_number
+                    yield batch
             elif sub.early_loads:
                 await self._refresh(PROBE_TIMEOUT_S)
                 self._last_push = time.monotonic()
