@@ -114,6 +114,36 @@ def run_level(stub, concurrency, prompt_len, output_len, rounds, vocab, seed, ad
     }
 
 
+class KvSubscription:
+    """A SubscribeKvEvents stream read in a thread, as the smg gateway holds one on every worker."""
+
+    def __init__(self, stub) -> None:
+        from tokenspeed_worker.proto import common_pb2
+
+        self.call = stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(load_records_before_first_batch=True))
+        self.batches = self.events = self.load_only = 0
+        self.error = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            for batch in self.call:
+                self.batches += 1
+                self.events += len(batch.events)
+                self.load_only += batch.load.load_only
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.CANCELLED:
+                self.error = f"{e.code().name}: {e.details()}"
+
+    def close(self) -> None:
+        self.call.cancel()
+        self.thread.join(5)
+
+    def summary(self) -> dict:
+        return {"batches": self.batches, "events": self.events, "load_only": self.load_only, "error": self.error}
+
+
 def hf_baseline(model: str, prompt_len: int, output_len: int, batch: int) -> float:
     """transformers generate (greedy, same lengths) output tok/s: the peer measured in the same run."""
     import torch
@@ -176,10 +206,14 @@ def main() -> int:
     ap.add_argument("--client-procs", type=int, default=1,
                     help="client processes sharing each wave's streams (a single Python client tops out at "
                          "several thousand streamed messages per second)")
+    ap.add_argument("--subscribe", action="store_true",
+                    help="hold a SubscribeKvEvents stream open during the run, as the smg gateway does "
+                         "(its batches and load records are counted in the result)")
     ap.add_argument("worker_args", nargs="*", help="extra worker flags (after --)")
     args = ap.parse_args()
 
     worker = None
+    startup_s = None
     if args.address:
         address = args.address
     else:
@@ -187,14 +221,18 @@ def main() -> int:
 
         model = args.model or str(smollm2_dir())
         print(f"starting worker for {model}", flush=True)
+        t_launch = time.perf_counter()
         worker = Worker(model, "--max-model-len", str(max(2048, args.prompt_len + args.output_len + 8)),
                         *args.worker_args)
+        startup_s = time.perf_counter() - t_launch  # launch to grpc.health.v1 SERVING
+        print(f"worker healthy {startup_s:.1f} s after launch", flush=True)
         address = worker.address
     channel = grpc.insecure_channel(address)
     stub = __import__("tokenspeed_worker.proto.tokenspeed_scheduler_pb2_grpc", fromlist=["x"]).TokenSpeedSchedulerStub(
         channel)
     info = stub.GetModelInfo(pb.GetModelInfoRequest())
     server = stub.GetServerInfo(pb.GetServerInfoRequest())
+    subscription = KvSubscription(stub) if args.subscribe else None
     pool = None
     if args.client_procs > 1:
         import multiprocessing
@@ -210,6 +248,8 @@ def main() -> int:
         levels = [run_level(stub, c, args.prompt_len, args.output_len, args.rounds, info.vocab_size, 1, address, pool)
                   for c in args.concurrency]
     finally:
+        if subscription is not None:
+            subscription.close()
         if pool is not None:
             pool.shutdown()
         channel.close()
@@ -237,7 +277,9 @@ def main() -> int:
         "batch1_roofline_tok_s": roofline_tok_s,
         "model": info.served_model_name, "device": server.scheduler_info["device"],
         "dtype": server.scheduler_info["dtype"], "machine": f"{platform.node()} {os.cpu_count()} cpus",
-        "date": time.strftime("%Y-%m-%d"), "client_procs": args.client_procs, "levels": levels,
+        "date": time.strftime("%Y-%m-%d"), "client_procs": args.client_procs, "startup_s": startup_s,
+        "kv_events_subscription": subscription.summary() if subscription is not None else None,
+        "levels": levels,
     }
     if args.plot:
         plot(levels, Path(args.plot))

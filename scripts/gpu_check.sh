@@ -398,6 +398,23 @@ if [ "${BENCH_TP:-0}" = 1 ]; then
       -- --load-format dummy --dp $dp 2>&1 | grep -E "^C=|rror" | tail -3
   done
 fi
+# Serving through gRPC on the 1B shape (BENCH_SERVING=1): batch 1 and 64/256 streams from 8 client
+# processes, with a SubscribeKvEvents stream held open as the smg gateway holds one (SERVING_SUBSCRIBE=0:
+# none), launch-to-healthy time in the JSON. SERVING_TREE=DIR runs another checkout's worker (an A/B
+# against an older commit: `git archive COMMIT | tar -x -C .cache/ab_old`, carry it; its native
+# extension is built there first, after which the editable install points at it).
+if [ "${BENCH_SERVING:-0}" = 1 ]; then
+  tree=${SERVING_TREE:-.}
+  tag=${SERVING_TAG:-head}
+  if [ "$tree" != . ]; then
+    cp scripts/bench_serving.py "$tree/scripts/" && cp tests/worker_harness.py "$tree/tests/"
+    (cd "$tree" && python3 -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -3)
+  fi
+  sub=""; [ "${SERVING_SUBSCRIBE:-1}" = 1 ] && sub="--subscribe"
+  (cd "$tree" && timeout ${SERVING_TIMEOUT:-300} python3 scripts/bench_serving.py --model "$PWD/scripts/model_configs/llama-3.2-1b" \
+    --concurrency ${SERVING_C:-1 64 256} --prompt-len 128 --output-len 128 --rounds 2 --client-procs 8 $sub \
+    --out "$OUT/serving_1b_$tag.json" -- --load-format dummy 2>&1 | grep -E "^C=|healthy|rror" | sed "s/^/$tag: /" | tail -6)
+fi
 # Send Triton's compiled kernels back (TRITON_CACHE_OUT=1), in pieces under the 16 MiB a file may be.
 if [ "${TRITON_CACHE_OUT:-0}" = 1 ] && [ -d ~/.triton/cache ]; then
   tar -czf - -C ~/.triton cache | split -b 15m -d - "$OUT/triton.tgz."
