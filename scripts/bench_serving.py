@@ -206,6 +206,7 @@ def main() -> int:
     ap.add_argument("--client-procs", type=int, default=1,
                     help="client processes sharing each wave's streams (a single Python client tops out at "
                          "several thousand streamed messages per second)")
+    ap.add_argument("--startup-timeout", type=float, default=600.0, help="seconds the worker may take to be healthy")
     ap.add_argument("--subscribe", action="store_true",
                     help="hold a SubscribeKvEvents stream open during the run, as the smg gateway does "
                          "(its batches and load records are counted in the result)")
@@ -223,7 +224,7 @@ def main() -> int:
         print(f"starting worker for {model}", flush=True)
         t_launch = time.perf_counter()
         worker = Worker(model, "--max-model-len", str(max(2048, args.prompt_len + args.output_len + 8)),
-                        *args.worker_args)
+                        *args.worker_args, startup_timeout=args.startup_timeout)
         startup_s = time.perf_counter() - t_launch  # launch to grpc.health.v1 SERVING
         print(f"worker healthy {startup_s:.1f} s after launch", flush=True)
         address = worker.address

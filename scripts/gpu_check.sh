@@ -412,8 +412,12 @@ if [ "${BENCH_SERVING:-0}" = 1 ]; then
   fi
   sub=""; [ "${SERVING_SUBSCRIBE:-1}" = 1 ] && sub="--subscribe"
   (cd "$tree" && timeout ${SERVING_TIMEOUT:-300} python3 scripts/bench_serving.py --model "$PWD/scripts/model_configs/llama-3.2-1b" \
-    --concurrency ${SERVING_C:-1 64 256} --prompt-len 128 --output-len 128 --rounds 2 --client-procs 8 $sub \
+    --concurrency ${SERVING_C:-1 64 256} --prompt-len 128 --output-len 128 --rounds ${SERVING_ROUNDS:-2} --client-procs 8 $sub \
     --out "$OUT/serving_1b_$tag.json" -- --load-format dummy 2>&1 | grep -E "^C=|healthy|rror" | sed "s/^/$tag: /" | tail -6)
+  grep -hE "CUDA graphs: captured|engine ready|warm-up|serving .* on" "$tree"/.cache/logs/worker-*.log 2>/dev/null | tail -4 | cut -c1-220
+fi
+if [ "${CHECK_LIFETIME:-0}" = 1 ]; then
+  python3 scripts/check_lifetime.py
 fi
 # Send Triton's compiled kernels back (TRITON_CACHE_OUT=1), in pieces under the 16 MiB a file may be.
 if [ "${TRITON_CACHE_OUT:-0}" = 1 ] && [ -d ~/.triton/cache ]; then

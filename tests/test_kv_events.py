@@ -58,6 +58,33 @@ def test_events_to_proto_merges_chains_and_counts_them_first():
                                                              "stored"]
 
 
+def test_prefill_pending_tokens_follow_requests_in_and_out():
+    """The pushed load's prefill_pending_tokens, kept incrementally by EngineClient: a request's
+    prompt counts (once for its n samples) until its first token, its end, or an abort."""
+    import numpy as np
+
+    from tokenspeed_worker.engine.core import EngineConfig
+    from tokenspeed_worker.engine.messages import AddRequest, StepOutput
+    from tokenspeed_worker.server.engine_client import EngineClient
+
+    client = EngineClient(EngineConfig(model_path="unused"))
+
+    def add(length):
+        return AddRequest(0, np.zeros(length, dtype=np.int32), 4, [], 0.0, -1, 1.0, 0.0, 0)
+
+    a = client.submit("a", [add(10), add(10)])  # n = 2 shares one prefill
+    b = client.submit("b", [add(7)])
+    assert client.prefill_pending_tokens() == 17
+    empty = np.zeros(0, dtype=np.int64)
+    client._on_message(StepOutput(req_ids=np.array([a[0].engine_id, a[1].engine_id]), tokens=np.array([1, 2]),
+                                  finished_ids=empty, finish_reasons=np.zeros(0, dtype=np.int32)))
+    assert client.prefill_pending_tokens() == 7
+    client.abort(b)
+    assert client.prefill_pending_tokens() == 0
+    client.abort(a)
+    assert client.prefill_pending_tokens() == 0 and not client.requests
+
+
 # ---- one worker on a tiny model --------------------------------------------------------
 
 

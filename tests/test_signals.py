@@ -23,6 +23,8 @@ from test_reliability import Collector, gen
 from worker_harness import CACHE, REPO, Worker, child_pids, free_port, tiny_models
 
 FLAGS = ("--max-model-len", "4096", "--max-total-tokens", "16384")
+# Several ranks or replicas run on the CPU (gloo) here and on a one-GPU machine alike.
+MULTI = ("--device", "cpu")
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +156,7 @@ def test_second_group_signal_mid_drain_aborts_the_rest_and_exits_promptly(model_
 
 @pytest.mark.slow
 def test_tp2_group_sigterm_drains_and_every_rank_exits(model_dir):
-    w = Worker(model_dir, *FLAGS, "--drain-timeout", "30", "--tp", "2", new_session=True)
+    w = Worker(model_dir, *FLAGS, "--drain-timeout", "30", "--tp", "2", *MULTI, new_session=True)
     try:
         assert len(descendants(w.proc.pid)) >= 3  # engine (rank 0), rank 1, resource tracker
         drain_under_group_signal(w, signal.SIGTERM, streams=3, max_new=60)
@@ -164,7 +166,7 @@ def test_tp2_group_sigterm_drains_and_every_rank_exits(model_dir):
 
 @pytest.mark.slow
 def test_dp2_group_sigterm_drains_and_every_replica_exits(model_dir):
-    w = Worker(model_dir, *FLAGS, "--drain-timeout", "30", "--dp-size", "2", new_session=True)
+    w = Worker(model_dir, *FLAGS, "--drain-timeout", "30", "--dp-size", "2", *MULTI, new_session=True)
     try:
         assert len(descendants(w.proc.pid)) >= 3  # two engines, resource tracker
         drain_under_group_signal(w, signal.SIGTERM, streams=4, max_new=60)
@@ -176,7 +178,7 @@ def test_dp2_group_sigterm_drains_and_every_replica_exits(model_dir):
 def test_server_sigkilled_while_the_engine_is_stuck_leaves_no_child(model_dir):
     """The engine hangs inside a step (so it never reads its pipe to see the server gone) and rank 1
     waits for rank 0's next plan: only the parent-death signal or the parent watch can end them."""
-    w = Worker(model_dir, *FLAGS, "--tp", "2", env={"TOKENSPEED_FAULT_INJECT": "hang@20"}, new_session=True)
+    w = Worker(model_dir, *FLAGS, "--tp", "2", *MULTI, env={"TOKENSPEED_FAULT_INJECT": "hang@20"}, new_session=True)
     try:
         kids = descendants(w.proc.pid)
         assert len(kids) >= 3  # engine (rank 0), rank 1, resource tracker
@@ -202,7 +204,7 @@ def test_server_sigkilled_during_startup_leaves_no_child(model_dir):
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "tokenspeed_worker", str(model_dir), "--host", "127.0.0.1",
-                                 "--grpc-port", str(free_port()), *FLAGS, "--tp", "2"],
+                                 "--grpc-port", str(free_port()), *FLAGS, "--tp", "2", *MULTI],
                                 stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
         try:
             deadline = time.monotonic() + 60
@@ -249,7 +251,7 @@ def test_other_node_waits_for_node_0_to_drain(model_dir):
     """`--node-rank 1` (ranks only) gets the stop signal first: its rank keeps serving node 0 until
     node 0, signalled in turn, drains and stops it; both exit 0."""
     addr = f"127.0.0.1:{free_port()}"
-    dist = ("--tp", "2", "--nnodes", "2", "--dist-init-addr", addr)
+    dist = ("--tp", "2", "--nnodes", "2", "--dist-init-addr", addr, *MULTI)
     log_path = CACHE / "logs" / f"node1-signals-{addr.split(':')[1]}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "wb") as log:

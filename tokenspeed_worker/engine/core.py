@@ -22,6 +22,7 @@ while the device computes the other; a decode row of step N+1 reads its input to
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import time
@@ -39,6 +40,9 @@ _GIB = 1 << 30
 # Sampler temporaries per logit of a full batch (a few float32 [S, V] copies: processed scores,
 # noise, log-softmax for logprobs); an estimate, the sampler is not part of the profiling forward.
 _SAMPLER_BYTES_PER_LOGIT = 16
+
+
+THROUGHPUT_WINDOW_S = 10.0  # Loads.gen_throughput: output tokens per second over this window
 
 
 @dataclass
@@ -234,7 +238,10 @@ class EngineCore:
         self._last_launched: LaunchedStep | None = None  # the grammar matchers follow its tokens
         self._row_of: dict[int, int] = {}
 
-        self._tokens_window: list[tuple[float, int]] = []
+        # (time.monotonic(), tokens) of the steps of the last THROUGHPUT_WINDOW_S and their sum:
+        # loads() runs after every step that has KV events, so it must not scan the window.
+        self._tokens_window: collections.deque[tuple[float, int]] = collections.deque()
+        self._window_tokens = 0
         self._steps = 0  # non-empty steps run
         from tokenspeed_worker.engine.profiler import EngineProfiler
 
@@ -282,10 +289,10 @@ class EngineCore:
     def loads(self) -> Loads:
         s = self.scheduler
         now = time.monotonic()
-        window = [(t, n) for t, n in self._tokens_window if now - t < 10.0]
-        self._tokens_window = window
+        self._trim_window(now)
+        window = self._tokens_window
         span = (now - window[0][0]) if len(window) > 1 else 0.0
-        throughput = (sum(n for _, n in window) / span) if span > 0 else 0.0
+        throughput = self._window_tokens / span if span > 0 else 0.0
         return Loads(
             num_running=s.num_running,
             num_waiting=s.num_waiting,
@@ -301,6 +308,11 @@ class EngineCore:
             num_grammar_waiting=len(self._grammar_pending),
             num_retracted=s.num_retracted,
         )
+
+    def _trim_window(self, now: float) -> None:
+        window = self._tokens_window
+        while window and now - window[0][0] >= THROUGHPUT_WINDOW_S:
+            self._window_tokens -= window.popleft()[1]
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or bool(self._grammar_pending)
@@ -585,9 +597,10 @@ class EngineCore:
         for row in finished_rows.tolist():
             self._release(row)
         if out.tokens.shape[0]:
-            self._tokens_window.append((time.monotonic(), int(out.tokens.shape[0])))
-            if len(self._tokens_window) > 4096:
-                del self._tokens_window[:2048]
+            now = time.monotonic()
+            self._tokens_window.append((now, int(out.tokens.shape[0])))
+            self._window_tokens += int(out.tokens.shape[0])
+            self._trim_window(now)
         out.step_seconds = time.perf_counter() - launched.t0
         return out
 

@@ -158,6 +158,7 @@ class EngineClient:
         # Each replica's latest loads and when they arrived (time.monotonic()), from a probe or
         # a KvEvents message; None before the first.
         self.latest_loads: list[tuple[Loads, float] | None] = [None] * self.data_parallel_size
+        self._prefill_pending = 0  # prefill_pending_tokens()
         # Optional server/metrics.RequestObserver (metrics, request stats, request logs);
         # None: no timestamp, no per-token work.
         self.observer = None
@@ -325,6 +326,8 @@ class EngineClient:
                 st = requests.get(engine_id)
                 if st is not None:
                     st.new_tokens.append(token)
+                    if st.num_output_tokens == 0 and st.index == 0:
+                        self._prefill_pending -= st.prompt_len
                     st.num_output_tokens += 1
                     st.cached_tokens = num_cached
                     if st.wants_logprobs:
@@ -382,6 +385,7 @@ class EngineClient:
             if self.observer is not None:
                 self.observer.on_end(st)
         self.requests.clear()
+        self._prefill_pending = 0
         self.by_request_id.clear()
         for fut in self._waiters.values():
             if not fut.done():
@@ -393,6 +397,8 @@ class EngineClient:
     def _forget(self, st: RequestState) -> None:
         if self.requests.pop(st.engine_id, None) is not None:
             self._replicas[st.replica].in_flight -= 1
+            if st.num_output_tokens == 0 and st.index == 0:
+                self._prefill_pending -= st.prompt_len
             if self.observer is not None:
                 self.observer.on_end(st)
         group = self.by_request_id.get(st.request_id)
@@ -439,6 +445,7 @@ class EngineClient:
             self.requests[st.engine_id] = st
             states.append(st)
         replica.in_flight += len(states)
+        self._prefill_pending += states[0].prompt_len
         self.by_request_id[request_id] = states
         if obs is not None:
             obs.on_arrival(request_id, adds)
@@ -448,8 +455,9 @@ class EngineClient:
 
     def prefill_pending_tokens(self) -> int:
         """Prompt tokens of requests handed to the engine that have produced no output yet (a
-        request's later samples share its first's prefill and are not counted again)."""
-        return sum(st.prompt_len for st in self.requests.values() if st.index == 0 and st.num_output_tokens == 0)
+        request's later samples share its first's prefill and are not counted again); kept as
+        requests come, produce their first token and end, for the pushed load of every KV batch."""
+        return self._prefill_pending
 
     def num_queued(self) -> int:
         """Samples submitted that have not produced a token yet (waiting or prefilling)."""
