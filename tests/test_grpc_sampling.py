@@ -167,7 +167,7 @@ INVALID = [
     ("repetition_penalty", dict(repetition_penalty=0.0)),
     ("logit_bias", dict(logit_bias={"100000": 1.0})),
     ("logit_bias", dict(logit_bias={"abc": 1.0})),
-    ("sampling_params.n", dict(n=0)),
+    ("sampling_params.n", dict(n=129)),
     ("stop", dict(stop=[""])),
 ]
 

@@ -141,10 +141,15 @@ def test_flush_cache(worker):
     assert r.success
 
 
-def test_kv_events_are_unimplemented_without_kv_events_config(worker):
-    with pytest.raises(grpc.RpcError) as e:
-        list(worker.stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest()))
-    assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
+def test_kv_events_are_served_without_kv_events_config(worker):
+    """No flag needed: the stream answers at once with a load record (the gateway's subscription)."""
+    call = worker.stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(load_records_before_first_batch=True),
+                                         timeout=30)
+    try:
+        first = next(call)
+        assert first.load.load_only and first.sequence_number == 0 and first.load.max_total_num_tokens > 0
+    finally:
+        call.cancel()
 
 
 def test_profile_writes_a_chrome_trace(worker, tmp_path):

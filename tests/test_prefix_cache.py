@@ -656,3 +656,34 @@ def test_outputs_with_prefix_caching_match_the_uncached_reference(seed):
         hits += tight.prefix_hit_tokens
         preemptions += tight.num_preemptions
     assert hits > 0 and preemptions > 0
+
+
+def test_kv_events_wire_bytes_equal_the_python_encoding():
+    """drain_kv_events_wire (the native protobuf encoder the engine uses) writes exactly what the
+    Python encoder makes of drain_kv_events' tuples: the same scheduler history driven twice."""
+    from tokenspeed_worker.engine.kv_events import events_wire
+    from tokenspeed_worker.proto import common_pb2
+
+    def history(sched):
+        drv = Driver(sched)
+        sched.add_request(1, seq(9, 100), 1, [])
+        drv.run()
+        sched.add_request(2, seq(15, 500), 1, [])  # evicts the first request's blocks
+        drv.run()
+        sched.flush_prefix_cache()
+        sched.add_request(3, seq(13, 900), 1, [])
+        drv.run()
+
+    tuples, native = make(num_blocks=4, block_size=4, enable_kv_events=True), \
+        make(num_blocks=4, block_size=4, enable_kv_events=True)
+    history(tuples)
+    history(native)
+    events = tuples.drain_kv_events()
+    assert {e[0] for e in events} == {"stored", "removed", "cleared"}
+    assert any(e[0] == "stored" and e[1] < 0 for e in events)  # negative int64 hashes: 10-byte varints
+    data, count = native.drain_kv_events_wire(7, 3)
+    want, want_count = events_wire(events, 7, 3)
+    assert count == want_count and count < len(events)  # chains merged
+    assert common_pb2.KvEventBatch.FromString(data) == common_pb2.KvEventBatch.FromString(want)
+    assert [e.event_id for e in common_pb2.KvEventBatch.FromString(data).events] == [7 + 3 * i for i in range(count)]
+    assert native.drain_kv_events_wire(0, 1) == (b"", 0)

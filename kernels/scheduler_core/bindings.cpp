@@ -9,6 +9,7 @@
 
 #include "block_allocator.hpp"
 #include "block_hash.hpp"
+#include "kv_event_wire.hpp"
 #include "scheduler.hpp"
 
 namespace nb = nanobind;
@@ -60,6 +61,12 @@ nb::list drain_kv_events(Scheduler& self) {
     }
   }
   return out;
+}
+
+// The recorded events as KvEventBatch wire bytes (kv_event_wire.hpp) and how many KvCacheEvents they hold.
+nb::tuple drain_kv_events_wire(Scheduler& self, uint64_t first_event_id, uint64_t id_stride) {
+  KvEventWire encoded = encode_kv_events(self.drain_kv_events(), first_event_id, id_stride);
+  return nb::make_tuple(nb::bytes(encoded.bytes.data(), encoded.bytes.size()), encoded.count);
 }
 
 nb::object cached_tokens(const Scheduler& self, InArray1D<int64_t> req_ids) {
@@ -183,6 +190,7 @@ NB_MODULE(_scheduler_core, m) {
       .def("cached_tokens", &cached_tokens, "req_ids"_a)
       .def("flush_prefix_cache", &Scheduler::flush_prefix_cache)
       .def("drain_kv_events", &drain_kv_events)
+      .def("drain_kv_events_wire", &drain_kv_events_wire, "first_event_id"_a, "id_stride"_a)
       .def("debug_blocks", &debug_blocks)
       .def("debug_cached_block", &debug_cached_block, "block"_a)
       .def("has_work", &Scheduler::has_work)

@@ -32,7 +32,8 @@ import numpy as np
 import torch
 
 from tokenspeed_worker import distributed
-from tokenspeed_worker.engine.messages import AddRequest, EngineReady, Loads, StepOutput
+from tokenspeed_worker.engine.kv_events import events_wire
+from tokenspeed_worker.engine.messages import AddRequest, EngineReady, KvEvents, Loads, StepOutput
 
 logger = logging.getLogger(__name__)
 
@@ -40,8 +41,6 @@ _GIB = 1 << 30
 # Sampler temporaries per logit of a full batch (a few float32 [S, V] copies: processed scores,
 # noise, log-softmax for logprobs); an estimate, the sampler is not part of the profiling forward.
 _SAMPLER_BYTES_PER_LOGIT = 16
-
-
 THROUGHPUT_WINDOW_S = 10.0  # Loads.gen_throughput: output tokens per second over this window
 
 
@@ -73,6 +72,10 @@ class EngineConfig:
     # Record prefix-cache events for the server's SubscribeKvEvents (the CLI always does; engines
     # driven directly, as benchmarks do, leave it off so nothing accumulates undrained).
     report_kv_events: bool = False
+    # Event ids of this engine's KV events: offset + k * stride for its k-th event, so the replicas
+    # of a data-parallel worker never share one (replica index, number of replicas).
+    kv_event_id_offset: int = 0
+    kv_event_id_stride: int = 1
     # Overlap scheduling (host work of step N+1 while the device runs step N); None: on for CUDA
     # devices (env TOKENSPEED_OVERLAP_SCHEDULE=1/0 forces it on/off, for tests), off on CPU.
     overlap_schedule: bool | None = None
@@ -217,6 +220,7 @@ class EngineCore:
             schedule_conservativeness=cfg.schedule_conservativeness,
         )
         self.kv_publisher = None
+        self._kv_events_sent = 0  # KV events handed out by take_kv_events (their ids follow on)
         if cfg.kv_events is not None:
             from tokenspeed_worker.engine.kv_events import ZmqKvEventPublisher
 
@@ -429,15 +433,25 @@ class EngineCore:
         """Drop every cached prefix; returns how many blocks stopped being shareable."""
         return int(self.scheduler.flush_prefix_cache())
 
-    def take_kv_events(self) -> list[tuple]:
-        """The prefix-cache events recorded since the last call (published on ZMQ too, as one
-        batch, with --kv-events-config); [] when there are none or none are recorded."""
-        if self.kv_publisher is None and not self.cfg.report_kv_events:
-            return []
-        events = self.scheduler.drain_kv_events()
-        if events and self.kv_publisher is not None:
+    def take_kv_events(self) -> KvEvents | None:
+        """The prefix-cache events recorded since the last call, for the server (published on ZMQ
+        too, as one batch, with --kv-events-config); None when there are none or none are recorded."""
+        cfg = self.cfg
+        if self.kv_publisher is None and not cfg.report_kv_events:
+            return None
+        first = cfg.kv_event_id_offset + self._kv_events_sent * cfg.kv_event_id_stride
+        if self.kv_publisher is not None:
+            events = self.scheduler.drain_kv_events()
+            if not events:
+                return None
             self.kv_publisher.publish(events)
-        return events
+            data, count = events_wire(events, first, cfg.kv_event_id_stride)
+        else:
+            data, count = self.scheduler.drain_kv_events_wire(first, cfg.kv_event_id_stride)
+            if not count:
+                return None
+        self._kv_events_sent += count
+        return KvEvents(time.time(), data, count, self.loads())
 
     def abort(self, req_id: int) -> bool:
         if self._grammar_pending.pop(req_id, None) is not None:

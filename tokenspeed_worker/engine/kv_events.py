@@ -12,8 +12,9 @@ payload = [timestamp, events, dp_rank], each event one of
     ["AllBlocksCleared"]
 
 Hashes are the scheduler's signed int64 chain hashes (`scheduler.core.block_hash`).
-pyzmq and msgpack are imported only here, so a worker without --kv-events-config
-never needs them.
+pyzmq and msgpack are imported only by the publisher, so a worker without --kv-events-config
+never needs them. The same events also go to the server for SubscribeKvEvents as protobuf wire
+bytes (`events_wire` here when the publisher needs the tuples, else the native encoder).
 """
 
 from __future__ import annotations
@@ -41,6 +42,47 @@ def encode_events(events: list[tuple]) -> list[list]:
         else:  # pragma: no cover - the native core emits only the three kinds
             logger.warning("unknown KV event %r dropped", kind)
     return out
+
+
+def events_to_proto(batch, events: list[tuple], first_event_id: int = 0, id_stride: int = 1) -> int:
+    """Append the scheduler's event tuples to `batch` (a KvEventBatch) as the native encoder
+    (`Scheduler.drain_kv_events_wire`) writes them: a run of stored blocks that chain (each the
+    parent of the next) is one KvBlocksStored; event i gets event_id first_event_id + i * id_stride.
+    Returns how many events it added. Used when the ZMQ publisher needs the tuples too."""
+    count = 0
+    stored = None
+    last_hash = None
+    for ev in events:
+        kind = ev[0]
+        if kind == "stored":
+            _, h, parent, tokens, block_size = ev
+            if stored is None or parent is None or int(parent) != last_hash:
+                stored = batch.events.add(event_id=first_event_id + count * id_stride).stored
+                count += 1
+                if parent is not None:
+                    stored.parent_block_hash = int(parent)
+            stored.blocks.add(block_hash=int(h), token_ids=[int(t) for t in tokens], block_size=int(block_size))
+            last_hash = int(h)
+            continue
+        stored = None
+        if kind == "removed":
+            batch.events.add(event_id=first_event_id + count * id_stride).removed.block_hashes.append(int(ev[1]))
+        elif kind == "cleared":
+            batch.events.add(event_id=first_event_id + count * id_stride).cleared.SetInParent()
+        else:  # pragma: no cover - the native core emits only the three kinds
+            logger.warning("unknown KV event %r skipped", kind)
+            continue
+        count += 1
+    return count
+
+
+def events_wire(events: list[tuple], first_event_id: int = 0, id_stride: int = 1) -> tuple[bytes, int]:
+    """The tuples as `drain_kv_events_wire` would have returned them."""
+    from tokenspeed_worker.proto import common_pb2
+
+    batch = common_pb2.KvEventBatch()
+    count = events_to_proto(batch, events, first_event_id, id_stride)
+    return batch.SerializeToString(), count
 
 
 class ZmqKvEventPublisher:

@@ -122,6 +122,7 @@ class StepOutput:
     # started here), and the wall-clock (time.time()) this step began: the server's queue time.
     scheduled_ids: np.ndarray | None = None  # int64 [N], None when N == 0
     step_start_ts: float = 0.0
+    kv_events: "KvEvents | None" = None  # the turn's prefix-cache events, on its last output
 
 
 @dataclass
@@ -150,12 +151,14 @@ class Loads:
 
 @dataclass
 class KvEvents:
-    """The prefix-cache events of one engine turn (the scheduler's ("stored", hash, parent, tokens,
-    block_size) / ("removed", hash) / ("cleared",) tuples, in order) and the engine's loads then.
-    Sent only when there are events; the server streams them as SubscribeKvEvents batches."""
+    """The prefix-cache events of one engine turn and the engine's loads then; only when there are
+    events, riding on the turn's last StepOutput (or alone when the turn produced none). `data` is
+    protobuf wire bytes, repeated field 3 of smg.grpc.common.KvEventBatch (Scheduler.
+    drain_kv_events_wire), event ids already assigned; the server streams them on SubscribeKvEvents."""
 
     timestamp: float  # time.time() when drained
-    events: list[tuple]
+    data: bytes
+    count: int  # KvCacheEvents in data
     loads: Loads
 
 

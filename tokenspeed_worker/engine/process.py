@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import time
 import traceback
 from multiprocessing.connection import Connection
 
@@ -28,7 +27,6 @@ from tokenspeed_worker.engine.messages import (
     EngineDead,
     FlushCache,
     FlushReply,
-    KvEvents,
     Probe,
     ProbeReply,
     ProfileReply,
@@ -130,6 +128,14 @@ def _loop(core, conn: Connection) -> None:
             if not _handle(core, conn, conn.recv()):
                 return
         outputs, pending, failed, launched = core.pipeline_step(pending)
+        # KV cache events of this turn (and of aborts and flushes applied before it): they ride on
+        # its last output, or go alone when it has none.
+        events = core.take_kv_events()
+        if events is not None:
+            if outputs:
+                outputs[-1].kv_events = events
+            else:
+                conn.send(events)
         for out in outputs:
             _send_output(core, conn, out)
         if failed is not None:  # only this step's requests end; the engine keeps serving
@@ -139,10 +145,6 @@ def _loop(core, conn: Connection) -> None:
             conn.send(RequestFailed(req_id, code, message))
         if not launched and pending is None and core.waiting_for_grammar and not core.scheduler.has_work():
             conn.poll(0.002)  # only grammars compiling: wait a little (or for a message) instead of spinning
-        # KV cache events of this step (and of aborts and flushes applied before it): one batch, if any.
-        events = core.take_kv_events()
-        if events:
-            conn.send(KvEvents(time.time(), events, core.loads()))
 
 
 def _send_output(core, conn: Connection, out) -> None:

@@ -280,6 +280,14 @@ class Scheduler:
         unregistered, ("cleared",) on flush_prefix_cache(). Hashes are signed int64."""
         return self._core.drain_kv_events()
 
+    def drain_kv_events_wire(self, first_event_id: int = 0, id_stride: int = 1) -> tuple[bytes, int]:
+        """Returns and clears the recorded KV events as protobuf wire bytes: repeated field 3
+        (`events`) of smg.grpc.common.KvEventBatch, so `KvEventBatch.FromString(data)` holds them;
+        and how many KvCacheEvents that is. A run of stored blocks that chain is one `stored` event;
+        event i's event_id is first_event_id + i * id_stride."""
+        data, count = self._core.drain_kv_events_wire(first_event_id, id_stride)
+        return data, int(count)
+
     def debug_blocks(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """int32 per block: (reference counts, evictable 0/1, registered 0/1). For tests."""
         return self._core.debug_blocks()

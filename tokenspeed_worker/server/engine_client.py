@@ -120,10 +120,13 @@ class _Replica:
         self.kill_followers()
 
 
-def replica_config(cfg, index: int):
-    """Replica `index`'s engine config: on GPUs its own block of tensor_parallel_size devices."""
+def replica_config(cfg, index: int, count: int = 1):
+    """Replica `index` of `count`'s engine config: on GPUs its own block of tensor_parallel_size
+    devices; KV event ids of its own (index, index + count, ...)."""
     import torch
 
+    if count > 1:
+        cfg = dataclasses.replace(cfg, kv_event_id_offset=index, kv_event_id_stride=count)
     if index == 0:
         return cfg
     device = torch.device(cfg.device)
@@ -148,7 +151,8 @@ class EngineClient:
         self.ready: EngineReady | None = None  # replica 0's (every replica has the same shape)
         self.dead_message: str | None = None
         self.data_parallel_size = max(1, int(data_parallel_size))
-        self._replicas = [_Replica(k, replica_config(engine_cfg, k)) for k in range(self.data_parallel_size)]
+        self._replicas = [_Replica(k, replica_config(engine_cfg, k, self.data_parallel_size))
+                          for k in range(self.data_parallel_size)]
         self._turn = 0  # round-robin among equally loaded replicas
         self._closing = False
         self._start_cancelled = False
@@ -317,6 +321,8 @@ class EngineClient:
         if isinstance(msg, (StepOutput, RequestFailed)):
             self.last_progress = time.monotonic()
         if isinstance(msg, StepOutput):
+            if msg.kv_events is not None:  # first: its loads are those of the step it rides on
+                self._on_kv_events(replica, msg.kv_events)
             touched = []
             requests = self.requests
             cached = msg.cached_tokens.tolist() if msg.cached_tokens is not None else [0] * len(msg.req_ids)
@@ -349,9 +355,7 @@ class EngineClient:
                 self._forget(st)
                 st.event.set()
         elif isinstance(msg, KvEvents):
-            self.latest_loads[replica] = (msg.loads, time.monotonic())
-            if self.on_kv_events is not None:
-                self.on_kv_events(replica, msg)
+            self._on_kv_events(replica, msg)
         elif isinstance(msg, (ProbeReply, FlushReply, ProfileReply)):
             if isinstance(msg, ProbeReply):
                 self.latest_loads[replica] = (msg.loads, time.monotonic())
@@ -360,6 +364,11 @@ class EngineClient:
                 fut.set_result(msg)
         elif isinstance(msg, EngineDead):
             self._fail_everything(msg.message)
+
+    def _on_kv_events(self, replica: int, msg: KvEvents) -> None:
+        self.latest_loads[replica] = (msg.loads, time.monotonic())
+        if self.on_kv_events is not None:
+            self.on_kv_events(replica, msg)
 
     def _observe_step(self, msg: StepOutput, touched: list[RequestState]) -> None:
         obs = self.observer

@@ -1,8 +1,10 @@
 """SubscribeKvEvents: the engines' prefix-cache events and the worker's load, as `KvEventBatch`es.
 
 Always served (no flag): each engine sends the events of a turn over its pipe (`KvEvents`, only
-when there are any); the hub numbers them into one stream for every subscriber, each batch with
-the worker's load at the moment it is sent (`KvEventBatch.load`, the figures GetLoads reports). When
+when there are any, riding on the turn's StepOutput), already encoded as protobuf wire bytes by the
+native scheduler (event ids included); the hub gathers what arrives within `FLUSH_S` into one batch
+per replica, numbers the batches into one stream for every subscriber, each batch with the
+worker's load at the moment it is sent (`KvEventBatch.load`, the figures GetLoads reports). When
 no batch went out for `HEARTBEAT_S`, every subscriber gets a `load_only` record, so the gateway
 can skip its GetLoads poll and see a stalled engine (`engine_silence_ms`) even while nothing is
 stored or evicted. `--kv-events-config` adds the engine's own ZMQ publisher beside this; the two
@@ -39,6 +41,7 @@ from tokenspeed_worker.server.engine_client import EngineUnavailable, combine_lo
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_S = 1.0  # a load_only record when no batch went out for this long
+FLUSH_S = 0.02  # the events of the engine turns within this long go out as one batch
 HISTORY_BATCHES = 4096  # event batches kept for resuming subscribers
 SUBSCRIBER_BACKLOG = 2048  # batches a subscriber may lag before its stream is ended (< HISTORY_BATCHES)
 PROBE_TIMEOUT_S = 0.25  # a heartbeat waits this long for fresh figures, then sends the last ones
@@ -49,53 +52,6 @@ _I32 = 2**31 - 1
 
 class SubscriberFellBehind(Exception):
     pass
-
-
-def count_events(events: list[tuple]) -> int:
-    """How many KvCacheEvents `events_to_proto` makes of these tuples."""
-    count, last_hash = 0, None
-    for ev in events:
-        if ev[0] == "stored":
-            if last_hash is None or ev[2] is None or int(ev[2]) != last_hash:
-                count += 1
-            last_hash = int(ev[1])
-        else:
-            last_hash = None
-            count += ev[0] in ("removed", "cleared")
-    return count
-
-
-def events_to_proto(batch: common_pb2.KvEventBatch, events: list[tuple], first_event_id: int) -> int:
-    """Append the scheduler's event tuples to `batch`; a run of stored blocks that chain (each the
-    parent of the next) becomes one KvBlocksStored. Returns the next event id."""
-    event_id = first_event_id
-    stored = None
-    last_hash = None
-    for ev in events:
-        kind = ev[0]
-        if kind == "stored":
-            _, h, parent, tokens, block_size = ev
-            if stored is None or parent is None or int(parent) != last_hash:
-                out = batch.events.add(event_id=event_id)
-                event_id += 1
-                stored = out.stored
-                if parent is not None:
-                    stored.parent_block_hash = int(parent)
-            stored.blocks.add(block_hash=int(h), token_ids=[int(t) for t in tokens], block_size=int(block_size))
-            last_hash = int(h)
-            continue
-        stored = None
-        if kind == "removed":
-            out = batch.events.add(event_id=event_id)
-            out.removed.block_hashes.append(int(ev[1]))
-        elif kind == "cleared":
-            out = batch.events.add(event_id=event_id)
-            out.cleared.SetInParent()
-        else:  # pragma: no cover - the native core emits only the three kinds
-            logger.warning("unknown KV event %r skipped", kind)
-            continue
-        event_id += 1
-    return event_id
 
 
 class _Subscriber:
@@ -123,7 +79,8 @@ class KvEventHub:
         self.base = time.time_ns() // 1000  # see the module docstring: cursors of earlier processes are older
         self.seq = self.base  # the last event batch's number
         self.history: collections.deque = collections.deque(maxlen=HISTORY_BATCHES)
-        self._event_id = 0
+        self._pending: dict[int, list] = {}  # replica -> [timestamp of its last turn, [event bytes]]
+        self._flush_handle: asyncio.TimerHandle | None = None
         self._sample = 0
         self._subscribers: set[_Subscriber] = set()
         self._last_push = 0.0  # time.monotonic() of the last record sent to the subscribers
@@ -133,23 +90,38 @@ class KvEventHub:
     # ---- inbound (on the event loop) ----------------------------------------------
 
     def _on_events(self, replica: int, msg) -> None:
-        self.seq += 1
-        # Kept raw: with nobody subscribed a batch costs an append, not a protobuf. Its event ids are
-        # fixed now, so a replay repeats them.
-        entry = (self.seq, replica, msg, self._event_id)
-        self._event_id += count_events(msg.events)
-        self.history.append(entry)
-        if self._subscribers:
-            batch = self._batch(*entry)
-            batch.load.CopyFrom(self.load_record(load_only=False))
-            for sub in self._subscribers:
-                sub.put(batch)
-            self._last_push = time.monotonic()
+        """One engine turn's events (wire bytes): held until the next flush, FLUSH_S at most."""
+        pending = self._pending.get(replica)
+        if pending is None:
+            self._pending[replica] = [msg.timestamp, [msg.data]]
+        else:
+            pending[0] = msg.timestamp
+            pending[1].append(msg.data)
+        if self._flush_handle is None:
+            self._flush_handle = asyncio.get_running_loop().call_later(FLUSH_S, self._flush)
+
+    def _flush(self) -> None:
+        self._flush_handle = None
+        pending, self._pending = self._pending, {}
+        for replica in sorted(pending):
+            stamp, chunks = pending[replica]
+            self.seq += 1
+            # Kept as bytes: with nobody subscribed a batch costs a join and an append.
+            entry = (self.seq, replica, stamp, b"".join(chunks))
+            self.history.append(entry)
+            if self._subscribers:
+                batch = self._batch(*entry)
+                batch.load.CopyFrom(self.load_record(load_only=False))
+                for sub in self._subscribers:
+                    sub.put(batch)
+                self._last_push = time.monotonic()
 
     @staticmethod
-    def _batch(seq: int, replica: int, msg, first_event_id: int) -> common_pb2.KvEventBatch:
-        batch = common_pb2.KvEventBatch(sequence_number=seq, timestamp=float(msg.timestamp), dp_rank=replica)
-        events_to_proto(batch, msg.events, first_event_id)
+    def _batch(seq: int, replica: int, stamp: float, data: bytes) -> common_pb2.KvEventBatch:
+        batch = common_pb2.KvEventBatch.FromString(data)  # the events, encoded by the engine
+        batch.sequence_number = seq
+        batch.timestamp = stamp
+        batch.dp_rank = replica
         return batch
 
     # ---- load records ----------------------------------------------------------------
