@@ -85,6 +85,52 @@ def test_prefill_pending_tokens_follow_requests_in_and_out():
     assert client.prefill_pending_tokens() == 0 and not client.requests
 
 
+def test_a_subscriber_that_falls_behind_is_ended_and_resumes_from_its_cursor():
+    """The hub alone (no engine process): a subscriber that stops reading is ended with
+    SubscriberFellBehind once SUBSCRIBER_BACKLOG batches wait for it; resubscribing with the last
+    sequence number it got replays the rest from the history, events and order intact."""
+    import asyncio
+
+    from tokenspeed_worker.engine.core import EngineConfig
+    from tokenspeed_worker.engine.kv_events import events_wire
+    from tokenspeed_worker.engine.messages import EngineReady, KvEvents, Loads
+    from tokenspeed_worker.server import kv_events as hub_module
+    from tokenspeed_worker.server.engine_client import EngineClient
+
+    async def main():
+        client = EngineClient(EngineConfig(model_path="unused"))
+        client.ready = EngineReady(num_blocks=8, block_size=4, max_total_tokens=32, max_model_len=16, max_num_seqs=4,
+                                   kv_cache_bytes=0, weight_bytes=0, device="cpu", dtype="float32")
+        hub = hub_module.KvEventHub(client, heartbeat_s=3600)
+        loads = Loads(0, 0, 0, 8, 8, 4, 0, 0, 0.0)
+        stream = hub.subscribe(common_pb2.SubscribeKvEventsRequest())
+        first = asyncio.ensure_future(stream.__anext__())
+        await asyncio.sleep(0)  # registered, waiting
+
+        def push(k):
+            data, count = events_wire([("removed", k)], k)
+            hub._on_events(0, KvEvents(time.time(), data, count, loads))
+            hub._flush()
+
+        push(0)
+        got = await first
+        assert got.events[0].removed.block_hashes == [0] and not got.load.load_only
+        total = hub_module.SUBSCRIBER_BACKLOG + 10
+        for k in range(1, total):  # it stops reading
+            push(k)
+        with pytest.raises(hub_module.SubscriberFellBehind):
+            while True:
+                await stream.__anext__()
+        resumed = hub.subscribe(common_pb2.SubscribeKvEventsRequest(start_sequence_number=got.sequence_number))
+        replay = [await resumed.__anext__() for _ in range(total - 1)]
+        assert [b.events[0].removed.block_hashes[0] for b in replay] == list(range(1, total))
+        assert [b.sequence_number for b in replay] == list(range(got.sequence_number + 1, got.sequence_number + total))
+        await resumed.aclose()
+        hub._heartbeat_task.cancel()
+
+    asyncio.run(main())
+
+
 # ---- one worker on a tiny model --------------------------------------------------------
 
 
