@@ -183,6 +183,22 @@ def _port_open(port: int) -> bool:
         return False
 
 
+def test_max_new_tokens_zero_is_counted_and_logged(worker):
+    """The prompt-back request (/v1/completions echo, max_tokens 0) never reaches the engine, yet
+    counts as a request that finished by length, with its log line."""
+    before = scrape(worker.metrics_url)
+    rid = f"zero-{time.monotonic_ns()}"
+    req = gen(PROMPT, rid=rid, max_new_tokens=0)
+    req.sampling_params.n = 2
+    out = list(worker.stub.Generate(req, timeout=30))
+    assert [r.complete.finish_reason for r in out] == ["length", "length"]
+    after = scrape(worker.metrics_url)
+    assert value(after, "tokenspeed:request_success_total", finish_reason="length") - \
+        value(before, "tokenspeed:request_success_total", finish_reason="length") == 2
+    log = worker.log()
+    assert f"Req: {rid} Receive!" in log and f"Req: {rid} Done! status=finished, reason=length" in log
+
+
 def test_port_probe_sees_listeners_only():
     with socket.socket() as listener:
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as prometheus_client's server

@@ -21,7 +21,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from tokenspeed_worker import __version__
 from tokenspeed_worker.engine.messages import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP
 from tokenspeed_worker.proto import common_pb2, tokenspeed_scheduler_pb2 as pb, tokenspeed_scheduler_pb2_grpc as pb_grpc
-from tokenspeed_worker.server.engine_client import EngineClient, EngineUnavailable
+from tokenspeed_worker.server.engine_client import EngineClient, EngineUnavailable, RequestState
 from tokenspeed_worker.server.kv_events import KvEventHub, SubscriberFellBehind
 from tokenspeed_worker.server.model_info import ModelFacts
 from tokenspeed_worker.server.validation import RequestError, validate_generate
@@ -186,10 +186,19 @@ class TokenSpeedSchedulerServicer(pb_grpc.TokenSpeedSchedulerServicer):
                 f"{self.max_queued_requests}); retry on another worker",
             )
         if v.adds[0].max_new_tokens == 0:
-            # The prompt back and nothing generated: every sample ends here, the engine never sees it.
+            # The prompt back and nothing generated: every sample ends here, the engine never sees it
+            # (metrics and request logs count it as a request that finished by length).
+            prompt_len = len(v.adds[0].prompt_ids)
+            obs = self.engine.observer
+            if obs is not None:
+                obs.on_arrival(rid, v.adds)
+                now = time.time()
+                for index in range(v.n):
+                    obs.on_end(RequestState(engine_id=0, request_id=rid, prompt_len=prompt_len, index=index,
+                                            finish_reason=FINISH_LENGTH, recv_ts=now))
             for index in range(v.n):
                 yield pb.GenerateResponse(request_id=rid, complete=pb.GenerateComplete(
-                    finish_reason="length", prompt_tokens=len(v.adds[0].prompt_ids), index=index))
+                    finish_reason="length", prompt_tokens=prompt_len, index=index))
             return
         try:
             states = self.engine.submit(rid, v.adds, v.dp_rank)
