@@ -42,6 +42,7 @@ _GIB = 1 << 30
 # noise, log-softmax for logprobs); an estimate, the sampler is not part of the profiling forward.
 _SAMPLER_BYTES_PER_LOGIT = 16
 THROUGHPUT_WINDOW_S = 10.0  # Loads.gen_throughput: output tokens per second over this window
+KV_LOADS_S = 0.02  # KvEvents carry the engine's loads at most this often (server/kv_events.FLUSH_S)
 
 
 @dataclass
@@ -221,6 +222,7 @@ class EngineCore:
         )
         self.kv_publisher = None
         self._kv_events_sent = 0  # KV events handed out by take_kv_events (their ids follow on)
+        self._kv_loads_at = -KV_LOADS_S  # time.monotonic() the last KvEvents carried loads
         if cfg.kv_events is not None:
             from tokenspeed_worker.engine.kv_events import ZmqKvEventPublisher
 
@@ -451,7 +453,14 @@ class EngineCore:
             if not count:
                 return None
         self._kv_events_sent += count
-        return KvEvents(time.time(), data, count, self.loads())
+        # The server builds a load record at most every KV_LOADS_S (its batches gather that long), so
+        # the engine's figures go along no more often; between them the last ones stand.
+        now = time.monotonic()
+        loads = None
+        if now - self._kv_loads_at >= KV_LOADS_S:
+            self._kv_loads_at = now
+            loads = self.loads()
+        return KvEvents(time.time(), data, count, loads)
 
     def abort(self, req_id: int) -> bool:
         if self._grammar_pending.pop(req_id, None) is not None:

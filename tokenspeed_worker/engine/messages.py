@@ -159,7 +159,7 @@ class KvEvents:
     timestamp: float  # time.time() when drained
     data: bytes
     count: int  # KvCacheEvents in data
-    loads: Loads
+    loads: Loads | None  # the engine's loads then; None when it sent them less than 20 ms ago
 
 
 @dataclass

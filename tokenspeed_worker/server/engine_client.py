@@ -366,7 +366,8 @@ class EngineClient:
             self._fail_everything(msg.message)
 
     def _on_kv_events(self, replica: int, msg: KvEvents) -> None:
-        self.latest_loads[replica] = (msg.loads, time.monotonic())
+        if msg.loads is not None:
+            self.latest_loads[replica] = (msg.loads, time.monotonic())
         if self.on_kv_events is not None:
             self.on_kv_events(replica, msg)
 
