@@ -18,7 +18,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tokenspeed_worker.engine.core import EngineConfig, EngineCore  # noqa: E402
+from tokenspeed_worker.engine.engine_core import EngineConfig, EngineCore  # noqa: E402
 from tokenspeed_worker.engine.messages import AddRequest  # noqa: E402
 
 MODEL_SHAPES = {"llama-3.2-1b": REPO / "scripts/model_configs/llama-3.2-1b",
@@ -64,7 +64,7 @@ def start_tensor_parallel(cfg: EngineConfig) -> None:
     import atexit
 
     from tokenspeed_worker import distributed
-    from tokenspeed_worker.engine.core import rank_device
+    from tokenspeed_worker.engine.engine_core import rank_device
     from tokenspeed_worker.engine.tp_worker import start_followers
 
     followers = start_followers(cfg)

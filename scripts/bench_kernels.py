@@ -29,7 +29,7 @@ are launch-bound, so the time ratio (torch / fused) is the point. Timed from a C
 decode runs (--eager to include launch overhead).
 
 Skinny products (--only skinny, or part of the default run): the decode-step kernels of
-kernels_triton/gemv.py at each site of a decoder layer (add + RMSNorm + qkv_proj, o_proj,
+kernels/gemv.py at each site of a decoder layer (add + RMSNorm + qkv_proj, o_proj,
 add + RMSNorm + gate_up_proj + SiLU·mul, down_proj) for Llama-3.1-8B and Llama-3.2-1B shapes,
 every configuration, against the unfused path they replace (the norm kernel + cuBLAS, cuBLAS +
 the SiLU kernel, cuBLAS alone with its split-K reduce). Weight-bandwidth bound: the figure is the
@@ -94,7 +94,7 @@ if args.device == "cpu":
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from tokenspeed_worker.kernels_triton import attention  # noqa: E402
+from tokenspeed_worker.kernels import attention  # noqa: E402
 
 
 class Timer:
@@ -244,10 +244,10 @@ SKINNY_HEADS = {"8b": (32, 8, 128), "1b": (32, 8, 64)}  # q heads, kv heads, hea
 
 def bench_skinny(device: torch.device, dtype: torch.dtype, timer: Timer, copy_bw: float) -> list[dict]:
     """Each site's skinny kernel (every config) against the unfused path it replaces."""
-    from tokenspeed_worker.kernels_triton import gemv
+    from tokenspeed_worker.kernels import gemv
     from tokenspeed_worker.layers.activation import SiluAndMul
     from tokenspeed_worker.layers.fused_kernels import fused_kernels
-    from tokenspeed_worker.kernels_triton import rotary as rotary_kernels
+    from tokenspeed_worker.kernels import rotary as rotary_kernels
     from tokenspeed_worker.layers.layernorm import RMSNorm
     from tokenspeed_worker.layers.rotary import RotaryEmbedding
 

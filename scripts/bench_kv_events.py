@@ -19,9 +19,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tokenspeed_worker.engine.kv_events import events_to_proto  # noqa: E402
+from tokenspeed_worker.engine.kv_event_publisher import events_to_proto  # noqa: E402
 from tokenspeed_worker.proto import common_pb2  # noqa: E402
-from tokenspeed_worker.scheduler.core import Scheduler  # noqa: E402
+from tokenspeed_worker.scheduler.scheduler import Scheduler  # noqa: E402
 
 
 def prefilled(requests: int, prompt_len: int, block_size: int) -> Scheduler:

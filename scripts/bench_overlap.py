@@ -10,7 +10,7 @@ one stream while the other's products run on another (NanoFlow's nano-batches, S
 overlap) could approach the larger of the two instead. This measures whether the GPU actually
 overlaps them: Llama-8B layer shapes, `rows` decode rows per micro-batch, each with `context` keys:
 
-- attention alone: the Triton decode attention (kernels_triton/attention.py) over `layers` layers;
+- attention alone: the Triton decode attention (kernels/attention.py) over `layers` layers;
 - products alone: q/k/v, o, gate/up and down (torch.matmul: cuBLAS) over `layers` layers;
 - one stream: both, one after the other (what a step does now);
 - two streams: attention of one micro-batch beside the products of the other.
@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tokenspeed_worker.kernels_triton import attention  # noqa: E402
+from tokenspeed_worker.kernels import attention  # noqa: E402
 from bench_common import write_result  # noqa: E402
 from roofline import copy_bandwidth, matmul_flops  # noqa: E402
 

@@ -21,8 +21,8 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tokenspeed_worker.layers.sampler import Sampler, triton_sampling_available  # noqa: E402
-from tokenspeed_worker.layers.sampling_state import RowSamplingParams, SamplingState  # noqa: E402
+from tokenspeed_worker.sampling.sampler import Sampler, triton_sampling_available  # noqa: E402
+from tokenspeed_worker.sampling.state import RowSamplingParams, SamplingState  # noqa: E402
 
 
 def timed(fn, device, iters: int) -> float:

@@ -5,7 +5,7 @@
 Prints PASS/FAIL per check (with the measured error, and a traceback on an exception), then
 a summary; exit status 1 if any check failed. Checks, cheapest and most local first, so a
 failure points at its layer:
-  kernels_import          tokenspeed_worker.kernels_triton.attention imports, AVAILABLE is true
+  kernels_import          tokenspeed_worker.kernels.attention imports, AVAILABLE is true
   decode_kernel_*         paged_decode_attention vs the torch reference (fp32/bf16, GQA, several
                           head dims, num_splits None/1/4/16, with a preallocated workspace)
   extend_kernel_*         paged_extend_attention vs the torch reference (mixed query lengths incl. 1)
@@ -326,7 +326,7 @@ def check_tiny_graph_tokens(ctx, path) -> dict:
 
 
 def check_engine_auto(ctx, model, load_format) -> dict:
-    from tokenspeed_worker.engine.core import EngineConfig, EngineCore
+    from tokenspeed_worker.engine.engine_core import EngineConfig, EngineCore
     from tokenspeed_worker.engine.messages import AddRequest
 
     cfg = EngineConfig(

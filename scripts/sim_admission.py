@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from bench_common import ModelArithmetic, step_record  # noqa: E402  (puts the repo on sys.path)
-from tokenspeed_worker.scheduler.core import Scheduler  # noqa: E402
+from tokenspeed_worker.scheduler.scheduler import Scheduler  # noqa: E402
 
 # Llama-3.1-8B, bf16: matmul parameters every token passes (32 layers of q, k, v, o, gate, up,
 # down), the LM head (untied, as the embedding), KV bytes per token (32 layers x K and V x 8 heads x 128 x 2 B).

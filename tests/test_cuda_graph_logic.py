@@ -154,11 +154,11 @@ def test_graph_reserve_counts_the_static_buffers():
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_programmatic_dependent_launch_changes_no_logit(llama_path, monkeypatch):
-    # PDL (kernels_triton/pdl.py) lets a kernel start before the previous one ends; each waits
+    # PDL (kernels/pdl.py) lets a kernel start before the previous one ends; each waits
     # before reading what a neighbour writes, so graphs captured with and without it compute the
     # same bits (the same kernels, the same skinny choices: the second runner keeps those the first
     # one's timings and in-step tuning made).
-    from tokenspeed_worker.kernels_triton import pdl
+    from tokenspeed_worker.kernels import pdl
 
     def run(flag):
         monkeypatch.setenv(pdl.ENV_VAR, flag)
@@ -404,7 +404,7 @@ def test_step_tuning_runs_on_one_gpu_only(monkeypatch):
 
 
 def test_engine_passes_graph_config_to_the_runner(llama_path):
-    from tokenspeed_worker.engine.core import EngineConfig, EngineCore
+    from tokenspeed_worker.engine.engine_core import EngineConfig, EngineCore
 
     core = EngineCore(EngineConfig(
         model_path=str(llama_path), dtype="float32", block_size=BLOCK_SIZE, max_model_len=128, max_num_seqs=16,

@@ -12,7 +12,7 @@ import os
 import numpy as np
 import pytest
 
-from tokenspeed_worker.engine.core import EngineConfig, EngineCore
+from tokenspeed_worker.engine.engine_core import EngineConfig, EngineCore
 from tokenspeed_worker.engine.messages import AddRequest
 from worker_harness import hf_greedy, smollm2_dir, tiny_models
 

@@ -22,7 +22,7 @@ if not ON_CUDA:
 
 from test_triton_kernels import DEVICE, PagedCase, _assert_close  # noqa: E402
 
-from tokenspeed_worker.kernels_triton import attention, rotary  # noqa: E402
+from tokenspeed_worker.kernels import attention, rotary  # noqa: E402
 from tokenspeed_worker.layers.kv_cache import to_cache_dtype, write_kv_cache  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
@@ -96,7 +96,7 @@ def test_a_model_runs_on_an_fp8_cache(tiny_model_paths):
     logits stay close to the float32 cache's (e4m3 keeps 3 mantissa bits), and the engine serves."""
     from test_triton_backend import BLOCK_SIZE, Plans, random_seqs
 
-    from tokenspeed_worker.engine.core import EngineConfig, EngineCore
+    from tokenspeed_worker.engine.engine_core import EngineConfig, EngineCore
     from tokenspeed_worker.engine.messages import AddRequest
     from tokenspeed_worker.model_executor.model_runner import ModelRunner
 

@@ -24,7 +24,7 @@ if not ON_CUDA:
 
 import triton  # noqa: E402,F401  (no skip: CI must have triton)
 
-from tokenspeed_worker.kernels_triton import activation, norm, rotary  # noqa: E402
+from tokenspeed_worker.kernels import activation, norm, rotary  # noqa: E402
 from tokenspeed_worker.layers import fused_kernels  # noqa: E402
 from tokenspeed_worker.layers.activation import SiluAndMul  # noqa: E402
 from tokenspeed_worker.layers.fused_kernels import fused_kernels as fused_mode  # noqa: E402
@@ -423,7 +423,7 @@ def test_llama_8b_shapes_on_gpu(dtype):
 
 def test_pending_ids_resolve_like_the_torch_expression():
     # Overlap scheduling's input ids: -1 - i stands for the previous step's sample i.
-    from tokenspeed_worker.kernels_triton import pending_ids
+    from tokenspeed_worker.kernels import pending_ids
     from tokenspeed_worker.model_executor.cuda_graph import resolve_pending_ids
 
     last = torch.tensor([101, 7, 55, 2**40], dtype=torch.int64, device=DEVICE)

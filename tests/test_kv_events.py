@@ -15,7 +15,7 @@ import pytest
 
 from tokenspeed_worker.config import kv_events_settings
 from tokenspeed_worker.proto import common_pb2, tokenspeed_scheduler_pb2 as pb
-from tokenspeed_worker.scheduler.core import block_hash
+from tokenspeed_worker.scheduler.scheduler import block_hash
 from worker_harness import Gateway, Worker, free_port, smollm2_dir, tiny_models
 
 BLOCK = 8
@@ -43,7 +43,7 @@ def test_config_defaults_and_errors():
 
 
 def test_events_to_proto_merges_chains():
-    from tokenspeed_worker.engine.kv_events import events_to_proto
+    from tokenspeed_worker.engine.kv_event_publisher import events_to_proto
 
     events = [("stored", 1, None, [1, 2], 2), ("stored", 2, 1, [3, 4], 2), ("stored", 5, 9, [5, 6], 2),
               ("removed", 7), ("stored", 8, 5, [7, 8], 2), ("cleared",), ("stored", 3, 2, [9, 9], 2)]
@@ -63,7 +63,7 @@ def test_prefill_pending_tokens_follow_requests_in_and_out():
     prompt counts (once for its n samples) until its first token, its end, or an abort."""
     import numpy as np
 
-    from tokenspeed_worker.engine.core import EngineConfig
+    from tokenspeed_worker.engine.engine_core import EngineConfig
     from tokenspeed_worker.engine.messages import AddRequest, StepOutput
     from tokenspeed_worker.server.engine_client import EngineClient
 
@@ -91,10 +91,10 @@ def test_a_subscriber_that_falls_behind_is_ended_and_resumes_from_its_cursor():
     sequence number it got replays the rest from the history, events and order intact."""
     import asyncio
 
-    from tokenspeed_worker.engine.core import EngineConfig
-    from tokenspeed_worker.engine.kv_events import events_wire
+    from tokenspeed_worker.engine.engine_core import EngineConfig
+    from tokenspeed_worker.engine.kv_event_publisher import events_wire
     from tokenspeed_worker.engine.messages import EngineReady, KvEvents, Loads
-    from tokenspeed_worker.server import kv_events as hub_module
+    from tokenspeed_worker.server import kv_event_hub as hub_module
     from tokenspeed_worker.server.engine_client import EngineClient
 
     async def main():

@@ -6,10 +6,10 @@ import numpy as np
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from tokenspeed_worker.layers import logprobs as logprobs_module
-from tokenspeed_worker.layers.logprobs import prompt_logprobs
-from tokenspeed_worker.layers.sampler import Sampler
-from tokenspeed_worker.layers.sampling_state import RowSamplingParams, SamplingState
+from tokenspeed_worker.sampling import logprobs as logprobs_module
+from tokenspeed_worker.sampling.logprobs import prompt_logprobs
+from tokenspeed_worker.sampling.sampler import Sampler
+from tokenspeed_worker.sampling.state import RowSamplingParams, SamplingState
 
 
 def test_sampled_token_logprobs_are_the_raw_log_softmax():

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tokenspeed_worker.scheduler.core import Scheduler
+from tokenspeed_worker.scheduler.scheduler import Scheduler
 from test_scheduler_core import VOCAB, check_ownership, make, random_requests, run_with_fake_model
 
 

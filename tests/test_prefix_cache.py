@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, target
 from hypothesis import strategies as st
 
-from tokenspeed_worker.scheduler.core import ROOT_BLOCK_HASH, Scheduler, block_hash
+from tokenspeed_worker.scheduler.scheduler import ROOT_BLOCK_HASH, Scheduler, block_hash
 from tokenspeed_worker.scheduler.plan import SchedulePlan
 
 from test_scheduler_core import check_plan
@@ -661,7 +661,7 @@ def test_outputs_with_prefix_caching_match_the_uncached_reference(seed):
 def test_kv_events_wire_bytes_equal_the_python_encoding():
     """drain_kv_events_wire (the native protobuf encoder the engine uses) writes exactly what the
     Python encoder makes of drain_kv_events' tuples: the same scheduler history driven twice."""
-    from tokenspeed_worker.engine.kv_events import events_wire
+    from tokenspeed_worker.engine.kv_event_publisher import events_wire
     from tokenspeed_worker.proto import common_pb2
 
     def history(sched):

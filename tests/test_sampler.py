@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import RepetitionPenaltyLogitsProcessor
 
-from tokenspeed_worker.layers.sampler import (
+from tokenspeed_worker.sampling.sampler import (
     SAMPLING_BACKENDS,
     Sampler,
     SamplingTensors,
@@ -19,7 +19,7 @@ from tokenspeed_worker.layers.sampler import (
     hashed_uniform,
     triton_sampling_available,
 )
-from tokenspeed_worker.layers.sampling_state import RowSamplingParams, SamplingState
+from tokenspeed_worker.sampling.state import RowSamplingParams, SamplingState
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 

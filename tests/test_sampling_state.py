@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from tokenspeed_worker.layers.sampler import Sampler
-from tokenspeed_worker.layers.sampling_state import RowSamplingParams, SamplingState
+from tokenspeed_worker.sampling.sampler import Sampler
+from tokenspeed_worker.sampling.state import RowSamplingParams, SamplingState
 
 PENALIZED = RowSamplingParams(frequency_penalty=0.5)
 

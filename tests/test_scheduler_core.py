@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, target
 from hypothesis import strategies as st
 
-from tokenspeed_worker.scheduler.core import FinishReason, Scheduler
+from tokenspeed_worker.scheduler.scheduler import FinishReason, Scheduler
 from tokenspeed_worker.scheduler.plan import SchedulePlan
 
 

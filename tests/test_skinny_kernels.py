@@ -1,4 +1,4 @@
-"""The skinny decode kernels (kernels_triton/gemv.py: norm / residual prologue, SiLU·mul epilogue)
+"""The skinny decode kernels (kernels/gemv.py: norm / residual prologue, SiLU·mul epilogue)
 against the torch code they replace, and the choice between them (layers/skinny.py).
 
 On CPU the kernel runs in Triton's interpreter (TRITON_INTERPRET=1) on small, ragged shapes; on
@@ -22,7 +22,7 @@ if not ON_CUDA:
 
 import triton  # noqa: E402,F401  (no skip: CI must have triton)
 
-from tokenspeed_worker.kernels_triton import gemv  # noqa: E402
+from tokenspeed_worker.kernels import gemv  # noqa: E402
 from tokenspeed_worker.layers import skinny  # noqa: E402
 from tokenspeed_worker.layers.activation import SiluAndMul  # noqa: E402
 from tokenspeed_worker.layers.fused_kernels import fused_kernels as fused_mode  # noqa: E402

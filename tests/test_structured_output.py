@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("xgrammar")
 
-from tokenspeed_worker.engine.core import EngineConfig, EngineCore  # noqa: E402
+from tokenspeed_worker.engine.engine_core import EngineConfig, EngineCore  # noqa: E402
 from tokenspeed_worker.engine.messages import AddRequest  # noqa: E402
 from tokenspeed_worker.proto import tokenspeed_scheduler_pb2 as pb  # noqa: E402
 from worker_harness import Worker, smollm2_dir  # noqa: E402

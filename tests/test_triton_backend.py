@@ -22,7 +22,7 @@ from tokenspeed_worker.layers.attention import (
     get_attention_backend,
     resolve_attention_backend_name,
 )
-from tokenspeed_worker.kernels_triton import attention as triton_kernels
+from tokenspeed_worker.kernels import attention as triton_kernels
 from tokenspeed_worker.layers.attention.triton_backend import (
     TUNE_CALLS,
     _reference_paged_decode_attention,
@@ -394,7 +394,7 @@ def test_runner_accepts_auto(tiny_model_paths):
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("name", MODELS)
 def test_cuda_triton_kernels_match_torch_backend(name, tiny_model_paths):
-    assert backend_kernels_available(), "tokenspeed_worker.kernels_triton.attention must import on the GPU machine"
+    assert backend_kernels_available(), "tokenspeed_worker.kernels.attention must import on the GPU machine"
     path = str(tiny_model_paths[name])
     runners = [
         ModelRunner(path, dtype="float32", device="cuda", block_size=BLOCK_SIZE, attention_backend=backend)
@@ -561,7 +561,7 @@ def test_decode_steps_rotate_inside_the_decode_kernel_and_match_the_torch_backen
     # layers each make one decode call that rotates q and k and writes the cache (no rotary kernel
     # before it), a prefill's do not; the logits match the torch backend's, and the cache the
     # decode steps wrote serves the next step as the rotary kernel's would.
-    from tokenspeed_worker.kernels_triton import rotary
+    from tokenspeed_worker.kernels import rotary
     from tokenspeed_worker.layers.fused_kernels import fused_kernels
 
     path = str(tiny_model_paths["llama-gqa-tied"])

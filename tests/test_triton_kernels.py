@@ -28,7 +28,7 @@ if not ON_CUDA:
 
 import triton  # noqa: E402,F401  (no skip: CI must have triton)
 
-from tokenspeed_worker.kernels_triton import attention, norm  # noqa: E402
+from tokenspeed_worker.kernels import attention, norm  # noqa: E402
 
 DEVICE = torch.device("cuda" if ON_CUDA else "cpu")
 BLOCK_SIZE = 16
@@ -352,7 +352,7 @@ def test_decode_with_rope_equals_rotary_kernel_then_decode(seq_lens, group, head
     # The fused path (rotary + KV write inside the decode kernel) against the two kernels it replaces:
     # the same rotated key and value bits in the caches at the rows' slots, and the same output up
     # to the order of the sums (the step's key is folded in after the tiles, not inside one).
-    from tokenspeed_worker.kernels_triton import rotary
+    from tokenspeed_worker.kernels import rotary
 
     case = _decode_case(seq_lens, group, head_dim, dtype, seed=len(seq_lens) + group)
     q, k, v, positions, slots, rope = _rope_decode_inputs(case, seed=head_dim)
@@ -377,7 +377,7 @@ def test_decode_with_rope_equals_rotary_kernel_then_decode(seq_lens, group, head
 
 
 def test_decode_with_rope_into_an_fp8_cache_saturates_like_the_rotary_kernel():
-    from tokenspeed_worker.kernels_triton import rotary
+    from tokenspeed_worker.kernels import rotary
 
     fp8 = torch.float8_e4m3fn
     case = _decode_case([40, 129], group=4, head_dim=64, dtype=torch.bfloat16, seed=9)
@@ -619,12 +619,12 @@ def test_decode_batch_1_graph_with_64_splits_on_gpu():
         assert (workspace[2] == 0).all()
 
 
-# -- greedy argmax over the vocabulary (kernels_triton/sampling.py) ---------------------------
+# -- greedy argmax over the vocabulary (kernels/sampling.py) ---------------------------
 
 
 @pytest.mark.parametrize("rows,vocab,block", [(1, 1000, 128), (5, 4096, 512), (3, 777, 64), (2, 1, 64)])
 def test_chunked_argmax_equals_torch_argmax_with_ties(rows, vocab, block):
-    from tokenspeed_worker.kernels_triton import sampling
+    from tokenspeed_worker.kernels import sampling
 
     gen = torch.Generator().manual_seed(rows * vocab)
     scores = torch.randint(-3, 4, (rows, vocab), generator=gen).float()  # many ties across chunks
@@ -645,7 +645,7 @@ def test_widen_and_argmax_equals_the_copy_and_torch_argmax_and_reuses_its_worksp
     # The decode graphs' tail in one launch: the float32 logits and the first maximum of each row,
     # with ties across chunks; the workspace (counters back at zero) serves the next call, as a
     # replay reuses it, including a call with fewer rows.
-    from tokenspeed_worker.kernels_triton import sampling
+    from tokenspeed_worker.kernels import sampling
 
     workspace = sampling.argmax_workspace(rows + 2, vocab, DEVICE, block=block)
     for seed in range(2):
@@ -663,7 +663,7 @@ def test_widen_and_argmax_equals_the_copy_and_torch_argmax_and_reuses_its_worksp
 
 
 def test_widen_and_argmax_rejects_a_workspace_too_small():
-    from tokenspeed_worker.kernels_triton import sampling
+    from tokenspeed_worker.kernels import sampling
 
     logits = torch.zeros((3, 100), device=DEVICE)
     with pytest.raises(ValueError, match="workspace"):

@@ -17,6 +17,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from tokenspeed_worker import env
+
 # NVLink multicast stays off unless the operator turned it on explicitly: it is not needed for
 # these collectives, and on shared hosts a program using it can take the GPUs out of service.
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -27,7 +29,7 @@ _CONTROL = None  # gloo group for host objects (plans)
 
 # How long a collective may wait for a peer before the rank gives up (a dead peer normally closes
 # its sockets first, which fails the collective at once).
-DEFAULT_TIMEOUT_S = float(os.environ.get("TOKENSPEED_DIST_TIMEOUT_S", "120"))
+DEFAULT_TIMEOUT_S = env.DIST_TIMEOUT_S.get()
 
 
 def init(rank: int, size: int, init_method: str, device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:

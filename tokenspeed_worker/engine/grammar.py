@@ -13,7 +13,7 @@ allowed next and accepts the sampled one.
 - Per step, `fill_bitmask` writes the masks of the batch's constrained rows into one int32
   [S, ceil(V/32)] tensor (unconstrained rows stay all-allowed); the sampler applies it on the device.
 - `accept` advances each row's matcher by the token it sampled. The next mask needs that state;
-  the engine (engine/core.py) keeps overlap scheduling: inside step N+1's launch, after its forward
+  the engine (engine/engine_core.py) keeps overlap scheduling: inside step N+1's launch, after its forward
   is enqueued, it waits for step N's tokens, accepts them and fills N+1's mask.
 - The request still ends as any other: the grammar allows only a stop token (EOS) once complete,
   which finishes it with "stop". max_new_tokens still applies.

@@ -52,13 +52,13 @@ def engine_main(cfg, conn: Connection, log_level: str = "info") -> None:
     lifetime.guard()  # first: ignore the service's stop signals, die with the server
     _setup_logging(log_level)
     try:
-        from tokenspeed_worker.engine.core import EngineCore
+        from tokenspeed_worker.engine.engine_core import EngineCore
 
         if cfg.tensor_parallel_size > 1:  # the server started the other ranks; join them (engine/tp_worker.py)
             import torch
 
             from tokenspeed_worker import distributed
-            from tokenspeed_worker.engine.core import rank_device
+            from tokenspeed_worker.engine.engine_core import rank_device
 
             distributed.init(0, cfg.tensor_parallel_size, cfg.dist_init_method, torch.device(rank_device(cfg)))
         core = EngineCore(cfg)

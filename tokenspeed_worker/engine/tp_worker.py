@@ -103,7 +103,7 @@ def follower_main(cfg, log_level: str = "info") -> None:
     import torch
 
     from tokenspeed_worker import distributed
-    from tokenspeed_worker.engine.core import build_runner, rank_device
+    from tokenspeed_worker.engine.engine_core import build_runner, rank_device
 
     try:
         distributed.init(cfg.tp_rank, cfg.tensor_parallel_size, cfg.dist_init_method, torch.device(rank_device(cfg)))

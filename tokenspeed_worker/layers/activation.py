@@ -1,6 +1,6 @@
 """Gated activations of the MLP.
 
-On CUDA, silu(gate) * up runs as one Triton kernel (kernels_triton/activation.py) with the same
+On CUDA, silu(gate) * up runs as one Triton kernel (kernels/activation.py) with the same
 roundings as the torch code below, which stays the reference path (CPU, no triton, or switched
 off in layers/fused_kernels.py: TOKENSPEED_FUSED_KERNELS).
 """

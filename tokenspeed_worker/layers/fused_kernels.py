@@ -1,11 +1,11 @@
 """The one switch between the layers' fused Triton kernels and their torch code.
 
-Four fusions share it: add + RMSNorm (layers/layernorm.RMSNorm, kernels_triton/norm.py),
-silu(gate) * up (layers/activation.SiluAndMul, kernels_triton/activation.py), rotary + the
+Four fusions share it: add + RMSNorm (layers/layernorm.RMSNorm, kernels/norm.py),
+silu(gate) * up (layers/activation.SiluAndMul, kernels/activation.py), rotary + the
 KV-cache write (layers/attention/layer.Attention.forward_with_rotary with a backend that attends
-over K/V written beforehand, kernels_triton/rotary.py), and the resolution of overlap
+over K/V written beforehand, kernels/rotary.py), and the resolution of overlap
 scheduling's pending input ids (model_executor/cuda_graph.resolve_pending_ids,
-kernels_triton/pending_ids.py). Each computes the same values, with the
+kernels/pending_ids.py). Each computes the same values, with the
 same roundings, as the torch code it replaces, which stays the reference path.
 
 Modes:
@@ -23,13 +23,14 @@ call, so a CUDA graph keeps the path it was captured with.
 from __future__ import annotations
 
 import importlib
-import os
 from contextlib import contextmanager
 from types import ModuleType
 
 import torch
 
-ENV_VAR = "TOKENSPEED_FUSED_KERNELS"
+from tokenspeed_worker import env
+
+ENV_VAR = env.FUSED_KERNELS.name
 MODES = ("auto", "off", "force")
 # The activation dtypes the kernels compute like torch (in float32, rounded to the dtype); others take the torch path.
 FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -46,7 +47,7 @@ def _parse(mode: str | bool) -> str:
     return value
 
 
-_mode = _parse(os.environ.get(ENV_VAR, "auto"))
+_mode = _parse(env.FUSED_KERNELS.get())
 _modules: dict[str, ModuleType | None] = {}
 
 
@@ -72,13 +73,13 @@ def fused_kernels(mode: str | bool):
 
 
 def kernels(name: str) -> ModuleType | None:
-    """tokenspeed_worker.kernels_triton.<name> when its kernels are usable (triton imports), else None.
+    """tokenspeed_worker.kernels.<name> when its kernels are usable (triton imports), else None.
 
     Imported on first use, not with the layers: importing triton must wait until the process has
     chosen TRITON_INTERPRET (tests and scripts set it late)."""
     if name not in _modules:
         try:
-            module = importlib.import_module(f"tokenspeed_worker.kernels_triton.{name}")
+            module = importlib.import_module(f"tokenspeed_worker.kernels.{name}")
         except ImportError:  # pragma: no cover - depends on the machine
             module = None
         _modules[name] = module if module is not None and getattr(module, "AVAILABLE", False) else None
@@ -91,7 +92,7 @@ def use_fused(x: torch.Tensor, name: str) -> ModuleType | None:
         return None
     module = kernels(name)
     if module is None and _mode == "force":
-        raise RuntimeError(f"{ENV_VAR}=force, but tokenspeed_worker.kernels_triton.{name} cannot run (no triton)")
+        raise RuntimeError(f"{ENV_VAR}=force, but tokenspeed_worker.kernels.{name} cannot run (no triton)")
     return module
 
 

@@ -8,7 +8,7 @@ import torch
 def saturation_limit(dtype: torch.dtype) -> float:
     """Where writes into a cache of this dtype saturate: an fp8 dtype's largest finite value (e4m3 has
     no infinity); 0.0 (no saturation) for wider dtypes. Both write paths use it (here and the Triton
-    write kernel, kernels_triton/rotary.py)."""
+    write kernel, kernels/rotary.py)."""
     return float(torch.finfo(dtype).max) if dtype.itemsize == 1 and dtype.is_floating_point else 0.0
 
 

@@ -1,7 +1,7 @@
 """RMSNorm, numerically identical to Hugging Face's (statistics in float32, weight applied in the model dtype).
 
 On CUDA the norm (and the residual add fused into it) runs as one Triton kernel
-(kernels_triton/norm.py) with the same roundings; the torch code below is the reference path,
+(kernels/norm.py) with the same roundings; the torch code below is the reference path,
 used on CPU, without triton, or when layers/fused_kernels.py says so (TOKENSPEED_FUSED_KERNELS).
 """
 

@@ -4,7 +4,7 @@ cos/sin are precomputed in float32 for every position up to max_position_embeddi
 cast to the activations' dtype when applied, the way Hugging Face does it.
 
 `rope_and_write_kv` also writes the rotated k and the raw v into a paged KV cache; on CUDA it
-is one Triton kernel (kernels_triton/rotary.py, same roundings), used by
+is one Triton kernel (kernels/rotary.py, same roundings), used by
 Attention.forward_with_rotary with backends that attend over K/V written beforehand. The torch
 code stays the reference path (CPU, no triton, or switched off in layers/fused_kernels.py:
 TOKENSPEED_FUSED_KERNELS).

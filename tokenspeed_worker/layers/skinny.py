@@ -1,4 +1,4 @@
-"""Decode steps of few rows: the fused skinny kernels (kernels_triton/gemv.py) or the unfused path.
+"""Decode steps of few rows: the fused skinny kernels (kernels/gemv.py) or the unfused path.
 
 Call sites in a decoder layer:
 - `norm_qkv_rope`: (add +) RMSNorm, qkv_proj, rotary and the KV-cache write (all of the attention
@@ -19,7 +19,7 @@ against one cuBLAS kernel) the fused kernel must beat the unfused path by MARGIN
 timing noise cannot make a step slower. At the sites that fold neighbouring kernels in, FOLD_MARGIN
 instead keeps the fused kernel unless it is clearly slower: timed alone, a path's kernel boundaries
 cost less than inside a step, where the fused kernels overlap their neighbours (programmatic
-dependent launch, kernels_triton/pdl.py) and the unfused path's torch and cuBLAS kernels take no
+dependent launch, kernels/pdl.py) and the unfused path's torch and cuBLAS kernels take no
 part in that. On an H200, 1B batch-1 decode ran at 1,077 tok/s where norm_gate_up_silu's timing
 went to the unfused path (30.0 µs fused against 31.0 unfused: short of MARGIN) and at 1,115-1,138
 where it took the fused kernel (docs/benchmarks.md, sixth pass).
@@ -45,27 +45,27 @@ then every site is the unfused layers' own call (the other fused kernels keep th
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from tokenspeed_worker import env
 from tokenspeed_worker.layers.fused_kernels import fused_kernels_mode, use_fused
-from tokenspeed_worker.layers.graph_timing import l2_flush_buffer, time_us
+from tokenspeed_worker.kernels.timing import l2_flush_buffer, time_us
 
 logger = logging.getLogger(__name__)
 
-ENV_VAR = "TOKENSPEED_SKINNY_KERNELS"
+ENV_VAR = env.SKINNY_KERNELS.name
 # On by default: on an H200 the graph-timed choice takes the kernel at 3 or 4 of the 5 sites at 1 row
 # and the unfused path where it loses (4 rows, 1B's down_proj); batch-1 decode went from 225.3 to
 # 233.1 tok/s (8B) and 948.5 to 983.7 (1B) (docs/benchmarks.md). TOKENSPEED_SKINNY_KERNELS=0 turns it off.
-_enabled = os.environ.get(ENV_VAR, "1").strip().lower() not in ("0", "off", "false", "no")
+_enabled = env.SKINNY_KERNELS.get()
 MARGIN = 0.97  # at `linear`, a fused configuration is chosen only at <= 97 % of the unfused path's time
 FOLD_MARGIN = 1.05  # where the kernel folds neighbours in: chosen unless > 105 % of the unfused path's time
-STEP_TUNING_ENV_VAR = "TOKENSPEED_STEP_TUNING"
-_step_tuning = os.environ.get(STEP_TUNING_ENV_VAR, "1").strip().lower() not in ("0", "off", "false", "no")
+STEP_TUNING_ENV_VAR = env.STEP_TUNING.name
+_step_tuning = env.STEP_TUNING.get()
 IN_STEP_TOP = 3  # configurations per site tried in the step besides its choice and the unfused path
 IN_STEP_MIN_GAIN = 0.003  # a path replaces the current one in-step only if the step gets 0.3 % faster
 # Batch sizes refined in-step: batch 1, the latency-bound step. On an H200 tuning 2 and 4 rows too
@@ -200,7 +200,7 @@ def tune_in_step(rows: int, step_us: Callable[[], float], top: int = IN_STEP_TOP
 
 
 def _kernels(x: torch.Tensor, weight: torch.Tensor):
-    """kernels_triton.gemv when the skinny kernel may run on x (few rows, 16-bit, switched on), else None."""
+    """kernels.gemv when the skinny kernel may run on x (few rows, 16-bit, switched on), else None."""
     if not _enabled or _choosing or x.dim() == 0 or x.dtype not in (torch.bfloat16, torch.float16):
         return None
     kernels = use_fused(x, "gemv")

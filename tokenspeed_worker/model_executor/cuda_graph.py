@@ -42,8 +42,8 @@ import torch
 
 from tokenspeed_worker.layers.attention import AttentionBackend
 from tokenspeed_worker.layers.fused_kernels import use_fused
-from tokenspeed_worker.layers.graph_timing import back_to_back_us
-from tokenspeed_worker.layers.sampler import greedy_workspace, widen_and_greedy
+from tokenspeed_worker.kernels.timing import back_to_back_us
+from tokenspeed_worker.sampling.sampler import greedy_workspace, widen_and_greedy
 from tokenspeed_worker.scheduler.plan import SchedulePlan
 
 logger = logging.getLogger(__name__)
@@ -356,7 +356,7 @@ class DecodeGraphs:
     def step_timer(self, size: int) -> Callable[[], float]:
         """A timer of the decode step of `size` rows: each call captures the step afresh (so it runs
         the kernels' current choices) and returns the device microseconds of one replay replayed
-        back to back (layers/graph_timing.back_to_back_us). Each row attends to
+        back to back (kernels/timing.back_to_back_us). Each row attends to
         TUNING_CONTEXT keys (fewer where the block table or the pool is smaller) in the pool's first
         blocks, still empty at startup; the step's K/V writes go to the dummy block as usual."""
         context = max(1, min(TUNING_CONTEXT, (self.max_table_width - 1) * self.block_size + 1,

@@ -26,7 +26,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from tokenspeed_worker.engine.core import EngineConfig
+from tokenspeed_worker.engine.engine_core import EngineConfig
 from tokenspeed_worker.engine.messages import AddRequest
 from tokenspeed_worker.proto import tokenspeed_scheduler_pb2 as pb, tokenspeed_scheduler_pb2_grpc as pb_grpc
 from tokenspeed_worker.engine.lifetime import STOP_SIGNALS

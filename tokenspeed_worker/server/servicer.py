@@ -18,11 +18,12 @@ import grpc
 from google.protobuf.struct_pb2 import Struct
 from google.protobuf.timestamp_pb2 import Timestamp
 
+from tokenspeed_worker import env
 from tokenspeed_worker import __version__
 from tokenspeed_worker.engine.messages import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP
 from tokenspeed_worker.proto import common_pb2, tokenspeed_scheduler_pb2 as pb, tokenspeed_scheduler_pb2_grpc as pb_grpc
 from tokenspeed_worker.server.engine_client import EngineClient, EngineUnavailable, RequestState
-from tokenspeed_worker.server.kv_events import KvEventHub, SubscriberFellBehind
+from tokenspeed_worker.server.kv_event_hub import KvEventHub, SubscriberFellBehind
 from tokenspeed_worker.server.model_info import ModelFacts
 from tokenspeed_worker.server.validation import RequestError, validate_generate
 
@@ -442,8 +443,7 @@ class TokenSpeedSchedulerServicer(pb_grpc.TokenSpeedSchedulerServicer):
     async def StartProfile(self, request, context):
         """torch.profiler over the engine process; the trace lands in output_dir
         (default $TOKENSPEED_PROFILE_DIR or /tmp/tokenspeed_profiles)."""
-        output_dir = request.output_dir if request.HasField("output_dir") else os.environ.get(
-            "TOKENSPEED_PROFILE_DIR", "/tmp/tokenspeed_profiles")
+        output_dir = request.output_dir if request.HasField("output_dir") else env.PROFILE_DIR.get()
         if not os.path.isabs(output_dir):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"output_dir: must be an absolute path, got {output_dir!r}")
         if request.HasField("num_steps") and request.num_steps < 0:

@@ -1,4 +1,4 @@
-"""Triton paged attention (kernels in tokenspeed_worker/kernels_triton/attention.py): the GPU default.
+"""Triton paged attention (kernels in tokenspeed_worker/kernels/attention.py): the GPU default.
 
 Per step, `build_metadata` picks the paths from the host plan (no device syncs):
 a decode-only batch (every query is one token) goes to `paged_decode_attention`
@@ -36,9 +36,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tokenspeed_worker.kernels_triton.attention import DecodeRope
+from tokenspeed_worker.kernels.attention import DecodeRope
 from tokenspeed_worker.layers.attention.backend import AttentionBackend, AttentionInputs
-from tokenspeed_worker.layers.graph_timing import l2_flush_buffer, time_us
+from tokenspeed_worker.kernels.timing import l2_flush_buffer, time_us
 from tokenspeed_worker.layers.kv_cache import write_kv_cache
 from tokenspeed_worker.layers.rotary import rotate_full_head
 
@@ -56,9 +56,9 @@ TRITON_UNAVAILABLE = "triton attention needs a CUDA device and the triton packag
 def triton_attention_kernels() -> tuple[object | None, str]:
     """(the kernels module, "") when the triton kernels can run, else (None, why not)."""
     try:
-        from tokenspeed_worker.kernels_triton import attention as kernels
+        from tokenspeed_worker.kernels import attention as kernels
     except ImportError as error:
-        return None, f"tokenspeed_worker.kernels_triton.attention does not import ({error})"
+        return None, f"tokenspeed_worker.kernels.attention does not import ({error})"
     if not getattr(kernels, "AVAILABLE", False):
         return None, "the triton package is not importable"
     if not torch.cuda.is_available():
@@ -110,7 +110,7 @@ class TritonAttentionBackend(AttentionBackend):
     def __init__(
         self, device: str | torch.device = "cuda", allow_reference: bool = False, kernels: object | None = None
     ) -> None:
-        """kernels: a module with the kernels' interface (default: kernels_triton.attention when it can
+        """kernels: a module with the kernels' interface (default: kernels.attention when it can
         run). allow_reference: without runnable kernels, use `reference_kernels()` (CPU tests, or a
         GPU machine without the kernels) instead of raising ValueError."""
         self.device = torch.device(device)
@@ -220,7 +220,7 @@ class TritonAttentionBackend(AttentionBackend):
         program wins by SINGLE_SPLIT_MARGIN, with every shorter one won too, becomes that size's
         `single_split_tokens` (0: always split as before). Call after allocate_kv_cache and before
         graph capture (the graphs bake the value in). Reads blocks of the given layer cache,
-        writes none of them. timer: device µs of a callable (default: graph_timing.time_us, on
+        writes none of them. timer: device µs of a callable (default: kernels.timing.time_us, on
         CUDA only; tests pass their own). Returns {batch size: threshold}. The choice is made
         afresh: until it is complete (or if the timing raises) every request splits."""
         self.single_split_tokens = {}

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenspeed_worker.kernels_triton import pdl
+from tokenspeed_worker.kernels import pdl
 from tokenspeed_worker.layers.kv_cache import saturation_limit
 
 try:
@@ -245,7 +245,7 @@ if AVAILABLE:
     @triton.jit
     def _rope_row(x, x_swapped, cos, sin, first_half, dtype: tl.constexpr):
         """x * cos + rotate_half(x) * sin (neox) over a head's HEAD_DIM columns, rounded as
-        kernels_triton/rotary.py (each product, then the sum, to dtype); x_swapped is x with its
+        kernels/rotary.py (each product, then the sum, to dtype); x_swapped is x with its
         halves swapped (column d holds x[(d + HEAD_DIM / 2) % HEAD_DIM]), cos and sin already
         rounded to dtype, first_half: d < HEAD_DIM / 2."""
         a = (x.to(tl.float32) * cos).to(dtype).to(tl.float32)
@@ -572,7 +572,7 @@ class DecodeRope:
     """The rotary and KV-cache write that paged_decode_attention can do itself (its `rope`): q is
     then the unrotated query, and the kernel rotates q and k (neox style over the whole head, the
     cos/sin tables of layers/rotary.RotaryEmbedding) and writes the rotated k and v into the caches
-    at slot_mapping, as kernels_triton/rotary.rope_and_write_kv would before the attention."""
+    at slot_mapping, as kernels/rotary.rope_and_write_kv would before the attention."""
 
     k: torch.Tensor  # [B, Hkv, D], unrotated (strided over B and Hkv, contiguous along D)
     v: torch.Tensor  # [B, Hkv, D]

@@ -19,10 +19,10 @@ of softmax(filtered logits / T).
 
 Logprobs are *raw*: log_softmax of the model's logits before any of steps 1-5 (vLLM's
 default "raw_logprobs"), for the chosen token, the top-K and requested ids alike; see
-layers/logprobs.py.
+sampling/logprobs.py.
 
 Backends: "torch" (CPU and GPU) and "triton" (CUDA), which fuses the hashed noise and the
-Gumbel argmax over the vocabulary into one pass (kernels_triton/sampling.py); both draw
+Gumbel argmax over the vocabulary into one pass (kernels/sampling.py); both draw
 from the same hash, so they choose the same tokens. Filtering is shared torch code.
 """
 
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tokenspeed_worker.layers.logprobs import token_logprobs
+from tokenspeed_worker.sampling.logprobs import token_logprobs
 
 SAMPLING_BACKENDS = ("torch", "triton")
 
@@ -213,7 +213,7 @@ class SampleOutput:
 
 
 def _triton_importable() -> bool:
-    from tokenspeed_worker.kernels_triton import sampling as triton_sampling  # imports triton: only when asked
+    from tokenspeed_worker.kernels import sampling as triton_sampling  # imports triton: only when asked
 
     return triton_sampling.AVAILABLE
 
@@ -230,11 +230,11 @@ def default_sampling_backend(device: str | torch.device | None = None) -> str:
 
 
 def greedy_workspace(max_rows: int, vocab_size: int, device: torch.device) -> tuple | None:
-    """widen_and_greedy's scratch (kernels_triton/sampling.argmax_workspace) on CUDA where Triton
+    """widen_and_greedy's scratch (kernels/sampling.argmax_workspace) on CUDA where Triton
     imports, else None (the unfused path needs none). Allocate outside any CUDA-graph capture."""
     if torch.device(device).type != "cuda" or not _triton_importable():
         return None
-    from tokenspeed_worker.kernels_triton.sampling import argmax_workspace
+    from tokenspeed_worker.kernels.sampling import argmax_workspace
 
     return argmax_workspace(max_rows, vocab_size, device)
 
@@ -245,7 +245,7 @@ def widen_and_greedy(logits: torch.Tensor, out_logits: torch.Tensor, out_tokens:
     given a workspace (greedy_workspace), else the copy and greedy_argmax. The decode graphs' tail
     (model_executor/cuda_graph.py)."""
     if workspace is not None and logits.is_cuda:
-        from tokenspeed_worker.kernels_triton.sampling import widen_and_argmax
+        from tokenspeed_worker.kernels.sampling import widen_and_argmax
 
         widen_and_argmax(logits, out_logits, out_tokens, workspace)
         return
@@ -258,7 +258,7 @@ def greedy_argmax(scores: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     on CUDA where Triton imports (the sampler's triton backend), else torch.argmax (the same
     index: both take the first maximum). Used inside the decode graphs (model_executor/cuda_graph.py)."""
     if scores.is_cuda and _triton_importable():
-        from tokenspeed_worker.kernels_triton.sampling import argmax
+        from tokenspeed_worker.kernels.sampling import argmax
 
         return argmax(scores, out=out)
     return torch.argmax(scores, dim=-1, out=out)
@@ -313,7 +313,7 @@ class Sampler:
     def _argmax(self, scores: torch.Tensor) -> torch.Tensor:
         """First index of each row's maximum; the triton backend splits each row over many programs."""
         if self.backend == "triton" and scores.is_cuda:
-            from tokenspeed_worker.kernels_triton.sampling import argmax
+            from tokenspeed_worker.kernels.sampling import argmax
 
             return argmax(scores)
         return scores.argmax(dim=-1)
@@ -321,7 +321,7 @@ class Sampler:
     def _draw(self, scores: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """Gumbel-max over filtered, temperature-scaled scores [S, V] -> int64 [S]."""
         if self.backend == "triton" and scores.is_cuda:
-            from tokenspeed_worker.kernels_triton.sampling import gumbel_argmax
+            from tokenspeed_worker.kernels.sampling import gumbel_argmax
 
             return gumbel_argmax(scores, row_keys(batch.seeds, batch.output_positions))
         noise = hashed_uniform(batch.seeds, batch.output_positions, scores.shape[-1])

@@ -2,7 +2,7 @@
 
 The torch backend materializes several int64 [S, V] temporaries to hash the noise, then two
 logs, an add and an argmax. Here one pass reads each score once, hashes (row key, vocab index)
-with the same splitmix64 as layers/sampler.py, takes the same float32 -log(-log(u)) through
+with the same splitmix64 as sampling/sampler.py, takes the same float32 -log(-log(u)) through
 libdevice's logf (what torch's CUDA log calls), and keeps a running (max, first index). The
 vocabulary is split into chunks across programs (grid S x chunks) so even one row fills the
 GPU; a second tiny kernel reduces over the chunks, taking the first chunk holding the maximum,
@@ -17,9 +17,10 @@ Importable without triton (CPU machines): AVAILABLE says whether the kernel can 
 
 from __future__ import annotations
 
-import os
 
 import torch
+
+from tokenspeed_worker import env
 
 try:
     import triton
@@ -116,7 +117,7 @@ if AVAILABLE:
         scores = tl.where(in_vocab, scores, float("-inf"))
         tl.store(chunk_max_ptr + row * num_chunks + chunk, tl.max(scores, axis=0))
         tl.store(chunk_arg_ptr + row * num_chunks + chunk, chunk * BLOCK + tl.argmax(scores, axis=0, tie_break_left=True))
-        # Every thread's stores before the one thread's release of the counter (kernels_triton/attention.py).
+        # Every thread's stores before the one thread's release of the counter (kernels/attention.py).
         tl.debug_barrier()
         arrived = tl.atomic_add(counter_ptr + row, 1, sem="acq_rel", scope="gpu")
         if arrived == num_chunks - 1:
@@ -176,7 +177,7 @@ def gumbel_argmax(scores: torch.Tensor, row_keys: torch.Tensor, block: int = BLO
     """argmax over v of scores[s, v] - log(-log(u(row_keys[s], v))): int64 [S].
 
     scores: float32 [S, V] (contiguous along V; -inf = filtered out); row_keys: int64 [S] from
-    layers.sampler.row_keys. Equals the torch backend's draw for the same inputs.
+    sampling.sampler.row_keys. Equals the torch backend's draw for the same inputs.
     """
     row_keys = row_keys.to(device=scores.device, dtype=torch.int64).contiguous()
     return _chunked_argmax(scores, row_keys, block)
@@ -207,7 +208,7 @@ def _chunked_argmax(scores: torch.Tensor, row_keys: torch.Tensor | None, block: 
     noise = row_keys is not None
     _gumbel_argmax_chunks[(num_rows, num_chunks)](
         scores, scores.stride(0), row_keys if noise else chunk_arg, vocab_size, chunk_max, chunk_arg, num_chunks,
-        BLOCK=block, LIBDEVICE_LOG=os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), NOISE=noise,
+        BLOCK=block, LIBDEVICE_LOG=not env.triton_interpreter(), NOISE=noise,
     )
     _argmax_over_chunks[(num_rows,)](chunk_max, chunk_arg, out, num_chunks,
                                      BLOCK_CHUNKS=max(2, triton.next_power_of_2(num_chunks)))

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from tokenspeed_worker.kernels_triton.norm import AVAILABLE, interpreting
+from tokenspeed_worker.kernels.norm import AVAILABLE, interpreting
 
 if AVAILABLE:
     import triton

@@ -8,10 +8,10 @@ cuBLAS's own split-K reduction after o_proj and down_proj) cost a launch each: o
     out = epilogue( prologue(x [, residual]) @ W^T [+ b] )
 
 - prologue NORM: x (+ residual, the sum rounded to the dtype and written once, by the first
-  column block) -> RMSNorm with the same roundings as kernels_triton/norm.py, recomputed by every
+  column block) -> RMSNorm with the same roundings as kernels/norm.py, recomputed by every
   program from the row (a few kB, read from L2) instead of a separate launch;
 - epilogue SILU: W holds [gate | up] rows (the fused gate_up_proj); each program computes matching
-  gate and up columns and writes silu(gate) * up rounded like kernels_triton/activation.py.
+  gate and up columns and writes silu(gate) * up rounded like kernels/activation.py.
 
 Each program streams a strip of weight rows once for all input rows (up to MAX_ROWS), on the
 CUDA cores: at so few rows the product is bound by the weight bytes, and a grid of many small
@@ -31,14 +31,14 @@ Importable without triton: AVAILABLE says whether the kernel can be used.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import NamedTuple
 
 import torch
 
-from tokenspeed_worker.kernels_triton import pdl
+from tokenspeed_worker import env
+from tokenspeed_worker.kernels import pdl
 from tokenspeed_worker.layers.kv_cache import saturation_limit
 
 try:
@@ -46,8 +46,8 @@ try:
     import triton.language as tl
     from triton.language.extra import libdevice
 
-    from tokenspeed_worker.kernels_triton.attention import fix_triton_interpreter
-    from tokenspeed_worker.kernels_triton.norm import interpreting
+    from tokenspeed_worker.kernels.attention import fix_triton_interpreter
+    from tokenspeed_worker.kernels.norm import interpreting
 
     fix_triton_interpreter()
     AVAILABLE = True
@@ -81,8 +81,8 @@ PERSISTENT_MAX_ELEMENTS = 32768  # rows x next_power_of_2(K): the input rows hel
 CONFIGS = ((8, 512, 4), (16, 512, 4), (4, 1024, 4), (16, 256, 4), (32, 256, 8), (4, 2048, 4), (2, 2048, 4),
            (8, 1024, 8), (4, 2048, 8),
            Persistent(1, 4, 4), Persistent(2, 4, 4), Persistent(2, 8, 2), Persistent(4, 8, 2))
-PERSISTENT_ENV_VAR = "TOKENSPEED_SKINNY_PERSISTENT"  # 0: only the one-shot configurations are timed (A/B, startup)
-if os.environ.get(PERSISTENT_ENV_VAR, "1").strip().lower() in ("0", "off", "false", "no"):
+PERSISTENT_ENV_VAR = env.SKINNY_PERSISTENT.name  # 0: only the one-shot configurations are timed (A/B, startup)
+if not env.SKINNY_PERSISTENT.get():
     CONFIGS = tuple(c for c in CONFIGS if not isinstance(c, Persistent))
 # Sites with the RMSNorm prologue also try it in one pass (a fourth field, True): the squares are
 # summed alongside the product and 1 / RMS scales the result, instead of every program first reading
@@ -176,7 +176,7 @@ if AVAILABLE:
                        HALF: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_BIAS: tl.constexpr, KV_SATURATE: tl.constexpr):
         """Row `row`'s columns d and d + HALF of head `head` of the q/k/v product: q heads rotated into
         q_out, k heads rotated and v heads as they are into the caches at the row's slot; roundings
-        as the projection's output followed by kernels_triton/rotary.py."""
+        as the projection's output followed by kernels/rotary.py."""
         dtype = q_out_ptr.dtype.element_ty
         if HAS_BIAS:
             a += tl.load(bias_ptr + offs_n).to(tl.float32)
@@ -253,7 +253,7 @@ if AVAILABLE:
         offs_k = tl.arange(0, BLOCK_K)
         w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w
         up_rows = w_ptr + (up_offset + offs_n).to(tl.int64)[:, None] * stride_w
-        # The first weight tile, loaded before waiting on the previous kernel (kernels_triton/pdl.py:
+        # The first weight tile, loaded before waiting on the previous kernel (kernels/pdl.py:
         # weights are never written by a step); each iteration then loads the next tile before
         # using the current one, so a tile's loads are in flight while the last one is multiplied.
         w_next = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & (offs_k < K)[None, :], other=0.0)

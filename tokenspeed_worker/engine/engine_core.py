@@ -31,8 +31,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tokenspeed_worker import env
 from tokenspeed_worker import distributed
-from tokenspeed_worker.engine.kv_events import events_wire
+from tokenspeed_worker.engine.kv_event_publisher import events_wire
 from tokenspeed_worker.engine.messages import AddRequest, EngineReady, KvEvents, Loads, StepOutput
 
 logger = logging.getLogger(__name__)
@@ -58,7 +59,7 @@ class EngineConfig:
     max_total_tokens: int | None = None
     chunked_prefill_size: int = 8192
     max_prefill_tokens: int = 8192
-    # Admission keeps room for the running requests' expected output (scheduler/core.py); 0: off.
+    # Admission keeps room for the running requests' expected output (scheduler/scheduler.py); 0: off.
     schedule_conservativeness: float = 1.0
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
@@ -197,9 +198,9 @@ def build_runner(cfg: EngineConfig):
 
 class EngineCore:
     def __init__(self, cfg: EngineConfig) -> None:
-        from tokenspeed_worker.layers.sampler import Sampler, default_sampling_backend
-        from tokenspeed_worker.layers.sampling_state import SamplingState
-        from tokenspeed_worker.scheduler.core import Scheduler
+        from tokenspeed_worker.sampling.sampler import Sampler, default_sampling_backend
+        from tokenspeed_worker.sampling.state import SamplingState
+        from tokenspeed_worker.scheduler.scheduler import Scheduler
 
         self.cfg = cfg
         self.runner, self.num_blocks = build_runner(cfg)
@@ -224,7 +225,7 @@ class EngineCore:
         self._kv_events_sent = 0  # KV events handed out by take_kv_events (their ids follow on)
         self._kv_loads_at = -KV_LOADS_S  # time.monotonic() the last KvEvents carried loads
         if cfg.kv_events is not None:
-            from tokenspeed_worker.engine.kv_events import ZmqKvEventPublisher
+            from tokenspeed_worker.engine.kv_event_publisher import ZmqKvEventPublisher
 
             self.kv_publisher = ZmqKvEventPublisher(cfg.kv_events["endpoint"], cfg.kv_events.get("topic", ""))
         self.overlap_schedule = resolve_overlap(cfg.overlap_schedule, self.device)
@@ -252,7 +253,7 @@ class EngineCore:
         from tokenspeed_worker.engine.profiler import EngineProfiler
 
         self.profiler = EngineProfiler(self.device)
-        self._fault = _parse_fault(os.environ.get("TOKENSPEED_FAULT_INJECT", ""))
+        self._fault = _parse_fault(env.FAULT_INJECT.get())
         logger.info(
             "engine ready: %s on %s (%s), attention %s, CUDA graphs %s, overlap scheduling %s, KV pool %d blocks x %d tokens (%.2f GiB), "
             "weights %.2f GiB",
@@ -608,7 +609,7 @@ class EngineCore:
             for row in ended:  # the grammar is complete: end the request with "stop" now
                 self.scheduler.abort(row)
             if ended:
-                from tokenspeed_worker.scheduler.core import FinishReason
+                from tokenspeed_worker.scheduler.scheduler import FinishReason
 
                 finished_rows = np.concatenate([finished_rows, np.asarray(ended, dtype=finished_rows.dtype)])
                 reasons = np.concatenate([np.asarray(reasons, dtype=np.int32),
@@ -709,9 +710,9 @@ def resolve_overlap(setting: bool | None, device: torch.device) -> bool:
     """Overlap scheduling: as configured, else env TOKENSPEED_OVERLAP_SCHEDULE (1/0), else on for CUDA."""
     if setting is not None:
         return bool(setting)
-    forced = os.environ.get("TOKENSPEED_OVERLAP_SCHEDULE", "")
-    if forced in ("0", "1"):
-        return forced == "1"
+    forced = env.OVERLAP_SCHEDULE.get()
+    if forced is not None:
+        return forced
     return device.type == "cuda"
 
 
@@ -748,7 +749,7 @@ def _to_host_async(t: torch.Tensor) -> torch.Tensor:
 
 
 def _row_params(req: AddRequest):
-    from tokenspeed_worker.layers.sampling_state import RowSamplingParams
+    from tokenspeed_worker.sampling.state import RowSamplingParams
 
     return RowSamplingParams(
         temperature=req.temperature,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from tokenspeed_worker.kernels_triton.norm import AVAILABLE
+from tokenspeed_worker.kernels.norm import AVAILABLE
 
 if AVAILABLE:
     import triton

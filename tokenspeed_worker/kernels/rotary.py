@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from tokenspeed_worker.kernels_triton.norm import AVAILABLE
-from tokenspeed_worker.kernels_triton import pdl
+from tokenspeed_worker.kernels.norm import AVAILABLE
+from tokenspeed_worker.kernels import pdl
 from tokenspeed_worker.layers.kv_cache import saturation_limit
 
 if AVAILABLE:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from tokenspeed_worker.layers.sampler import _MASK62, SamplingBatch, basic_flags
+from tokenspeed_worker.sampling.sampler import _MASK62, SamplingBatch, basic_flags
 
 # Columns of the packed per-row parameter arrays (one host-to-device copy each per step).
 _F_TEMPERATURE, _F_TOP_P, _F_MIN_P = 0, 1, 2

@@ -18,16 +18,17 @@ Importable without triton (CPU machines): AVAILABLE says whether the kernels can
 
 from __future__ import annotations
 
-import os
 
 import torch
+
+from tokenspeed_worker import env
 
 try:
     import triton
     import triton.language as tl
     from triton.language.extra import libdevice
 
-    from tokenspeed_worker.kernels_triton.attention import fix_triton_interpreter
+    from tokenspeed_worker.kernels.attention import fix_triton_interpreter
 
     fix_triton_interpreter()  # bfloat16 rounding in TRITON_INTERPRET=1 as on the GPU
     AVAILABLE = True
@@ -42,7 +43,7 @@ MAX_HIDDEN = 65536  # one row per program, held in registers
 
 def interpreting() -> bool:
     """Whether kernels run in Triton's interpreter (no libdevice there: plain tl math instead)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return env.triton_interpreter()
 
 
 if AVAILABLE:

@@ -1,4 +1,4 @@
-"""Thin Python face of the native scheduler core (kernels/scheduler_core).
+"""Thin Python face of the native scheduler core (csrc/scheduler).
 
 The engine loop is `plan = scheduler.schedule()` → forward(plan) → sample the rows
 `plan.sample_rows` → `scheduler.advance(sampled)`. Everything that grows with the
@@ -34,7 +34,7 @@ def block_hash(parent_hash: int | None, token_ids: np.ndarray | Iterable[int]) -
     """Chain hash (signed int64) of one full block of `token_ids` whose parent block
     has hash `parent_hash` (None for a sequence's first block). Deterministic in
     every process: `h = parent (or ROOT_BLOCK_HASH); for t in tokens: h =
-    splitmix64(h ^ t)` over unsigned 64-bit words (kernels/scheduler_core/block_hash.hpp).
+    splitmix64(h ^ t)` over unsigned 64-bit words (csrc/scheduler/block_hash.hpp).
     The same values appear in KV events."""
     if not isinstance(token_ids, np.ndarray):
         token_ids = list(token_ids)
@@ -154,7 +154,7 @@ class Scheduler:
         already released their blocks and are forgotten."""
         return self._core.advance(np.ascontiguousarray(sampled, dtype=np.int64).reshape(-1))
 
-    # -- overlap scheduling (see kernels/scheduler_core/scheduler.hpp) -----------------
+    # -- overlap scheduling (see csrc/scheduler/scheduler.hpp) -----------------
 
     def commit(self) -> None:
         """Records the last plan as computed before its sampled tokens are known (they are

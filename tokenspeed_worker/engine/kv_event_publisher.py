@@ -11,7 +11,7 @@ payload = [timestamp, events, dp_rank], each event one of
     ["BlockRemoved", [block_hash]]
     ["AllBlocksCleared"]
 
-Hashes are the scheduler's signed int64 chain hashes (`scheduler.core.block_hash`).
+Hashes are the scheduler's signed int64 chain hashes (`scheduler.scheduler.block_hash`).
 pyzmq and msgpack are imported only by the publisher, so a worker without --kv-events-config
 never needs them. The same events also go to the server for SubscribeKvEvents as protobuf wire
 bytes (`events_wire` here when the publisher needs the tuples, else the native encoder).

@@ -1,0 +1,1 @@
+"""Sampling: per-request sampling state on the device, the sampler, and logprobs."""
