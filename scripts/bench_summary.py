@@ -1,0 +1,107 @@
+"""The figures of the bench scripts' JSON results: one line per result, and the A/B table of two trees.
+
+    python scripts/bench_summary.py --line SUITE RESULT.json [LABEL]   one line for one result
+    python scripts/bench_summary.py OUT                                 the table of OUT/results.tsv
+
+OUT/results.tsv, written by scripts/gpu_check.sh, has one result per line: suite, case, tree, round
+and the JSON file (relative to OUT). The table gives each figure per tree, as the median over its
+rounds with every round in brackets, and the first tree's figure over each other tree's. SUITE is
+latency, offline, serving, prefix or sampler (the JSON of bench_latency.py, bench_offline.py,
+bench_serving.py, bench_prefix.py, bench_sampler.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+
+def figures(suite: str, r: dict) -> list[tuple[str, str, float, str]]:
+    """(what, unit, value, detail) for each figure of one result; tok/s higher is better, ms and s lower."""
+    if suite == "latency":
+        return [("decode", "tok/s", r["decode_tok_s"],
+                 f"{r['decode_step_ms_median']:.3f} ms/step, {100 * r['fraction_of_bandwidth_roofline']:.1f}% of the "
+                 f"bandwidth roofline, TTFT {r['ttft_ms']:.1f} ms")]
+    if suite == "offline":
+        return [("output", "tok/s", r["output_tok_s"],
+                 f"{r['output_tokens']} tokens in {r['wall_s']:.1f} s, {100 * r['fraction_of_step_roofline']:.1f}% "
+                 f"of the step roofline, {r['preemptions']} preemptions")]
+    if suite == "serving":
+        rows = [(f"C={lv['concurrency']}", "tok/s", lv["output_tok_s"],
+                 f"TTFT {lv['ttft_ms_median']:.0f} ms, ITL p50 {lv['itl_ms_median']:.2f} / p99 {lv['itl_ms_p99']:.1f} ms")
+                for lv in r["levels"]]
+        if r.get("startup_s") is not None:
+            rows.append(("startup", "s", r["startup_s"], "launch to healthy"))
+        return rows
+    if suite == "prefix":
+        on, off = r["results"]["enable-prefix-caching"], r["results"]["no-enable-prefix-caching"]
+        return [("TTFT, cache on", "ms", on["ttft_ms_median"],
+                 f"off {off['ttft_ms_median']:.0f} ms; {100 * on['prefill_tokens_saved']:.1f}% of prefill saved"),
+                ("wall, cache on", "s", on["wall_s"], f"off {off['wall_s']:.1f} s")]
+    if suite == "sampler":
+        return [(f"{run['backend']} {run['config']}", "ms", run["ms_per_step"],
+                 f"{run['ratio_to_read_once']:.1f}x reading the logits once") for run in r["runs"]]
+    raise SystemExit(f"unknown suite {suite!r}")
+
+
+def fmt(value: float) -> str:
+    return f"{value:.1f}" if abs(value) >= 10 else f"{value:.3g}"
+
+
+def line(suite: str, path: Path, label: str) -> str:
+    rows = figures(suite, json.loads(path.read_text()))
+    if len(rows) == 1:
+        what, unit, value, detail = rows[0]
+        return f"{label}: {fmt(value)} {unit} {what} ({detail})"
+    return f"{label}: " + "; ".join(f"{what} {fmt(value)} {unit} ({detail})" for what, unit, value, detail in rows)
+
+
+def table(out: Path) -> str:
+    values: dict[tuple, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    trees: list[str] = []
+    for entry in (out / "results.tsv").read_text().splitlines():
+        suite, case, tree, _round, file = entry.split("\t")
+        if tree not in trees:
+            trees.append(tree)
+        for what, unit, value, _detail in figures(suite, json.loads((out / file).read_text())):
+            values[(suite, case, what, unit)][tree].append(value)
+    if not values:
+        return "no results"
+    header = ["suite", "case", "figure", *trees, *(f"{trees[0]}/{t}" for t in trees[1:])]
+    body = []
+    for (suite, case, what, unit), by_tree in values.items():
+        cells = [suite, case, f"{what} ({unit})"]
+        for tree in trees:
+            runs = by_tree.get(tree, [])
+            cells.append(f"{fmt(statistics.median(runs))} ({', '.join(fmt(v) for v in runs)})" if runs else "-")
+        for tree in trees[1:]:
+            a, b = by_tree.get(trees[0]), by_tree.get(tree)
+            cells.append(f"{statistics.median(a) / statistics.median(b):.4f}" if a and b else "-")
+        body.append(cells)
+    widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in [header, *body]]
+    return "\n".join([lines[0], "  ".join("-" * w for w in widths), *lines[1:],
+                      "(median over rounds, each round in brackets; tok/s: higher is better, ms and s: lower)"])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--line", nargs="+", metavar=("SUITE", "RESULT"), help="SUITE RESULT.json [LABEL]: one line")
+    ap.add_argument("out", nargs="?", help="the folder holding results.tsv")
+    args = ap.parse_args()
+    if args.line:
+        suite, path = args.line[0], Path(args.line[1])
+        print(line(suite, path, args.line[2] if len(args.line) > 2 else f"{suite} {path.stem}"))
+    elif args.out:
+        print(table(Path(args.out)))
+    else:
+        ap.error("give --line SUITE RESULT.json or OUT")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
