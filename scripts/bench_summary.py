@@ -23,7 +23,7 @@ from pathlib import Path
 def figures(suite: str, r: dict) -> list[tuple[str, str, float, str]]:
     """(what, unit, value, detail) for each figure of one result; tok/s higher is better, ms and s lower."""
     if suite == "latency":
-        return [("decode", "tok/s", r["decode_tok_s"],
+        return [("engine decode, batch 1", "tok/s", r["decode_tok_s"],
                  f"{r['decode_step_ms_median']:.3f} ms/step, {100 * r['fraction_of_bandwidth_roofline']:.1f}% of the "
                  f"bandwidth roofline, TTFT {r['ttft_ms']:.1f} ms")]
     if suite == "offline":
@@ -32,7 +32,8 @@ def figures(suite: str, r: dict) -> list[tuple[str, str, float, str]]:
                  f"of the step roofline, {r['preemptions']} preemptions")]
     if suite == "serving":
         rows = [(f"C={lv['concurrency']}", "tok/s", lv["output_tok_s"],
-                 f"TTFT {lv['ttft_ms_median']:.0f} ms, ITL p50 {lv['itl_ms_median']:.2f} / p99 {lv['itl_ms_p99']:.1f} ms")
+                 f"TTFT {lv['ttft_ms_median']:.0f} ms, ITL p50 {lv['itl_ms_median']:.2f} / "
+                 f"p99 {lv['itl_ms_p99']:.1f} ms")
                 for lv in r["levels"]]
         if r.get("startup_s") is not None:
             rows.append(("startup", "s", r["startup_s"], "launch to healthy"))
@@ -53,7 +54,10 @@ def fmt(value: float) -> str:
 
 
 def line(suite: str, path: Path, label: str) -> str:
-    rows = figures(suite, json.loads(path.read_text()))
+    try:
+        rows = figures(suite, json.loads(path.read_text()))
+    except KeyError as missing:
+        return f"{label}: {path} has no {missing}"
     if len(rows) == 1:
         what, unit, value, detail = rows[0]
         return f"{label}: {fmt(value)} {unit} {what} ({detail})"
@@ -63,14 +67,20 @@ def line(suite: str, path: Path, label: str) -> str:
 def table(out: Path) -> str:
     values: dict[tuple, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     trees: list[str] = []
+    notes = []
     for entry in (out / "results.tsv").read_text().splitlines():
         suite, case, tree, _round, file = entry.split("\t")
         if tree not in trees:
             trees.append(tree)
-        for what, unit, value, _detail in figures(suite, json.loads((out / file).read_text())):
+        try:
+            rows = figures(suite, json.loads((out / file).read_text()))
+        except KeyError as missing:
+            notes.append(f"{file} has no {missing}: left out")
+            continue
+        for what, unit, value, _detail in rows:
             values[(suite, case, what, unit)][tree].append(value)
     if not values:
-        return "no results"
+        return "\n".join(["no results", *notes])
     header = ["suite", "case", "figure", *trees, *(f"{trees[0]}/{t}" for t in trees[1:])]
     body = []
     for (suite, case, what, unit), by_tree in values.items():
@@ -84,7 +94,7 @@ def table(out: Path) -> str:
         body.append(cells)
     widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in [header, *body]]
-    return "\n".join([lines[0], "  ".join("-" * w for w in widths), *lines[1:],
+    return "\n".join([lines[0], "  ".join("-" * w for w in widths), *lines[1:], *notes,
                       "(median over rounds, each round in brackets; tok/s: higher is better, ms and s: lower)"])
 
 

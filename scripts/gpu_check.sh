@@ -127,11 +127,15 @@ install() {
   local t0
   t0=$(date +%s)
   (cd "$1" && timeout "${INSTALL_TIMEOUT:-300}" python3 -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -5)
-  # From / so that no folder on sys.path shadows the install.
-  (cd / && python3 -c "
+  # From / so that no folder on sys.path shadows the install; the package must be DIR's.
+  if ! (cd / && python3 -c "
 import os, sys, tokenspeed_worker as p, tokenspeed_worker._scheduler_core as m
 print('package:', p.__file__, 'native core:', m.__file__)
-sys.exit(not os.path.realpath(p.__file__).startswith(os.path.realpath(sys.argv[1]) + '/'))" "$1") || { echo "install of $1 failed"; installed=""; rc=1; return 1; }
+sys.exit(not os.path.realpath(p.__file__).startswith(os.path.realpath(sys.argv[1]) + '/'))" "$1"); then
+    echo "install of $1 failed"
+    installed="" rc=1
+    return 1
+  fi
   echo "native build + install of $1: $(( $(date +%s) - t0 )) s"
 }
 
