@@ -185,7 +185,7 @@ class TritonAttentionBackend(AttentionBackend):
         kv head against the split path (partials through the workspace, combined by the last split)
         at contexts of SINGLE_SPLIT_CANDIDATES keys, shortest first; the longest context where one
         program wins by SINGLE_SPLIT_MARGIN, with every shorter one won too, becomes that size's
-        `single_split_tokens` (0: always split as before). Call after allocate_kv_cache and before
+        `single_split_tokens` (0: always split). Call after allocate_kv_cache and before
         graph capture (the graphs bake the value in). Reads blocks of the given layer cache,
         writes none of them. timer: device µs of a callable (default: kernels.timing.time_us, on
         CUDA only; tests pass their own). Returns {batch size: threshold}. The choice is made
