@@ -290,18 +290,18 @@ def bench_skinny(device: torch.device, dtype: torch.dtype, timer: Timer, copy_bw
                     rope.cos_cache, rope.sin_cache, caches[0], caches[1], slots)
 
             sites = [
-                ("add_norm_qkv_rope", unfused_qkv_rope, lambda c: gemv.skinny_linear(
+                ("add_norm_qkv_rope", unfused_qkv_rope, lambda c: gemv.small_batch_linear(
                     x, w["qkv"], norm_weight=norm.weight, residual=residual, eps=1e-5, rotary=rotary, config=c)[0],
                  w["qkv"].numel() * elt + (3 * m * hidden + m * qkv_out) * elt),
-                ("add_norm_qkv", unfused_qkv, lambda c: gemv.skinny_linear(
+                ("add_norm_qkv", unfused_qkv, lambda c: gemv.small_batch_linear(
                     x, w["qkv"], norm_weight=norm.weight, residual=residual, eps=1e-5, config=c)[0],
                  w["qkv"].numel() * elt + (3 * m * hidden + m * qkv_out) * elt),
-                ("o_proj", lambda: F.linear(attn_out, w["o"]), lambda c: gemv.skinny_linear(attn_out, w["o"], config=c)[0],
+                ("o_proj", lambda: F.linear(attn_out, w["o"]), lambda c: gemv.small_batch_linear(attn_out, w["o"], config=c)[0],
                  w["o"].numel() * elt + m * (o_in + hidden) * elt),
-                ("add_norm_gate_up_silu", unfused_mlp, lambda c: gemv.skinny_linear(
+                ("add_norm_gate_up_silu", unfused_mlp, lambda c: gemv.small_batch_linear(
                     x, w["gate_up"], norm_weight=norm.weight, residual=residual, eps=1e-5, silu=True, config=c)[0],
                  w["gate_up"].numel() * elt + (3 * m * hidden + m * inter) * elt),
-                ("down_proj", lambda: F.linear(mlp_in, w["down"]), lambda c: gemv.skinny_linear(mlp_in, w["down"], config=c)[0],
+                ("down_proj", lambda: F.linear(mlp_in, w["down"]), lambda c: gemv.small_batch_linear(mlp_in, w["down"], config=c)[0],
                  w["down"].numel() * elt + m * (inter + hidden) * elt),
             ]
             graph = device.type == "cuda" and not args.eager

@@ -18,7 +18,6 @@ import numpy as np
 
 from bench_common import free_engine_memory, MODEL_SHAPES, ModelArithmetic, add_engine_args, build_engine, greedy_request, \
     hf_generate_tok_s, sync, write_result
-from tokenspeed_worker.layers import skinny  # noqa: E402
 from roofline import copy_bandwidth
 
 
@@ -70,7 +69,7 @@ def main() -> int:
         "decode_tok_s": 1 / median, "roofline_tok_s": 1 / roofline_step,
         "fraction_of_bandwidth_roofline": roofline_step / median,
         "ttft_ms": 1000 * step_times[0],
-        "skinny_kernels": skinny.decisions(),  # per site and row count: chosen path and its timings (µs)
+        "skinny_kernels": core.runner.small_batch_gemv.report(),  # per site and row count: chosen path and its timings (µs)
         # By graph size: the in-step refinement of those choices (step µs before and after, what changed)
         "decode_step_tuning": getattr(core.runner.cuda_graphs, "tuning", {}),
         # The decode attention's single-split threshold per batch size, and its timings (µs: split, single)

@@ -44,12 +44,13 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tokenspeed_worker.layers.attention import TorchAttentionBackend, TritonAttentionBackend  # noqa: E402
-from tokenspeed_worker.layers.attention.triton_backend import (  # noqa: E402
-    _reference_paged_decode_attention,
-    _reference_paged_extend_attention,
-    triton_attention_kernels,
+from tests.reference_attention import (  # noqa: E402
+    reference_paged_decode_attention as _reference_paged_decode_attention,
+    reference_paged_extend_attention as _reference_paged_extend_attention,
+    reference_triton_backend,
 )
+from tokenspeed_worker.layers.attention import TorchAttentionBackend, TritonAttentionBackend  # noqa: E402
+from tokenspeed_worker.layers.attention.triton_backend import triton_attention_kernels  # noqa: E402
 from tokenspeed_worker.model_executor.model_runner import ModelRunner  # noqa: E402
 from tokenspeed_worker.scheduler.plan import SchedulePlan  # noqa: E402
 
@@ -232,7 +233,7 @@ class Seqs:
 
 def make_runner(path, ctx, backend: str, *, eager: bool, dtype="float32", load_format="auto", **kwargs) -> ModelRunner:
     if backend == "triton":
-        attention = TritonAttentionBackend(ctx.device, allow_reference=ctx.allow_reference)
+        attention = reference_triton_backend(ctx.device) if ctx.allow_reference else TritonAttentionBackend(ctx.device)
     else:
         attention = TorchAttentionBackend()
     return ModelRunner(

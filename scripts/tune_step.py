@@ -3,7 +3,7 @@ captured decode step, against the one each site chose when timed alone.
 
     python scripts/tune_step.py --model llama-3.2-1b --batch 1 [--top 6] [--context 256]
 
-layers/skinny.py times each site's paths one at a time (a CUDA graph of that one call, L2 flushed).
+layers/small_batch_gemv.py times each site's paths one at a time (a CUDA graph of that one call, L2 flushed).
 Inside a step the kernels overlap their neighbours (programmatic dependent launch: a kernel's first
 weight tile loads before the previous kernel finishes), which a lone timing cannot see. This
 script builds the engine (which makes those choices), then for each site at the given batch size
@@ -24,7 +24,6 @@ import time
 import torch
 
 from bench_common import add_engine_args, build_engine, write_result
-from tokenspeed_worker.layers import skinny
 
 
 def parse_choice(name: str):
@@ -49,6 +48,7 @@ def main() -> int:
     core = build_engine(args, max_model_len=max(2048, args.context + 64), max_num_seqs=max(args.batch, 1),
                         cudagraph_capture_sizes=[args.batch])
     runner = core.runner
+    gemv = runner.small_batch_gemv
     graphs = runner.cuda_graphs
     if graphs is None:
         raise SystemExit("CUDA graphs are off: nothing to tune in-step")
@@ -86,8 +86,8 @@ def main() -> int:
             del graph
         return min(times)
 
-    keys = [key for key in skinny._decisions if key[1] == size]
-    original = {key: skinny._decisions[key] for key in keys}
+    keys = [key for key in gemv.decisions if key[1] == size]
+    original = {key: gemv.decisions[key] for key in keys}
     base = step_us()
     reps = max(20, min(args.reps, int(150_000 / base)))  # about 0.15 s of replays per timing, whatever the model
     if reps != args.reps:
@@ -97,16 +97,16 @@ def main() -> int:
     sites = []
     for pass_ in range(args.passes):
         for key in keys:
-            alone = skinny._timings.get(key, {})
+            alone = gemv.timings.get(key, {})
             names = sorted(alone, key=alone.get)
             candidates = [n for n in names if n != "unfused"][: args.top] + ["unfused"]
-            current = skinny._decisions[key]
+            current = gemv.decisions[key]
             in_step = {}
             for name in candidates:
-                skinny._decisions[key] = parse_choice(name)
+                gemv.decisions[key] = parse_choice(name)
                 in_step[name] = step_us()
             best = min(in_step, key=in_step.get)
-            skinny._decisions[key] = parse_choice(best)
+            gemv.decisions[key] = parse_choice(best)
             label = "/".join(str(p) for p in key)
             print(f"  pass {pass_} {label}: was {current}, in-step best {best} "
                   f"({in_step[best]:.1f} us vs {in_step.get(str(current), float('nan')):.1f}); "
@@ -114,12 +114,12 @@ def main() -> int:
                   flush=True)
             sites.append({"pass": pass_, "site": label, "was": str(current), "best": best,
                           "in_step_us": in_step, "alone_us": {n: alone.get(n) for n in candidates}})
-    tuned = {key: skinny._decisions[key] for key in keys}
+    tuned = {key: gemv.decisions[key] for key in keys}
     rounds = []
     for _ in range(args.confirm):
-        skinny._decisions.update(original)
+        gemv.decisions.update(original)
         a = step_us()
-        skinny._decisions.update(tuned)
+        gemv.decisions.update(tuned)
         b = step_us()
         rounds.append((a, b))
     orig_us = statistics.median(a for a, _ in rounds)

@@ -151,30 +151,16 @@ def test_graph_reserve_counts_the_static_buffers():
 # -- the runner's graph path, emulated on CPU ----------------------------------------------------
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs CUDA")
-def test_programmatic_dependent_launch_changes_no_logit(llama_path, monkeypatch):
-    # PDL (kernels/pdl.py) lets a kernel start before the previous one ends; each waits
-    # before reading what a neighbour writes, so graphs captured with and without it compute the
-    # same bits (the same kernels, the same skinny choices: the second runner keeps those the first
-    # one's timings and in-step tuning made).
-    from tokenspeed_worker.kernels import pdl
+def share_small_batch_gemv(runner: ModelRunner, source: ModelRunner) -> None:
+    """Let runner's projections consult source's small-batch GEMV choices (layers/small_batch_gemv.py):
+    two runners of one test then differ only in what the test compares, not in kernel choices each
+    timed on its own."""
+    from tokenspeed_worker.layers.linear import Linear
 
-    def run(flag):
-        monkeypatch.setenv(pdl.ENV_VAR, flag)
-        r = ModelRunner(
-            str(llama_path), dtype="bfloat16", device="cuda", block_size=BLOCK_SIZE, attention_backend="triton",
-            max_model_len=MAX_MODEL_LEN, max_num_seqs=8,
-        )
-        r.allocate_kv_cache(NUM_BLOCKS)
-        r.capture_cuda_graphs()
-        assert pdl.enabled(torch.device("cuda")) == (flag == "1" and torch.cuda.get_device_capability()[0] >= 9)
-        return _decode_run(r, [1, 2, 4, 3, 8, 1]), r.kv_cache[:, :, :NUM_BLOCKS].clone()
-
-    (off, off_cache), (on, on_cache) = run("0"), run("1")
-    for expected, got in zip(off, on):
-        assert torch.equal(got, expected)
-    assert torch.equal(on_cache, off_cache)
+    runner.small_batch_gemv = source.small_batch_gemv
+    for module in runner.model.modules():
+        if isinstance(module, Linear):
+            module.gemv = source.small_batch_gemv
 
 
 def _runner(path, **kwargs) -> ModelRunner:
@@ -394,13 +380,14 @@ def test_failed_decode_timing_leaves_the_split_path(llama_path, monkeypatch, cap
 
 def test_step_tuning_runs_on_one_gpu_only(monkeypatch):
     from tokenspeed_worker import distributed
-    from tokenspeed_worker.layers import skinny
+    from tokenspeed_worker.layers.small_batch_gemv import SmallBatchGemv
     from tokenspeed_worker.model_executor.model_runner import step_tuner
 
-    assert step_tuner(torch.device("cuda", 0)) is skinny.tune_in_step
-    assert step_tuner(torch.device("cpu")) is None
+    gemv = SmallBatchGemv()
+    assert step_tuner(gemv, torch.device("cuda", 0)) == gemv.tune_in_step  # a bound method: == not is
+    assert step_tuner(gemv, torch.device("cpu")) is None
     monkeypatch.setattr(distributed, "size", lambda: 2)  # tensor parallelism: timed steps all-reduce
-    assert step_tuner(torch.device("cuda", 0)) is None
+    assert step_tuner(gemv, torch.device("cuda", 0)) is None
 
 
 def test_engine_passes_graph_config_to_the_runner(llama_path):
@@ -439,6 +426,7 @@ def test_cuda_graphs_give_the_eager_logits(llama_path, dtype, monkeypatch):
         return r
 
     eager, graphs = runner(True), runner(False)
+    share_small_batch_gemv(eager, graphs)
     assert graphs.cuda_graphs is not None and sorted(graphs.cuda_graphs.graphs) == [1, 2, 4, 8]
     batch_sizes = [3, 5, 8, 1, 2, 7, 6]
     atol = 1e-4 if dtype == "float32" else 3e-2
@@ -459,9 +447,9 @@ def test_cuda_graphs_give_the_eager_logits(llama_path, dtype, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_each_graph_is_tuned_in_step_before_its_capture(llama_path, monkeypatch):
-    # The runner hands layers/skinny.py's tune_in_step a timer of each size's whole step, after the
+    # The runner hands its SmallBatchGemv's tune_in_step a timer of each size's whole step, after the
     # warm-up step and before the capture; the timer captures and replays a graph of its own.
-    from tokenspeed_worker.layers import skinny
+    from tokenspeed_worker.layers.small_batch_gemv import SmallBatchGemv
 
     calls = []
 
@@ -469,7 +457,7 @@ def test_each_graph_is_tuned_in_step_before_its_capture(llama_path, monkeypatch)
         calls.append((size, step_us(), step_us()))
         return {"before_us": 2.0, "after_us": 1.0, "changed": {f"site/{size}": ["a", "b"]}}
 
-    monkeypatch.setattr(skinny, "tune_in_step", tuner)
+    monkeypatch.setattr(SmallBatchGemv, "tune_in_step", lambda self, size, step_us: tuner(size, step_us))
     runner = ModelRunner(
         str(llama_path), dtype="bfloat16", device="cuda", block_size=BLOCK_SIZE, attention_backend="triton",
         max_model_len=MAX_MODEL_LEN, max_num_seqs=8,

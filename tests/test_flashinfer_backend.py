@@ -18,7 +18,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from test_cuda_graph_logic import MAX_MODEL_LEN, _decode_run
+from test_cuda_graph_logic import MAX_MODEL_LEN, _decode_run, share_small_batch_gemv
 from test_triton_backend import BLOCK_SIZE, MODELS, NUM_BLOCKS, assert_runners_agree, mixed_plans
 from tokenspeed_worker.layers.attention import get_attention_backend
 from tokenspeed_worker.layers.attention.flashinfer_backend import (
@@ -217,6 +217,7 @@ def test_flashinfer_matches_the_torch_backend_on_cuda(llama_head_dim_64, kv_cach
     runners = [ModelRunner(path, dtype="bfloat16", device="cuda", block_size=BLOCK_SIZE, attention_backend=backend,
                            kv_cache_dtype=kv_cache_dtype, enforce_eager=True)
                for backend in ("torch", "flashinfer")]
+    share_small_batch_gemv(runners[1], runners[0])
     for runner in runners:
         runner.allocate_kv_cache(NUM_BLOCKS)
     assert_runners_agree(runners, atol=5e-2, rtol=5e-2)
@@ -235,6 +236,7 @@ def test_flashinfer_cuda_graphs_give_the_eager_logits(llama_head_dim_64):
         return r
 
     eager, graphs = runner(True), runner(False)
+    share_small_batch_gemv(eager, graphs)
     assert graphs.cuda_graphs is not None
     batch_sizes = [3, 5, 8, 1, 2, 7, 6]
     for expected, got in zip(_decode_run(eager, batch_sizes), _decode_run(graphs, batch_sizes)):

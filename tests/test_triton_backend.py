@@ -1,7 +1,7 @@
 """The triton attention backend's metadata and dispatch, against the torch backend.
 
-On CPU the backend runs its `_reference_*` torch functions (same signatures as the Triton
-kernels), so these tests prove the backend logic: decode-only steps take the decode path,
+On CPU the backend runs torch stand-ins for the kernels (tests/reference_attention.py, same
+signatures as the Triton kernels), so these tests prove the backend logic: decode-only steps take the decode path,
 every other step the extend path over all rows, with the right sequence lengths, query
 starts and slots. The `gpu` tests run the real kernels on CUDA against the torch backend.
 """
@@ -22,13 +22,10 @@ from tokenspeed_worker.layers.attention import (
     get_attention_backend,
     resolve_attention_backend_name,
 )
+import reference_attention
+from reference_attention import reference_kernels, reference_paged_decode_attention, reference_paged_extend_attention
 from tokenspeed_worker.kernels import attention as triton_kernels
-from tokenspeed_worker.layers.attention.triton_backend import (
-    TUNE_CALLS,
-    _reference_paged_decode_attention,
-    _reference_paged_extend_attention,
-    reference_kernels,
-)
+from tokenspeed_worker.layers.attention.triton_backend import TUNE_CALLS
 from tokenspeed_worker.model_executor.model_runner import ModelRunner
 from tokenspeed_worker.scheduler.plan import SchedulePlan
 
@@ -134,7 +131,7 @@ def assert_runners_agree(runners: list, atol: float, rtol: float) -> None:
 
 
 def reference_triton_backend(device: str = "cpu") -> TritonAttentionBackend:
-    backend = TritonAttentionBackend(device, allow_reference=True)
+    backend = reference_attention.reference_triton_backend(device)
     assert backend.uses_reference == (device == "cpu" or not backend_kernels_available())
     return backend
 
@@ -239,22 +236,6 @@ def test_decode_only_step_takes_the_decode_path():
     assert metadata.block_tables.dtype == torch.int32 and metadata.block_tables.is_contiguous()
 
 
-def test_mixed_step_takes_the_extend_path_for_all_rows_without_the_split():
-    seqs = random_seqs([9, 14, 3])
-    plans = Plans()
-    plans.plan([(seqs[0], 8), (seqs[1], 5)])
-    plan = plans.plan([(seqs[0], 1), (seqs[1], 9), (seqs[2], 3)])
-    backend = _backend()
-    backend.split_mixed = False
-    metadata = backend.build_metadata(_inputs(plan))
-    assert not metadata.decode_only and metadata.max_query_len == 9 and metadata.workspace is None
-    assert metadata.decode is None
-    assert metadata.query_start_loc.dtype == torch.int32
-    assert metadata.query_start_loc.tolist() == [0, 1, 10, 13]
-    assert metadata.seq_lens.tolist() == [9, 14, 3]
-    assert metadata.slot_mapping.tolist() == plan.slot_mapping.tolist()
-
-
 def test_mixed_step_sends_its_leading_decode_rows_to_the_decode_kernel():
     """Decodes first (as the scheduler orders them): those rows take the decode path, the rest
     extend; a decode row after a prefill row stays in the extend part."""
@@ -286,8 +267,13 @@ def test_split_mixed_step_attends_like_one_extend_call():
     v_cache = torch.randn(NUM_BLOCKS, BLOCK_SIZE, 2, 16)
     q = torch.randn(plan.num_tokens, 4, 16)
     split = backend.attend(q, k_cache, v_cache, backend.build_metadata(_inputs(plan)), 0.25)
-    backend.split_mixed = False
-    whole = backend.attend(q, k_cache, v_cache, backend.build_metadata(_inputs(plan)), 0.25)
+    inputs = _inputs(plan)  # every row through the extend kernel in one call
+    seq_lens = (inputs.context_lens + inputs.query_lens).to(torch.int32)
+    query_start_loc = torch.zeros(plan.num_reqs + 1, dtype=torch.int32)
+    torch.cumsum(inputs.query_lens, 0, out=query_start_loc[1:])
+    whole = torch.empty_like(q)
+    backend.kernels.paged_extend_attention(q, k_cache, v_cache, inputs.block_tables, query_start_loc, seq_lens, 0.25,
+                                           whole, max_query_len=int(plan.query_lens.max()))
     torch.testing.assert_close(split, whole, atol=1e-5, rtol=1e-5)
 
 
@@ -347,14 +333,14 @@ def test_reference_functions_match_a_naive_loop():
     expected = _naive_attention(q, k_cache, v_cache, tables, query_lens, seq_lens, 0.3)
     out = torch.empty_like(q)
     starts = torch.tensor(np.concatenate([[0], np.cumsum(query_lens)]), dtype=torch.int32)
-    _reference_paged_extend_attention(
+    reference_paged_extend_attention(
         q, k_cache, v_cache, tables, starts, torch.tensor(seq_lens, dtype=torch.int32), 0.3, out, max_query_len=7
     )
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
     decode_q = torch.randn(4, num_heads, head_dim)
     decode_out = torch.empty_like(decode_q)
-    _reference_paged_decode_attention(
+    reference_paged_decode_attention(
         decode_q, k_cache, v_cache, tables, torch.tensor(seq_lens, dtype=torch.int32), 0.3, decode_out, num_splits=3
     )
     expected = _naive_attention(decode_q, k_cache, v_cache, tables, [1] * 4, seq_lens, 0.3)
@@ -593,7 +579,7 @@ def test_decode_steps_rotate_inside_the_decode_kernel_and_match_the_torch_backen
     assert rotary_calls == [sum(len(s.tokens) - 3 for s in seqs)] * layers  # the prefill's rotary kernel only
 
 
-def test_only_small_decode_steps_rotate_inside_the_decode_kernel(monkeypatch):
+def test_only_small_decode_steps_rotate_inside_the_decode_kernel():
     backend = _backend()
     seqs = random_seqs([5] * 40, seed=2)
     plans = Plans(seed=2)
@@ -603,11 +589,8 @@ def test_only_small_decode_steps_rotate_inside_the_decode_kernel(monkeypatch):
                         (TritonAttentionBackend.fuse_rope_max_rows + 1, False)):
         decode = backend.build_metadata(_inputs(plans.plan([(s, 1) for s in seqs[:rows]], advance=False)))
         assert decode.decode_only and backend.fuses_rope(decode) is fuses
-    monkeypatch.setattr(TritonAttentionBackend, "fuse_decode_rope", False)
-    assert not backend.fuses_rope(decode_metadata := backend.build_metadata(
-        _inputs(plans.plan([(s, 1) for s in seqs[:1]], advance=False))))
-    with pytest.raises(ValueError, match="decode-only"):
-        backend.attend_rotary(None, None, None, None, None, decode_metadata, 1.0, None, None, None)
+    with pytest.raises(ValueError, match="decode-only"):  # the last, larger decode step does not fuse
+        backend.attend_rotary(None, None, None, None, None, decode, 1.0, None, None, None)
 
 
 @pytest.mark.gpu

@@ -53,14 +53,6 @@ FUSED_KERNELS = EnvVar(
     "TOKENSPEED_FUSED_KERNELS", "auto", str,
     "auto | off | force (1 is auto, 0 off): the layers' fused Triton kernels on CUDA (auto), never "
     "(off: the torch reference path), or on any device (force: CPU tests in Triton's interpreter).")
-SKINNY_KERNELS = EnvVar(
-    "TOKENSPEED_SKINNY_KERNELS", True, _flag, "The small-batch GEMV kernels of decode steps (on by default).")
-SKINNY_PERSISTENT = EnvVar(
-    "TOKENSPEED_SKINNY_PERSISTENT", True, _flag, "Time the persistent GEMV configurations too (on by default).")
-STEP_TUNING = EnvVar(
-    "TOKENSPEED_STEP_TUNING", True, _flag, "Refine batch-1 kernel choices inside the whole decode step.")
-PDL = EnvVar(
-    "TOKENSPEED_PDL", True, _flag, "Programmatic dependent launch of the Triton kernels on Hopper.")
 OVERLAP_SCHEDULE = EnvVar[bool | None](
     "TOKENSPEED_OVERLAP_SCHEDULE", None, _flag,
     "Overlap scheduling where the engine configuration leaves it unset (default: on for CUDA).")
@@ -80,5 +72,4 @@ def triton_interpreter() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-ALL = (FUSED_KERNELS, SKINNY_KERNELS, SKINNY_PERSISTENT, STEP_TUNING, PDL, OVERLAP_SCHEDULE, FAULT_INJECT,
-       PROFILE_DIR, DIST_TIMEOUT_S)
+ALL = (FUSED_KERNELS, OVERLAP_SCHEDULE, FAULT_INJECT, PROFILE_DIR, DIST_TIMEOUT_S)

@@ -1,9 +1,6 @@
-"""Skinny matrix products for decode steps of few rows, with the neighbouring small ops folded in.
+"""Small-batch GEMV for decode steps of few rows, with the neighbouring small ops folded in.
 
-At batch 1 to 4 a decoder layer's matrix products are weight-bandwidth bound and the small
-kernels around them (add + RMSNorm before q/k/v and before gate/up, SiLU·mul after gate/up, and
-cuBLAS's own split-K reduction after o_proj and down_proj) cost a launch each: on an H200 about
-650 µs of a 4.5 ms Llama-8B step. One kernel here does
+One kernel computes, for x of at most MAX_ROWS rows,
 
     out = epilogue( prologue(x [, residual]) @ W^T [+ b] )
 
@@ -11,20 +8,17 @@ cuBLAS's own split-K reduction after o_proj and down_proj) cost a launch each: o
   column block) -> RMSNorm with the same roundings as kernels/norm.py, recomputed by every
   program from the row (a few kB, read from L2) instead of a separate launch;
 - epilogue SILU: W holds [gate | up] rows (the fused gate_up_proj); each program computes matching
-  gate and up columns and writes silu(gate) * up rounded like kernels/activation.py.
+  gate and up columns and writes silu(gate) * up rounded like kernels/activation.py;
+- epilogue ROPE (RotaryKV): W is the q/k/v projection; q comes back rotated, the rotated k and the
+  v go into the paged KV cache, as layers/rotary.py's rope_and_write_kv.
 
-Each program streams a strip of weight rows once for all input rows (up to MAX_ROWS), on the
-CUDA cores: at so few rows the product is bound by the weight bytes, and a grid of many small
-programs (all resident at once) keeps enough loads in flight. Persistent configurations instead
-run a few programs per multiprocessor that loop over the strips, the next strip's loads in
-flight while the current one is multiplied (class Persistent); on an H200 they win at most
-sites. A first version on the tensor cores (rows padded to 16, tl.dot, software-pipelined tiles)
-reached only 35-65 % of the copy bandwidth on an H200, its few large programs leaving
-multiprocessors idle (docs/benchmarks.md). No
-library offers these fusions for a skinny product (cuBLAS and cuBLASLt epilogues cannot normalize
-the input rows), hence a kernel of our own. layers/skinny.py decides, per shape and row count,
-whether this kernel or the unfused torch/cuBLAS path is faster on the machine, by timing both
-once, before the CUDA graphs are captured.
+At so few rows the product is bound by the weight bytes: each program streams a strip of weight
+rows once for all input rows, on the CUDA cores (each row its own accumulator). One-shot
+configurations run one program per strip; Persistent ones run a few programs per multiprocessor
+that loop over the strips, the next strip's loads in flight while the current one is multiplied.
+cuBLAS and cuBLASLt epilogues cannot normalize the input rows, hence a kernel of our own.
+layers/small_batch_gemv.py chooses, per site, row count and shape, between this kernel and the
+unfused torch/cuBLAS path by timing both.
 
 Importable without triton: AVAILABLE says whether the kernel can be used.
 """
@@ -37,7 +31,6 @@ from typing import NamedTuple
 
 import torch
 
-from tokenspeed_worker import env
 from tokenspeed_worker.kernels import pdl
 from tokenspeed_worker.layers.kv_cache import saturation_limit
 
@@ -46,10 +39,8 @@ try:
     import triton.language as tl
     from triton.language.extra import libdevice
 
-    from tokenspeed_worker.kernels.attention import fix_triton_interpreter
     from tokenspeed_worker.kernels.norm import interpreting
 
-    fix_triton_interpreter()
     AVAILABLE = True
 except ImportError:  # pragma: no cover - depends on the machine
     triton = None
@@ -73,7 +64,7 @@ class Persistent(NamedTuple):
 
 
 PERSISTENT_MAX_ELEMENTS = 32768  # rows x next_power_of_2(K): the input rows held as float32 across the program
-# Tried per shape by layers/skinny.py: one-shot (BLOCK_N, BLOCK_K, num_warps) (one program per
+# Tried per shape by layers/small_batch_gemv.py: one-shot (BLOCK_N, BLOCK_K, num_warps) (one program per
 # BLOCK_N weight rows, looping over K), then Persistent ones. The first is the default where nothing
 # was timed (CPU, interpreter, or a shape first seen while capturing).
 # The wide-K ones (2048) are for long rows such as down_proj's (K = 8192 at 1B, 14336 at 8B), where
@@ -81,9 +72,6 @@ PERSISTENT_MAX_ELEMENTS = 32768  # rows x next_power_of_2(K): the input rows hel
 CONFIGS = ((8, 512, 4), (16, 512, 4), (4, 1024, 4), (16, 256, 4), (32, 256, 8), (4, 2048, 4), (2, 2048, 4),
            (8, 1024, 8), (4, 2048, 8),
            Persistent(1, 4, 4), Persistent(2, 4, 4), Persistent(2, 8, 2), Persistent(4, 8, 2))
-PERSISTENT_ENV_VAR = env.SKINNY_PERSISTENT.name  # 0: only the one-shot configurations are timed (A/B, startup)
-if not env.SKINNY_PERSISTENT.get():
-    CONFIGS = tuple(c for c in CONFIGS if not isinstance(c, Persistent))
 # Sites with the RMSNorm prologue also try it in one pass (a fourth field, True): the squares are
 # summed alongside the product and 1 / RMS scales the result, instead of every program first reading
 # the row for its RMS. It rounds the normalized input differently from the norm layer (x * w in
@@ -211,7 +199,7 @@ if AVAILABLE:
             tl.store(dst + HALF + d, out2.to(k_cache_ptr.dtype.element_ty))
 
     @triton.jit
-    def _skinny_kernel(
+    def _gemv_kernel(
         x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, w_ptr, bias_ptr, out_ptr,
         positions_ptr, slots_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr,
         N, K, up_offset,
@@ -418,7 +406,7 @@ if AVAILABLE:
         _epilogue(acc, up, bias_ptr, out_ptr, row, offs_n, n_ok, stride_out, SILU, HAS_BIAS, LIBDEVICE)
 
     @triton.jit
-    def _skinny_persistent_kernel(
+    def _gemv_persistent_kernel(
         x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, w_ptr, bias_ptr, out_ptr,
         N, K, up_offset,
         stride_x, stride_residual, stride_residual_out, stride_w, stride_out,
@@ -494,14 +482,13 @@ def spilled_registers(args: tuple, meta: dict, shape_key: tuple) -> int:
     """Registers the persistent kernel spills for these arguments (compiled, not launched; cached
     per shape and constexprs). Each persistent program holds its input rows and two weight strips
     in registers; where that is too much the compiler spills to local memory, which the driver then
-    reserves at launch for every thread the GPU can hold: on an H200 about 800 MiB more device
-    memory after an 8B startup timed spilling configurations (docs/benchmarks.md, eleventh pass),
-    memory the KV pool was sized without. 0 in the interpreter."""
+    reserves at launch for every thread the GPU can hold: memory the KV pool was sized without.
+    0 in the interpreter."""
     if interpreting():
         return 0
     key = (*shape_key, *sorted(meta.items()))
     if key not in _spills:
-        compiled = _skinny_persistent_kernel.warmup(*args, grid=(1,), **meta)
+        compiled = _gemv_persistent_kernel.warmup(*args, grid=(1,), **meta)
         compiled._init_handles()  # loads the binary: n_spills is read from it
         _spills[key] = int(getattr(compiled, "n_spills", 0) or 0)
     return _spills[key]
@@ -538,7 +525,7 @@ class RotaryKV:
     slot_mapping: torch.Tensor  # int [rows]
 
 
-def skinny_linear(
+def small_batch_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
@@ -565,7 +552,7 @@ def skinny_linear(
     rows = _rows(x, k)
     m = rows.shape[0]
     if m > MAX_ROWS:
-        raise ValueError(f"skinny_linear takes at most {MAX_ROWS} rows, got {m}")
+        raise ValueError(f"small_batch_linear takes at most {MAX_ROWS} rows, got {m}")
     if weight.dim() != 2 or weight.shape[1] != k or weight.stride(1) != 1:
         raise ValueError(f"weight {tuple(weight.shape)} does not fit x {tuple(x.shape)} (or is not contiguous along K)")
     if silu and (bias is not None or weight.shape[0] % 2):
@@ -628,7 +615,7 @@ def skinny_linear(
         if spills:
             raise ValueError(f"{config} spills {spills} registers at {m} rows x K {k}: refused (a spilling kernel "
                              f"makes the driver reserve local memory for every resident thread)")
-        _skinny_persistent_kernel[(programs,)](*args, **meta)
+        _gemv_persistent_kernel[(programs,)](*args, **meta)
         return out, residual_out
     if rotary is None:
         out_rows = out.view(-1, n)
@@ -645,7 +632,7 @@ def skinny_linear(
         stride_kc_slot, stride_kc_h = k_slots.stride(0), k_slots.stride(1)
         stride_vc_slot, stride_vc_h = v_slots.stride(0), v_slots.stride(1)
         heads = (rotary.num_heads, rotary.num_kv_heads, rotary.head_dim)
-    _skinny_kernel[(grid,)](
+    _gemv_kernel[(grid,)](
         rows, residual_rows, residual_out_rows,
         norm_weight if norm_weight is not None else weight, weight,
         bias if bias is not None else weight, out_rows,
@@ -674,5 +661,5 @@ def skinny_linear(
     return out, residual_out
 
 
-__all__ = ["AVAILABLE", "CONFIGS", "MAX_ROWS", "NORM_CONFIGS", "PERSISTENT_ENV_VAR", "PERSISTENT_MAX_ELEMENTS",
-           "Persistent", "RotaryKV", "skinny_linear"]
+__all__ = ["AVAILABLE", "CONFIGS", "MAX_ROWS", "NORM_CONFIGS", "PERSISTENT_MAX_ELEMENTS", "Persistent", "RotaryKV",
+           "small_batch_linear"]

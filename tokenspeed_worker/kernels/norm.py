@@ -28,9 +28,6 @@ try:
     import triton.language as tl
     from triton.language.extra import libdevice
 
-    from tokenspeed_worker.kernels.attention import fix_triton_interpreter
-
-    fix_triton_interpreter()  # bfloat16 rounding in TRITON_INTERPRET=1 as on the GPU
     AVAILABLE = True
 except ImportError:  # pragma: no cover - depends on the machine
     triton = None

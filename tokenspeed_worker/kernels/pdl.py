@@ -14,29 +14,23 @@ still runs. Each PDL kernel here follows one rule that keeps that safe:
 
 Since every kernel waits before touching anything a neighbour writes, the chain stays ordered
 even where a PDL kernel follows a cuBLAS or torch kernel (which simply launches it at its end).
-The skinny products (kernels/gemv.py) load their first weight tile before the wait: the
+The small-batch GEMV kernels (kernels/gemv.py) load their first weight tile before the wait: the
 bytes that dominate a decode step start moving while the previous kernel finishes.
-
-TOKENSPEED_PDL=0 turns it off (the kernels then launch as before; the wait is a no-op).
 """
 
 from __future__ import annotations
-
 
 import torch
 
 from tokenspeed_worker import env
 
-ENV_VAR = env.PDL.name
 _capable: dict[int, bool] = {}
 
 
 def enabled(device: torch.device) -> bool:
     """Whether kernels on `device` launch with PDL: CUDA, compute capability >= 9, not Triton's
-    interpreter, and not switched off."""
+    interpreter."""
     if device.type != "cuda" or env.triton_interpreter():
-        return False
-    if not env.PDL.get():
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _capable:
@@ -49,4 +43,4 @@ def launch_options(on: bool) -> dict:
     return {"launch_pdl": True} if on else {}
 
 
-__all__ = ["ENV_VAR", "enabled", "launch_options"]
+__all__ = ["enabled", "launch_options"]

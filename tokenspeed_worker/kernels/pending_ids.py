@@ -1,8 +1,8 @@
 """Triton resolution of pending input ids, one kernel: with overlap scheduling a plan's input id
 -1 - i stands for sample i of the previous step, which only the device knows yet
 (model_executor/cuda_graph.resolve_pending_ids). The torch expression of the same thing,
-`where(ids < 0, last[(-1 - ids).clamp(min=0)], ids)`, is five kernels; at batch 1 each is a
-launch boundary of a step that is only ~0.9 ms long (1B shape).
+`where(ids < 0, last[(-1 - ids).clamp(min=0)], ids)`, is five kernels, each a launch boundary
+in a short batch-1 step.
 
 Importable without triton (CPU machines): AVAILABLE says whether the kernel can be used.
 """

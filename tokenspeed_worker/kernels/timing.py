@@ -1,7 +1,7 @@
 """Device time of a piece of a decode step, measured the way a step runs it: for the choices made
-at startup by timing (layers/skinny.py's kernel configurations, the decode attention's single-split
-threshold in layers/attention/triton_backend.py), and of the whole step (back_to_back_us, for
-skinny.tune_in_step through model_executor/cuda_graph.py's DecodeGraphs.step_timer).
+at startup by timing (layers/small_batch_gemv.py's kernel configurations, the decode attention's
+single-split threshold in layers/attention/triton_backend.py), and of the whole step
+(back_to_back_us, for SmallBatchGemv.tune_in_step through DecodeGraphs.step_timer).
 
 The piece is captured into a CUDA graph (no Python launch overhead, as inside a captured decode
 step) and replayed REPS times under CUDA events, with L2 flushed before each replay (weights and KV

@@ -6,7 +6,8 @@ KV-cache write (layers/attention/layer.Attention.forward_with_rotary with a back
 over K/V written beforehand, kernels/rotary.py), and the resolution of overlap
 scheduling's pending input ids (model_executor/cuda_graph.resolve_pending_ids,
 kernels/pending_ids.py). Each computes the same values, with the
-same roundings, as the torch code it replaces, which stays the reference path.
+same roundings, as the torch code it replaces, which stays the reference path. The small-batch
+GEMV kernels (layers/small_batch_gemv.py) follow the same mode.
 
 Modes:
 - "auto" (default): the fused kernels on CUDA tensors when triton imports; torch code otherwise.

@@ -3,6 +3,9 @@
 On CUDA the norm (and the residual add fused into it) runs as one Triton kernel
 (kernels/norm.py) with the same roundings; the torch code below is the reference path,
 used on CPU, without triton, or when layers/fused_kernels.py says so (TOKENSPEED_FUSED_KERNELS).
+
+`RMSNorm.defer` leaves the norm to the projection after it (PendingNorm), which may fold it into
+its own kernel (layers/small_batch_gemv.py) or apply it first.
 """
 
 from __future__ import annotations
@@ -11,6 +14,40 @@ import torch
 from torch import nn
 
 from tokenspeed_worker.layers.fused_kernels import FUSED_DTYPES, use_fused
+
+
+class PendingNorm:
+    """An RMSNorm of x (+ residual) not yet applied, handed to the projection after it.
+
+    The projection either folds the norm into its kernel or calls `apply`; then `residual` holds
+    x + residual (x itself without a residual): the residual stream the next sublayer adds to."""
+
+    __slots__ = ("norm", "x", "residual_in", "_residual")
+
+    def __init__(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None) -> None:
+        self.norm, self.x, self.residual_in = norm, x, residual
+        self._residual: torch.Tensor | None = None
+
+    def normalize(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual); without a residual (norm(x), x). Records nothing."""
+        if self.residual_in is None:
+            return self.norm(self.x), self.x
+        return self.norm(self.x, self.residual_in)
+
+    def apply(self) -> torch.Tensor:
+        """The normalized input, recording the residual stream."""
+        hidden, self._residual = self.normalize()
+        return hidden
+
+    def folded(self, residual: torch.Tensor) -> None:
+        """Record the residual stream a kernel that folded the norm in computed."""
+        self._residual = residual
+
+    @property
+    def residual(self) -> torch.Tensor:
+        if self._residual is None:
+            raise RuntimeError("the pending norm was not consumed: its residual is not computed yet")
+        return self._residual
 
 
 class RMSNorm(nn.Module):
@@ -41,6 +78,10 @@ class RMSNorm(nn.Module):
             return self._norm(x)
         x = x + residual
         return self._norm(x), x
+
+    def defer(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> PendingNorm:
+        """This norm of x (+ residual), left for the next projection to apply or fold in."""
+        return PendingNorm(self, x, residual)
 
     def _fusable(self, x: torch.Tensor, residual: torch.Tensor | None, max_hidden: int) -> bool:
         """What the kernel handles: x and weight of FUSED_DTYPES on one device, a residual of x's shape and dtype."""

@@ -17,16 +17,28 @@ Tensor parallelism (tokenspeed_worker/distributed.py; a group size of 1 changes 
   and one all-reduce completes them; the LM head's logits are gathered across ranks.
 Every loader narrows the full checkpoint tensor to this rank's part and returns how many elements
 it filled, so a model can check that every parameter was filled exactly once.
+
+For steps of few rows each projection asks the small-batch GEMV chooser current when it was built
+(layers/small_batch_gemv.py; a model runner's) whether a kernel of kernels/gemv.py runs it, with
+a pending norm before it (layers/layernorm.PendingNorm) and, for gate_up, SiLU·mul folded in.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tokenspeed_worker import distributed
-from tokenspeed_worker.layers import skinny
+from tokenspeed_worker.layers import small_batch_gemv
+from tokenspeed_worker.layers.activation import SiluAndMul
+from tokenspeed_worker.layers.layernorm import PendingNorm
+
+if TYPE_CHECKING:
+    from tokenspeed_worker.layers.attention.layer import Attention
+    from tokenspeed_worker.layers.rotary import RotaryEmbedding
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> int:
@@ -57,9 +69,24 @@ class Linear(nn.Module):
         self.out_features = out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        # A plain attribute (not a submodule): None runs every product with F.linear.
+        self.gemv: small_batch_gemv.SmallBatchGemv | None = small_batch_gemv.current()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return skinny.linear(x, self.weight, self.bias)  # F.linear, or a skinny kernel for few rows on CUDA
+    def forward(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:
+        """x W^T (+ b); x may be a pending norm, folded into the product where that is faster."""
+        if isinstance(x, PendingNorm):
+            if self.gemv is None:
+                return F.linear(x.apply(), self.weight, self.bias)
+            out, residual = self.gemv.norm_linear(x, self)
+            x.folded(residual)
+            return out
+        return self._product(x, self.bias)
+
+    def _product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x W^T (+ bias): F.linear, or a small-batch GEMV kernel for few rows where the chooser takes it."""
+        if self.gemv is None:
+            return F.linear(x, self.weight, bias)
+        return self.gemv.linear(x, self.weight, bias)
 
 
 class MergedLinear(Linear):
@@ -77,6 +104,17 @@ class MergedLinear(Linear):
         self.weight.weight_loader = self.weight_loader
         if self.bias is not None:
             self.bias.weight_loader = self.weight_loader
+
+    def forward(self, x: torch.Tensor | PendingNorm, activation: SiluAndMul | None = None) -> torch.Tensor:
+        """activation(x W^T (+ b)); with a pending norm and SiLU·mul over [gate | up] (gate_up_proj),
+        norm, product and activation may run as one kernel."""
+        if activation is None:
+            return super().forward(x)
+        if isinstance(x, PendingNorm) and self.gemv is not None and isinstance(activation, SiluAndMul):
+            out, residual = self.gemv.norm_gate_up_silu(x, self, activation)
+            x.folded(residual)
+            return out
+        return activation(super().forward(x))
 
     def shard_index(self, shard_id: int | str) -> int:
         return int(shard_id)
@@ -129,6 +167,20 @@ class QKVLinear(MergedLinear):
         if self.bias is not None:
             self.bias.weight_loader = self.weight_loader
 
+    def forward_rotary(self, x: torch.Tensor | PendingNorm, positions: torch.Tensor, rotary_emb: RotaryEmbedding,
+                       attn: Attention, attn_metadata: object) -> torch.Tensor | None:
+        """Rotated q [T, H, D], with the rotated k and the v written into attn's KV cache, where one
+        small-batch GEMV kernel does the pending norm, this projection, rotary and the write faster;
+        else None (nothing ran: project, then rotate)."""
+        if self.gemv is None or not isinstance(x, PendingNorm):
+            return None
+        fused = self.gemv.norm_qkv_rope(x, self, rotary_emb, attn, positions, attn_metadata)
+        if fused is None:
+            return None
+        q, residual = fused
+        x.folded(residual)
+        return q
+
     def shard_index(self, shard_id: int | str) -> int:
         return {"q": 0, "k": 1, "v": 2}[shard_id]
 
@@ -155,8 +207,8 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if distributed.size() == 1:
-            return skinny.linear(x, self.weight, self.bias)
-        y = distributed.all_reduce(skinny.linear(x, self.weight))
+            return self._product(x, self.bias)
+        y = distributed.all_reduce(self._product(x, None))
         return y if self.bias is None else y + self.bias
 
 

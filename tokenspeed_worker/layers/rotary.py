@@ -70,15 +70,6 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def rotate_full_head(x: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor,
-                     sin_cache: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, D] rotated over the whole head at positions [T] (RotaryEmbedding.forward with
-    rotary_dim == D, in x's dtype): the torch reference of the decode kernel's own rotary."""
-    cos = cos_cache[positions].to(x.dtype).unsqueeze(1)
-    sin = sin_cache[positions].to(x.dtype).unsqueeze(1)
-    return x * cos + _rotate_half(x) * sin
-
-
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, rope_parameters: dict) -> None:
         super().__init__()

@@ -1,31 +1,26 @@
 """CUDA graphs for decode steps: the model forward and the LM head, captured once per batch size.
 
-A decode-only step (every request computes one token) of B rows runs the graph of the
-smallest captured size P >= B. All graphs read one packed static input buffer, each through
-views laid out for its own P (`step_input_views`: ids, positions, slots, lengths, then the
-block table), so a small step's inputs arrive in ONE host-to-device copy from a pinned,
-double-buffered host mirror (each copy is a stream operation the GPU spends microseconds
-on; at batch 1 on the 1B shape there were seven per step). The graphs share one memory
-pool, captured largest first so the smaller ones reuse its memory. The P - B padded rows
-are dummies: token 0 at position 0, writing
-their K/V into a reserved *dummy block* that no request owns (the runner allocates
-the pool with one block more than the scheduler hands out) and attending only to it
-(sequence length 1). The LM head output is written as float32 into a static logits buffer
-inside the graph, and the sampler (never inside a graph) reads the real rows there: a view
-when they are the leading rows, else a gathered copy. The graph also takes each row's argmax
-of those logits into the runner's `last_sampled` buffer (the widening and the argmax are one
-kernel on CUDA, layers/sampler.widen_and_greedy): for an all-greedy step whose rows
-are the leading ones those are the sampled tokens (the engine's sampler then runs no kernel
-and nothing is copied into `last_sampled`); any other step's sampler overwrites them. The
-view is safe because everything
-that reads it (sampling, logprobs) is enqueued on the stream before the next replay, which
-is the only writer.
+A decode-only step (every request computes one token) of B rows runs the graph of the smallest
+captured size P >= B. All graphs read one packed static input buffer, each through views laid out
+for its own P (`step_input_views`: ids, positions, slots, lengths, then the block table), so a
+small step's inputs arrive in one host-to-device copy from a pinned, double-buffered host mirror.
+The graphs share one memory pool, captured largest first so the smaller ones reuse its memory.
+The P - B padded rows are dummies: token 0 at position 0, writing their K/V into a reserved
+*dummy block* that no request owns (the runner allocates the pool with one block more than the
+scheduler hands out) and attending only to it (sequence length 1).
 
-Steps that are not decode-only run eagerly, as do decode batches larger than the
-largest captured size or with a block table wider than the static one; those reasons
-are logged once each (see `decode_graph_size`). The decisions and the padding are pure
-functions, tested on CPU; `EmulatedGraph` replays a "captured" step by re-running it on
-the same static buffers, so CPU tests exercise the whole graph path too.
+The LM head's output is written as float32 into a static logits buffer inside the graph, and the
+graph takes each row's argmax of it into the runner's `last_sampled` buffer (one kernel on CUDA:
+sampling/sampler.widen_and_greedy): for an all-greedy step whose rows are the leading ones those
+are the sampled tokens; any other step's sampler (never inside a graph) reads the real rows'
+logits (a view when they are the leading rows, else a gathered copy) and overwrites them. The view
+is safe because everything that reads it is enqueued on the stream before the next replay, the
+only writer.
+
+Steps that are not decode-only run eagerly, as do decode batches larger than the largest captured
+size or with a block table wider than the static one (logged once per reason: `decode_graph_size`).
+`EmulatedGraph` replays a "captured" step by re-running it on the same static buffers, so a runner
+on CPU (ModelRunner's emulate_cuda_graphs) exercises the whole graph path.
 """
 
 from __future__ import annotations
@@ -224,10 +219,6 @@ class CaptureReport:
 class DecodeGraphs:
     """The captured decode graphs of one model, their static buffers, and the replay of a plan."""
 
-    # The LM head's output widened to float32 and its argmax in one kernel (False: the copy and the
-    # two argmax kernels, as before; a switch for the benchmarks' A/B runs).
-    fuse_logits_argmax = True
-
     def __init__(
         self,
         model: torch.nn.Module,
@@ -248,7 +239,7 @@ class DecodeGraphs:
         id -1 - i reads entry i of it inside the graph (overlap scheduling), and each replay writes
         its rows' argmax there (`greedy_tokens`; without it, into a buffer of the graphs' own). step_tuner(size,
         step_us): called before each size's capture, after its warm-up step, with a timer of the
-        whole step (step_timer) to refine kernel choices in (layers/skinny.py's tune_in_step);
+        whole step (step_timer) to refine kernel choices in (layers/small_batch_gemv.py's tune_in_step);
         what it returns is kept in `tuning` by size (with the steps it timed and the seconds
         it took) where it timed any."""
         if not sizes:
@@ -281,8 +272,7 @@ class DecodeGraphs:
             self.logits = torch.zeros((self.max_batch, vocab_size), dtype=torch.float32, device=device)
             self.greedy_tokens = last_sampled if last_sampled is not None else torch.zeros(
                 self.max_batch, dtype=torch.int64, device=device)
-            self._argmax_workspace = (greedy_workspace(self.max_batch, vocab_size, device)
-                                      if self.fuse_logits_argmax else None)
+            self._argmax_workspace = greedy_workspace(self.max_batch, vocab_size, device)
             # The host mirrors of the packed buffer, used in turn; each copy's event guards its reuse.
             self._host = [torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
         # Recorded after each mirror's copy; waiting on one never recorded returns at once.

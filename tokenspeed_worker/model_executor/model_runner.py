@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from tokenspeed_worker import distributed
-from tokenspeed_worker.layers import skinny
+from tokenspeed_worker.layers import small_batch_gemv
 from tokenspeed_worker.layers.attention import Attention, AttentionBackend, AttentionInputs, get_attention_backend
 from tokenspeed_worker.model_executor.cuda_graph import (
     CudaGraph,
@@ -143,7 +143,9 @@ class ModelRunner:
 
         model_class = get_model_class(self.hf_config)
         torch.manual_seed(seed)
-        with torch.device(self.device), _default_dtype(self.dtype):
+        # This runner's small-batch GEMV choices: its layers consult it (layers/small_batch_gemv.py).
+        self.small_batch_gemv = small_batch_gemv.SmallBatchGemv()
+        with torch.device(self.device), _default_dtype(self.dtype), small_batch_gemv.building(self.small_batch_gemv):
             self.model = model_class(self.hf_config)
         self.load_format = load_model_weights(self.model, self.model_path, load_format, seed)
         self.model.eval()
@@ -327,7 +329,7 @@ class ModelRunner:
             device=self.device,
             last_sampled=self.last_sampled,
             graph_class=EmulatedGraph if self.emulate_cuda_graphs else CudaGraph,
-            step_tuner=step_tuner(self.device),
+            step_tuner=step_tuner(self.small_batch_gemv, self.device),
         )
         report = graphs.capture()
         self.graph_bytes = int(report.graph_bytes)
@@ -407,16 +409,16 @@ class ModelRunner:
         return self.model(input_ids, positions, attn_metadata)
 
 
-def step_tuner(device: torch.device):
-    """What refines the skinny sites' choices inside the batch-1 step before its capture
-    (layers/skinny.py's tune_in_step), or None. On one GPU only: with tensor parallelism a timed
-    step all-reduces, so every rank would have to time the same steps in lockstep, and each rank's
-    own timings would choose differently."""
-    return skinny.tune_in_step if device.type == "cuda" and distributed.size() == 1 else None
+def step_tuner(gemv: small_batch_gemv.SmallBatchGemv, device: torch.device):
+    """What refines the small-batch GEMV choices inside the batch-1 step before its capture
+    (gemv.tune_in_step), or None. On one GPU only: with tensor parallelism a timed step
+    all-reduces, so every rank would have to time the same steps in lockstep, and each rank's own
+    timings would choose differently."""
+    return gemv.tune_in_step if device.type == "cuda" and distributed.size() == 1 else None
 
 
 def _log_step_tuning(size: int, tuning: dict) -> None:
-    """One line per graph size whose kernel choices were refined in-step (layers/skinny.py)."""
+    """One line per graph size whose kernel choices were refined in-step (layers/small_batch_gemv.py)."""
     changed = ", ".join(f"{site}: {old} -> {new}" for site, (old, new) in tuning.get("changed", {}).items())
     note = f"; changed {changed}" if changed else "; no change"
     if "unconfirmed" in tuning:

@@ -3,6 +3,9 @@
 Parameter names follow Hugging Face checkpoints, except that q/k/v and gate/up are
 fused into `qkv_proj` and `gate_up_proj`; `load_weights` maps the checkpoint's
 separate matrices into them (`stacked_params_mapping`).
+
+Each norm before a sublayer is handed to that sublayer's first projection (RMSNorm.defer), which
+may fold it into its own kernel (layers/linear.py); the residual add is fused into the norm.
 """
 
 from __future__ import annotations
@@ -12,10 +15,9 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from tokenspeed_worker.layers import skinny
 from tokenspeed_worker.layers.activation import SiluAndMul
 from tokenspeed_worker.layers.attention import Attention
-from tokenspeed_worker.layers.layernorm import RMSNorm
+from tokenspeed_worker.layers.layernorm import PendingNorm, RMSNorm
 from tokenspeed_worker.layers.linear import (
     MergedLinear,
     ParallelLMHead,
@@ -56,18 +58,19 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, scale=self.head_dim**-0.5)
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, attn_metadata: object) -> torch.Tensor:
-        return self.forward_qkv(positions, self.qkv_proj(hidden_states), attn_metadata)
-
-    def forward_qkv(self, positions: torch.Tensor, qkv: torch.Tensor, attn_metadata: object) -> torch.Tensor:
-        """The rest of forward, from qkv_proj's output (the decoder layer fuses the norm into qkv_proj)."""
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor | PendingNorm,
+                attn_metadata: object) -> torch.Tensor:
+        if not self.qk_norm:
+            # One kernel may do the pending norm, q/k/v, rotary and the KV write: attention only attends.
+            q = self.qkv_proj.forward_rotary(hidden_states, positions, self.rotary_emb, self.attn, attn_metadata)
+            if q is not None:
+                return self.o_proj(self.attn.attend_prewritten(q, attn_metadata))
+        q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        # Rotary, the KV-cache write and attention: fused into one rotary kernel + attention on CUDA
-        # with the triton backend (Attention.forward_with_rotary), else rotary_emb then attn.
+        # Rotary, the KV-cache write and attention (fused as the backend allows: Attention.forward_with_rotary).
         return self.o_proj(self.attn.forward_with_rotary(positions, q, k, v, self.rotary_emb, attn_metadata))
 
 
@@ -81,8 +84,8 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(size, config.hidden_size, bias=bias)
         self.act_fn = SiluAndMul()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:
+        return self.down_proj(self.gate_up_proj(x, activation=self.act_fn))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -96,21 +99,11 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None, attn_metadata: object
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # The residual add of the previous sublayer is fused into the next norm, and for steps of
-        # few rows on CUDA the norm into the projection after it, and SiLU·mul into gate_up
-        # (layers/skinny.py decides by timing; otherwise the unfused layers run).
-        fused = skinny.norm_qkv_rope(self.input_layernorm, self.self_attn, hidden_states, residual, positions,
-                                     attn_metadata)
-        if fused is not None:  # rotated q; k and v already in the cache
-            q, residual = fused
-            hidden_states = self.self_attn.o_proj(self.self_attn.attn.attend_prewritten(q, attn_metadata))
-        else:
-            qkv, residual = skinny.norm_linear(self.input_layernorm, self.self_attn.qkv_proj, hidden_states, residual)
-            hidden_states = self.self_attn.forward_qkv(positions, qkv, attn_metadata)
-        mlp = self.mlp
-        hidden_states, residual = skinny.norm_gate_up_silu(
-            self.post_attention_layernorm, mlp.gate_up_proj, mlp.act_fn, hidden_states, residual)
-        return mlp.down_proj(hidden_states), residual
+        x = self.input_layernorm.defer(hidden_states, residual)
+        hidden_states = self.self_attn(positions, x, attn_metadata)
+        x = self.post_attention_layernorm.defer(hidden_states, x.residual)
+        hidden_states = self.mlp(x)
+        return hidden_states, x.residual
 
 
 class LlamaModel(nn.Module):

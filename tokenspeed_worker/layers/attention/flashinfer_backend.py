@@ -125,7 +125,7 @@ class FlashInferAttentionBackend(AttentionBackend):
     @property
     def _prefill_kernels(self) -> str:
         # FlashInfer's "auto" picks its FA3 prefill on sm90, which cannot mix 16-bit queries with an
-        # e4m3 cache (its build fails: "No eligible GMMA operator", seen on an H200 with 0.5.3); FA2
+        # e4m3 cache (its build fails: "No eligible GMMA operator", seen with 0.5.3); FA2
         # reads an fp8 cache with 16-bit queries.
         return "fa2" if self.kv_dtype.itemsize == 1 else "auto"
 

@@ -66,8 +66,8 @@ class Attention(nn.Module):
         )
 
     def attend_prewritten(self, q: torch.Tensor, attn_metadata: object) -> torch.Tensor:
-        """q: [T, H, D], already rotated, with the step's K/V already in the cache (layers/skinny.py's
-        norm_qkv_rope) -> [T, H * D]."""
+        """q: [T, H, D], already rotated, with the step's K/V already in the cache (QKVLinear.forward_rotary)
+        -> [T, H * D]."""
         out = self.backend.attend(q, self.k_cache, self.v_cache, attn_metadata, self.scale)
         return out.view(-1, self.num_heads * self.head_dim)
 

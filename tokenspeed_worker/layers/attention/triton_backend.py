@@ -1,46 +1,33 @@
 """Triton paged attention (kernels in tokenspeed_worker/kernels/attention.py): the GPU default.
 
-Per step, `build_metadata` picks the paths from the host plan (no device syncs):
-a decode-only batch (every query is one token) goes to `paged_decode_attention`
-(split-K over the sequence, graph-capturable with a fixed split count); any other
-batch goes to `paged_extend_attention` (causal after each request's cached context), except
-its leading decode rows (the scheduler puts decodes first), which still take the decode kernel:
-in the extend kernel a decode row gets one query-tile program per kv head reading its keys with
-1 of its 128 rows used, plus an empty program for every other tile of the step's longest query.
-Each layer first writes
-its K/V at the step's slots with `index_copy_` (a device scatter, graph-safe) in
-`forward`; or, with the fused kernels on (layers/fused_kernels.py), the rotary kernel
-already wrote them and the layer calls `attend`, which only attends; or, in a decode-only step
-of at most `fuse_rope_max_rows` rows, the layer calls `attend_rotary` and the decode kernel
-rotates q and the step's key and writes the cache itself (no rotary kernel).
+Per step, `build_metadata` picks the paths from the host plan (no device syncs): a decode-only
+batch (every query one token) goes to `paged_decode_attention` (split over the keys, with a split
+count fixed per CUDA graph); any other batch to `paged_extend_attention` (causal after each
+request's cached context), except its leading decode rows (the scheduler puts decodes first),
+which still take the decode kernel. Each layer's K/V reach the cache one of three ways: `forward`
+writes them with `index_copy_` (a device scatter, graph-safe) and attends; with the fused kernels
+on (layers/fused_kernels.py) the rotary kernel (or the q/k/v projection's epilogue) wrote them and
+the layer calls `attend`; in a decode-only step of at most `fuse_rope_max_rows` rows the layer
+calls `attend_rotary` and the decode kernel rotates q and the step's key and writes the cache itself.
 
-Decode batches replayed as CUDA graphs (model_executor/cuda_graph.py) get their
-metadata from `decode_graph_metadata`, built over the graph's static input buffers.
-
-At startup (`tune_decode`, before graph capture) each small decode batch size times whether its
-short requests are faster as one program per kv head than split over the sequence; the longest
-context where one program wins becomes that batch size's `single_split_tokens`.
-
-Without triton or CUDA the same logic runs on `_reference_*` functions written in
-plain torch with the kernels' exact signatures (`allow_reference=True`), so CI checks
-the dispatch and metadata on CPU against the torch backend.
+Decode batches replayed as CUDA graphs (model_executor/cuda_graph.py) get their metadata from
+`decode_graph_metadata`, over the graph's static input buffers. At startup (`tune_decode`, before
+graph capture) each small decode batch size times whether its short requests are faster as one
+program per kv head than split over the keys; the longest context where one program wins becomes
+that batch size's `single_split_tokens`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from types import SimpleNamespace
-
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from tokenspeed_worker.kernels.attention import DecodeRope
 from tokenspeed_worker.layers.attention.backend import AttentionBackend, AttentionInputs
 from tokenspeed_worker.kernels.timing import l2_flush_buffer, time_us
 from tokenspeed_worker.layers.kv_cache import write_kv_cache
-from tokenspeed_worker.layers.rotary import rotate_full_head
 
 # The decode kernel's single-split threshold (tune_decode): contexts tried, in keys; the margin by
 # which one program per kv head must beat the split path to be taken (timing noise must not make a
@@ -66,15 +53,6 @@ def triton_attention_kernels() -> tuple[object | None, str]:
     return kernels, ""
 
 
-def reference_kernels() -> SimpleNamespace:
-    """The kernels' interface on the `_reference_*` torch functions (no split count or workspace)."""
-    return SimpleNamespace(
-        __name__="reference torch functions",
-        paged_decode_attention=_reference_paged_decode_attention,
-        paged_extend_attention=_reference_paged_extend_attention,
-    )
-
-
 @dataclass
 class TritonAttentionMetadata:
     slot_mapping: torch.Tensor  # int64 [T] where each new token's K/V goes
@@ -95,24 +73,15 @@ class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graphs = True
     supports_prewritten_kv = True
-    # Mixed batches: leading decode rows on the decode kernel (False: every row through the extend
-    # kernel, as before; a switch for the benchmarks' A/B runs).
-    split_mixed = True
-    # Decode-only steps of at most fuse_rope_max_rows rows: the rotary and the KV write inside the
-    # decode kernel (attend_rotary), not in a kernel of their own before it (False: as before; a
-    # switch for the benchmarks' A/B runs). Small batches are latency-bound, and there the launch
-    # saved pays (docs/benchmarks.md, tenth pass); large ones keep the rotary kernel: with the fusion
-    # at every size the 1000/1000 run's decode steps of > 320 rows ran at 99 % of their roofline,
-    # against 103 % without (likely the registers its rotated key and cos/sin hold; not profiled).
-    fuse_decode_rope = True
+    # Decode-only steps of at most this many rows rotate inside the decode kernel (attend_rotary):
+    # small batches are latency-bound and save the rotary kernel's launch; larger ones run faster
+    # with the rotary kernel before attention (the fused decode kernel holds more registers).
     fuse_rope_max_rows = 32
 
-    def __init__(
-        self, device: str | torch.device = "cuda", allow_reference: bool = False, kernels: object | None = None
-    ) -> None:
+    def __init__(self, device: str | torch.device = "cuda", kernels: object | None = None) -> None:
         """kernels: a module with the kernels' interface (default: kernels.attention when it can
-        run). allow_reference: without runnable kernels, use `reference_kernels()` (CPU tests, or a
-        GPU machine without the kernels) instead of raising ValueError."""
+        run, else ValueError). Kernels that set `is_reference` (torch stand-ins, as tests use) have
+        nothing to compile or time: `warm_up` and `tune_decode` do nothing with them."""
         self.device = torch.device(device)
         if kernels is None:
             if self.device.type == "cuda":
@@ -120,13 +89,11 @@ class TritonAttentionBackend(AttentionBackend):
             else:
                 why = f"device is {self.device}"
             if kernels is None:
-                if not allow_reference:
-                    raise ValueError(f"{TRITON_UNAVAILABLE} ({why}); use --attention-backend torch")
-                kernels = reference_kernels()
+                raise ValueError(f"{TRITON_UNAVAILABLE} ({why}); use --attention-backend torch")
         self.kernels = kernels
-        self.uses_reference = kernels.paged_decode_attention is _reference_paged_decode_attention
+        self.uses_reference = bool(getattr(kernels, "is_reference", False))
         self.kernel_source = getattr(kernels, "__name__", type(kernels).__name__)
-        # Split count and workspace of the decode kernel; the reference needs neither.
+        # Split count and workspace of the decode kernel (kernels without them: one split, no workspace).
         self._choose_num_splits = getattr(kernels, "choose_num_splits", None)
         self._decode_workspace = getattr(kernels, "decode_workspace", None)
         # decode batch size -> single_split_tokens, timed by tune_decode (empty: never tuned, 0 for all)
@@ -145,7 +112,7 @@ class TritonAttentionBackend(AttentionBackend):
         if max_query_len == 1:
             return self._decode_metadata(inputs.slot_mapping, block_tables, seq_lens, int(host_seq_lens.max()))
         # Leading rows of one query token (D of them) go to the decode kernel, the rest to extend.
-        num_decode = int(np.argmax(host_query_lens != 1)) if self.split_mixed else 0
+        num_decode = int(np.argmax(host_query_lens != 1))
         decode = None
         if num_decode:
             decode = self._decode_metadata(inputs.slot_mapping[:num_decode], block_tables[:num_decode],
@@ -218,7 +185,7 @@ class TritonAttentionBackend(AttentionBackend):
         kv head against the split path (partials through the workspace, combined by the last split)
         at contexts of SINGLE_SPLIT_CANDIDATES keys, shortest first; the longest context where one
         program wins by SINGLE_SPLIT_MARGIN, with every shorter one won too, becomes that size's
-        `single_split_tokens` (0: always split as before). Call after allocate_kv_cache and before
+        `single_split_tokens` (0: always split). Call after allocate_kv_cache and before
         graph capture (the graphs bake the value in). Reads blocks of the given layer cache,
         writes none of them. timer: device µs of a callable (default: kernels.timing.time_us, on
         CUDA only; tests pass their own). Returns {batch size: threshold}. The choice is made
@@ -271,8 +238,8 @@ class TritonAttentionBackend(AttentionBackend):
 
     def warm_up(self, k_cache: torch.Tensor, v_cache: torch.Tensor, dtype: torch.dtype) -> int:
         """Compile the attention kernels' variants now, not in the first request that needs one:
-        Triton compiles a variant on first use, and on an H200 that stalled such a request's first
-        token by 0.5-1 s. Runs one extend request of each WARM_UP_QUERY_LENS length, then the decode
+        Triton compiles a variant on first use, which would stall that request's first token.
+        Runs one extend request of each WARM_UP_QUERY_LENS length, then the decode
         kernel writing its output directly (one split) and through the workspace (two), as a mixed
         step's decode rows or an eager decode step may, each also with its own rotary (as decode-only
         steps run it: q/k/v views of one projection output, int64 positions and slots); all over
@@ -358,8 +325,7 @@ class TritonAttentionBackend(AttentionBackend):
     def fuses_rope(self, metadata: TritonAttentionMetadata) -> bool:
         """Decode-only steps (eager or in a CUDA graph) of at most fuse_rope_max_rows rows take the
         decode kernel's own rotary."""
-        return (self.fuse_decode_rope and metadata.decode_only
-                and metadata.seq_lens.shape[0] <= self.fuse_rope_max_rows)
+        return metadata.decode_only and metadata.seq_lens.shape[0] <= self.fuse_rope_max_rows
 
     def attend_rotary(self, q, k, v, k_cache, v_cache, metadata: TritonAttentionMetadata, scale: float,
                       positions, cos_cache, sin_cache) -> torch.Tensor:
@@ -377,70 +343,3 @@ class TritonAttentionBackend(AttentionBackend):
             num_splits=metadata.num_splits, workspace=metadata.workspace,
             single_split_tokens=metadata.single_split_tokens, rope=rope,
         )
-
-
-# -- reference implementations of the kernels' signatures (plain torch, any device) ----------
-
-
-def _reference_paged_extend_attention(
-    q: torch.Tensor,  # [T, H, D]
-    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,  # int32 [B, W]
-    query_start_loc: torch.Tensor,  # int32 [B + 1]
-    seq_lens: torch.Tensor,  # int32 [B]
-    scale: float,
-    out: torch.Tensor,  # [T, H, D]
-    max_query_len: int,
-) -> None:
-    """Each query token attends over its request's keys up to its own position (causal after the
-    cached context), gathered through the block table. Per token, over the table's full width:
-    slow, simple, and free of host syncs."""
-    num_tokens = q.shape[0]
-    num_reqs, width = block_tables.shape
-    block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
-    device = q.device
-    starts = query_start_loc.to(torch.int64)
-    query_lens = starts[1:] - starts[:-1]
-    context_lens = seq_lens.to(torch.int64) - query_lens
-    owner = torch.repeat_interleave(torch.arange(num_reqs, device=device), query_lens, output_size=num_tokens)
-    position = context_lens[owner] + torch.arange(num_tokens, device=device) - starts[:-1][owner]  # [T]
-    key_pos = torch.arange(width * block_size, device=device)
-    # Entries past a request's last block may be any bytes (the kernels mask them; the decode
-    # graphs' packed buffer leaves them stale): clamped into the pool, gathered, masked below.
-    table = block_tables.to(torch.int64).clamp(0, k_cache.shape[0] - 1)
-    slots = table[owner][:, key_pos // block_size] * block_size + key_pos % block_size
-    keys = k_cache.reshape(-1, num_kv_heads, head_dim)[slots].transpose(1, 2)  # [T, Hkv, L, D]
-    values = v_cache.reshape(-1, num_kv_heads, head_dim)[slots].transpose(1, 2)
-    mask = (key_pos[None, :] <= position[:, None])[:, None, None, :]  # [T, 1, 1, L]
-    o = F.scaled_dot_product_attention(
-        q.unsqueeze(2), keys.to(q.dtype), values.to(q.dtype), attn_mask=mask, scale=scale,
-        enable_gqa=q.shape[1] != num_kv_heads,
-    )
-    out.copy_(o.squeeze(2))
-
-
-def _reference_paged_decode_attention(
-    q: torch.Tensor,  # [B, H, D]
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,  # int32 [B, W]
-    seq_lens: torch.Tensor,  # int32 [B]
-    scale: float,
-    out: torch.Tensor,  # [B, H, D]
-    num_splits: int | None = None,
-    workspace: object | None = None,
-    single_split_tokens: int = 0,
-    rope: DecodeRope | None = None,
-) -> None:
-    """One query token per request at position seq_len - 1 (the split count does not change the
-    result); with rope, q and rope.k unrotated: rotated here, k and v written at the slots first."""
-    if rope is not None:
-        q = rotate_full_head(q, rope.positions, rope.cos_cache, rope.sin_cache)
-        k = rotate_full_head(rope.k, rope.positions, rope.cos_cache, rope.sin_cache)
-        write_kv_cache(k_cache, v_cache, rope.slot_mapping, k, rope.v)
-    batch_size = q.shape[0]
-    query_start_loc = torch.arange(batch_size + 1, dtype=torch.int32, device=q.device)
-    _reference_paged_extend_attention(
-        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out, max_query_len=1
-    )

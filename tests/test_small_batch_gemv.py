@@ -1,5 +1,5 @@
-"""The skinny decode kernels (kernels/gemv.py: norm / residual prologue, SiLU·mul epilogue)
-against the torch code they replace, and the choice between them (layers/skinny.py).
+"""The small-batch GEMV kernels (kernels/gemv.py: norm / residual prologue, SiLU·mul and rotary
+epilogues) against the torch code they replace, and the choice between them (layers/small_batch_gemv.py).
 
 On CPU the kernel runs in Triton's interpreter (TRITON_INTERPRET=1) on small, ragged shapes; on
 CUDA the same tests run compiled, plus Llama-8B shapes and the timed choice.
@@ -23,22 +23,15 @@ if not ON_CUDA:
 import triton  # noqa: E402,F401  (no skip: CI must have triton)
 
 from tokenspeed_worker.kernels import gemv  # noqa: E402
-from tokenspeed_worker.layers import skinny  # noqa: E402
+from tokenspeed_worker.layers import small_batch_gemv  # noqa: E402
 from tokenspeed_worker.layers.activation import SiluAndMul  # noqa: E402
 from tokenspeed_worker.layers.fused_kernels import fused_kernels as fused_mode  # noqa: E402
 from tokenspeed_worker.layers.layernorm import RMSNorm  # noqa: E402
 from tokenspeed_worker.layers.linear import Linear  # noqa: E402
+from tokenspeed_worker.layers.small_batch_gemv import SmallBatchGemv  # noqa: E402
 
 DEVICE = torch.device("cuda" if ON_CUDA else "cpu")
 DTYPE = torch.bfloat16
-
-
-@pytest.fixture(autouse=True)
-def skinny_on():
-    """The kernels are off by default (layers/skinny.py says why): these tests turn them on."""
-    previous = skinny.set_enabled(True)
-    yield
-    skinny.set_enabled(previous)
 
 
 def _randn(*shape, seed: int, scale: float = 1.0, dtype=DTYPE) -> torch.Tensor:
@@ -70,7 +63,7 @@ def _norm(hidden: int, seed: int) -> RMSNorm:
 def test_plain_product_with_ragged_shapes_and_bias(rows, config):
     k, n = 300, 40  # neither a multiple of the blocks
     x, w, b = _randn(rows, k, seed=1), _randn(n, k, seed=2, scale=0.05), _randn(n, seed=3)
-    out, residual_out = gemv.skinny_linear(x, w, b, config=config)
+    out, residual_out = gemv.small_batch_linear(x, w, b, config=config)
     assert out.shape == (rows, n) and out.dtype == DTYPE and residual_out is None
     _close(out, _matmul_reference(x, w, b))
 
@@ -81,7 +74,7 @@ def test_norm_prologue_rounds_like_the_norm_layer(with_residual):
     norm = _norm(k, seed=4)
     x, residual = _randn(rows, k, seed=5, scale=2.0), _randn(rows, k, seed=6)
     w = _randn(n, k, seed=7, scale=0.05)
-    out, residual_out = gemv.skinny_linear(x, w, norm_weight=norm.weight, residual=residual if with_residual else None,
+    out, residual_out = gemv.small_batch_linear(x, w, norm_weight=norm.weight, residual=residual if with_residual else None,
                                            eps=norm.eps, config=(16, 128, 4))
     with fused_mode("off"):
         if with_residual:
@@ -102,8 +95,8 @@ def test_one_pass_norm_prologue(rows, with_residual):
     x, residual = _randn(rows, k, seed=31, scale=2.0), _randn(rows, k, seed=32)
     w = _randn(n, k, seed=33, scale=0.05)
     kwargs = dict(norm_weight=norm.weight, residual=residual if with_residual else None, eps=norm.eps)
-    one_pass, one_pass_residual = gemv.skinny_linear(x, w, **kwargs, config=(16, 128, 4, True))
-    two_pass, two_pass_residual = gemv.skinny_linear(x, w, **kwargs, config=(16, 128, 4))
+    one_pass, one_pass_residual = gemv.small_batch_linear(x, w, **kwargs, config=(16, 128, 4, True))
+    two_pass, two_pass_residual = gemv.small_batch_linear(x, w, **kwargs, config=(16, 128, 4))
     with fused_mode("off"):
         normed = norm(x, residual)[0] if with_residual else norm(x)
     assert torch.equal(one_pass_residual, two_pass_residual)
@@ -111,8 +104,8 @@ def test_one_pass_norm_prologue(rows, with_residual):
     _close(one_pass, two_pass.double())
     gate_up = _randn(2 * n, k, seed=34, scale=0.05)
     torch.testing.assert_close(
-        gemv.skinny_linear(x, gate_up, **kwargs, silu=True, config=(16, 128, 4, True))[0].double(),
-        gemv.skinny_linear(x, gate_up, **kwargs, silu=True, config=(16, 128, 4))[0].double(), atol=2e-2, rtol=2e-2)
+        gemv.small_batch_linear(x, gate_up, **kwargs, silu=True, config=(16, 128, 4, True))[0].double(),
+        gemv.small_batch_linear(x, gate_up, **kwargs, silu=True, config=(16, 128, 4))[0].double(), atol=2e-2, rtol=2e-2)
 
 
 def test_silu_epilogue_over_gate_up_rows():
@@ -120,7 +113,7 @@ def test_silu_epilogue_over_gate_up_rows():
     norm = _norm(k, seed=8)
     x, residual = _randn(rows, k, seed=9), _randn(rows, k, seed=10)
     w = _randn(2 * inter, k, seed=11, scale=0.1)
-    out, residual_out = gemv.skinny_linear(x, w, norm_weight=norm.weight, residual=residual, eps=norm.eps, silu=True,
+    out, residual_out = gemv.small_batch_linear(x, w, norm_weight=norm.weight, residual=residual, eps=norm.eps, silu=True,
                                            config=(16, 64, 4))
     with fused_mode("off"):
         normed, expected_residual = norm(x, residual)
@@ -143,17 +136,17 @@ def test_persistent_programs_match_the_one_shot_kernel(rows, with_residual, conf
     x, residual = _randn(rows, k, seed=41, scale=2.0), _randn(rows, k, seed=42)
     w, b = _randn(n, k, seed=43, scale=0.05), _randn(n, seed=44)
     kwargs = dict(norm_weight=norm.weight, residual=residual if with_residual else None, eps=norm.eps)
-    got, got_residual = gemv.skinny_linear(x, w, b, **kwargs, config=config)
-    one_shot, one_shot_residual = gemv.skinny_linear(x, w, b, **kwargs, config=(16, 128, 4))
+    got, got_residual = gemv.small_batch_linear(x, w, b, **kwargs, config=config)
+    one_shot, one_shot_residual = gemv.small_batch_linear(x, w, b, **kwargs, config=(16, 128, 4))
     with fused_mode("off"):
         normed = norm(x, residual)[0] if with_residual else norm(x)
     assert torch.equal(got_residual, one_shot_residual)
     _close(got, _matmul_reference(normed, w, b))
     torch.testing.assert_close(got, one_shot, atol=1e-2, rtol=1e-2)
     gate_up = _randn(2 * n, k, seed=45, scale=0.1)
-    act = gemv.skinny_linear(x, gate_up, **kwargs, silu=True, config=config)[0]
+    act = gemv.small_batch_linear(x, gate_up, **kwargs, silu=True, config=config)[0]
     assert act.shape == (rows, n)
-    torch.testing.assert_close(act, gemv.skinny_linear(x, gate_up, **kwargs, silu=True, config=(16, 64, 4))[0],
+    torch.testing.assert_close(act, gemv.small_batch_linear(x, gate_up, **kwargs, silu=True, config=(16, 64, 4))[0],
                                atol=1e-2, rtol=1e-2)
 
 
@@ -161,30 +154,34 @@ def test_persistent_configurations_that_spill_are_refused(monkeypatch):
     x, w = _randn(1, 64, seed=16), _randn(8, 64, seed=17)
     monkeypatch.setattr(gemv, "spilled_registers", lambda *a: 12)
     with pytest.raises(ValueError, match="spills 12 registers"):
-        gemv.skinny_linear(x, w, config=gemv.Persistent(2, 4, 4))
-    gemv.skinny_linear(x, w, config=gemv.CONFIGS[0])  # one-shot configurations are not checked
+        gemv.small_batch_linear(x, w, config=gemv.Persistent(2, 4, 4))
+    gemv.small_batch_linear(x, w, config=gemv.CONFIGS[0])  # one-shot configurations are not checked
 
 
 def test_refusals():
     x = _randn(5, 64, seed=12)
     with pytest.raises(ValueError, match="at most 4 rows"):
-        gemv.skinny_linear(x, _randn(8, 64, seed=13))
+        gemv.small_batch_linear(x, _randn(8, 64, seed=13))
     with pytest.raises(ValueError, match="does not fit"):
-        gemv.skinny_linear(x[:2], _randn(8, 32, seed=13))
+        gemv.small_batch_linear(x[:2], _randn(8, 32, seed=13))
     with pytest.raises(ValueError, match="silu"):
-        gemv.skinny_linear(x[:2], _randn(9, 64, seed=13), silu=True)
+        gemv.small_batch_linear(x[:2], _randn(9, 64, seed=13), silu=True)
     wide = _randn(4, 16384, seed=14)  # 4 rows x 16384 held in registers: more than a persistent program takes
     with pytest.raises(ValueError, match="input elements"):
-        gemv.skinny_linear(wide, _randn(8, 16384, seed=15), config=gemv.Persistent(2, 4, 4))
+        gemv.small_batch_linear(wide, _randn(8, 16384, seed=15), config=gemv.Persistent(2, 4, 4))
 
 
 def test_the_layers_take_the_kernel_only_when_told_and_for_few_rows(monkeypatch):
     calls = []
-    real = gemv.skinny_linear
-    monkeypatch.setattr(gemv, "skinny_linear", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
-    layer = Linear(64, 32).to(DEVICE, DTYPE)
+    real = gemv.small_batch_linear
+    monkeypatch.setattr(gemv, "small_batch_linear", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
+    chooser = SmallBatchGemv()
+    with small_batch_gemv.building(chooser):
+        layer = Linear(64, 32).to(DEVICE, DTYPE)
+    unchosen = Linear(64, 32).to(DEVICE, DTYPE)  # built with no chooser current: F.linear always
     with torch.no_grad():
         layer.weight.copy_(_randn(32, 64, seed=14, scale=0.1))
+        unchosen.weight.copy_(layer.weight)
     few, many = _randn(4, 64, seed=15), _randn(5, 64, seed=16)
     with fused_mode("off"):
         layer(few)
@@ -192,55 +189,51 @@ def test_the_layers_take_the_kernel_only_when_told_and_for_few_rows(monkeypatch)
     with fused_mode("force"):
         _close(layer(few), _matmul_reference(few, layer.weight))
         layer(many)  # more rows than the kernel takes: F.linear
-        previous = skinny.set_enabled(False)
-        try:
-            layer(few)
-        finally:
-            skinny.set_enabled(previous)
+        unchosen(few)
     assert calls == [few.shape]
     if not ON_CUDA:  # "auto" never fuses on a CPU
         layer(few)
-        assert calls == [few.shape] and skinny.decisions() == {}
+        assert calls == [few.shape] and chooser.report() == {}
 
 
 @pytest.mark.parametrize("fused_over_unfused, margin, chosen", [
-    (0.96, skinny.MARGIN, "fused"),  # a plain product: the kernel must win by MARGIN
-    (0.98, skinny.MARGIN, "unfused"),
-    (0.98, skinny.FOLD_MARGIN, "fused"),  # a folding site: kept unless clearly slower
-    (1.04, skinny.FOLD_MARGIN, "fused"),
-    (1.06, skinny.FOLD_MARGIN, "unfused"),
+    (0.96, small_batch_gemv.MARGIN, "fused"),  # a plain product: the kernel must win by MARGIN
+    (0.98, small_batch_gemv.MARGIN, "unfused"),
+    (0.98, small_batch_gemv.FOLD_MARGIN, "fused"),  # a folding site: kept unless clearly slower
+    (1.04, small_batch_gemv.FOLD_MARGIN, "fused"),
+    (1.06, small_batch_gemv.FOLD_MARGIN, "unfused"),
 ])
 def test_the_timed_choice_applies_the_sites_margin(monkeypatch, fused_over_unfused, margin, chosen):
     times = {"unfused": 30.0, "slow": 40.0, "fast": 30.0 * fused_over_unfused}
-    monkeypatch.setattr(skinny, "l2_flush_buffer", lambda device: None)
-    monkeypatch.setattr(skinny, "time_us", lambda fn, flush: times[fn()])
+    monkeypatch.setattr(small_batch_gemv, "l2_flush_buffer", lambda device: None)
+    monkeypatch.setattr(small_batch_gemv, "time_us", lambda fn, flush: times[fn()])
     configs = ("slow", "fast")
-    got = skinny._choose(("site",), torch.zeros(1), lambda config: config, lambda: "unfused", configs, margin)
+    chooser = SmallBatchGemv()
+    got = chooser._choose(("site",), torch.zeros(1), lambda config: config, lambda: "unfused", configs, margin)
     assert got == ("fast" if chosen == "fused" else "unfused")
-    assert not skinny._choosing
-    assert skinny.FOLD_MARGIN > 1 > skinny.MARGIN  # the sites' margins as the layer docstring explains them
+    assert not chooser._choosing
+    # the sites' margins as the module explains them
+    assert small_batch_gemv.FOLD_MARGIN > 1 > small_batch_gemv.MARGIN
 
 
 @pytest.fixture
-def fresh_decisions():
-    skinny.reset()
-    yield
-    skinny.reset()
+def chooser():
+    return SmallBatchGemv()
 
 
-def _decide(key, chosen, alone: dict[str, float]) -> None:
+def _decide(chooser, key, chosen, alone: dict[str, float]) -> None:
     """A site as _choose leaves it: its lone timings, the paths timed, the choice."""
-    skinny._timings[key] = dict(alone)
-    skinny._options[key] = {name: name for name in alone}
-    skinny._decisions[key] = chosen
+    chooser.timings[key] = dict(alone)
+    chooser.options[key] = {name: name for name in alone}
+    chooser.decisions[key] = chosen
 
 
-def test_in_step_tuning_keeps_the_faster_step_per_site(fresh_decisions):
+def test_in_step_tuning_keeps_the_faster_step_per_site(chooser):
     qkv, down, other_rows = ("qkv", 1), ("down", 1), ("qkv", 2)
     # Alone, "a" wins at qkv; in the step, the unfused path does. "z" is ranked past the top 2.
-    _decide(qkv, "a", {"a": 10.0, "b": 11.0, "c": 12.0, "z": 13.0, "unfused": 12.5})
-    _decide(down, "d", {"d": 20.0, "e": 20.5, "unfused": 25.0})
-    _decide(other_rows, "a", {"a": 10.0, "unfused": 12.0})
+    _decide(chooser, qkv, "a", {"a": 10.0, "b": 11.0, "c": 12.0, "z": 13.0, "unfused": 12.5})
+    _decide(chooser, down, "d", {"d": 20.0, "e": 20.5, "unfused": 25.0})
+    _decide(chooser, other_rows, "a", {"a": 10.0, "unfused": 12.0})
     in_step = {qkv: {"a": 100.0, "b": 101.0, "c": 99.9, "z": 10.0, "unfused": 95.0},
                down: {"d": 0.0, "e": -0.1, "unfused": 3.0}}  # e's gain is under IN_STEP_MIN_GAIN
     proj = ("proj", 1)  # the unfused qkv path's own projection: first timed when that path first runs
@@ -248,65 +241,61 @@ def test_in_step_tuning_keeps_the_faster_step_per_site(fresh_decisions):
     timed = []
 
     def step_us():
-        if skinny._decisions[qkv] == "unfused" and proj not in skinny._decisions:
-            _decide(proj, "unfused", {"unfused": 5.0, "p": 5.1})
-        timed.append({k: skinny._decisions[k] for k in (qkv, down)})
-        cost = in_step[proj][skinny._decisions[proj]] if skinny._decisions[qkv] == "unfused" else 0.0
-        return 800.0 + cost + sum(in_step[k][skinny._decisions[k]] for k in (qkv, down))
+        if chooser.decisions[qkv] == "unfused" and proj not in chooser.decisions:
+            _decide(chooser, proj, "unfused", {"unfused": 5.0, "p": 5.1})
+        timed.append({k: chooser.decisions[k] for k in (qkv, down)})
+        cost = in_step[proj][chooser.decisions[proj]] if chooser.decisions[qkv] == "unfused" else 0.0
+        return 800.0 + cost + sum(in_step[k][chooser.decisions[k]] for k in (qkv, down))
 
-    report = skinny.tune_in_step(1, step_us, top=2)
-    assert skinny._decisions == {qkv: "unfused", down: "d", other_rows: "a", proj: "p"}
+    report = chooser.tune_in_step(1, step_us, top=2)
+    assert chooser.decisions == {qkv: "unfused", down: "d", other_rows: "a", proj: "p"}
     assert report == {"before_us": 900.0, "after_us": 891.0,
                       "changed": {"qkv/1": ["a", "unfused"], "proj/1": ["unfused", "p"]}}
     assert "z" not in {d[qkv] for d in timed}  # only the top 2 configurations alone, besides the choice
-    assert set(skinny._in_step[qkv]) == {"a", "b", "c", "unfused"}
-    assert skinny.decisions()["qkv/1"]["step_us"]["unfused"] == 895.0
-    assert "step_us" not in skinny.decisions()["qkv/2"]
-    # Tuned once per process: a later capture (another runner) keeps what was found.
-    assert skinny.tune_in_step(1, lambda: pytest.fail("already tuned")) == {}
+    assert set(chooser.in_step[qkv]) == {"a", "b", "c", "unfused"}
+    assert chooser.report()["qkv/1"]["step_us"]["unfused"] == 895.0
+    assert "step_us" not in chooser.report()["qkv/2"]
+    # Tuned once per chooser (one per runner): a later capture keeps what was found.
+    assert chooser.tune_in_step(1, lambda: pytest.fail("already tuned")) == {}
 
 
-def test_in_step_tuning_keeps_the_lone_choices_unless_confirmed(fresh_decisions):
-    _decide(("qkv", 1), "a", {"a": 10.0, "unfused": 12.0})
+def test_in_step_tuning_keeps_the_lone_choices_unless_confirmed(chooser):
+    _decide(chooser, ("qkv", 1), "a", {"a": 10.0, "unfused": 12.0})
     calls = iter([900.0, 890.0] + [890.0, 892.0] * 2)  # site: a, unfused; then confirm (before, after) x 2
-    report = skinny.tune_in_step(1, lambda: next(calls))
-    assert skinny._decisions[("qkv", 1)] == "a"
+    report = chooser.tune_in_step(1, lambda: next(calls))
+    assert chooser.decisions[("qkv", 1)] == "a"
     assert report["changed"] == {} and report["unconfirmed"] == {"qkv/1": ["a", "unfused"]}
 
 
-def test_in_step_tuning_off_or_nothing_to_tune(fresh_decisions):
-    assert skinny.tune_in_step(1, lambda: pytest.fail("no site at 1 row: nothing to time")) == {}
-    _decide(("qkv", 2), "a", {"a": 10.0, "unfused": 12.0})
-    assert skinny.IN_STEP_ROWS == (1,)
-    assert skinny.tune_in_step(2, lambda: pytest.fail("batch 1 only")) == {}
-    _decide(("qkv", 1), "a", {"a": 10.0, "unfused": 12.0})
-    previous = skinny.set_step_tuning(False)
-    try:
-        assert skinny.tune_in_step(1, lambda: pytest.fail("tuning is off")) == {}
-    finally:
-        skinny.set_step_tuning(previous)
+def test_in_step_tuning_with_nothing_to_tune(chooser):
+    assert chooser.tune_in_step(1, lambda: pytest.fail("no site at 1 row: nothing to time")) == {}
+    _decide(chooser, ("qkv", 2), "a", {"a": 10.0, "unfused": 12.0})
+    assert small_batch_gemv.IN_STEP_ROWS == (1,)
+    assert chooser.tune_in_step(2, lambda: pytest.fail("batch 1 only")) == {}
 
 
 @pytest.mark.parametrize("attention_rotates, persistent", [(False, False), (True, False), (True, True)])
 def test_tiny_bf16_model_decode_logits_match_the_unfused_path(tiny_model_paths, monkeypatch, attention_rotates,
                                                                persistent):
     """A whole bf16 model: prefill (more than 4 rows: unfused either way), then two decode steps
-    of two rows, which take the skinny kernels when forced: q/k/v with the rotary + KV-write
-    epilogue included where the triton backend attends over K/V written beforehand, or without
-    it where the decode attention rotates and writes the cache itself (its default); with
-    `persistent`, every site but the rotary epilogue's runs a Persistent configuration."""
+    of two rows, which take the small-batch GEMV kernels when forced: q/k/v with the rotary +
+    KV-write epilogue included where the triton backend attends over K/V written beforehand (decode
+    steps of more than fuse_rope_max_rows rows), or without it where the decode attention rotates
+    and writes the cache itself (at most fuse_rope_max_rows rows); with `persistent`, every site but
+    the rotary epilogue's runs a Persistent configuration."""
     from test_triton_backend import BLOCK_SIZE, Plans, random_seqs, reference_triton_backend
 
     from tokenspeed_worker.layers.attention.triton_backend import TritonAttentionBackend
     from tokenspeed_worker.model_executor.model_runner import ModelRunner
 
-    monkeypatch.setattr(TritonAttentionBackend, "fuse_decode_rope", attention_rotates)
+    if not attention_rotates:  # the two-row steps are "large": the rotary stays out of the attention kernel
+        monkeypatch.setattr(TritonAttentionBackend, "fuse_rope_max_rows", 0)
     if persistent:  # forced mode runs each site's first configuration
         monkeypatch.setattr(gemv, "CONFIGS", (gemv.Persistent(2, 4, 4), *gemv.CONFIGS))
         monkeypatch.setattr(gemv, "NORM_CONFIGS", (gemv.Persistent(4, 8, 2), *gemv.NORM_CONFIGS))
     epilogues, configs = [], []
-    real = gemv.skinny_linear
-    monkeypatch.setattr(gemv, "skinny_linear", lambda *a, **kw: epilogues.append(kw.get("rotary") is not None)
+    real = gemv.small_batch_linear
+    monkeypatch.setattr(gemv, "small_batch_linear", lambda *a, **kw: epilogues.append(kw.get("rotary") is not None)
                         or configs.append(kw.get("config")) or real(*a, **kw))
     logits = []
     for mode in ("off", "force"):
@@ -328,7 +317,7 @@ def test_tiny_bf16_model_decode_logits_match_the_unfused_path(tiny_model_paths, 
     layers = len(runner.attention_layers)
     # each decode step's q/k/v took the rotary epilogue, unless the attention rotates
     assert epilogues.count(True) == (0 if attention_rotates else 2 * layers)
-    assert len(epilogues) > 2 * layers  # the skinny kernels ran
+    assert len(epilogues) > 2 * layers  # the small-batch GEMV kernels ran
     assert all(isinstance(c, gemv.Persistent) == persistent for c in configs)
 
 
@@ -361,16 +350,16 @@ def test_persistent_configurations_at_llama_shapes(shape, rows):
         return result
 
     for config in (c for c in gemv.CONFIGS if isinstance(c, gemv.Persistent)):
-        got = run(config, lambda c: gemv.skinny_linear(x, w_qkv, norm_weight=norm.weight, residual=residual,
+        got = run(config, lambda c: gemv.small_batch_linear(x, w_qkv, norm_weight=norm.weight, residual=residual,
                                                        eps=norm.eps, config=c))
         if got is not None:
             assert torch.equal(got[1], expected_residual)
             _close(got[0], _matmul_reference(normed, w_qkv))
-        if (got := run(config, lambda c: gemv.skinny_linear(x, w_o, config=c))) is not None:
+        if (got := run(config, lambda c: gemv.small_batch_linear(x, w_o, config=c))) is not None:
             _close(got[0], _matmul_reference(x, w_o))
-        if (got := run(config, lambda c: gemv.skinny_linear(h, w_down, config=c))) is not None:
+        if (got := run(config, lambda c: gemv.small_batch_linear(h, w_down, config=c))) is not None:
             _close(got[0], _matmul_reference(h, w_down))
-        got = run(config, lambda c: gemv.skinny_linear(x, w_gate_up, norm_weight=norm.weight, residual=residual,
+        got = run(config, lambda c: gemv.small_batch_linear(x, w_gate_up, norm_weight=norm.weight, residual=residual,
                                                        eps=norm.eps, silu=True, config=c))
         if got is not None:
             torch.testing.assert_close(got[0], SiluAndMul()(gate_up), atol=3e-2, rtol=3e-2)
@@ -389,23 +378,24 @@ def test_llama_8b_shapes_and_the_timed_choice(rows):
     w_gate_up = _randn(2 * inter, hidden, seed=24, scale=0.02)
     w_down = _randn(hidden, inter, seed=25, scale=0.02)
     for config in (c for c in gemv.NORM_CONFIGS if not isinstance(c, gemv.Persistent)):  # those: the test above
-        out, new_residual = gemv.skinny_linear(x, w_qkv, norm_weight=norm.weight, residual=residual, eps=norm.eps,
+        out, new_residual = gemv.small_batch_linear(x, w_qkv, norm_weight=norm.weight, residual=residual, eps=norm.eps,
                                                config=config)
         normed, expected_residual = norm(x, residual)
         assert torch.equal(new_residual, expected_residual)
         _close(out, _matmul_reference(normed, w_qkv))
-        _close(gemv.skinny_linear(normed, w_down[:, :hidden], config=config)[0],
+        _close(gemv.small_batch_linear(normed, w_down[:, :hidden], config=config)[0],
                _matmul_reference(normed, w_down[:, :hidden]))
-        act = gemv.skinny_linear(x, w_gate_up, norm_weight=norm.weight, residual=residual, eps=norm.eps, silu=True,
+        act = gemv.small_batch_linear(x, w_gate_up, norm_weight=norm.weight, residual=residual, eps=norm.eps, silu=True,
                                  config=config)[0]
         torch.testing.assert_close(act, SiluAndMul()(F.linear(normed, w_gate_up)), atol=3e-2, rtol=3e-2)
-    skinny.reset()
-    layer = Linear(inter, hidden).to(DEVICE, DTYPE)
+    chooser = SmallBatchGemv()
+    with small_batch_gemv.building(chooser):
+        layer = Linear(inter, hidden).to(DEVICE, DTYPE)
     with torch.no_grad():
         layer.weight.copy_(w_down)
     h = _randn(rows, inter, seed=26)
     _close(layer(h), _matmul_reference(h, w_down))
-    (key, chosen), = skinny.decisions().items()
+    (key, chosen), = chooser.report().items()
     assert key.startswith(f"linear/{rows}/{hidden}/{inter}") and "unfused" in chosen["us"]
 
 
@@ -429,7 +419,7 @@ def test_rotary_epilogue_writes_q_and_the_caches_like_the_unfused_path(rows, cac
     caches = [torch.zeros((4, 4, kv_heads, head_dim), dtype=cache_dtype, device=DEVICE) for _ in range(4)]
     rotary = gemv.RotaryKV(heads, kv_heads, head_dim, positions, rope.cos_cache, rope.sin_cache, caches[0], caches[1],
                            slots)
-    q, new_residual = gemv.skinny_linear(x, w, bias, norm_weight=norm.weight, residual=residual, eps=norm.eps,
+    q, new_residual = gemv.small_batch_linear(x, w, bias, norm_weight=norm.weight, residual=residual, eps=norm.eps,
                                          rotary=rotary, config=config)
     with fused_mode("off"):
         normed, expected_residual = norm(x, residual)
@@ -455,8 +445,8 @@ def test_rotary_epilogue_refuses_shapes_it_cannot_pair():
     zero = torch.zeros(rows, dtype=torch.int64, device=DEVICE)
     rotary = gemv.RotaryKV(heads, kv_heads, head_dim, zero, table, table, cache, cache, zero)
     with pytest.raises(ValueError, match="multiple of BLOCK_N"):
-        gemv.skinny_linear(x, w, rotary=rotary, config=(8, 32, 4))  # half a head (4) is not a multiple of 8
+        gemv.small_batch_linear(x, w, rotary=rotary, config=(8, 32, 4))  # half a head (4) is not a multiple of 8
     with pytest.raises(ValueError, match="q/k/v rows"):
-        gemv.skinny_linear(x, w[:-head_dim], rotary=rotary, config=(4, 32, 4))
+        gemv.small_batch_linear(x, w[:-head_dim], rotary=rotary, config=(4, 32, 4))
     with pytest.raises(ValueError, match="no rotary epilogue"):
-        gemv.skinny_linear(x, w, rotary=rotary, config=gemv.Persistent(2, 4, 4))
+        gemv.small_batch_linear(x, w, rotary=rotary, config=gemv.Persistent(2, 4, 4))

@@ -1,0 +1,316 @@
+"""Which path runs a projection of a few rows: a small-batch GEMV kernel (kernels/gemv.py) or the unfused layers.
+
+A decode step of at most kernels.gemv.MAX_ROWS rows asks, at each projection (a "site"):
+- `linear`: x @ W^T (+ b) (o_proj, down_proj, any Linear);
+- `norm_linear`: (add +) RMSNorm, then the projection (a PendingNorm given to qkv_proj);
+- `norm_gate_up_silu`: (add +) RMSNorm, gate_up_proj, SiLU·mul (a PendingNorm given to the MLP);
+- `norm_qkv_rope`: (add +) RMSNorm, q/k/v, rotary and the KV-cache write, for backends that attend
+  over K/V written beforehand and do not rotate in their attention kernel.
+
+A `SmallBatchGemv` holds the choices of one model runner: the first time a (site, rows, weight
+shape, dtype, device) is seen outside a CUDA-graph capture, the unfused path and each kernel
+configuration are timed alone (kernels/timing.time_us) and the fastest is kept, within the site's
+margin (MARGIN, FOLD_MARGIN). A shape first seen while capturing takes the unfused path. The
+batch-1 choices are then refined inside the whole decode step (`tune_in_step`, before the batch-1
+graph's capture). The runner makes its chooser `current()` while it builds the model; each Linear
+keeps the chooser current at its construction (None: always the unfused path).
+
+layers/fused_kernels.py's mode applies: "off" takes the unfused path; "force" takes the kernel with
+its first configuration on any device (CPU tests, in Triton's interpreter); "auto" times on CUDA
+and never takes the kernel on CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+
+from tokenspeed_worker.kernels.timing import l2_flush_buffer, time_us
+from tokenspeed_worker.layers.fused_kernels import fused_kernels_mode, use_fused
+
+if TYPE_CHECKING:
+    from tokenspeed_worker.layers.attention.layer import Attention
+    from tokenspeed_worker.layers.layernorm import PendingNorm
+    from tokenspeed_worker.layers.linear import Linear, QKVLinear
+    from tokenspeed_worker.layers.rotary import RotaryEmbedding
+
+logger = logging.getLogger(__name__)
+
+# At `linear` (one kernel against one cuBLAS kernel) the kernel must win by MARGIN, so timing noise
+# cannot make a step slower. Where the kernel folds neighbouring kernels in, it is kept unless
+# slower than FOLD_MARGIN times the unfused path: timed alone, the unfused path's kernel boundaries
+# cost less than inside a step, where the fused kernel overlaps its neighbours (kernels/pdl.py).
+MARGIN = 0.97
+FOLD_MARGIN = 1.05
+IN_STEP_TOP = 3  # configurations per site tried in the step besides its choice and the unfused path
+IN_STEP_MIN_GAIN = 0.003  # a path replaces the current one in-step only if the step gets 0.3 % faster
+IN_STEP_ROWS = (1,)  # batch sizes refined in-step: the latency-bound step
+UNFUSED = "unfused"
+
+
+def _name(choice: Any) -> str:
+    return choice if choice == UNFUSED else str(choice)
+
+
+def _key(site: str, x: torch.Tensor, weight: torch.Tensor) -> tuple:
+    rows = x.numel() // x.shape[-1]
+    return (site, rows, *weight.shape, str(x.dtype).replace("torch.", ""), x.device.index)
+
+
+class SmallBatchGemv:
+    """The small-batch GEMV choices of one model runner, per (site, rows, weight shape, dtype, device).
+
+    decisions: key -> a kernel configuration, or UNFUSED; timings: key -> {path: µs per call, timed
+    alone}; options: key -> {path name: choice} of every path timed there; in_step: key -> {path: µs
+    per decode step} (tune_in_step)."""
+
+    def __init__(self) -> None:
+        self.decisions: dict[tuple, Any] = {}
+        self.timings: dict[tuple, dict[str, float]] = {}
+        self.options: dict[tuple, dict[str, Any]] = {}
+        self.in_step: dict[tuple, dict[str, float]] = {}
+        self._logged_capture: set[tuple] = set()
+        self._choosing = False  # while timing, nested sites (a norm_linear's own projection) take the unfused path
+
+    def report(self) -> dict[str, dict[str, Any]]:
+        """What was chosen where, with the timings (µs per call) behind it: for benchmarks and logs."""
+        return {
+            "/".join(str(p) for p in key): {"chosen": str(choice), "us": self.timings.get(key, {}),
+                                            **({"step_us": self.in_step[key]} if key in self.in_step else {})}
+            for key, choice in self.decisions.items()
+        }
+
+    # -- the sites ----------------------------------------------------------------------------
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ weight^T (+ bias), by the kernel when that is faster for these few rows."""
+        kernels = self._kernels(x, weight)
+        if kernels is None:  # the common case (many rows): no closures on the eager path
+            return F.linear(x, weight, bias)
+        return self._run("linear", x, weight, kernels,
+                         lambda config: kernels.small_batch_linear(x, weight, bias, config=config)[0],
+                         lambda: F.linear(x, weight, bias))
+
+    def norm_linear(self, pending: PendingNorm, proj: Linear) -> tuple[torch.Tensor, torch.Tensor]:
+        """(proj(norm(x + residual)), x + residual) of a pending norm; without a residual (proj(norm(x)), x).
+
+        proj: a Linear whose forward is x @ weight^T (+ bias) on this rank."""
+        norm, x, residual = pending.norm, pending.x, pending.residual_in
+
+        def plain():
+            hidden, new_residual = pending.normalize()
+            return proj(hidden), new_residual
+
+        kernels = self._kernels(x, proj.weight)
+        if kernels is None:
+            return plain()
+
+        def fused(config):
+            return kernels.small_batch_linear(x, proj.weight, proj.bias, norm_weight=norm.weight, residual=residual,
+                                              eps=norm.eps, config=config)
+
+        return self._run("norm_linear" if residual is None else "add_norm_linear", x, proj.weight, kernels, fused,
+                         plain, kernels.NORM_CONFIGS, FOLD_MARGIN)
+
+    def norm_gate_up_silu(self, pending: PendingNorm, gate_up: Linear,
+                          act: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(act(gate_up(norm(x + residual))), x + residual) with act = SiLU·mul over [gate | up]."""
+        norm, x, residual = pending.norm, pending.x, pending.residual_in
+
+        def plain():
+            hidden, new_residual = pending.normalize()
+            return act(gate_up(hidden)), new_residual
+
+        kernels = self._kernels(x, gate_up.weight)
+        if kernels is None or gate_up.bias is not None:
+            return plain()
+
+        def fused(config):
+            return kernels.small_batch_linear(x, gate_up.weight, norm_weight=norm.weight, residual=residual,
+                                              eps=norm.eps, silu=True, config=config)
+
+        return self._run("norm_gate_up_silu", x, gate_up.weight, kernels, fused, plain, kernels.NORM_CONFIGS,
+                         FOLD_MARGIN)
+
+    def norm_qkv_rope(self, pending: PendingNorm, proj: QKVLinear, rope: RotaryEmbedding, attn: Attention,
+                      positions: torch.Tensor, attn_metadata) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rotated q [T, H, D], x + residual) with the rotated k and the v written into attn's KV
+        cache: (add +) RMSNorm, the q/k/v projection `proj`, rotary and the cache write in one kernel
+        (gemv's RotaryKV epilogue), when timing finds that faster than `norm_linear` followed by the
+        rotary + KV-write kernel (the choice is made with norm_linear's own choice in place). None
+        where it cannot apply, or where the attention kernel rotates and writes the cache itself
+        (Attention.fuses_rope): the caller then projects and rotates itself."""
+        norm, x, residual = pending.norm, pending.x, pending.residual_in
+        kernels = self._kernels(x, proj.weight)
+        if (kernels is None or rope.rotary_dim != attn.head_dim or attn.head_dim % 2
+                or attn.backend is None or not attn.backend.supports_prewritten_kv or not rope.fuses(x)
+                or attn.fuses_rope(rope, x, attn_metadata)):  # the attention kernel rotates: nothing to fold
+            return None
+        half = attn.head_dim // 2
+        configs = tuple(c for c in kernels.NORM_CONFIGS if not isinstance(c, kernels.Persistent) and half % c[0] == 0)
+        if not configs:
+            return None
+        heads, kv_heads, head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        rotary = kernels.RotaryKV(heads, kv_heads, head_dim, positions, rope.cos_cache, rope.sin_cache, attn.k_cache,
+                                  attn.v_cache, attn_metadata.slot_mapping)
+
+        def plain():
+            was, self._choosing = self._choosing, False  # while timing, this path is norm_linear's chosen one
+            try:
+                qkv, new_residual = self.norm_linear(pending, proj)
+            finally:
+                self._choosing = was
+            q, k, v = qkv.split([proj.q_size, proj.kv_size, proj.kv_size], dim=-1)
+            q = attn.rope_and_write_kv(positions, q.view(-1, heads, head_dim), k.view(-1, kv_heads, head_dim), v,
+                                       rope, attn_metadata)
+            return q, new_residual
+
+        def fused(config):
+            return kernels.small_batch_linear(x, proj.weight, proj.bias, norm_weight=norm.weight, residual=residual,
+                                              eps=norm.eps, rotary=rotary, config=config)
+
+        site = "norm_qkv_rope" if residual is None else "add_norm_qkv_rope"
+        if (x.is_cuda and fused_kernels_mode() != "force" and _key(site, x, proj.weight) not in self.decisions
+                and not torch.cuda.is_current_stream_capturing()):
+            self.norm_linear(pending, proj)  # norm_linear chooses first, so `plain` is timed as it will run
+        return self._run(site, x, proj.weight, kernels, fused, plain, configs, FOLD_MARGIN)
+
+    # -- the in-step refinement -------------------------------------------------------------
+
+    def tune_in_step(self, rows: int, step_us: Callable[[], float], top: int = IN_STEP_TOP,
+                     min_gain: float = IN_STEP_MIN_GAIN) -> dict[str, Any]:
+        """Refine the timed choices of the sites seen at `rows` rows inside the whole decode step.
+
+        step_us: the device microseconds of one decode step of `rows` rows run with the sites' current
+        choices (model_executor/cuda_graph.py captures the step afresh on each call). Site by site, in
+        the order they were first timed (one first timed on a path tried here comes after the others):
+        the current choice, the `top` next fastest configurations alone and the unfused path each time
+        a step; the fastest is kept if it beats the current choice by `min_gain` (a fraction of the
+        step). The changed set is then timed against the lone-timed set twice, alternately, and kept
+        only if its best step beats theirs by `min_gain` too. Returns
+        {"before_us", "after_us", "changed": {site: [old, new]}}; {} where nothing was timed here (rows
+        not in IN_STEP_ROWS, or no site at these rows not tuned before)."""
+        if rows not in IN_STEP_ROWS:
+            return {}
+        decisions = self.decisions
+        original: dict[tuple, Any] = {}
+        while True:  # a path tried here can time a site of its own (an unfused path's projection): tune it too
+            key = next((k for k in decisions if k[1] == rows and k in self.options and k not in original
+                        and k not in self.in_step), None)  # tuned before (another capture): as it is
+            if key is None:
+                break
+            original[key] = decisions[key]
+            options, alone = self.options[key], self.timings.get(key, {})
+            current = _name(decisions[key])
+            ranked = [n for n in sorted(alone, key=alone.get) if n in options and n not in (current, UNFUSED)]
+            names = [current, *ranked[:top], *([UNFUSED] if current != UNFUSED else [])]
+            times = {}
+            for name in names:
+                decisions[key] = options[name]
+                times[name] = step_us()
+            best = min(times, key=times.get)
+            decisions[key] = options[best if times[best] < times[current] * (1 - min_gain) else current]
+            self.in_step[key] = times
+        keys = list(original)
+        if not keys:
+            return {}
+        tuned = {key: decisions[key] for key in keys}
+        changed = {"/".join(str(p) for p in key): [str(original[key]), str(tuned[key])]
+                   for key in keys if tuned[key] != original[key]}
+        if not changed:
+            step = min(self.in_step[keys[-1]].values())
+            return {"before_us": step, "after_us": step, "changed": {}}
+        before, after = [], []
+        for _ in range(2):
+            decisions.update(original)
+            before.append(step_us())
+            decisions.update(tuned)
+            after.append(step_us())
+        if min(after) >= min(before) * (1 - min_gain):  # not confirmed: the lone-timed choices stay
+            decisions.update(original)
+            return {"before_us": min(before), "after_us": min(before), "changed": {}, "unconfirmed": changed,
+                    "unconfirmed_us": min(after)}
+        return {"before_us": min(before), "after_us": min(after), "changed": changed}
+
+    # -- choosing -----------------------------------------------------------------------------
+
+    def _kernels(self, x: torch.Tensor, weight: torch.Tensor):
+        """kernels.gemv when the kernel may run on x (few rows, 16-bit, not timing), else None."""
+        if self._choosing or x.dim() == 0 or x.dtype not in (torch.bfloat16, torch.float16):
+            return None
+        kernels = use_fused(x, "gemv")
+        if kernels is None or weight.dtype != x.dtype or x.numel() // max(1, x.shape[-1]) > kernels.MAX_ROWS:
+            return None
+        return kernels
+
+    def _run(self, site: str, x: torch.Tensor, weight: torch.Tensor, kernels, fused: Callable[[tuple], Any],
+             plain: Callable[[], Any], configs=None, margin: float = MARGIN):
+        """The chosen path for this site (kernels: from _kernels, not None; configs: the kernel
+        configurations to time, kernels.CONFIGS by default; margin: MARGIN, or FOLD_MARGIN where the
+        kernel replaces several)."""
+        configs = kernels.CONFIGS if configs is None else configs
+        if fused_kernels_mode() == "force" or not x.is_cuda:
+            return fused(configs[0])
+        key = _key(site, x, weight)
+        choice = self.decisions.get(key)
+        if choice is None:
+            if torch.cuda.is_current_stream_capturing():
+                if key not in self._logged_capture:
+                    self._logged_capture.add(key)
+                    logger.info("small-batch GEMV %s first seen while capturing a CUDA graph: unfused path", key)
+                return plain()
+            choice = self.decisions[key] = self._choose(key, x, fused, plain, configs, margin)
+        return plain() if choice == UNFUSED else fused(choice)
+
+    def _choose(self, key: tuple, x: torch.Tensor, fused: Callable[[tuple], Any], plain: Callable[[], Any], configs,
+                margin: float = MARGIN) -> Any:
+        flush = l2_flush_buffer(x.device)
+        self._choosing = True
+        try:
+            timings = {UNFUSED: time_us(plain, flush)}
+            options = self.options[key] = {UNFUSED: UNFUSED}
+            best, best_us = UNFUSED, timings[UNFUSED] * margin
+            for config in configs:
+                try:
+                    us = time_us(lambda: fused(config), flush)  # noqa: B023 (called here, inside the loop)
+                except Exception as error:  # a configuration that cannot compile or launch here (shared memory)
+                    logger.debug("small-batch GEMV %s: config %s unusable: %s", key, config, error)
+                    continue
+                timings[str(config)] = us
+                options[str(config)] = config
+                if us < best_us:
+                    best, best_us = config, us
+        finally:
+            self._choosing = False
+            del flush
+        self.timings[key] = timings
+        logger.debug("small-batch GEMV %s: chose %s from %s", key, best, timings)
+        return best
+
+
+_current: SmallBatchGemv | None = None
+
+
+def current() -> SmallBatchGemv | None:
+    """The chooser that layers built now consult (set by `building`); None outside it."""
+    return _current
+
+
+@contextmanager
+def building(chooser: SmallBatchGemv | None) -> Iterator[SmallBatchGemv | None]:
+    """Within the block, layers built consult `chooser` (a model runner's, while it builds its model)."""
+    global _current
+    previous, _current = _current, chooser
+    try:
+        yield chooser
+    finally:
+        _current = previous
+
+
+__all__ = ["FOLD_MARGIN", "IN_STEP_MIN_GAIN", "IN_STEP_ROWS", "IN_STEP_TOP", "MARGIN", "SmallBatchGemv", "UNFUSED",
+           "building", "current"]
