@@ -296,9 +296,9 @@ def test_tiny_bf16_model_decode_logits_match_the_unfused_path(tiny_model_paths, 
     it where the decode attention rotates and writes the cache itself (its default); with
     `persistent`, every site but the rotary epilogue's runs a Persistent configuration."""
     from test_triton_backend import BLOCK_SIZE, Plans, random_seqs, reference_triton_backend
+    from worker_harness import make_runner
 
     from tokenspeed_worker.layers.attention.triton_backend import TritonAttentionBackend
-    from tokenspeed_worker.model_executor.model_runner import ModelRunner
 
     monkeypatch.setattr(TritonAttentionBackend, "fuse_decode_rope", attention_rotates)
     if persistent:  # forced mode runs each site's first configuration
@@ -310,7 +310,7 @@ def test_tiny_bf16_model_decode_logits_match_the_unfused_path(tiny_model_paths, 
                         or configs.append(kw.get("config")) or real(*a, **kw))
     logits = []
     for mode in ("off", "force"):
-        runner = ModelRunner(
+        runner = make_runner(
             str(tiny_model_paths["qwen2-bias"]), dtype="bfloat16", device=DEVICE.type, block_size=BLOCK_SIZE,
             attention_backend="triton" if ON_CUDA else reference_triton_backend(),
         )
