@@ -71,14 +71,14 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, *, attention_backend: AttentionBackend | None = None,
                  emulate_cuda_graphs: bool = False) -> None:
         """The runner of `config`'s model (its model, cache and scheduler sections) on this rank's
-        device (`config.rank_device`). The model section's attention_backend is "torch", "triton",
-        "flashinfer" or "auto" (triton on CUDA when its kernels can run, else torch);
-        `attention_backend`, a backend instance, replaces it. `emulate_cuda_graphs`: "capture" by
-        recording the decode step and "replay" by re-running it on the static buffers, so CPU tests
-        exercise the graph path (padding, dummy block, static buffers)."""
+        device (`config.rank_device`); max_model_len sets the CUDA graphs' block table width. The
+        model section's attention_backend is "torch", "triton", "flashinfer" or "auto" (triton on
+        CUDA when its kernels can run, else torch); `attention_backend`, a backend instance,
+        replaces it. `emulate_cuda_graphs`: "capture" by recording the decode step and "replay" by
+        re-running it on the static buffers, so CPU tests exercise the graph path (padding, dummy
+        block, static buffers)."""
         from transformers import AutoConfig
 
-        self.config = config
         self.model_path = config.model.path
         if not (Path(self.model_path) / "config.json").exists():
             raise ValueError(f"no config.json in {self.model_path}")

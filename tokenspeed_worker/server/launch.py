@@ -27,7 +27,7 @@ from grpc_reflection.v1alpha import reflection
 
 from tokenspeed_worker.config import EngineConfig, ServerArgs, ServerConfig, WorkerConfig
 from tokenspeed_worker.engine.messages import AddRequest
-from tokenspeed_worker.proto import tokenspeed_scheduler_pb2 as pb, tokenspeed_scheduler_pb2_grpc as pb_grpc
+from tokenspeed_worker.proto import tokenspeed_scheduler_pb2_grpc as pb_grpc
 from tokenspeed_worker.engine.lifetime import STOP_SIGNALS
 from tokenspeed_worker.server.engine_client import EngineClient, EngineUnavailable, StartCancelled
 from tokenspeed_worker.server.model_info import load_model_facts
