@@ -18,7 +18,9 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tokenspeed_worker.engine.engine_core import EngineConfig, EngineCore  # noqa: E402
+from tokenspeed_worker.config import EngineConfig  # noqa: E402
+from tokenspeed_worker.config.engine import SECTION_OF  # noqa: E402
+from tokenspeed_worker.engine.engine_core import EngineCore  # noqa: E402
 from tokenspeed_worker.engine.messages import AddRequest  # noqa: E402
 
 MODEL_SHAPES = {"llama-3.2-1b": REPO / "scripts/model_configs/llama-3.2-1b",
@@ -32,7 +34,8 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
-                    help="any EngineConfig field, e.g. attention_backend=triton, enforce_eager=true")
+                    help="any engine setting (a field of an EngineConfig section), e.g. attention_backend=triton, "
+                    "enforce_eager=true")
 
 
 def build_engine(args, **overrides) -> EngineCore:
@@ -40,35 +43,33 @@ def build_engine(args, **overrides) -> EngineCore:
         logging.basicConfig(level=os.environ["BENCH_LOG_LEVEL"].upper(), format="%(name)s %(message)s")
     path = MODEL_SHAPES.get(args.model, args.model)
     load_format = args.load_format or ("dummy" if args.model in MODEL_SHAPES else "auto")
-    cfg = EngineConfig(model_path=str(path), device=args.device, dtype=args.dtype, load_format=load_format)
-    for key, value in overrides.items():
-        setattr(cfg, key, value)
-    fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
+    settings = {"device": args.device, "dtype": args.dtype, "load_format": load_format, **overrides}
     for item in args.engine_arg:
         key, _, raw = item.partition("=")
-        if key not in fields:
-            raise SystemExit(f"--engine-arg: unknown EngineConfig field {key!r} (known: {sorted(fields)})")
+        if key not in SECTION_OF:
+            raise SystemExit(f"--engine-arg: unknown engine setting {key!r} (known: {sorted(SECTION_OF)})")
         try:  # numbers, booleans, lists as JSON; anything else (torch, fp8, ...) as the string it is
             value = json.loads(raw)
         except json.JSONDecodeError:
             value = raw
-        setattr(cfg, key, value)
-    if cfg.tensor_parallel_size > 1:
-        start_tensor_parallel(cfg)
+        settings[key] = value
+    cfg = EngineConfig.build(str(path), **settings)
+    if cfg.parallel.tensor_parallel_size > 1:
+        cfg = start_tensor_parallel(cfg)
     return EngineCore(cfg)
 
 
-def start_tensor_parallel(cfg: EngineConfig) -> None:
+def start_tensor_parallel(cfg: EngineConfig) -> EngineConfig:
     """`--engine-arg tensor_parallel_size=N`: start ranks 1..N-1 (engine/tp_worker.py) and join them as
-    rank 0 in this process, as the worker's engine process does; they stop when this process exits."""
+    rank 0 in this process, as the worker's engine process does; they stop when this process exits.
+    Returns the config the ranks meet with."""
     import atexit
 
     from tokenspeed_worker import distributed
-    from tokenspeed_worker.engine.engine_core import rank_device
-    from tokenspeed_worker.engine.tp_worker import start_followers
+    from tokenspeed_worker.engine.tp_worker import join_group, start_followers
 
-    followers = start_followers(cfg)
-    distributed.init(0, cfg.tensor_parallel_size, cfg.dist_init_method, torch.device(rank_device(cfg)))
+    cfg, followers = start_followers(cfg)
+    join_group(cfg)
 
     def stop() -> None:
         try:
@@ -81,6 +82,7 @@ def start_tensor_parallel(cfg: EngineConfig) -> None:
                 proc.kill()
 
     atexit.register(stop)
+    return cfg
 
 
 @dataclasses.dataclass

@@ -59,7 +59,7 @@ def run(core, batch: int, constrained: int, steps: int, prompt_len: int, rng, ti
         next(gen)
     for _ in range(4):
         next(gen)
-    sync(core.cfg.device)
+    sync(core.cfg.model.device)
     t0 = time.perf_counter()
     done = 0
     for out in gen:
@@ -67,7 +67,7 @@ def run(core, batch: int, constrained: int, steps: int, prompt_len: int, rng, ti
             done += 1
         if done == steps:
             break
-    sync(core.cfg.device)
+    sync(core.cfg.model.device)
     mean = (time.perf_counter() - t0) / steps
     for _ in gen:  # drain
         pass

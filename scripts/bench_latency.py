@@ -60,9 +60,9 @@ def main() -> int:
     roofline_step = arithmetic.step_bytes(int(mean_context)) / bandwidth
     result = {
         "model": args.model, "device": args.device, "dtype": str(core.runner.dtype),
-        "attention_backend": getattr(core.runner.attention_backend, "name", core.cfg.attention_backend), "date": time.strftime("%Y-%m-%d"),
+        "attention_backend": getattr(core.runner.attention_backend, "name", core.cfg.model.attention_backend), "date": time.strftime("%Y-%m-%d"),
         "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "overlap_schedule": core.overlap_schedule,
-        "tensor_parallel_size": core.cfg.tensor_parallel_size,
+        "tensor_parallel_size": core.cfg.parallel.tensor_parallel_size,
         "cuda_graphs": core.runner.cuda_graphs is not None,
         "copy_bandwidth_tb_s": bandwidth / 1e12, "weight_bytes": arithmetic.weight_bytes,
         "decode_step_ms_median": 1000 * median, "decode_step_ms_p90": 1000 * float(np.percentile(decode, 90)),

@@ -138,9 +138,9 @@ def main() -> int:
     result = {
         "gpu_idle_gap_ms_median": idle[0], "gpu_idle_gap_ms_mean": idle[1], "gpu_busy_ms_mean": idle[2],
         "model": args.model, "device": args.device, "dtype": str(core.runner.dtype),
-        "attention_backend": getattr(core.runner.attention_backend, "name", core.cfg.attention_backend), "date": time.strftime("%Y-%m-%d"),
+        "attention_backend": getattr(core.runner.attention_backend, "name", core.cfg.model.attention_backend), "date": time.strftime("%Y-%m-%d"),
         "num_requests": args.num_requests, "input_len": args.input_len, "output_len": args.output_len,
-        "max_num_seqs": args.max_num_seqs, "kv_pool_tokens": core.num_blocks * core.cfg.block_size,
+        "max_num_seqs": args.max_num_seqs, "kv_pool_tokens": core.num_blocks * core.cfg.cache.block_size,
         "copy_bandwidth_tb_s": bandwidth / 1e12, "matmul_tflop_s": flops / 1e12,
         "wall_s": wall, "steps": steps, "output_tokens": produced, "output_tok_s": produced / wall,
         "step_roofline_s": minimum, "fraction_of_step_roofline": minimum / wall,
@@ -150,7 +150,7 @@ def main() -> int:
         "host_scheduler_ms_per_step": 1000 * sum(host_times) / max(steps, 1),
         "step_ms_mean": 1000 * wall / max(steps, 1),
         "overlap_schedule": core.overlap_schedule,
-        "tensor_parallel_size": core.cfg.tensor_parallel_size, "cuda_graphs": core.runner.cuda_graphs is not None,
+        "tensor_parallel_size": core.cfg.parallel.tensor_parallel_size, "cuda_graphs": core.runner.cuda_graphs is not None,
         "by_step_kind": kinds,
     }
     print(f"{produced} output tokens in {wall:.1f}s = {produced / wall:.0f} tok/s; step roofline {minimum:.1f}s "

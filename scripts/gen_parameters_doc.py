@@ -1,4 +1,4 @@
-"""Regenerate the parameter tables in docs/parameters.md from tokenspeed_worker/config.py."""
+"""Regenerate the parameter tables in docs/parameters.md from `ServerArgs` (tokenspeed_worker/config/parameters.py)."""
 
 import sys
 from pathlib import Path

@@ -51,6 +51,7 @@ from tests.reference_attention import (  # noqa: E402
 )
 from tokenspeed_worker.layers.attention import TorchAttentionBackend, TritonAttentionBackend  # noqa: E402
 from tokenspeed_worker.layers.attention.triton_backend import triton_attention_kernels  # noqa: E402
+from tokenspeed_worker.config import EngineConfig  # noqa: E402
 from tokenspeed_worker.model_executor.model_runner import ModelRunner  # noqa: E402
 from tokenspeed_worker.scheduler.plan import SchedulePlan  # noqa: E402
 
@@ -236,10 +237,9 @@ def make_runner(path, ctx, backend: str, *, eager: bool, dtype="float32", load_f
         attention = reference_triton_backend(ctx.device) if ctx.allow_reference else TritonAttentionBackend(ctx.device)
     else:
         attention = TorchAttentionBackend()
-    return ModelRunner(
-        str(path), dtype=dtype, device=str(ctx.device), block_size=ctx.block_size, attention_backend=attention,
-        enforce_eager=eager, emulate_cuda_graphs=ctx.dry_run and not eager, load_format=load_format, **kwargs,
-    )
+    cfg = EngineConfig.build(str(path), dtype=dtype, device=str(ctx.device), block_size=ctx.block_size,
+                             enforce_eager=eager, load_format=load_format, **kwargs)
+    return ModelRunner(cfg, attention_backend=attention, emulate_cuda_graphs=ctx.dry_run and not eager)
 
 
 def check_tiny_triton_vs_torch(ctx, path) -> dict:
@@ -327,11 +327,11 @@ def check_tiny_graph_tokens(ctx, path) -> dict:
 
 
 def check_engine_auto(ctx, model, load_format) -> dict:
-    from tokenspeed_worker.engine.engine_core import EngineConfig, EngineCore
+    from tokenspeed_worker.engine.engine_core import EngineCore
     from tokenspeed_worker.engine.messages import AddRequest
 
-    cfg = EngineConfig(
-        model_path=str(model), dtype="bfloat16" if ctx.device.type == "cuda" else "float32",
+    cfg = EngineConfig.build(
+        str(model), dtype="bfloat16" if ctx.device.type == "cuda" else "float32",
         device=str(ctx.device), load_format=load_format, attention_backend="auto", max_model_len=ctx.max_model_len,
         max_num_seqs=64, gpu_memory_utilization=ctx.engine_memory_utilization,
         max_total_tokens=None if ctx.device.type == "cuda" else 4096,

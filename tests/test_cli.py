@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from tokenspeed_worker import cli, config
-from tokenspeed_worker.config import OPTIONS, OPTIONS_BY_DEST, ServerArgs, Status
+from tokenspeed_worker.config import OPTIONS, OPTIONS_BY_DEST, ServerArgs, Status, WorkerConfig, parsing
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DOCS = REPO_ROOT / "docs" / "parameters.md"
@@ -25,7 +25,7 @@ DOCS = REPO_ROOT / "docs" / "parameters.md"
 @pytest.fixture(autouse=True)
 def no_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     """Resolve `--device auto` as on a CPU-only machine, without importing torch."""
-    monkeypatch.setattr(config, "_cuda_available", lambda: False)
+    monkeypatch.setattr(parsing, "_cuda_available", lambda: False)
 
 
 def parse(*argv: str) -> ServerArgs:
@@ -198,7 +198,7 @@ def test_device_auto_resolves_to_cpu_without_cuda() -> None:
 
 
 def test_device_auto_resolves_to_cuda_when_available(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(config, "_cuda_available", lambda: True)
+    monkeypatch.setattr(parsing, "_cuda_available", lambda: True)
     assert parse("/m").device == "cuda"
 
 
@@ -509,10 +509,10 @@ def test_triton_attention_needs_a_gpu(capsys: pytest.CaptureFixture[str], monkey
     stderr = run_main_expecting_exit(capsys, "/m", "--device", "cpu", "--attention-backend", "triton")
     assert stderr[-1] == "tokenspeed-worker: error: argument --attention-backend: triton needs --device cuda"
     assert parse("/m", "--device", "cpu").attention_backend == "torch"
-    monkeypatch.setattr(config, "_cuda_available", lambda: True)
-    monkeypatch.setattr(config, "_triton_importable", lambda: True)
+    monkeypatch.setattr(parsing, "_cuda_available", lambda: True)
+    monkeypatch.setattr(parsing, "_triton_importable", lambda: True)
     assert parse("/m").attention_backend == "triton"  # the GPU default
-    monkeypatch.setattr(config, "_triton_importable", lambda: False)
+    monkeypatch.setattr(parsing, "_triton_importable", lambda: False)
     assert parse("/m").attention_backend == "torch"
 
 
@@ -520,18 +520,16 @@ def test_flashinfer_attention_needs_a_gpu_and_the_package(capsys: pytest.Capture
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     stderr = run_main_expecting_exit(capsys, "/m", "--device", "cpu", "--attention-backend", "flashinfer")
     assert stderr[-1] == "tokenspeed-worker: error: argument --attention-backend: flashinfer needs --device cuda"
-    monkeypatch.setattr(config, "_cuda_available", lambda: True)
-    monkeypatch.setattr(config, "_flashinfer_importable", lambda: False)
+    monkeypatch.setattr(parsing, "_cuda_available", lambda: True)
+    monkeypatch.setattr(parsing, "_flashinfer_importable", lambda: False)
     stderr = run_main_expecting_exit(capsys, "/m", "--attention-backend", "flashinfer")
     assert stderr[-1] == ("tokenspeed-worker: error: argument --attention-backend: flashinfer is not installed "
                           "(pip install flashinfer-python)")
-    monkeypatch.setattr(config, "_flashinfer_importable", lambda: True)
+    monkeypatch.setattr(parsing, "_flashinfer_importable", lambda: True)
     assert parse("/m", "--attention-backend", "flashinfer").attention_backend == "flashinfer"
 
 
 def test_schedule_conservativeness_reaches_the_engine_config() -> None:
-    from tokenspeed_worker.server.launch import engine_config_from_args
-
     args = parse("/m", "--device", "cpu", "--schedule-conservativeness", "0")
-    assert engine_config_from_args(args, 128, "cpu", "float32").schedule_conservativeness == 0.0
-    assert engine_config_from_args(parse("/m", "--device", "cpu"), 128, "cpu", "float32").schedule_conservativeness == 1.0
+    assert WorkerConfig.from_args(args).engine.scheduler.schedule_conservativeness == 0.0
+    assert WorkerConfig.from_args(parse("/m", "--device", "cpu")).engine.scheduler.schedule_conservativeness == 1.0

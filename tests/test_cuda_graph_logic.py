@@ -34,6 +34,7 @@ from tokenspeed_worker.model_executor.cuda_graph import (
     step_input_views,
 )
 from tokenspeed_worker.model_executor.model_runner import ModelRunner
+from worker_harness import make_runner
 
 NUM_BLOCKS = 64
 MAX_MODEL_LEN = 64
@@ -165,7 +166,7 @@ def share_small_batch_gemv(runner: ModelRunner, source: ModelRunner) -> None:
 
 def _runner(path, **kwargs) -> ModelRunner:
     kwargs.setdefault("attention_backend", reference_triton_backend())
-    runner = ModelRunner(
+    runner = make_runner(
         str(path), dtype="float32", block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN, max_num_seqs=8, **kwargs
     )
     runner.allocate_kv_cache(NUM_BLOCKS)
@@ -327,7 +328,7 @@ def test_graphs_off_says_why(llama_path, caplog, kwargs, reason):
 
 
 def test_capture_needs_the_kv_cache_and_freezes_it(llama_path):
-    runner = ModelRunner(
+    runner = make_runner(
         str(llama_path), block_size=BLOCK_SIZE, max_num_seqs=4, emulate_cuda_graphs=True,
         attention_backend=reference_triton_backend(),
     )
@@ -391,10 +392,11 @@ def test_step_tuning_runs_on_one_gpu_only(monkeypatch):
 
 
 def test_engine_passes_graph_config_to_the_runner(llama_path):
-    from tokenspeed_worker.engine.engine_core import EngineConfig, EngineCore
+    from tokenspeed_worker.config import EngineConfig
+    from tokenspeed_worker.engine.engine_core import EngineCore
 
-    core = EngineCore(EngineConfig(
-        model_path=str(llama_path), dtype="float32", block_size=BLOCK_SIZE, max_model_len=128, max_num_seqs=16,
+    core = EngineCore(EngineConfig.build(
+        str(llama_path), dtype="float32", block_size=BLOCK_SIZE, max_model_len=128, max_num_seqs=16,
         max_total_tokens=512, attention_backend="auto", enforce_eager=True, cudagraph_capture_sizes=[1, 4],
     ))
     runner = core.runner
@@ -417,7 +419,7 @@ def test_cuda_graphs_give_the_eager_logits(llama_path, dtype, monkeypatch):
         monkeypatch.setattr(cuda_graph, "ONE_COPY_TABLE_BYTES", 0)
 
     def runner(enforce_eager):
-        r = ModelRunner(
+        r = make_runner(
             str(llama_path), dtype=dtype, device="cuda", block_size=BLOCK_SIZE, attention_backend="triton",
             max_model_len=MAX_MODEL_LEN, max_num_seqs=8, enforce_eager=enforce_eager,
         )
@@ -458,7 +460,7 @@ def test_each_graph_is_tuned_in_step_before_its_capture(llama_path, monkeypatch)
         return {"before_us": 2.0, "after_us": 1.0, "changed": {f"site/{size}": ["a", "b"]}}
 
     monkeypatch.setattr(SmallBatchGemv, "tune_in_step", lambda self, size, step_us: tuner(size, step_us))
-    runner = ModelRunner(
+    runner = make_runner(
         str(llama_path), dtype="bfloat16", device="cuda", block_size=BLOCK_SIZE, attention_backend="triton",
         max_model_len=MAX_MODEL_LEN, max_num_seqs=8,
     )

@@ -9,7 +9,8 @@ import os
 import numpy as np
 import pytest
 
-from tokenspeed_worker.engine.engine_core import EngineConfig, EngineCore
+from tokenspeed_worker.config import EngineConfig
+from tokenspeed_worker.engine.engine_core import EngineCore
 from tokenspeed_worker.engine.messages import AddRequest
 from worker_harness import hf_greedy, tiny_models
 
@@ -29,7 +30,7 @@ def make_core(**overrides) -> EngineCore:
     cfg = dict(model_path=str(tiny_models()[MODEL]), dtype="float32", device=DEVICE, block_size=4,
                max_model_len=256, max_num_seqs=16, max_total_tokens=4096, chunked_prefill_size=33)
     cfg.update(overrides)
-    return EngineCore(EngineConfig(**cfg))
+    return EngineCore(EngineConfig.build(**cfg))
 
 
 def request(req_id, prompt, max_new, *, temperature=0.0, seed=0, wait_for=-1, top_k=-1):

@@ -12,7 +12,8 @@ import os
 import numpy as np
 import pytest
 
-from tokenspeed_worker.engine.engine_core import EngineConfig, EngineCore
+from tokenspeed_worker.config import EngineConfig
+from tokenspeed_worker.engine.engine_core import EngineCore
 from tokenspeed_worker.engine.messages import AddRequest
 from worker_harness import hf_greedy, smollm2_dir, tiny_models
 
@@ -50,9 +51,9 @@ def run_staggered(core: EngineCore, requests: list[AddRequest], arrive_at: list[
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 def test_staggered_mixed_batches_equal_transformers(name, budget, overlap):
     model = tiny_models()[name]
-    core = EngineCore(EngineConfig(model_path=str(model), dtype="float32", device=DEVICE, block_size=4, max_model_len=256,
-                                   max_num_seqs=8, max_total_tokens=4096, chunked_prefill_size=budget,
-                                   overlap_schedule=overlap))
+    core = EngineCore(EngineConfig.build(str(model), dtype="float32", device=DEVICE, block_size=4, max_model_len=256,
+                                         max_num_seqs=8, max_total_tokens=4096, chunked_prefill_size=budget,
+                                         overlap_schedule=overlap))
     rng = np.random.default_rng(7)
     vocab = core.runner.vocab_size
     lengths = [5, 40, 17, 3, 64, 9]
@@ -65,8 +66,8 @@ def test_staggered_mixed_batches_equal_transformers(name, budget, overlap):
 
 def test_smollm2_greedy_equals_transformers():
     model = smollm2_dir()
-    core = EngineCore(EngineConfig(model_path=str(model), dtype="float32", device=DEVICE, max_model_len=512,
-                                   max_total_tokens=2048))
+    core = EngineCore(EngineConfig.build(str(model), dtype="float32", device=DEVICE, max_model_len=512,
+                                         max_total_tokens=2048))
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(model))

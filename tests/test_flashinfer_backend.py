@@ -26,7 +26,7 @@ from tokenspeed_worker.layers.attention.flashinfer_backend import (
     flashinfer_module,
     paged_kv_arrays,
 )
-from tokenspeed_worker.model_executor.model_runner import ModelRunner
+from worker_harness import make_runner
 
 CUDA = torch.cuda.is_available()
 
@@ -142,7 +142,7 @@ def _stand_in_backend() -> FlashInferAttentionBackend:
 @pytest.mark.parametrize("name", MODELS)
 def test_mixed_batches_match_the_torch_backend(name, tiny_model_paths):
     path = str(tiny_model_paths[name])
-    runners = [ModelRunner(path, dtype="float32", block_size=BLOCK_SIZE, attention_backend=backend)
+    runners = [make_runner(path, dtype="float32", block_size=BLOCK_SIZE, attention_backend=backend)
                for backend in ("torch", _stand_in_backend())]
     for runner in runners:
         runner.allocate_kv_cache(NUM_BLOCKS)
@@ -161,7 +161,7 @@ def test_emulated_graphs_replan_every_replay(tiny_model_paths):
     path = str(tiny_model_paths["llama-gqa-tied"])
 
     def runner(**kwargs):
-        r = ModelRunner(path, dtype="float32", block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN, max_num_seqs=8,
+        r = make_runner(path, dtype="float32", block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN, max_num_seqs=8,
                         attention_backend=_stand_in_backend(), **kwargs)
         r.allocate_kv_cache(NUM_BLOCKS)
         r.capture_cuda_graphs()
@@ -214,7 +214,7 @@ def llama_head_dim_64(tiny_model_paths, tmp_path_factory):
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 def test_flashinfer_matches_the_torch_backend_on_cuda(llama_head_dim_64, kv_cache_dtype):
     path = str(llama_head_dim_64)
-    runners = [ModelRunner(path, dtype="bfloat16", device="cuda", block_size=BLOCK_SIZE, attention_backend=backend,
+    runners = [make_runner(path, dtype="bfloat16", device="cuda", block_size=BLOCK_SIZE, attention_backend=backend,
                            kv_cache_dtype=kv_cache_dtype, enforce_eager=True)
                for backend in ("torch", "flashinfer")]
     share_small_batch_gemv(runners[1], runners[0])
@@ -229,7 +229,7 @@ def test_flashinfer_cuda_graphs_give_the_eager_logits(llama_head_dim_64):
     path = str(llama_head_dim_64)
 
     def runner(enforce_eager):
-        r = ModelRunner(path, dtype="bfloat16", device="cuda", block_size=BLOCK_SIZE, attention_backend="flashinfer",
+        r = make_runner(path, dtype="bfloat16", device="cuda", block_size=BLOCK_SIZE, attention_backend="flashinfer",
                         max_model_len=MAX_MODEL_LEN, max_num_seqs=8, enforce_eager=enforce_eager)
         r.allocate_kv_cache(NUM_BLOCKS)
         r.capture_cuda_graphs()

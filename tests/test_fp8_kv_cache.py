@@ -95,15 +95,16 @@ def test_a_model_runs_on_an_fp8_cache(tiny_model_paths):
     """A tiny Llama (float32) on the torch backend: the pool holds 4x the tokens per byte, the
     logits stay close to the float32 cache's (e4m3 keeps 3 mantissa bits), and the engine serves."""
     from test_triton_backend import BLOCK_SIZE, Plans, random_seqs
+    from worker_harness import make_runner
 
-    from tokenspeed_worker.engine.engine_core import EngineConfig, EngineCore
+    from tokenspeed_worker.config import EngineConfig
+    from tokenspeed_worker.engine.engine_core import EngineCore
     from tokenspeed_worker.engine.messages import AddRequest
-    from tokenspeed_worker.model_executor.model_runner import ModelRunner
 
     path = str(tiny_model_paths["llama-gqa-tied"])
     logits = []
     for kv in ("auto", "fp8"):
-        runner = ModelRunner(path, dtype="float32", device=DEVICE.type, block_size=BLOCK_SIZE, kv_cache_dtype=kv)
+        runner = make_runner(path, dtype="float32", device=DEVICE.type, block_size=BLOCK_SIZE, kv_cache_dtype=kv)
         runner.allocate_kv_cache(32)
         assert runner.kv_cache.dtype == (FP8 if kv == "fp8" else torch.float32)
         seqs = random_seqs([20, 9], seed=2)
@@ -119,22 +120,21 @@ def test_a_model_runs_on_an_fp8_cache(tiny_model_paths):
         assert torch.isfinite(got).all()
         torch.testing.assert_close(got, expected, atol=0.15, rtol=0.1)
     with pytest.raises(ValueError, match="kv_cache_dtype"):
-        ModelRunner(path, dtype="float32", device=DEVICE.type, kv_cache_dtype="int4")
+        make_runner(path, dtype="float32", device=DEVICE.type, kv_cache_dtype="int4")
 
-    core = EngineCore(EngineConfig(model_path=path, dtype="float32", device=DEVICE.type, max_model_len=256,
-                                   max_num_seqs=4, max_total_tokens=1024, kv_cache_dtype="fp8"))
+    core = EngineCore(EngineConfig.build(path, dtype="float32", device=DEVICE.type, max_model_len=256,
+                                         max_num_seqs=4, max_total_tokens=1024, kv_cache_dtype="fp8"))
     core.add_request(AddRequest(1, np.arange(3, 40, dtype=np.int32), 8, [], 0.0, -1, 1.0, 0.0, 1))
     tokens = [t for out in core.run_steps() if out is not None for t in out.tokens.tolist()]
     assert len(tokens) == 8 and core.scheduler.num_used_tokens == 0
 
 
 def test_the_cli_accepts_fp8_and_names_it_in_the_engine_config():
-    from tokenspeed_worker.config import check_supported, parse_args
-    from tokenspeed_worker.server.launch import engine_config_from_args
+    from tokenspeed_worker.config import WorkerConfig, check_supported, parse_args
 
     for value in ("fp8", "fp8_e4m3", "auto"):
         args = parse_args(["m", "--kv-cache-dtype", value, "--device", "cpu"])
         check_supported(args)
-        assert engine_config_from_args(args, 128, "cpu", "float32").kv_cache_dtype == value
+        assert WorkerConfig.from_args(args).engine.cache.kv_cache_dtype == value
     with pytest.raises(SystemExit):
         parse_args(["m", "--kv-cache-dtype", "int8"])

@@ -288,8 +288,7 @@ MODELS = ["llama-gqa-tied", "qwen3-qknorm"]
 @pytest.fixture(scope="module")
 def fused_runner_pairs(tiny_model_paths):
     from test_triton_backend import BLOCK_SIZE, NUM_BLOCKS, reference_triton_backend
-
-    from tokenspeed_worker.model_executor.model_runner import ModelRunner
+    from worker_harness import make_runner
 
     device = "cuda" if ON_CUDA else "cpu"
     pairs = {}
@@ -297,7 +296,7 @@ def fused_runner_pairs(tiny_model_paths):
         runners = []
         for _ in range(2):  # (torch path, fused path), each with its own cache
             backend = "triton" if ON_CUDA else reference_triton_backend()
-            runner = ModelRunner(
+            runner = make_runner(
                 str(tiny_model_paths[name]), dtype="float32", device=device, block_size=BLOCK_SIZE,
                 attention_backend=backend,
             )
@@ -339,11 +338,11 @@ def test_tiny_model_bfloat16_logits_fused_match_torch_path(tiny_model_paths):
     from test_triton_backend import BLOCK_SIZE, Plans, random_seqs, reference_triton_backend
 
     from tokenspeed_worker.layers.linear import Linear
-    from tokenspeed_worker.model_executor.model_runner import ModelRunner
+    from worker_harness import make_runner
 
     logits = []
     for mode in ("off", "force"):
-        runner = ModelRunner(
+        runner = make_runner(
             str(tiny_model_paths["qwen3-qknorm"]), dtype="bfloat16", device=DEVICE.type, block_size=BLOCK_SIZE,
             attention_backend="triton" if ON_CUDA else reference_triton_backend(),
         )

@@ -63,11 +63,11 @@ def test_prefill_pending_tokens_follow_requests_in_and_out():
     prompt counts (once for its n samples) until its first token, its end, or an abort."""
     import numpy as np
 
-    from tokenspeed_worker.engine.engine_core import EngineConfig
+    from tokenspeed_worker.config import EngineConfig
     from tokenspeed_worker.engine.messages import AddRequest, StepOutput
     from tokenspeed_worker.server.engine_client import EngineClient
 
-    client = EngineClient(EngineConfig(model_path="unused"))
+    client = EngineClient(EngineConfig.build("unused"))
 
     def add(length):
         return AddRequest(0, np.zeros(length, dtype=np.int32), 4, [], 0.0, -1, 1.0, 0.0, 0)
@@ -91,14 +91,14 @@ def test_a_subscriber_that_falls_behind_is_ended_and_resumes_from_its_cursor():
     sequence number it got replays the rest from the history, events and order intact."""
     import asyncio
 
-    from tokenspeed_worker.engine.engine_core import EngineConfig
+    from tokenspeed_worker.config import EngineConfig
     from tokenspeed_worker.engine.kv_event_publisher import events_wire
     from tokenspeed_worker.engine.messages import EngineReady, KvEvents, Loads
     from tokenspeed_worker.server import kv_event_hub as hub_module
     from tokenspeed_worker.server.engine_client import EngineClient
 
     async def main():
-        client = EngineClient(EngineConfig(model_path="unused"))
+        client = EngineClient(EngineConfig.build("unused"))
         client.ready = EngineReady(num_blocks=8, block_size=4, max_total_tokens=32, max_model_len=16, max_num_seqs=4,
                                    kv_cache_bytes=0, weight_bytes=0, device="cpu", dtype="float32")
         hub = hub_module.KvEventHub(client, heartbeat_s=3600)

@@ -17,6 +17,7 @@ import torch
 
 from tokenspeed_worker.model_executor.model_runner import ModelRunner
 from tokenspeed_worker.scheduler.plan import SchedulePlan
+from worker_harness import make_runner
 
 MODELS = ["llama-gqa-tied", "qwen2-bias", "qwen3-qknorm"]
 BLOCK_SIZE = 4
@@ -119,7 +120,7 @@ def hf_models(tiny_model_paths):
 def runners(tiny_model_paths):
     out = {}
     for name in MODELS:
-        runner = ModelRunner(str(tiny_model_paths[name]), dtype="float32", block_size=BLOCK_SIZE)
+        runner = make_runner(str(tiny_model_paths[name]), dtype="float32", block_size=BLOCK_SIZE)
         runner.allocate_kv_cache(NUM_BLOCKS)
         out[name] = runner
     return out
@@ -228,7 +229,7 @@ def test_greedy_continuation_equals_hf_generate(name, runners, hf_models):
 
 @pytest.mark.parametrize("name", MODELS)
 def test_bfloat16_runs_and_mostly_agrees(name, tiny_model_paths, hf_models):
-    runner = ModelRunner(str(tiny_model_paths[name]), dtype="bfloat16", block_size=BLOCK_SIZE)
+    runner = make_runner(str(tiny_model_paths[name]), dtype="bfloat16", block_size=BLOCK_SIZE)
     runner.allocate_kv_cache(NUM_BLOCKS)
     assert runner.dtype == torch.bfloat16 and runner.kv_cache.dtype == torch.bfloat16
     seqs = random_sequences([40, 25], seed=4)
@@ -244,7 +245,7 @@ def test_bfloat16_runs_and_mostly_agrees(name, tiny_model_paths, hf_models):
 def test_sharded_checkpoint_loads_same_weights(tiny_model_paths, runners):
     path = tiny_model_paths["qwen3-sharded"]
     assert (path / "model.safetensors.index.json").exists() and len(list(path.glob("*.safetensors"))) > 1
-    sharded = ModelRunner(str(path), block_size=BLOCK_SIZE)
+    sharded = make_runner(str(path), block_size=BLOCK_SIZE)
     sharded.allocate_kv_cache(NUM_BLOCKS)
     seq_a, seq_b = random_sequences([30], seed=8), random_sequences([30], seed=8)
     budgeted_steps(PlanBuilder(), sharded, seq_a, budget=16)
@@ -256,7 +257,7 @@ def test_dummy_load_format_needs_only_config(tiny_model_paths, tmp_path):
     shutil.copy(tiny_model_paths["qwen2-bias"] / "config.json", tmp_path / "config.json")
     runs = []
     for seed in (0, 0, 1):
-        runner = ModelRunner(str(tmp_path), load_format="dummy", seed=seed, block_size=BLOCK_SIZE)
+        runner = make_runner(str(tmp_path), load_format="dummy", seed=seed, block_size=BLOCK_SIZE)
         assert runner.load_format == "dummy"
         runner.allocate_kv_cache(16)
         seqs = random_sequences([10])
@@ -265,7 +266,7 @@ def test_dummy_load_format_needs_only_config(tiny_model_paths, tmp_path):
     torch.testing.assert_close(runs[0], runs[1], atol=0, rtol=0)
     assert not torch.equal(runs[0], runs[2])
     with pytest.raises(ValueError, match="dummy"):
-        ModelRunner(str(tmp_path))  # auto finds no weights and says how to go without
+        make_runner(str(tmp_path))  # auto finds no weights and says how to go without
 
 
 def test_sizes_and_attributes(runners):
@@ -284,22 +285,22 @@ def test_sizes_and_attributes(runners):
 def test_clear_errors(tiny_model_paths, tmp_path):
     path = str(tiny_model_paths["llama-gqa-tied"])
     with pytest.raises(ValueError, match="dtype"):
-        ModelRunner(path, dtype="int8")
+        make_runner(path, dtype="int8")
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="triton attention needs a CUDA device"):
-            ModelRunner(path, attention_backend="triton")
+            make_runner(path, attention_backend="triton")
     with pytest.raises(ValueError, match="not supported"):
-        ModelRunner(path, device="mps")
+        make_runner(path, device="mps")
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="CUDA"):
-            ModelRunner(path, device="cuda")
+            make_runner(path, device="cuda")
     with pytest.raises(ValueError, match="load_format"):
-        ModelRunner(path, load_format="pt")
+        make_runner(path, load_format="pt")
     config = (tiny_model_paths["llama-gqa-tied"] / "config.json").read_text()
     (tmp_path / "config.json").write_text(config.replace("LlamaForCausalLM", "GPT2LMHeadModel"))
     with pytest.raises(ValueError, match="LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"):
-        ModelRunner(str(tmp_path), load_format="dummy")
-    runner = ModelRunner(path)
+        make_runner(str(tmp_path), load_format="dummy")
+    runner = make_runner(path)
     with pytest.raises(RuntimeError, match="allocate_kv_cache"):
         runner.forward(PlanBuilder().plan([(Sequence(1, [3, 4]), 2)]))
 
@@ -308,7 +309,7 @@ def test_clear_errors(tiny_model_paths, tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("name", MODELS)
 def test_cuda_matches_hf(name, tiny_model_paths, hf_models):
-    runner = ModelRunner(str(tiny_model_paths[name]), dtype="float32", device="cuda", block_size=BLOCK_SIZE)
+    runner = make_runner(str(tiny_model_paths[name]), dtype="float32", device="cuda", block_size=BLOCK_SIZE)
     runner.allocate_kv_cache(NUM_BLOCKS)
     num_decodes = 5
     seqs = random_sequences([20 + num_decodes, 50 + num_decodes, 3 + num_decodes], seed=2)

@@ -284,9 +284,9 @@ def test_tiny_bf16_model_decode_logits_match_the_unfused_path(tiny_model_paths, 
     and writes the cache itself (at most fuse_rope_max_rows rows); with `persistent`, every site but
     the rotary epilogue's runs a Persistent configuration."""
     from test_triton_backend import BLOCK_SIZE, Plans, random_seqs, reference_triton_backend
+    from worker_harness import make_runner
 
     from tokenspeed_worker.layers.attention.triton_backend import TritonAttentionBackend
-    from tokenspeed_worker.model_executor.model_runner import ModelRunner
 
     if not attention_rotates:  # the two-row steps are "large": the rotary stays out of the attention kernel
         monkeypatch.setattr(TritonAttentionBackend, "fuse_rope_max_rows", 0)
@@ -299,7 +299,7 @@ def test_tiny_bf16_model_decode_logits_match_the_unfused_path(tiny_model_paths, 
                         or configs.append(kw.get("config")) or real(*a, **kw))
     logits = []
     for mode in ("off", "force"):
-        runner = ModelRunner(
+        runner = make_runner(
             str(tiny_model_paths["qwen2-bias"]), dtype="bfloat16", device=DEVICE.type, block_size=BLOCK_SIZE,
             attention_backend="triton" if ON_CUDA else reference_triton_backend(),
         )

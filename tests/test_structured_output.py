@@ -14,7 +14,8 @@ import pytest
 
 pytest.importorskip("xgrammar")
 
-from tokenspeed_worker.engine.engine_core import EngineConfig, EngineCore  # noqa: E402
+from tokenspeed_worker.config import EngineConfig  # noqa: E402
+from tokenspeed_worker.engine.engine_core import EngineCore  # noqa: E402
 from tokenspeed_worker.engine.messages import AddRequest  # noqa: E402
 from tokenspeed_worker.proto import tokenspeed_scheduler_pb2 as pb  # noqa: E402
 from worker_harness import Worker, smollm2_dir  # noqa: E402
@@ -41,8 +42,8 @@ def chat(tok, text: str) -> list[int]:
 @pytest.fixture(scope="module")
 def core():
     m = str(smollm2_dir())
-    return EngineCore(EngineConfig(model_path=m, dtype="float32", max_model_len=1024, max_num_seqs=8,
-                                   max_total_tokens=16384, tokenizer_path=m, overlap_schedule=True))
+    return EngineCore(EngineConfig.build(m, dtype="float32", max_model_len=1024, max_num_seqs=8,
+                                         max_total_tokens=16384, tokenizer_path=m, overlap_schedule=True))
 
 
 def request(tok, req_id, prompt, constraint=None, max_new=64, **kw):
@@ -110,8 +111,8 @@ def test_constrained_batches_keep_overlap_scheduling_and_match_synchronous_steps
     # With overlap, step N+1 is launched before step N completes; its mask waits (inside the launch)
     # only for step N's tokens. Greedy outputs must equal those of synchronous steps, token for token.
     m = str(smollm2_dir())
-    sync = EngineCore(EngineConfig(model_path=m, dtype="float32", max_model_len=1024, max_num_seqs=8,
-                                   max_total_tokens=16384, tokenizer_path=m, overlap_schedule=False))
+    sync = EngineCore(EngineConfig.build(m, dtype="float32", max_model_len=1024, max_num_seqs=8,
+                                         max_total_tokens=16384, tokenizer_path=m, overlap_schedule=False))
     ebnf = 'root ::= "The answer is " ("yes" | "no") "."'
 
     def reqs(base):
@@ -158,8 +159,9 @@ def test_aborts_and_row_reuse_under_overlap_keep_every_grammar_consistent(core, 
     rng = random.Random(7)
     pattern = r"[0-9]{3}-[0-9]{4}"
     prompts = [chat(tok, f"Give me phone number {i}.") for i in range(24)]
-    small = EngineCore(EngineConfig(model_path=str(smollm2_dir()), dtype="float32", max_model_len=512, max_num_seqs=4,
-                                    max_total_tokens=4096, tokenizer_path=str(smollm2_dir()), overlap_schedule=True))
+    small = EngineCore(EngineConfig.build(str(smollm2_dir()), dtype="float32", max_model_len=512, max_num_seqs=4,
+                                          max_total_tokens=4096, tokenizer_path=str(smollm2_dir()),
+                                          overlap_schedule=True))
     outs, ended, aborted = {}, {}, set()
     next_id, pending = 500, None
     for turn in range(400):
@@ -243,9 +245,10 @@ def test_constrained_requests_survive_preemption(tok):
     # A pool too small for all of them at once: requests are preempted and recomputed; each keeps its
     # grammar state (the matcher lives with the request, which loses no sampled token).
     m = str(smollm2_dir())
-    small = EngineCore(EngineConfig(model_path=m, dtype="float32", max_model_len=512, max_num_seqs=8,
-                                    max_total_tokens=160, block_size=16, tokenizer_path=m, overlap_schedule=True,
-                                    schedule_conservativeness=0.0))  # admit past what outputs will need
+    small = EngineCore(EngineConfig.build(m, dtype="float32", max_model_len=512, max_num_seqs=8,
+                                          max_total_tokens=160, block_size=16, tokenizer_path=m,
+                                          overlap_schedule=True,
+                                          schedule_conservativeness=0.0))  # admit past what outputs will need
     schema = ("json_schema", json.dumps(PERSON))
     reqs = [request(tok, 40 + i, chat(tok, f"Person number {i} as JSON."), schema, max_new=64) for i in range(6)]
     outs, reasons, failures, _ = run(small, reqs)

@@ -28,6 +28,7 @@ from tokenspeed_worker.kernels import attention as triton_kernels
 from tokenspeed_worker.layers.attention.triton_backend import TUNE_CALLS
 from tokenspeed_worker.model_executor.model_runner import ModelRunner
 from tokenspeed_worker.scheduler.plan import SchedulePlan
+from worker_harness import make_runner
 
 MODELS = ["llama-gqa-tied", "qwen2-bias", "qwen3-qknorm"]
 BLOCK_SIZE = 4
@@ -150,8 +151,8 @@ def runner_pairs(tiny_model_paths):
     pairs = {}
     for name in MODELS:
         path = str(tiny_model_paths[name])
-        torch_runner = ModelRunner(path, dtype="float32", block_size=BLOCK_SIZE)
-        triton_runner = ModelRunner(
+        torch_runner = make_runner(path, dtype="float32", block_size=BLOCK_SIZE)
+        triton_runner = make_runner(
             path, dtype="float32", block_size=BLOCK_SIZE, attention_backend=reference_triton_backend()
         )
         for runner in (torch_runner, triton_runner):
@@ -369,7 +370,7 @@ def test_auto_picks_triton_only_on_cuda_with_kernels():
 
 
 def test_runner_accepts_auto(tiny_model_paths):
-    runner = ModelRunner(str(tiny_model_paths["llama-gqa-tied"]), attention_backend="auto", block_size=BLOCK_SIZE)
+    runner = make_runner(str(tiny_model_paths["llama-gqa-tied"]), attention_backend="auto", block_size=BLOCK_SIZE)
     assert runner.attention_backend.name == "torch"
 
 
@@ -383,7 +384,7 @@ def test_cuda_triton_kernels_match_torch_backend(name, tiny_model_paths):
     assert backend_kernels_available(), "tokenspeed_worker.kernels.attention must import on the GPU machine"
     path = str(tiny_model_paths[name])
     runners = [
-        ModelRunner(path, dtype="float32", device="cuda", block_size=BLOCK_SIZE, attention_backend=backend)
+        make_runner(path, dtype="float32", device="cuda", block_size=BLOCK_SIZE, attention_backend=backend)
         for backend in ("torch", "triton")
     ]
     for runner in runners:
@@ -512,8 +513,8 @@ def _torch_and_real_kernel_runners(path: str, decode) -> tuple[TritonAttentionBa
                               choose_num_splits=triton_kernels.choose_num_splits,
                               decode_workspace=triton_kernels.decode_workspace)
     backend = TritonAttentionBackend(DEVICE, kernels=kernels)
-    runners = [ModelRunner(path, dtype="float32", device=DEVICE, block_size=BLOCK_SIZE),
-               ModelRunner(path, dtype="float32", device=DEVICE, block_size=BLOCK_SIZE, attention_backend=backend)]
+    runners = [make_runner(path, dtype="float32", device=DEVICE, block_size=BLOCK_SIZE),
+               make_runner(path, dtype="float32", device=DEVICE, block_size=BLOCK_SIZE, attention_backend=backend)]
     for runner in runners:
         runner.allocate_kv_cache(NUM_BLOCKS)
     return backend, runners

@@ -1,7 +1,8 @@
 """Start a real `tokenspeed-worker` process (and the real smg gateway) for tests.
 
 Nothing here is mocked: the worker runs as users run it, on a free loopback
-port, and is stopped with SIGTERM like a supervisor would.
+port, and is stopped with SIGTERM like a supervisor would. Tests that drive a model
+runner alone build it with `make_runner`.
 """
 
 from __future__ import annotations
@@ -192,6 +193,33 @@ def hf_greedy(model_dir: Path | str, prompt_ids: list[int], max_new_tokens: int,
 
 
 # ---- process memory (fuzz and soak tests) ------------------------------------------
+
+
+def make_runner(model_path: Path | str, *, attention_backend="torch", emulate_cuda_graphs: bool = False,
+                **settings):
+    """A ModelRunner of the model at `model_path`; `settings` are engine settings as
+    `EngineConfig.build` takes them (dtype, device, block_size, max_num_seqs, ...).
+    `attention_backend`: a backend name, or an instance to run instead (default: the torch
+    reference). Unset, max_model_len is the model's max_position_embeddings."""
+    import json
+
+    from tokenspeed_worker.config import EngineConfig
+    from tokenspeed_worker.model_executor.model_runner import ModelRunner
+
+    backend = None
+    if isinstance(attention_backend, str):
+        settings["attention_backend"] = attention_backend
+    else:
+        backend = attention_backend
+    if "device" in settings:
+        settings["device"] = str(settings["device"])  # a torch.device names its string
+    if "max_model_len" not in settings:
+        config = Path(model_path) / "config.json"
+        positions = json.loads(config.read_text()).get("max_position_embeddings") if config.exists() else None
+        if positions:
+            settings["max_model_len"] = positions
+    cfg = EngineConfig.build(str(model_path), **settings)
+    return ModelRunner(cfg, attention_backend=backend, emulate_cuda_graphs=emulate_cuda_graphs)
 
 
 def child_pids(pid: int) -> list[int]:

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tokenspeed_worker import env
-from tokenspeed_worker import distributed
+from tokenspeed_worker import distributed, env
+from tokenspeed_worker.config import EngineConfig
 from tokenspeed_worker.engine.kv_event_publisher import events_wire
 from tokenspeed_worker.engine.messages import AddRequest, EngineReady, KvEvents, Loads, StepOutput
 
@@ -46,52 +46,6 @@ THROUGHPUT_WINDOW_S = 10.0  # Loads.gen_throughput: output tokens per second ove
 KV_LOADS_S = 0.02  # KvEvents carry the engine's loads at most this often (server/kv_events.FLUSH_S)
 
 
-@dataclass
-class EngineConfig:
-    model_path: str
-    dtype: str = "auto"
-    device: str = "cpu"
-    load_format: str = "auto"
-    attention_backend: str = "auto"  # triton on CUDA when triton imports, else torch
-    block_size: int = 16
-    max_model_len: int = 2048
-    max_num_seqs: int = 256
-    max_total_tokens: int | None = None
-    chunked_prefill_size: int = 8192
-    max_prefill_tokens: int = 8192
-    # Admission keeps room for the running requests' expected output (scheduler/scheduler.py); 0: off.
-    schedule_conservativeness: float = 1.0
-    gpu_memory_utilization: float = 0.9
-    enable_prefix_caching: bool = True
-    sampling_backend: str | None = None  # None: triton on CUDA when available, else torch
-    seed: int = 0
-    enforce_eager: bool = False  # no CUDA graphs
-    kv_cache_dtype: str = "auto"  # or "fp8"/"fp8_e4m3": the KV pool in float8 e4m3 (model_runner)
-    cudagraph_capture_sizes: list[int] | None = None  # None: 1, 2, 4, 8, 16, 24, ... up to the max
-    max_cudagraph_capture_size: int | None = None  # None: min(256, max_num_seqs)
-    # --kv-events-config, resolved (config.kv_events_settings) when it turns publishing on, else None.
-    kv_events: dict | None = None
-    # Record prefix-cache events for the server's SubscribeKvEvents (the CLI always does; engines
-    # driven directly, as benchmarks do, leave it off so nothing accumulates undrained).
-    report_kv_events: bool = False
-    # Event ids of this engine's KV events: offset + k * stride for its k-th event, so the replicas
-    # of a data-parallel worker never share one (replica index, number of replicas).
-    kv_event_id_offset: int = 0
-    kv_event_id_stride: int = 1
-    # Overlap scheduling (host work of step N+1 while the device runs step N); None: on for CUDA
-    # devices (env TOKENSPEED_OVERLAP_SCHEDULE=1/0 forces it on/off, for tests), off on CPU.
-    overlap_schedule: bool | None = None
-    # Tensor parallelism (engine/tp_worker.py): ranks, this process's rank, and the rendezvous address
-    # (tcp://host:port) the ranks meet at; the device of rank r is the configured CUDA device + r.
-    # Structured output (engine/grammar.py): "xgrammar" or "none"; the tokenizer it is built from.
-    grammar_backend: str = "xgrammar"
-    tokenizer_path: str | None = None
-    tensor_parallel_size: int = 1
-    tp_rank: int = 0
-    dist_init_method: str | None = None
-    nnodes: int = 1  # the ranks span this many nodes, tensor_parallel_size / nnodes on each
-
-
 def size_kv_pool_tokens(cfg: EngineConfig, kv_bytes_per_token: int, device: torch.device, runner=None) -> int:
     """How many tokens the paged KV pool holds when --max-total-tokens is not given.
 
@@ -102,12 +56,15 @@ def size_kv_pool_tokens(cfg: EngineConfig, kv_bytes_per_token: int, device: torc
     (exact static buffers + a fixed allowance, see model_executor/cuda_graph.py), minus an
     estimate for the sampler's [max_num_seqs, vocab] float32 temporaries.
     """
+    cache, scheduler = cfg.cache, cfg.scheduler
+    max_num_seqs, max_model_len = scheduler.max_num_seqs, scheduler.max_model_len
     if device.type == "cuda":
-        step_tokens = cfg.chunked_prefill_size if (cfg.chunked_prefill_size or 0) > 0 else cfg.max_prefill_tokens
+        utilization = cache.gpu_memory_utilization
+        step_tokens = scheduler.token_budget
         if runner is not None:
-            activation = runner.profile_peak_activation_bytes(step_tokens, cfg.max_num_seqs)
+            activation = runner.profile_peak_activation_bytes(step_tokens, max_num_seqs)
             graph_reserve = runner.cuda_graph_reserve_bytes()
-            sampler_reserve = cfg.max_num_seqs * runner.vocab_size * _SAMPLER_BYTES_PER_LOGIT
+            sampler_reserve = max_num_seqs * runner.vocab_size * _SAMPLER_BYTES_PER_LOGIT
             weights = runner.weight_bytes()
         else:  # no runner to profile: a fixed headroom
             activation = max(2 * _GIB, int(0.05 * torch.cuda.mem_get_info(device)[1]))
@@ -115,20 +72,20 @@ def size_kv_pool_tokens(cfg: EngineConfig, kv_bytes_per_token: int, device: torc
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)
         used = total - free
-        budget = int(total * cfg.gpu_memory_utilization) - used - activation - graph_reserve - sampler_reserve
+        budget = int(total * utilization) - used - activation - graph_reserve - sampler_reserve
         logger.info(
             "KV pool sizing: %.2f GiB total x %.2f utilization = %.2f GiB; in use %.2f GiB (weights %.2f GiB); "
             "peak activations %.2f GiB (profiled: %d-token prefill + LM head for %d rows); CUDA graph reserve "
             "%.2f GiB; sampler reserve %.2f GiB -> KV pool %.2f GiB = %d tokens",
-            total / _GIB, cfg.gpu_memory_utilization, total * cfg.gpu_memory_utilization / _GIB, used / _GIB,
-            weights / _GIB, activation / _GIB, step_tokens, cfg.max_num_seqs, graph_reserve / _GIB,
+            total / _GIB, utilization, total * utilization / _GIB, used / _GIB,
+            weights / _GIB, activation / _GIB, step_tokens, max_num_seqs, graph_reserve / _GIB,
             sampler_reserve / _GIB, max(budget, 0) / _GIB, max(budget, 0) // kv_bytes_per_token,
         )
-        if budget <= kv_bytes_per_token * cfg.block_size:
+        if budget <= kv_bytes_per_token * cache.block_size:
             raise RuntimeError(
                 f"no GPU memory left for the KV cache (total {total / _GIB:.1f} GiB, used {used / _GIB:.1f} GiB, "
                 f"peak activations {activation / _GIB:.2f} GiB, CUDA graph reserve {graph_reserve / _GIB:.2f} GiB, "
-                f"--gpu-memory-utilization {cfg.gpu_memory_utilization}); raise --gpu-memory-utilization, "
+                f"--gpu-memory-utilization {utilization}); raise --gpu-memory-utilization, "
                 "lower --chunked-prefill-size or --max-num-seqs, or pass --enforce-eager"
             )
         return budget // kv_bytes_per_token
@@ -140,16 +97,7 @@ def size_kv_pool_tokens(cfg: EngineConfig, kv_bytes_per_token: int, device: torc
         phys = 16 * _GIB
     budget = min(4 * _GIB, phys // 8)
     tokens = budget // kv_bytes_per_token
-    return int(max(cfg.max_model_len, min(tokens, cfg.max_model_len * cfg.max_num_seqs)))
-
-
-def rank_device(cfg: EngineConfig) -> str:
-    """The device of this tensor-parallel rank: the configured CUDA device's index + its rank on its node."""
-    device = torch.device(cfg.device)
-    if device.type != "cuda" or cfg.tensor_parallel_size == 1:
-        return cfg.device
-    local_rank = cfg.tp_rank % (cfg.tensor_parallel_size // max(1, cfg.nnodes))
-    return f"cuda:{(device.index or 0) + local_rank}"
+    return int(max(max_model_len, min(tokens, max_model_len * max_num_seqs)))
 
 
 def build_runner(cfg: EngineConfig):
@@ -158,37 +106,23 @@ def build_runner(cfg: EngineConfig):
     forward and the graph captures hold collectives); the pool size is the smallest any rank can hold."""
     from tokenspeed_worker.model_executor.model_runner import ModelRunner
 
-    torch.manual_seed(cfg.seed)
-    device = rank_device(cfg)
-    if torch.device(device).type == "cuda" and torch.device(device).index is not None:
+    torch.manual_seed(cfg.model.seed)
+    device = torch.device(cfg.rank_device)
+    if device.type == "cuda" and device.index is not None:
         # Triton launches and CUDA-graph captures use the current device: a data-parallel replica
         # or tensor-parallel rank on cuda:1 must make it current, not just place its tensors there.
-        torch.cuda.set_device(torch.device(device))
-    runner = ModelRunner(
-        cfg.model_path,
-        dtype=cfg.dtype,
-        device=device,
-        load_format=cfg.load_format,
-        attention_backend=cfg.attention_backend,
-        block_size=cfg.block_size,
-        seed=cfg.seed,
-        enforce_eager=cfg.enforce_eager,
-        kv_cache_dtype=cfg.kv_cache_dtype,
-        cudagraph_capture_sizes=cfg.cudagraph_capture_sizes,
-        max_cudagraph_capture_size=cfg.max_cudagraph_capture_size,
-        max_num_seqs=cfg.max_num_seqs,
-        max_model_len=cfg.max_model_len,
-    )
+        torch.cuda.set_device(device)
+    runner = ModelRunner(cfg)
     device = torch.device(runner.device)
-    if cfg.max_total_tokens:
-        pool_tokens = int(cfg.max_total_tokens)
+    if cfg.cache.max_total_tokens:
+        pool_tokens = int(cfg.cache.max_total_tokens)
     else:
         pool_tokens = size_kv_pool_tokens(cfg, runner.kv_bytes_per_token(), device, runner)
     if distributed.size() > 1:
         smallest = torch.tensor([pool_tokens], dtype=torch.int64, device=device)
         torch.distributed.all_reduce(smallest, op=torch.distributed.ReduceOp.MIN)
         pool_tokens = int(smallest.item())
-    num_blocks = max(1, pool_tokens // cfg.block_size)
+    num_blocks = max(1, pool_tokens // cfg.cache.block_size)
     runner.allocate_kv_cache(num_blocks)
     runner.tune_attention()
     runner.capture_cuda_graphs()
@@ -205,31 +139,19 @@ class EngineCore:
         self.cfg = cfg
         self.runner, self.num_blocks = build_runner(cfg)
         self.device = torch.device(self.runner.device)
-        self.kv_cache_bytes = self.num_blocks * cfg.block_size * self.runner.kv_bytes_per_token()
-        self.tp_size = cfg.tensor_parallel_size
-
-        chunked = cfg.chunked_prefill_size is not None and cfg.chunked_prefill_size > 0
-        self.scheduler = Scheduler(
-            num_blocks=self.num_blocks,
-            block_size=cfg.block_size,
-            max_num_seqs=cfg.max_num_seqs,
-            max_model_len=cfg.max_model_len,
-            token_budget=cfg.chunked_prefill_size if chunked else cfg.max_prefill_tokens,
-            chunked_prefill=chunked,
-            max_prefill_tokens=cfg.max_prefill_tokens,
-            enable_prefix_caching=cfg.enable_prefix_caching,
-            enable_kv_events=cfg.kv_events is not None or cfg.report_kv_events,
-            schedule_conservativeness=cfg.schedule_conservativeness,
-        )
+        self.kv_cache_bytes = self.num_blocks * cfg.cache.block_size * self.runner.kv_bytes_per_token()
+        self.tp_size = cfg.parallel.tensor_parallel_size
+        self.scheduler = Scheduler.from_config(cfg.scheduler, cfg.cache, self.num_blocks)
         self.kv_publisher = None
         self._kv_events_sent = 0  # KV events handed out by take_kv_events (their ids follow on)
         self._kv_loads_at = -KV_LOADS_S  # time.monotonic() the last KvEvents carried loads
-        if cfg.kv_events is not None:
+        kv_events = cfg.cache.kv_events
+        if kv_events is not None:
             from tokenspeed_worker.engine.kv_event_publisher import ZmqKvEventPublisher
 
-            self.kv_publisher = ZmqKvEventPublisher(cfg.kv_events["endpoint"], cfg.kv_events.get("topic", ""))
-        self.overlap_schedule = resolve_overlap(cfg.overlap_schedule, self.device)
-        self.sampling_backend = cfg.sampling_backend or default_sampling_backend(self.device)
+            self.kv_publisher = ZmqKvEventPublisher(kv_events["endpoint"], kv_events.get("topic", ""))
+        self.overlap_schedule = resolve_overlap(cfg.scheduler.overlap_schedule, self.device)
+        self.sampling_backend = cfg.model.sampling_backend or default_sampling_backend(self.device)
         self.sampler = Sampler(self.sampling_backend)
         self.grammars = self._make_grammars(cfg)
         self._grammar_pending: dict[int, tuple[AddRequest, object]] = {}  # req_id -> (request, future)
@@ -257,14 +179,14 @@ class EngineCore:
         logger.info(
             "engine ready: %s on %s (%s), attention %s, CUDA graphs %s, overlap scheduling %s, KV pool %d blocks x %d tokens (%.2f GiB), "
             "weights %.2f GiB",
-            cfg.model_path,
+            cfg.model.path,
             self.device,
             self.runner.dtype,
             self.runner.attention_backend.name,
             "on" if self.runner.cuda_graphs is not None else f"off ({self.runner.cuda_graphs_off_reason})",
             "on" if self.overlap_schedule else "off",
             self.num_blocks,
-            cfg.block_size,
+            cfg.cache.block_size,
             self.kv_cache_bytes / _GIB,
             self.runner.weight_bytes() / _GIB,
         )
@@ -282,10 +204,10 @@ class EngineCore:
     def ready_message(self) -> EngineReady:
         return EngineReady(
             num_blocks=self.num_blocks,
-            block_size=self.cfg.block_size,
-            max_total_tokens=self.num_blocks * self.cfg.block_size,
-            max_model_len=self.cfg.max_model_len,
-            max_num_seqs=self.cfg.max_num_seqs,
+            block_size=self.cfg.cache.block_size,
+            max_total_tokens=self.num_blocks * self.cfg.cache.block_size,
+            max_model_len=self.cfg.scheduler.max_model_len,
+            max_num_seqs=self.cfg.scheduler.max_num_seqs,
             kv_cache_bytes=self.kv_cache_bytes,
             weight_bytes=self.runner.weight_bytes(),
             device=str(self.device),
@@ -306,7 +228,7 @@ class EngineCore:
             num_used_tokens=s.num_used_tokens,
             num_free_blocks=s.num_free_blocks,
             num_total_blocks=s.num_total_blocks,
-            block_size=self.cfg.block_size,
+            block_size=self.cfg.cache.block_size,
             waiting_tokens=s.waiting_tokens,
             num_preemptions=s.num_preemptions,
             gen_throughput=throughput,
@@ -340,10 +262,10 @@ class EngineCore:
 
         # The server decided whether constraints are served (launch.structured_output_available) and
         # set grammar_backend "none" if not; engines built directly (tests, benchmarks) check here.
-        if cfg.grammar_backend == "none" or not cfg.tokenizer_path or not xgrammar_available():
+        if cfg.model.grammar_backend == "none" or not cfg.model.tokenizer_path or not xgrammar_available():
             return None
         try:
-            return Grammars(cfg.tokenizer_path, _vocab_size(cfg))
+            return Grammars(cfg.model.tokenizer_path, _vocab_size(cfg))
         except Exception as exc:  # a tokenizer xgrammar cannot read: constraints are refused upstream
             logger.warning("structured output unavailable: %s", exc)
             return None
@@ -439,7 +361,7 @@ class EngineCore:
     def take_kv_events(self) -> KvEvents | None:
         """The prefix-cache events recorded since the last call, for the server (published on ZMQ
         too, as one batch, with --kv-events-config); None when there are none or none are recorded."""
-        cfg = self.cfg
+        cfg = self.cfg.cache
         if self.kv_publisher is None and not cfg.report_kv_events:
             return None
         first = cfg.kv_event_id_offset + self._kv_events_sent * cfg.kv_event_id_stride
@@ -702,7 +624,7 @@ class LaunchedStep:
 def _vocab_size(cfg: EngineConfig) -> int:
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(cfg.model_path)
+    config = AutoConfig.from_pretrained(cfg.model.path)
     return int(getattr(config, "vocab_size", None) or config.get_text_config().vocab_size)
 
 

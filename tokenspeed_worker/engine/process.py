@@ -20,6 +20,7 @@ import sys
 import traceback
 from multiprocessing.connection import Connection
 
+from tokenspeed_worker.config import EngineConfig
 from tokenspeed_worker.engine import lifetime
 from tokenspeed_worker.engine.messages import (
     AbortRequests,
@@ -47,20 +48,17 @@ def _setup_logging(level: str) -> None:
     )
 
 
-def engine_main(cfg, conn: Connection, log_level: str = "info") -> None:
+def engine_main(cfg: EngineConfig, conn: Connection, log_level: str = "info") -> None:
     """Entry point of the engine process (spawned by the server)."""
     lifetime.guard()  # first: ignore the service's stop signals, die with the server
     _setup_logging(log_level)
     try:
         from tokenspeed_worker.engine.engine_core import EngineCore
 
-        if cfg.tensor_parallel_size > 1:  # the server started the other ranks; join them (engine/tp_worker.py)
-            import torch
+        if cfg.parallel.tensor_parallel_size > 1:  # the server started the other ranks; join them
+            from tokenspeed_worker.engine.tp_worker import join_group
 
-            from tokenspeed_worker import distributed
-            from tokenspeed_worker.engine.engine_core import rank_device
-
-            distributed.init(0, cfg.tensor_parallel_size, cfg.dist_init_method, torch.device(rank_device(cfg)))
+            join_group(cfg)
         core = EngineCore(cfg)
     except Exception as exc:  # startup failure: say why, in one line, and exit
         logger.error("engine failed to start: %s", exc)

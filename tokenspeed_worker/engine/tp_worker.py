@@ -17,7 +17,6 @@ it down.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import multiprocessing
 import os
@@ -25,6 +24,7 @@ import signal
 import socket
 import sys
 
+from tokenspeed_worker.config import EngineConfig
 from tokenspeed_worker.engine import lifetime
 
 logger = logging.getLogger(__name__)
@@ -36,31 +36,42 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def node_ranks(cfg, node_rank: int) -> range:
+def node_ranks(cfg: EngineConfig, node_rank: int) -> range:
     """The tensor-parallel ranks node `node_rank` runs (tensor_parallel_size / nnodes consecutive ones)."""
-    per_node = cfg.tensor_parallel_size // max(1, cfg.nnodes)
+    per_node = cfg.parallel.ranks_per_node
     return range(node_rank * per_node, (node_rank + 1) * per_node)
 
 
-def start_followers(cfg, log_level: str = "info", node_rank: int = 0) -> list:
-    """Start this node's follower ranks (on node 0, all its ranks but rank 0); returns the processes.
-    Without a rendezvous address, picks a free loopback port (one node) and fills in
-    `cfg.dist_init_method` for rank 0 to use too."""
-    if not cfg.dist_init_method:
-        cfg.dist_init_method = f"tcp://127.0.0.1:{free_port()}"
+def start_followers(cfg: EngineConfig, log_level: str = "info", node_rank: int = 0) -> tuple[EngineConfig, list]:
+    """Start this node's follower ranks (on node 0, all its ranks but rank 0); returns the config
+    the ranks meet with, for rank 0 to use too, and the processes. Without a rendezvous address
+    it picks a free loopback port (one node)."""
+    if not cfg.parallel.dist_init_method:
+        cfg = cfg.replace(dist_init_method=f"tcp://127.0.0.1:{free_port()}")
     ctx = multiprocessing.get_context("spawn")
     procs = []
     for rank in node_ranks(cfg, node_rank):
         if rank == 0:
             continue
-        rank_cfg = dataclasses.replace(cfg, tp_rank=rank)
+        rank_cfg = cfg.replace(tp_rank=rank)
         proc = ctx.Process(target=follower_main, args=(rank_cfg, log_level), name=f"tokenspeed-tp{rank}", daemon=True)
         lifetime.start(proc)
         procs.append(proc)
-    return procs
+    return cfg, procs
 
 
-def run_node(cfg, node_rank: int, log_level: str = "info") -> int:
+def join_group(cfg: EngineConfig) -> None:
+    """Join the tensor-parallel group as `cfg`'s rank, on its device (distributed.init)."""
+    import torch
+
+    from tokenspeed_worker import distributed
+
+    parallel = cfg.parallel
+    distributed.init(parallel.tp_rank, parallel.tensor_parallel_size, parallel.dist_init_method,
+                     torch.device(cfg.rank_device))
+
+
+def run_node(cfg: EngineConfig, node_rank: int, log_level: str = "info") -> int:
     """A node other than 0 (`--node-rank N`): run its ranks until they end (node 0 stops them, or the
     group fails). Returns 0 when every rank stopped cleanly, else 1.
 
@@ -80,9 +91,9 @@ def run_node(cfg, node_rank: int, log_level: str = "info") -> int:
 
     for sig in lifetime.STOP_SIGNALS:
         signal.signal(sig, on_signal)
-    procs = start_followers(cfg, log_level, node_rank)
-    logger.info("node %d of %d: ranks %s started, meeting at %s", node_rank, cfg.nnodes,
-                list(node_ranks(cfg, node_rank)), cfg.dist_init_method)
+    cfg, procs = start_followers(cfg, log_level, node_rank)
+    logger.info("node %d of %d: ranks %s started, meeting at %s", node_rank, cfg.parallel.nnodes,
+                list(node_ranks(cfg, node_rank)), cfg.parallel.dist_init_method)
     for proc in procs:
         proc.join()
     codes = [proc.exitcode for proc in procs]
@@ -92,27 +103,24 @@ def run_node(cfg, node_rank: int, log_level: str = "info") -> int:
     return 0 if all(code == 0 for code in codes) else 1
 
 
-def follower_main(cfg, log_level: str = "info") -> None:
+def follower_main(cfg: EngineConfig, log_level: str = "info") -> None:
     """Ranks 1..N-1: build the same runner in lockstep with rank 0, then run every plan it broadcasts."""
     lifetime.guard()  # first: ignore the service's stop signals, die with the server
+    rank, size = cfg.parallel.tp_rank, cfg.parallel.tensor_parallel_size
     logging.basicConfig(
         level=getattr(logging, log_level.upper(), logging.INFO),
-        format=f"%(asctime)s %(levelname)s [tp{cfg.tp_rank}] %(name)s: %(message)s",
+        format=f"%(asctime)s %(levelname)s [tp{rank}] %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    import torch
-
-    from tokenspeed_worker import distributed
-    from tokenspeed_worker.engine.engine_core import build_runner, rank_device
+    from tokenspeed_worker.engine.engine_core import build_runner
 
     try:
-        distributed.init(cfg.tp_rank, cfg.tensor_parallel_size, cfg.dist_init_method, torch.device(rank_device(cfg)))
+        join_group(cfg)
         runner, _ = build_runner(cfg)
-        logger.info("tensor-parallel rank %d of %d ready on %s (pid %d)", cfg.tp_rank, cfg.tensor_parallel_size,
-                    runner.device, os.getpid())
+        logger.info("tensor-parallel rank %d of %d ready on %s (pid %d)", rank, size, runner.device, os.getpid())
         run_follower(runner)
     except Exception as exc:  # rank 0 went away, or this rank failed: the others notice through their collectives
-        logger.error("tensor-parallel rank %d stopping: %s: %s", cfg.tp_rank, type(exc).__name__, exc)
+        logger.error("tensor-parallel rank %d stopping: %s: %s", rank, type(exc).__name__, exc)
         os._exit(1)
     os._exit(0)
 

@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-LOAD_FORMATS = ("auto", "safetensors", "dummy")
+from tokenspeed_worker.config import ModelConfig
+
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 DUMMY_STD = 0.02
 
@@ -29,8 +30,7 @@ def safetensors_files(model_path: str | Path) -> list[Path]:
 
 
 def resolve_load_format(model_path: str | Path, load_format: str) -> str:
-    if load_format not in LOAD_FORMATS:
-        raise ValueError(f"load_format {load_format!r} is not supported (supported: {', '.join(LOAD_FORMATS)})")
+    """"safetensors" or "dummy": what `load_format` (a ModelConfig one) loads from `model_path`."""
     if load_format == "auto":
         if not safetensors_files(model_path):
             raise ValueError(
@@ -67,11 +67,12 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
 
 
 @torch.no_grad()
-def load_model_weights(model: nn.Module, model_path: str | Path, load_format: str = "auto", seed: int = 0) -> str:
-    """Fill the model's weights; returns the format used ("safetensors" or "dummy")."""
-    load_format = resolve_load_format(model_path, load_format)
+def load_model_weights(model: nn.Module, config: ModelConfig) -> str:
+    """Fill the model's weights as `config` says (its path, load_format and seed); returns the
+    format used ("safetensors" or "dummy")."""
+    load_format = resolve_load_format(config.path, config.load_format)
     if load_format == "dummy":
-        init_dummy_weights(model, seed)
+        init_dummy_weights(model, config.seed)
     else:
-        model.load_weights(iter_safetensors(model_path))
+        model.load_weights(iter_safetensors(config.path))
     return load_format

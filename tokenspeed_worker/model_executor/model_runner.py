@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from tokenspeed_worker import distributed
+from tokenspeed_worker.config import EngineConfig, resolve_dtype
 from tokenspeed_worker.layers import small_batch_gemv
 from tokenspeed_worker.layers.attention import Attention, AttentionBackend, AttentionInputs, get_attention_backend
 from tokenspeed_worker.model_executor.cuda_graph import (
@@ -43,45 +44,16 @@ logger = logging.getLogger(__name__)
 
 _MIB = 1 << 20
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "fp16": torch.float16,
-}
+TORCH_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_dtype(dtype: str | torch.dtype, hf_config) -> torch.dtype:
-    """"auto" keeps the checkpoint's dtype (config `dtype`, or `torch_dtype` before transformers 5)."""
-    if isinstance(dtype, torch.dtype):
-        if dtype in DTYPES.values():
-            return dtype
-        raise ValueError(f"dtype {dtype} is not supported (supported: float32, bfloat16, float16)")
-    if dtype == "auto":
-        config_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or "float32"
-        if isinstance(config_dtype, torch.dtype):
-            config_dtype = str(config_dtype).removeprefix("torch.")
-        return resolve_dtype(str(config_dtype), hf_config)
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype {dtype!r} is not supported (supported: auto, {', '.join(DTYPES)})")
-    return DTYPES[dtype]
-
-
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
-
-
-def resolve_device(device: str | torch.device) -> torch.device:
+def resolve_device(device: str) -> torch.device:
+    """The torch device of "cpu", "cuda" or "cuda:N" (bare "cuda": the current CUDA device)."""
     device = torch.device(device)
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(f"device {str(device)!r} requested but CUDA is not available")
         return torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
-    if device.type != "cpu":
-        raise ValueError(f"device {str(device)!r} is not supported (supported: cpu, cuda, cuda:N)")
     return device
 
 
@@ -96,64 +68,44 @@ def _default_dtype(dtype: torch.dtype):
 
 
 class ModelRunner:
-    def __init__(
-        self,
-        model_path: str,
-        *,
-        dtype: str = "auto",
-        device: str = "cpu",
-        load_format: str = "auto",
-        attention_backend: str | AttentionBackend = "torch",
-        block_size: int = 16,
-        seed: int = 0,
-        enforce_eager: bool = False,
-        cudagraph_capture_sizes: list[int] | None = None,
-        max_cudagraph_capture_size: int | None = None,
-        max_num_seqs: int = 256,
-        max_model_len: int | None = None,
-        emulate_cuda_graphs: bool = False,
-        kv_cache_dtype: str = "auto",
-    ) -> None:
-        """attention_backend: "torch", "triton", "auto" (triton on CUDA when its kernels can run, else
-        torch) or a backend instance. max_model_len: the longest sequence (default: the model's
-        max_position_embeddings); it sets the CUDA graphs' block table width. emulate_cuda_graphs:
-        "capture" by recording the decode step and "replay" by re-running it on the static buffers,
-        so CPU tests exercise the graph path (padding, dummy block, static buffers). kv_cache_dtype:
-        "auto" (the model's dtype) or "fp8"/"fp8_e4m3" (float8 e4m3, unscaled: values saturate at
-        +-448; the attention kernels widen it to the model's dtype as they read)."""
+    def __init__(self, config: EngineConfig, *, attention_backend: AttentionBackend | None = None,
+                 emulate_cuda_graphs: bool = False) -> None:
+        """The runner of `config`'s model (its model, cache and scheduler sections) on this rank's
+        device (`config.rank_device`); max_model_len sets the CUDA graphs' block table width. The
+        model section's attention_backend is "torch", "triton", "flashinfer" or "auto" (triton on
+        CUDA when its kernels can run, else torch); `attention_backend`, a backend instance,
+        replaces it. `emulate_cuda_graphs`: "capture" by recording the decode step and "replay" by
+        re-running it on the static buffers, so CPU tests exercise the graph path (padding, dummy
+        block, static buffers)."""
         from transformers import AutoConfig
 
-        if block_size < 1:
-            raise ValueError(f"block_size must be positive, got {block_size}")
-        self.model_path = str(model_path)
+        self.model_path = config.model.path
         if not (Path(self.model_path) / "config.json").exists():
             raise ValueError(f"no config.json in {self.model_path}")
         self.hf_config = AutoConfig.from_pretrained(self.model_path)
-        self.device = resolve_device(device)
-        self.dtype = resolve_dtype(dtype, self.hf_config)
-        if kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
-        self.kv_dtype = self.dtype if kv_cache_dtype == "auto" else torch.float8_e4m3fn
-        if isinstance(attention_backend, AttentionBackend):
+        self.device = resolve_device(config.rank_device)
+        self.dtype = TORCH_DTYPES[resolve_dtype(config.model.dtype, self.device.type, self.model_path)]
+        self.kv_dtype = self.dtype if config.cache.kv_cache_dtype == "auto" else torch.float8_e4m3fn
+        if attention_backend is not None:
             self.attention_backend = attention_backend
         else:
-            self.attention_backend = get_attention_backend(attention_backend, self.device)
-        self.block_size = block_size
-        self.seed = seed
+            self.attention_backend = get_attention_backend(config.model.attention_backend, self.device)
+        self.block_size = config.cache.block_size
+        self.seed = config.model.seed
 
         model_class = get_model_class(self.hf_config)
-        torch.manual_seed(seed)
+        torch.manual_seed(self.seed)
         # This runner's small-batch GEMV choices: its layers consult it (layers/small_batch_gemv.py).
         self.small_batch_gemv = small_batch_gemv.SmallBatchGemv()
         with torch.device(self.device), _default_dtype(self.dtype), small_batch_gemv.building(self.small_batch_gemv):
             self.model = model_class(self.hf_config)
-        self.load_format = load_model_weights(self.model, self.model_path, load_format, seed)
+        self.load_format = load_model_weights(self.model, config.model)
         self.model.eval()
 
         self.vocab_size: int = self.hf_config.vocab_size
         self.num_layers: int = self.hf_config.num_hidden_layers
         self.head_dim: int = head_dim_of(self.hf_config)
-        self.max_model_len: int = max_model_len or self.hf_config.max_position_embeddings
+        self.max_model_len: int = config.scheduler.max_model_len
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         # This rank's heads (with tensor parallelism a share of the model's; distributed.py).
         self.num_heads: int = self.attention_layers[0].num_heads
@@ -166,9 +118,10 @@ class ModelRunner:
 
         # CUDA graphs: decided here, because they change the pool's size (one dummy block).
         self.emulate_cuda_graphs = emulate_cuda_graphs
-        self.max_num_seqs = max_num_seqs
-        self.cudagraph_sizes = capture_sizes(max_num_seqs, cudagraph_capture_sizes, max_cudagraph_capture_size)
-        self.cuda_graphs_off_reason = self._cuda_graphs_off_reason(enforce_eager)
+        self.max_num_seqs = max_num_seqs = config.scheduler.max_num_seqs
+        self.cudagraph_sizes = capture_sizes(max_num_seqs, config.model.cudagraph_capture_sizes,
+                                             config.model.max_cudagraph_capture_size)
+        self.cuda_graphs_off_reason = self._cuda_graphs_off_reason(config.model.enforce_eager)
         self.use_cuda_graphs = self.cuda_graphs_off_reason is None
         self.cuda_graphs: DecodeGraphs | None = None
         self.graph_bytes = 0  # device memory of the captured decode graphs (capture_cuda_graphs)

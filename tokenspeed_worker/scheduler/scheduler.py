@@ -25,6 +25,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from tokenspeed_worker import _scheduler_core
+from tokenspeed_worker.config import CacheConfig, SchedulerConfig
 from tokenspeed_worker.scheduler.plan import SchedulePlan
 
 ROOT_BLOCK_HASH: int = _scheduler_core.ROOT_BLOCK_HASH
@@ -51,7 +52,8 @@ class FinishReason(enum.IntEnum):
 
 class Scheduler:
     """Continuous batching with chunked prefill over a paged KV cache of `num_blocks`
-    blocks of `block_size` slots.
+    blocks of `block_size` slots. The engine builds it from its config sections
+    (`from_config`); the constructor takes the native core's parameters one by one.
 
     `token_budget` caps the tokens computed in one step (--chunked-prefill-size);
     decode rows always run, prefill chunks share what they leave. With
@@ -103,6 +105,23 @@ class Scheduler:
             enable_kv_events=enable_kv_events,
             hash_bits=_hash_bits,
             schedule_conservativeness=float(schedule_conservativeness),
+        )
+
+    @classmethod
+    def from_config(cls, scheduler: SchedulerConfig, cache: CacheConfig, num_blocks: int) -> Scheduler:
+        """The engine's scheduler: its limits from the scheduler section, the pool's block size,
+        prefix caching and event recording from the cache section, over `num_blocks` blocks."""
+        return cls(
+            num_blocks=num_blocks,
+            block_size=cache.block_size,
+            max_num_seqs=scheduler.max_num_seqs,
+            max_model_len=scheduler.max_model_len,
+            token_budget=scheduler.token_budget,
+            chunked_prefill=scheduler.chunked_prefill,
+            max_prefill_tokens=scheduler.max_prefill_tokens,
+            enable_prefix_caching=cache.enable_prefix_caching,
+            enable_kv_events=cache.records_kv_events,
+            schedule_conservativeness=scheduler.schedule_conservativeness,
         )
 
     # -- requests -------------------------------------------------------------------

@@ -126,15 +126,15 @@ def replica_config(cfg, index: int, count: int = 1):
     import torch
 
     if count > 1:
-        cfg = dataclasses.replace(cfg, kv_event_id_offset=index, kv_event_id_stride=count)
+        cfg = cfg.replace(kv_event_id_offset=index, kv_event_id_stride=count)
     if index == 0:
         return cfg
-    device = torch.device(cfg.device)
+    device = torch.device(cfg.model.device)
     if device.type == "cuda":
-        device = f"cuda:{(device.index or 0) + index * cfg.tensor_parallel_size}"
+        device = f"cuda:{(device.index or 0) + index * cfg.parallel.tensor_parallel_size}"
     else:
-        device = cfg.device
-    return dataclasses.replace(cfg, device=device, dist_init_method=None)
+        device = cfg.model.device
+    return cfg.replace(device=device, dist_init_method=None)
 
 
 class EngineClient:
@@ -201,10 +201,10 @@ class EngineClient:
 
         ctx = mp.get_context("spawn")
         cfg = replica.cfg
-        if cfg.tensor_parallel_size > 1:  # ranks 1..N-1 first; rank 0 (the engine) joins them
+        if cfg.parallel.tensor_parallel_size > 1:  # ranks 1..N-1 first; rank 0 (the engine) joins them
             from tokenspeed_worker.engine.tp_worker import start_followers
 
-            replica.followers = start_followers(cfg, self._log_level)
+            cfg, replica.followers = start_followers(cfg, self._log_level)
         self._check_cancelled()
         parent, child = ctx.Pipe(duplex=True)
         name = "tokenspeed-engine" if self.data_parallel_size == 1 else f"tokenspeed-engine-dp{replica.index}"

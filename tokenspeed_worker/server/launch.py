@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-import json
 import time
 import logging
 import os
@@ -26,9 +25,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from tokenspeed_worker.engine.engine_core import EngineConfig
+from tokenspeed_worker.config import EngineConfig, ServerArgs, ServerConfig, WorkerConfig
 from tokenspeed_worker.engine.messages import AddRequest
-from tokenspeed_worker.proto import tokenspeed_scheduler_pb2 as pb, tokenspeed_scheduler_pb2_grpc as pb_grpc
+from tokenspeed_worker.proto import tokenspeed_scheduler_pb2_grpc as pb_grpc
 from tokenspeed_worker.engine.lifetime import STOP_SIGNALS
 from tokenspeed_worker.server.engine_client import EngineClient, EngineUnavailable, StartCancelled
 from tokenspeed_worker.server.model_info import load_model_facts
@@ -49,69 +48,10 @@ GRPC_OPTIONS = [
 ]
 
 
-def resolve_device(device: str) -> str:
-    if device == "auto":
-        import torch
-
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return device
-
-
-def resolve_dtype(dtype: str, device: str, model_path: str) -> str:
-    """'auto' follows the model's config on a GPU; on a CPU it picks float32, which is
-    faster there than bf16 without native bf16 matrix units and matches references exactly."""
-    aliases = {"half": "float16", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-    dtype = aliases.get(dtype, dtype)
-    if dtype != "auto":
-        return dtype
-    if device == "cpu":
-        return "float32"
-    try:
-        with open(os.path.join(model_path, "config.json"), encoding="utf-8") as f:
-            cfg = json.load(f)
-        found = cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"
-    except OSError:
-        found = "bfloat16"
-    return found if found in ("bfloat16", "float16", "float32") else "bfloat16"
-
-
-def engine_config_from_args(args, max_model_len: int, device: str, dtype: str) -> EngineConfig:
-    return EngineConfig(
-        model_path=args.model,
-        dtype=dtype,
-        device=f"cuda:{args.base_gpu_id}" if device == "cuda" and args.base_gpu_id else device,
-        load_format=args.load_format,
-        attention_backend=args.attention_backend or "auto",
-        block_size=args.block_size,
-        max_model_len=max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_total_tokens=args.max_total_tokens,
-        chunked_prefill_size=args.chunked_prefill_size,
-        max_prefill_tokens=args.max_prefill_tokens,
-        schedule_conservativeness=getattr(args, "schedule_conservativeness", 1.0),
-        gpu_memory_utilization=getattr(args, "gpu_memory_utilization", 0.9),
-        enable_prefix_caching=args.enable_prefix_caching,
-        sampling_backend=args.sampling_backend,
-        enforce_eager=args.enforce_eager,
-        kv_cache_dtype=args.kv_cache_dtype,
-        overlap_schedule=False if getattr(args, "disable_overlap_schedule", False) else None,
-        tensor_parallel_size=getattr(args, "tensor_parallel_size", 1) or 1,
-        grammar_backend=getattr(args, "grammar_backend", "xgrammar") or "xgrammar",
-        tokenizer_path=getattr(args, "tokenizer", None) or args.model,
-        nnodes=getattr(args, "nnodes", 1) or 1,
-        dist_init_method=f"tcp://{args.dist_init_addr}" if getattr(args, "dist_init_addr", None) else None,
-        cudagraph_capture_sizes=args.cudagraph_capture_sizes,
-        max_cudagraph_capture_size=args.max_cudagraph_capture_size,
-        seed=getattr(args, "seed", 0) or 0,
-        kv_events=_kv_events(args),
-        report_kv_events=True,  # SubscribeKvEvents is always served
-    )
-
-
-def structured_output_available(args, facts) -> bool:
+def structured_output_available(engine_cfg: EngineConfig, facts) -> bool:
     """Whether constraints are applied: --grammar-backend xgrammar, the xgrammar package, a tokenizer.
     Logged once at startup when the backend is on but cannot work."""
-    if getattr(args, "grammar_backend", "xgrammar") == "none":
+    if engine_cfg.model.grammar_backend == "none":
         return False
     if importlib.util.find_spec("xgrammar") is None:
         logger.warning("structured output off: the xgrammar package is not installed (pip install xgrammar)")
@@ -120,22 +60,6 @@ def structured_output_available(args, facts) -> bool:
         logger.warning("structured output off: no tokenizer.json next to the model")
         return False
     return True
-
-
-def _kv_events(args) -> dict | None:
-    """The resolved --kv-events-config when it turns publishing on, else None."""
-    from tokenspeed_worker.config import kv_events_enabled, kv_events_settings
-
-    text = getattr(args, "kv_events_config", None)
-    if not kv_events_enabled(text):
-        return None
-    missing = [m for m in ("zmq", "msgpack") if importlib.util.find_spec(m) is None]
-    if missing:
-        raise ValueError(
-            f"--kv-events-config: publishing needs the Python package(s) {', '.join(missing)} "
-            "(pip install pyzmq msgpack)"
-        )
-    return kv_events_settings(text)
 
 
 async def _warm_up(engine: EngineClient, facts) -> None:
@@ -162,9 +86,11 @@ def _kill_on_signal(engine: EngineClient):
     return handler
 
 
-async def serve(args, facts, engine: EngineClient, signals: list[int] | None = None) -> int:
-    """Serve until a stop signal or the engine's death. `signals`: stop signals already received
-    (during startup); the ones received here are appended."""
+async def serve(server_cfg: ServerConfig, args: ServerArgs, facts, engine: EngineClient,
+                signals: list[int] | None = None) -> int:
+    """Serve until a stop signal or the engine's death. `args`: what the servicer and the metrics
+    read (and GetServerInfo reports). `signals`: stop signals already received (during startup);
+    the ones received here are appended."""
     loop = asyncio.get_running_loop()
     engine.attach(loop)
     stop = asyncio.Event()
@@ -182,7 +108,7 @@ async def serve(args, facts, engine: EngineClient, signals: list[int] | None = N
         name = signal.Signals(sig).name
         if not stop.is_set():
             logger.info("%s: shutting down: draining in-flight requests for up to %.0fs "
-                        "(a second SIGTERM/SIGINT stops at once)", name, float(getattr(args, "drain_timeout", 30.0)))
+                        "(a second SIGTERM/SIGINT stops at once)", name, server_cfg.drain_timeout)
             stop.set()
         elif not now.is_set():
             logger.warning("%s again: stopping now", name)
@@ -197,7 +123,8 @@ async def serve(args, facts, engine: EngineClient, signals: list[int] | None = N
         except (NotImplementedError, RuntimeError, ValueError):
             pass
     try:
-        return await _serve(args, facts, engine, stop, now, signals, lambda: exit_code)  # read late: on_dead sets it
+        # exit_code is read late: on_dead sets it.
+        return await _serve(server_cfg, args, facts, engine, stop, now, signals, lambda: exit_code)
     finally:
         # From here a stop signal kills the engine processes (engine.shutdown is next); swapped
         # here, not after the loop closes, which would restore the default handlers meanwhile.
@@ -206,8 +133,8 @@ async def serve(args, facts, engine: EngineClient, signals: list[int] | None = N
             signal.signal(sig, _kill_on_signal(engine))
 
 
-async def _serve(args, facts, engine: EngineClient, stop: asyncio.Event, now: asyncio.Event,
-                 signals: list[int], exit_code) -> int:
+async def _serve(server_cfg: ServerConfig, args: ServerArgs, facts, engine: EngineClient, stop: asyncio.Event,
+                 now: asyncio.Event, signals: list[int], exit_code) -> int:
     """serve()'s body; `exit_code()`: 0, or 1 once the engine died."""
     if signals:  # a stop signal came between the engine's start and the handlers above
         stop.set()
@@ -238,10 +165,10 @@ async def _serve(args, facts, engine: EngineClient, stop: asyncio.Event, now: as
     from tokenspeed_worker.server.decode_guard import DecodeErrorInterceptor
 
     interceptors = [DecodeErrorInterceptor()]  # outermost: sees the handler auth may have replaced
-    if getattr(args, "api_key", None):
+    if server_cfg.api_key:
         from tokenspeed_worker.server.auth import ApiKeyInterceptor
 
-        interceptors.append(ApiKeyInterceptor(args.api_key))
+        interceptors.append(ApiKeyInterceptor(server_cfg.api_key))
     server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=interceptors)
     servicer = TokenSpeedSchedulerServicer(engine, facts, args)
     pb_grpc.add_TokenSpeedSchedulerServicer_to_server(servicer, server)
@@ -250,9 +177,9 @@ async def _serve(args, facts, engine: EngineClient, stop: asyncio.Event, now: as
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
     )
-    address = f"{args.host}:{args.grpc_port}"
-    if ":" in args.host and not args.host.startswith("["):
-        address = f"[{args.host}]:{args.grpc_port}"
+    address = f"{server_cfg.host}:{server_cfg.grpc_port}"
+    if ":" in server_cfg.host and not server_cfg.host.startswith("["):
+        address = f"[{server_cfg.host}]:{server_cfg.grpc_port}"
     try:
         port = server.add_insecure_port(address)
     except RuntimeError as e:
@@ -262,11 +189,11 @@ async def _serve(args, facts, engine: EngineClient, stop: asyncio.Event, now: as
     servicer.serving = True
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    if getattr(args, "api_key", None):
+    if server_cfg.api_key:
         logger.info("API key required on every RPC except the health checks")
     logger.info("tokenspeed-worker serving %s on %s (port %d)", facts.served_model_name, address, port)
 
-    watchdog = asyncio.create_task(_watchdog(engine, float(getattr(args, "watchdog_timeout", 300.0))))
+    watchdog = asyncio.create_task(_watchdog(engine, server_cfg.watchdog_timeout))
     await stop.wait()
     watchdog.cancel()
     if metrics_task is not None:
@@ -276,7 +203,7 @@ async def _serve(args, facts, engine: EngineClient, stop: asyncio.Event, now: as
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     if exit_code() == 0:
-        await _drain(engine, servicer, float(getattr(args, "drain_timeout", 30.0)), now)
+        await _drain(engine, servicer, server_cfg.drain_timeout, now)
     await server.stop(grace=1.0)
     if metrics_server is not None:
         metrics_server.shutdown()
@@ -341,51 +268,34 @@ async def _watchdog(engine: EngineClient, timeout: float) -> None:
             return
 
 
-    return exit_code
-
-
-def _max_positions(model_path: str) -> int | None:
-    try:
-        with open(os.path.join(model_path, "config.json"), encoding="utf-8") as f:
-            cfg = json.load(f)
-    except OSError:
-        return None
-    return (cfg.get("text_config") or cfg).get("max_position_embeddings")
-
-
-def run_server(args) -> int:
-    """Run the worker until SIGTERM/SIGINT (exit 0) or an engine failure (exit 1). The stop signals
-    are handled from the engine's start on (see the module docstring)."""
+def run_server(args: ServerArgs) -> int:
+    """Run the worker of parsed, resolved and supported `args` (cli.prepare) until SIGTERM/SIGINT
+    (exit 0) or an engine failure (exit 1); 2 when the model or a setting cannot work. The stop
+    signals are handled from the engine's start on (see the module docstring)."""
     if not os.path.isdir(args.model):
         logger.error("model %r is not a local folder (this worker never downloads weights)", args.model)
         return 2
-    device = resolve_device(args.device)
-    dtype = resolve_dtype(args.dtype, device, args.model)
     try:
-        facts = load_model_facts(args.model, args.tokenizer, args.served_model_name, args.max_model_len, dtype)
-    except (OSError, KeyError, ValueError) as e:
-        logger.error("cannot read the model at %s: %s", args.model, e)
-        return 2
-    model_positions = _max_positions(args.model)
-    if args.max_model_len and model_positions and args.max_model_len > model_positions:
-        logger.error(
-            "--max-model-len %d exceeds the model's max_position_embeddings (%d); its rotary embedding is "
-            "not defined past that", args.max_model_len, model_positions)
-        return 2
-    try:
-        engine_cfg = engine_config_from_args(args, facts.max_context_length, device, dtype)
+        config = WorkerConfig.from_args(args)
     except ValueError as e:
         logger.error("%s", e)
         return 2
-    if getattr(args, "node_rank", 0) > 0:  # a node that only runs its tensor-parallel ranks
+    server_cfg, engine_cfg = config.server, config.engine
+    try:
+        facts = load_model_facts(args.model, args.tokenizer, args.served_model_name,
+                                 engine_cfg.scheduler.max_model_len, engine_cfg.model.dtype)
+    except (OSError, KeyError, ValueError) as e:
+        logger.error("cannot read the model at %s: %s", args.model, e)
+        return 2
+    if server_cfg.node_rank > 0:  # a node that only runs its tensor-parallel ranks
         from tokenspeed_worker.engine.tp_worker import run_node
 
-        return run_node(engine_cfg, args.node_rank, args.log_level)
-    facts.data_parallel_size = getattr(args, "data_parallel_size", 1) or 1
-    facts.structured_output = structured_output_available(args, facts)
+        return run_node(engine_cfg, server_cfg.node_rank, server_cfg.log_level)
+    facts.data_parallel_size = server_cfg.data_parallel_size
+    facts.structured_output = structured_output_available(engine_cfg, facts)
     if not facts.structured_output:  # one decision: the server refuses constraints, the engine builds nothing
-        engine_cfg.grammar_backend = "none"
-    engine = EngineClient(engine_cfg, args.log_level, facts.data_parallel_size)
+        engine_cfg = engine_cfg.replace(grammar_backend="none")
+    engine = EngineClient(engine_cfg, server_cfg.log_level, server_cfg.data_parallel_size)
     signals: list[int] = []
 
     def during_startup(signum, frame) -> None:  # the loading can take minutes: stop it
@@ -411,7 +321,7 @@ def run_server(args) -> int:
         except ImportError:
             runner = asyncio.run
         try:
-            return runner(serve(args, facts, engine, signals))
+            return runner(serve(server_cfg, args, facts, engine, signals))
         except EngineUnavailable as e:
             logger.error("%s", e)
             return 1

@@ -1,27 +1,25 @@
-"""Worker configuration: the `ServerArgs` dataclass, its command line and its --config YAML.
+"""The worker's parameter table: the `ServerArgs` dataclass, one field per command-line parameter.
 
 Every parameter TokenSpeed documents (docs/configuration/server.md, mirrored in
-docs/parameters.md) is a field of `ServerArgs`; its field metadata is the one table that
-drives the argparse parser, the --config loader, `check_supported` and the generated
-parameter reference. A parameter the worker does not implement yet is still accepted with
-its documented default, so recipes written for TokenSpeed parse, but any other value stops
-startup with `--<flag> is not supported yet` instead of being silently ignored.
-
-This module imports only the standard library (PyYAML only when --config is given, torch
-only to resolve `--device auto`), so `tokenspeed-worker --help` stays fast.
+docs/parameters.md) is a field of `ServerArgs`; its field metadata (`OptionSpec`) is the one
+table that drives the argparse parser and the --config loader (config/parsing.py),
+`check_supported` and the generated parameter reference (config/docs.py). A parameter the
+worker does not implement yet is still accepted with its documented default, so recipes
+written for TokenSpeed parse, but any other value stops startup with `--<flag> is not
+supported yet` instead of being silently ignored.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import enum
-import json
-import re
 import typing
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from tokenspeed_worker.config import values
+from tokenspeed_worker.config.values import LOG_LEVELS
 
 PROG = "tokenspeed-worker"
 
@@ -66,19 +64,6 @@ GROUP_DESCRIPTIONS: dict[str, str] = {
     WORKER: "Parameters tokenspeed-worker adds to TokenSpeed's set.",
 }
 
-# Values of --dtype, with the aliases other engines accept, mapped to the torch dtype name.
-DTYPE_ALIASES: dict[str, str] = {
-    "auto": "auto",
-    "bfloat16": "bfloat16",
-    "bf16": "bfloat16",
-    "float16": "float16",
-    "half": "float16",
-    "fp16": "float16",
-    "float32": "float32",
-    "float": "float32",
-    "fp32": "float32",
-}
-LOG_LEVELS: tuple[str, ...] = ("debug", "info", "warning", "error", "critical")
 LOAD_FORMATS: tuple[str, ...] = ("auto", "pt", "safetensors", "npcache", "dummy", "extensible")
 ATTENTION_BACKENDS: tuple[str, ...] = (
     "torch",
@@ -94,150 +79,6 @@ ATTENTION_BACKENDS: tuple[str, ...] = (
     "tokenspeed_mla",
     "hybrid_linear_attn",
 )
-
-
-# --------------------------------------------------------------------------- value parsers
-# Each raises ArgumentTypeError, which argparse reports as "argument --flag: <message>".
-
-
-def _positive_int(text: str) -> int:
-    value = _int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = _int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
-    return value
-
-
-def _int(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
-
-
-def _port(text: str) -> int:
-    value = _int(text)
-    if not 1 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be a TCP port in 1..65535, got {text!r}")
-    return value
-
-
-def _chunk_size(text: str) -> int:
-    value = _int(text)
-    if value != -1 and value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer or -1 (no chunking), got {text!r}")
-    return value
-
-
-def _float(text: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
-
-
-def _fraction(text: str) -> float:
-    value = _float(text)
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text!r}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if not value > 0 or value != value or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    value = _float(text)
-    if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}")
-    return value
-
-
-def _dtype(text: str) -> str:
-    canonical = DTYPE_ALIASES.get(text.lower())
-    if canonical is None:
-        raise argparse.ArgumentTypeError(
-            f"invalid choice: {text!r} (choose from {', '.join(DTYPE_ALIASES)})"
-        )
-    return canonical
-
-
-def _log_level(text: str) -> str:
-    level = text.lower()
-    if level not in LOG_LEVELS:
-        raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from {', '.join(LOG_LEVELS)})")
-    return level
-
-
-# Keys of --kv-events-config and their defaults (as TokenSpeed's KVEventsConfig).
-KV_EVENTS_DEFAULTS: dict[str, Any] = {
-    "enable_kv_cache_events": False,
-    "publisher": "zmq",
-    "endpoint": "tcp://*:5557",
-    "topic": "",
-}
-KV_EVENTS_PUBLISHERS: tuple[str, ...] = ("zmq", "null")
-
-
-def kv_events_settings(text: str | None) -> dict[str, Any]:
-    """--kv-events-config as a dict with every key (defaults filled in); raises ValueError
-    naming the offending key. None or empty: the defaults (events off)."""
-    if not text:
-        return dict(KV_EVENTS_DEFAULTS)
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"invalid JSON ({exc.msg} at position {exc.pos}), got {text!r}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"expected a JSON object, got {text!r}")
-    unknown = sorted(set(data) - set(KV_EVENTS_DEFAULTS))
-    if unknown:
-        raise ValueError(
-            f"unknown key {unknown[0]!r} (known keys: {', '.join(KV_EVENTS_DEFAULTS)})"
-        )
-    out = dict(KV_EVENTS_DEFAULTS)
-    for key, value in data.items():
-        if key == "enable_kv_cache_events":
-            if not isinstance(value, bool):
-                raise ValueError(f"key 'enable_kv_cache_events' must be true or false, got {value!r}")
-        elif key == "publisher":
-            if value not in KV_EVENTS_PUBLISHERS:
-                raise ValueError(f"key 'publisher' must be one of {', '.join(KV_EVENTS_PUBLISHERS)}, got {value!r}")
-        elif key == "endpoint":
-            if not isinstance(value, str) or "://" not in value:
-                raise ValueError(f"key 'endpoint' must be a ZMQ endpoint such as 'tcp://*:5557', got {value!r}")
-        elif key == "topic":
-            if not isinstance(value, str):
-                raise ValueError(f"key 'topic' must be a string, got {value!r}")
-        out[key] = value
-    return out
-
-
-def kv_events_enabled(text: str | None) -> bool:
-    """Whether --kv-events-config turns publishing on (enabled and publisher 'zmq')."""
-    cfg = kv_events_settings(text)
-    return bool(cfg["enable_kv_cache_events"]) and cfg["publisher"] == "zmq"
-
-
-def _kv_events_config(text: str) -> str:
-    """Validates --kv-events-config; keeps the canonical JSON with every key filled in."""
-    try:
-        return json.dumps(kv_events_settings(text), separators=(",", ":"))
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 # --------------------------------------------------------------------------- the table
@@ -325,7 +166,7 @@ class ServerArgs:
         PRECISION,
         "Weight and activation dtype: auto (follow the model's torch_dtype), bfloat16/bf16, "
         "float16/half/fp16, float32/float/fp32.",
-        parse=_dtype,
+        parse=values.dtype,
     )
     kv_cache_dtype: str = _option(
         "auto", PRECISION, "KV cache dtype; 'auto' uses the model dtype. 'fp8' / 'fp8_e4m3': float8 e4m3, half "
@@ -353,7 +194,7 @@ class ServerArgs:
         "gRPC bind address. Loopback by default, as in TokenSpeed and SGLang; use 0.0.0.0 "
         "(or [::]) when the gateway runs on another host.",
     )
-    grpc_port: int = _option(50051, API_SURFACE, "gRPC bind port.", aliases=("--port",), parse=_port)
+    grpc_port: int = _option(50051, API_SURFACE, "gRPC bind port.", aliases=("--port",), parse=values.port)
     served_model_name: str | None = _option(
         None,
         API_SURFACE,
@@ -373,7 +214,7 @@ class ServerArgs:
         API_SURFACE,
         "Streaming buffer interval in generated tokens: a chunk every N tokens per sample; the "
         "last chunk and the GenerateComplete are never delayed.",
-        parse=_positive_int,
+        parse=values.positive_int,
     )
     stream_output: bool = _not_yet(False, API_SURFACE, "Return generated text as disjoint streaming segments.")
 
@@ -383,35 +224,35 @@ class ServerArgs:
         SCHEDULER,
         "Maximum sequence length (prompt + output).",
         aliases=("--context-length",),
-        parse=_positive_int,
+        parse=values.positive_int,
         default_doc="from the model config",
     )
     gpu_memory_utilization: float = _option(
         0.9,
         SCHEDULER,
         "GPU only: fraction of GPU memory for weights and KV cache; sizes the KV pool.",
-        parse=_fraction,
+        parse=values.fraction,
     )
     max_num_seqs: int = _option(
-        256, SCHEDULER, "Maximum number of sequences running concurrently.", parse=_positive_int
+        256, SCHEDULER, "Maximum number of sequences running concurrently.", parse=values.positive_int
     )
     chunked_prefill_size: int = _option(
         8192,
         SCHEDULER,
         "Token budget the scheduler may issue in one iteration; -1 disables chunked prefill.",
-        parse=_chunk_size,
+        parse=values.chunk_size,
     )
     max_prefill_tokens: int = _option(
-        8192, SCHEDULER, "Prefill token budget used when chunked prefill is disabled.", parse=_positive_int
+        8192, SCHEDULER, "Prefill token budget used when chunked prefill is disabled.", parse=values.positive_int
     )
     max_total_tokens: int | None = _option(
         None,
         SCHEDULER,
         "Size of the KV token pool, overriding the automatic sizing.",
-        parse=_positive_int,
+        parse=values.positive_int,
         default_doc="sized automatically",
     )
-    block_size: int = _option(16, SCHEDULER, "KV cache block size in tokens.", parse=_positive_int)
+    block_size: int = _option(16, SCHEDULER, "KV cache block size in tokens.", parse=values.positive_int)
     schedule_conservativeness: float = _option(
         1.0,
         SCHEDULER,
@@ -420,7 +261,7 @@ class ServerArgs:
         "max_new_tokens (clipped to 4096) that requests really produce, fits beside the running "
         "ones' expected rest. Larger is more conservative (fewer preemptions, smaller batches); 0 "
         "admits whenever the first prompt chunk fits.",
-        parse=_non_negative_float,
+        parse=values.non_negative_float,
     )
     enable_prefix_caching: bool = _option(
         True,
@@ -443,14 +284,14 @@ class ServerArgs:
         None,
         SCHEDULER,
         "Largest decode batch captured as a CUDA graph; larger batches run eagerly (logged once).",
-        parse=_positive_int,
+        parse=values.positive_int,
         default_doc="min(256, max-num-seqs)",
     )
     cudagraph_capture_sizes: list[int] | None = _option(
         None,
         SCHEDULER,
         "Explicit CUDA graph capture sizes; a decode batch pads to the next captured size.",
-        parse=_positive_int,
+        parse=values.positive_int,
         default_doc="1, 2, 4, 8, 16, 24, 32, ... up to the max",
     )
 
@@ -461,43 +302,43 @@ class ServerArgs:
         "Tensor parallel size: one engine process per rank (one GPU each; gloo on CPU), attention heads, "
         "MLP and vocabulary split across them; rank 0 schedules and samples.",
         aliases=("--tp",),
-        parse=_positive_int,
+        parse=values.positive_int,
     )
     attn_tp_size: int | None = _option(
         None, PARALLELISM, "Tensor parallel size for attention; only the tensor parallel size is supported.",
-        parse=_positive_int, default_doc="the tensor parallel size",
+        parse=values.positive_int, default_doc="the tensor parallel size",
     )
     dense_tp_size: int | None = _option(
         None, PARALLELISM, "Tensor parallel size for dense layers; only the tensor parallel size is supported.",
-        parse=_positive_int, default_doc="the tensor parallel size",
+        parse=values.positive_int, default_doc="the tensor parallel size",
     )
     moe_tp_size: int | None = _option(
         None, PARALLELISM, "Tensor parallel size for MoE layers; only the tensor parallel size is supported.",
-        parse=_positive_int, default_doc="the tensor parallel size",
+        parse=values.positive_int, default_doc="the tensor parallel size",
     )
     data_parallel_size: int = _option(
         1, PARALLELISM, "Number of data-parallel replicas: independent engines (each its own scheduler, KV "
         "cache and tensor-parallel-size GPUs) behind the one gRPC port; a new request goes to the least "
-        "loaded replica unless data_parallel_rank pins one.", aliases=("--dp-size", "--dp"), parse=_positive_int,
+        "loaded replica unless data_parallel_rank pins one.", aliases=("--dp-size", "--dp"), parse=values.positive_int,
     )
     enable_expert_parallel: bool = _not_yet(False, PARALLELISM, "Expert parallelism across the world size.")
     expert_parallel_size: int = _not_yet(
-        1, PARALLELISM, "Explicit expert parallel size.", aliases=("--ep-size",), parse=_positive_int
+        1, PARALLELISM, "Explicit expert parallel size.", aliases=("--ep-size",), parse=values.positive_int
     )
-    world_size: int | None = _not_yet(None, PARALLELISM, "Total worker process count across all nodes.", parse=_positive_int)
-    nprocs_per_node: int | None = _not_yet(None, PARALLELISM, "Worker process count per node.", parse=_positive_int)
+    world_size: int | None = _not_yet(None, PARALLELISM, "Total worker process count across all nodes.", parse=values.positive_int)
+    nprocs_per_node: int | None = _not_yet(None, PARALLELISM, "Worker process count per node.", parse=values.positive_int)
     nnodes: int = _option(
         1, PARALLELISM, "Number of nodes the tensor-parallel ranks of this worker span (each node runs "
-        "tensor-parallel-size / nnodes ranks; only node 0 serves gRPC).", parse=_positive_int,
+        "tensor-parallel-size / nnodes ranks; only node 0 serves gRPC).", parse=values.positive_int,
     )
     node_rank: int = _option(
         0, PARALLELISM, "Rank of this node (0 serves gRPC; the others run their ranks and exit when node 0 stops).",
-        parse=_non_negative_int,
+        parse=values.non_negative_int,
     )
     base_gpu_id: int = _option(
         0, PARALLELISM, "First GPU this worker uses (its ranks and data-parallel replicas take the next ones in "
         "order); for several workers, or several nodes played by one machine, on one host.",
-        parse=_non_negative_int,
+        parse=values.non_negative_int,
     )
     dist_init_addr: str | None = _option(
         None, PARALLELISM, "Address (host:port) where the ranks meet; node 0 listens there. Required with "
@@ -554,21 +395,21 @@ class ServerArgs:
     )
     speculative_draft_model_path: str | None = _not_yet(None, SPECULATIVE, "Draft model path.")
     speculative_draft_model_quantization: str = _not_yet("unquant", SPECULATIVE, "Draft model quantization.")
-    speculative_num_steps: int = _not_yet(3, SPECULATIVE, "Number of draft model steps.", parse=_positive_int)
+    speculative_num_steps: int = _not_yet(3, SPECULATIVE, "Number of draft model steps.", parse=values.positive_int)
     speculative_num_draft_tokens: int | None = _not_yet(
         None,
         SPECULATIVE,
         "Number of draft tokens.",
-        parse=_positive_int,
+        parse=values.positive_int,
         default_doc="--speculative-num-steps + 1",
     )
-    speculative_eagle_topk: int = _not_yet(1, SPECULATIVE, "EAGLE top-k.", parse=_positive_int)
+    speculative_eagle_topk: int = _not_yet(1, SPECULATIVE, "EAGLE top-k.", parse=values.positive_int)
     eagle3_layers_to_capture: str | None = _not_yet(None, SPECULATIVE, "EAGLE3 layers to capture.")
 
     # ---- Observability
-    log_level: str = _option("info", OBSERVABILITY, "Log level: " + ", ".join(LOG_LEVELS) + ".", parse=_log_level)
+    log_level: str = _option("info", OBSERVABILITY, "Log level: " + ", ".join(LOG_LEVELS) + ".", parse=values.log_level)
     log_level_http: str | None = _not_yet(
-        None, OBSERVABILITY, "HTTP server log level.", parse=_log_level, default_doc="--log-level"
+        None, OBSERVABILITY, "HTTP server log level.", parse=values.log_level, default_doc="--log-level"
     )
     enable_log_requests: bool = _option(
         False,
@@ -608,10 +449,10 @@ class ServerArgs:
         OBSERVABILITY,
         "Port of the Prometheus endpoint (HTTP, path /metrics). The worker has no HTTP port of its own, "
         "so metrics get a separate one.",
-        parse=_port,
+        parse=values.port,
         default_doc="--grpc-port + 1000",
     )
-    decode_log_interval: int = _not_yet(40, OBSERVABILITY, "Decode batch log interval.", parse=_positive_int)
+    decode_log_interval: int = _not_yet(40, OBSERVABILITY, "Decode batch log interval.", parse=values.positive_int)
     enable_cache_report: bool = _option(
         False,
         OBSERVABILITY,
@@ -630,7 +471,7 @@ class ServerArgs:
         "endpoint (ZMQ PUB bind address, default 'tcp://*:5557'), topic (default ''). Without it "
         "SubscribeKvEvents still streams the events (and the pushed loads) over gRPC, which is what "
         "the smg gateway uses; this only adds ZMQ. Needs pyzmq and msgpack (the zmq extra).",
-        parse=_kv_events_config,
+        parse=values.kv_events_config,
     )
 
     # ---- TokenSpeed-Specific (the ones not already listed in the sections above)
@@ -656,13 +497,13 @@ class ServerArgs:
     )
     enable_mla_l1_5_cache: bool = _not_yet(False, TOKENSPEED_SPECIFIC, "MLA L1.5 cache in disaggregation paths.")
     mla_chunk_multiplier: int = _not_yet(
-        4, TOKENSPEED_SPECIFIC, "MLA chunked-prefill capacity multiplier.", parse=_positive_int
+        4, TOKENSPEED_SPECIFIC, "MLA chunked-prefill capacity multiplier.", parse=values.positive_int
     )
     disaggregation_mode: str = _not_yet(
         "null", TOKENSPEED_SPECIFIC, "Prefill/decode disaggregation role.", choices=("null", "prefill", "decode")
     )
     disaggregation_bootstrap_port: int = _not_yet(
-        8998, TOKENSPEED_SPECIFIC, "Bootstrap server port on the prefill server.", parse=_port
+        8998, TOKENSPEED_SPECIFIC, "Bootstrap server port on the prefill server.", parse=values.port
     )
     disaggregation_transfer_backend: str = _not_yet(
         "mooncake", TOKENSPEED_SPECIFIC, "Disaggregation KV transfer backend.", choices=("mooncake", "mooncake_async")
@@ -671,10 +512,10 @@ class ServerArgs:
         None, TOKENSPEED_SPECIFIC, "InfiniBand device(s) for disaggregation transfer."
     )
     disaggregation_layerwise_interval: int = _not_yet(
-        1, TOKENSPEED_SPECIFIC, "Layerwise transfer interval for disaggregation.", parse=_positive_int
+        1, TOKENSPEED_SPECIFIC, "Layerwise transfer interval for disaggregation.", parse=values.positive_int
     )
     comm_fusion_max_num_tokens: int = _not_yet(
-        2048, TOKENSPEED_SPECIFIC, "Max tokens of the communication fusion workspace.", parse=_int
+        2048, TOKENSPEED_SPECIFIC, "Max tokens of the communication fusion workspace.", parse=values.integer
     )
     enable_allreduce_fusion: bool = _not_yet(False, TOKENSPEED_SPECIFIC, "All-reduce + norm fusion.")
 
@@ -687,25 +528,25 @@ class ServerArgs:
         WORKER,
         "Seconds in-flight requests get to finish after SIGTERM/SIGINT; then the rest end with "
         "finish_reason 'abort' and the worker exits 0. Keep it below terminationGracePeriodSeconds.",
-        parse=_positive_float,
+        parse=values.positive_float,
     )
     watchdog_timeout: float = _option(
         300.0,
         WORKER,
         "If the engine makes no progress for this many seconds while work is pending, every "
         "in-flight request ends with INTERNAL and the worker exits non-zero (its supervisor restarts it).",
-        parse=_positive_float,
+        parse=values.positive_float,
     )
     max_queued_requests: int | None = _option(
         None,
         WORKER,
         "Bound on requests waiting to start (not yet producing tokens); beyond it Generate gets "
         "RESOURCE_EXHAUSTED, which the gateway retries on another worker.",
-        parse=_positive_int,
+        parse=values.positive_int,
         default_doc="unbounded",
     )
     seed: int = _option(
-        0, WORKER, "Random seed for sampling and dummy weights.", aliases=("--random-seed",), parse=_non_negative_int
+        0, WORKER, "Random seed for sampling and dummy weights.", aliases=("--random-seed",), parse=values.non_negative_int
     )
     config: str | None = _option(
         None,
@@ -783,311 +624,3 @@ def _build_options() -> tuple[Option, ...]:
 OPTIONS: tuple[Option, ...] = _build_options()
 OPTIONS_BY_DEST: dict[str, Option] = {o.dest: o for o in OPTIONS}
 
-
-# --------------------------------------------------------------------------- parser
-
-
-class _ParseError(Exception):
-    """A parser error raised instead of exiting (used while reading --config)."""
-
-
-class _Parser(argparse.ArgumentParser):
-    raise_errors = False
-
-    def error(self, message: str) -> typing.NoReturn:
-        if self.raise_errors:
-            raise _ParseError(message)
-        super().error(message)
-
-
-def _help_text(option: Option) -> str:
-    text = f"{option.spec.help} (default: {option.default_text()})"
-    if option.spec.status is Status.NOT_YET:
-        text += " [not supported yet]"
-    elif option.spec.status is Status.GATEWAY:
-        text += " [handled by the smg gateway]"
-    return text.replace("%", "%%")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The worker's argument parser, grouped like TokenSpeed's parameter reference."""
-    parser = _Parser(
-        prog=PROG,
-        usage="%(prog)s [model] [--grpc-port PORT] [--host HOST] [--config FILE.yaml] [options]",
-        description="Serve one model over gRPC to the smg gateway.",
-        epilog="Parameters marked [not supported yet] are accepted with their default value only; "
-        "see docs/parameters.md.",
-        allow_abbrev=False,
-    )
-    groups = {name: parser.add_argument_group(name, GROUP_DESCRIPTIONS.get(name)) for name in GROUPS}
-    # Defaults are SUPPRESSed so the namespace holds only what was given; `parse_args`
-    # layers the command line over --config over the dataclass defaults.
-    groups[MODEL_LOADING].add_argument(
-        "positional_model", nargs="?", metavar="model", default=argparse.SUPPRESS, help="Model path (same as --model)."
-    )
-    for option in OPTIONS:
-        group = groups[option.spec.group]
-        common: dict[str, Any] = dict(dest=option.dest, default=argparse.SUPPRESS, help=_help_text(option))
-        if option.kind is bool:
-            action = argparse.BooleanOptionalAction if option.spec.negatable else "store_true"
-            group.add_argument(*option.flags, action=action, **common)
-            continue
-        if option.kind is list:
-            common["nargs"] = "+"
-        group.add_argument(
-            *option.flags,
-            type=option.item_parse,
-            choices=option.spec.choices,
-            metavar=option.spec.metavar,
-            **common,
-        )
-    return parser
-
-
-# --------------------------------------------------------------------------- --config
-
-
-def _config_tokens(key: str, option: Option, value: Any) -> list[str]:
-    """Command-line tokens equivalent to one --config entry (so it is validated the same way)."""
-    if option.kind is bool:
-        if not isinstance(value, bool):
-            raise _ParseError(f"key {key!r} must be a YAML boolean (true/false), got {value!r}")
-        if value:
-            return [option.flag]
-        return ["--no-" + option.flag[2:]] if option.spec.negatable else []
-    if isinstance(value, bool):
-        raise _ParseError(f"key {key!r} takes a {option.kind.__name__}, got the boolean {value!r}")
-    if option.kind is list:
-        if not isinstance(value, list) or not value:
-            raise _ParseError(f"key {key!r} must be a non-empty YAML list, got {value!r}")
-        return [option.flag, *(str(item) for item in value)]
-    if isinstance(value, dict | list):
-        if option.kind is not str:
-            raise _ParseError(f"key {key!r} takes a {option.kind.__name__}, got {value!r}")
-        value = json.dumps(value)  # JSON-valued options may be written as YAML mappings
-    return [f"{option.flag}={value}"]
-
-
-def _config_keys() -> dict[str, Option]:
-    keys: dict[str, Option] = {}
-    for option in OPTIONS:
-        for flag in option.flags:
-            keys[flag[2:].replace("_", "-")] = option
-    return keys
-
-
-def load_config_file(path: str) -> dict[str, Any]:
-    """Values of a --config YAML file, keyed by `ServerArgs` attribute, validated like flags.
-
-    Raises `ValueError` naming the file and the offending key."""
-    import yaml  # only needed when --config is used
-
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
-    except OSError as exc:
-        raise ValueError(f"--config: cannot read {path}: {exc.strerror or exc}") from None
-    except yaml.YAMLError as exc:
-        raise ValueError(f"--config {path}: invalid YAML: {' '.join(str(exc).split())}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ValueError(f"--config {path}: expected a mapping of parameter names to values")
-
-    keys = _config_keys()
-    parser = build_parser()
-    assert isinstance(parser, _Parser)
-    parser.raise_errors = True
-    values: dict[str, Any] = {}
-    for raw_key, value in data.items():
-        key = str(raw_key).replace("_", "-")
-        option = keys.get(key)
-        try:
-            if option is None:
-                raise _ParseError(f"unknown key {raw_key!r}")
-            if option.dest == "config":
-                raise _ParseError("a config file cannot name another config file")
-            if option.dest in values:
-                raise _ParseError(f"key {raw_key!r} sets {option.flag} a second time")
-            if value is None:  # `key: null` (or an empty value) keeps the default
-                values[option.dest] = option.default
-                continue
-            namespace = parser.parse_args(_config_tokens(str(raw_key), option, value))
-            values[option.dest] = getattr(namespace, option.dest, option.default)
-        except _ParseError as exc:
-            raise ValueError(f"--config {path}: {exc}") from None
-    return values
-
-
-# --------------------------------------------------------------------------- parse_args
-
-
-def _cuda_available() -> bool:
-    import torch  # deferred: torch takes seconds to import
-
-    return torch.cuda.is_available()
-
-
-def _resolve(args: ServerArgs) -> None:
-    """Fill the defaults that depend on other values or on the machine."""
-    if args.tokenizer is None:
-        args.tokenizer = args.model
-    if args.served_model_name is None:
-        args.served_model_name = args.model
-    if args.device == "auto":
-        args.device = "cuda" if _cuda_available() else "cpu"
-    elif args.device == "cuda" and not _cuda_available():
-        raise ValueError("argument --device: cuda was requested but no CUDA device is available")
-    if args.attention_backend is None:
-        # Triton kernels on a GPU (when triton imports); the torch reference backend on a CPU.
-        args.attention_backend = "triton" if args.device == "cuda" and _triton_importable() else "torch"
-    elif args.attention_backend in ("triton", "flashinfer") and args.device != "cuda":
-        raise ValueError(f"argument --attention-backend: {args.attention_backend} needs --device cuda")
-    elif args.attention_backend == "flashinfer" and not _flashinfer_importable():
-        raise ValueError("argument --attention-backend: flashinfer is not installed (pip install flashinfer-python)")
-    if args.nnodes > 1:
-        if args.tensor_parallel_size % args.nnodes:
-            raise ValueError(f"argument --nnodes: --tensor-parallel-size {args.tensor_parallel_size} must be a "
-                             f"multiple of --nnodes {args.nnodes}")
-        if not args.dist_init_addr:
-            raise ValueError("argument --dist-init-addr: required with --nnodes > 1 (host:port of node 0)")
-    if args.node_rank >= args.nnodes:
-        raise ValueError(f"argument --node-rank: {args.node_rank} must be below --nnodes {args.nnodes}")
-    if args.dist_init_addr is not None and not re.fullmatch(r"\[?[\w.:-]+\]?:\d+", args.dist_init_addr):
-        raise ValueError(f"argument --dist-init-addr: expected host:port, got {args.dist_init_addr!r}")
-    per_node = args.tensor_parallel_size // args.nnodes
-    if args.device == "cuda" and per_node * args.data_parallel_size > 1:
-        import torch
-
-        if torch.cuda.device_count() < args.base_gpu_id + per_node * args.data_parallel_size:
-            raise ValueError(f"argument --tensor-parallel-size: {per_node * args.data_parallel_size} ranks on this "
-                             f"node from --base-gpu-id {args.base_gpu_id} need as many GPUs, "
-                             f"{torch.cuda.device_count()} visible")
-
-
-def _flashinfer_importable() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("flashinfer") is not None
-
-
-def _triton_importable() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("triton") is not None
-
-
-def parse_args(argv: Sequence[str] | None = None, parser: argparse.ArgumentParser | None = None) -> ServerArgs:
-    """Parse the command line (and its --config file) into resolved `ServerArgs`.
-
-    Errors exit with status 2 and a message naming the flag, as argparse does. Values the
-    worker does not implement are left in place: call `check_supported` to reject them."""
-    parser = parser or build_parser()
-    given = vars(parser.parse_args(argv))
-    positional = given.pop("positional_model", None)
-
-    from_file: dict[str, Any] = {}
-    if given.get("config"):
-        try:
-            from_file = load_config_file(given["config"])
-        except ValueError as exc:
-            parser.error(str(exc))
-
-    cli_model = given.pop("model", None)
-    if positional is not None and cli_model is not None and positional != cli_model:
-        parser.error(f"the positional model {positional!r} and --model {cli_model!r} differ; give only one")
-    model = positional or cli_model or from_file.get("model")
-    if not model:
-        parser.error("a model is required: give it as the positional argument or with --model")
-
-    values = {**from_file, **given, "model": model}
-    args = ServerArgs(**values)
-    try:
-        _resolve(args)
-    except ValueError as exc:
-        parser.error(str(exc))
-    return args
-
-
-# --------------------------------------------------------------------------- support check
-
-
-class UnsupportedOptionError(ValueError):
-    """A parameter was given a value the worker does not implement."""
-
-
-def unsupported_settings(args: ServerArgs) -> list[str]:
-    """One message per parameter whose value the worker does not implement, in table order."""
-    messages = [
-        option.unsupported_message(getattr(args, option.dest))
-        for option in OPTIONS
-        if option.is_offending(getattr(args, option.dest))
-    ]
-    if getattr(args, "data_parallel_size", 1) > 1 and getattr(args, "kv_events_config", None):
-        messages.append("--kv-events-config with --data-parallel-size > 1 is not supported yet "
-                        "(one event stream per replica)")
-    if getattr(args, "data_parallel_size", 1) > 1 and getattr(args, "nnodes", 1) > 1:
-        messages.append("--data-parallel-size > 1 with --nnodes > 1 is not supported yet")
-    tp = getattr(args, "tensor_parallel_size", 1)
-    for dest in ("attn_tp_size", "dense_tp_size", "moe_tp_size"):
-        value = getattr(args, dest, None)
-        if value is not None and value != tp:
-            flag = "--" + dest.replace("_", "-")
-            messages.append(f"{flag} {value} differs from --tensor-parallel-size {tp}: not supported yet "
-                            "(only one tensor-parallel size for every layer)")
-    return messages
-
-
-def check_supported(args: ServerArgs) -> None:
-    """Raise `UnsupportedOptionError` (one line naming every offending flag) if any."""
-    messages = unsupported_settings(args)
-    if messages:
-        raise UnsupportedOptionError("; ".join(messages))
-
-
-# --------------------------------------------------------------------------- docs
-
-
-def _md_flags(option: Option) -> str:
-    flags = ", ".join(f"`{flag}`" for flag in option.flags)
-    if option.kind is bool and option.spec.negatable:
-        flags += f" / `--no-{option.flag[2:]}`"
-    if option.dest == "model":
-        flags = "positional `model`, " + flags
-    return flags
-
-
-def _md_status(option: Option) -> str:
-    status = option.spec.status.value
-    if option.spec.unsupported_values:
-        shown = ", ".join(f"`{v}`" for v in option.spec.unsupported_values)
-        status += f"; not supported yet: {shown}"
-    if option.spec.harmless:
-        shown = ", ".join(f"`{json.dumps(v)}`" for v in option.spec.harmless)
-        status += f"; also accepted (no effect): {shown}"
-    return status
-
-
-def render_markdown() -> str:
-    """The parameter tables of docs/parameters.md, generated from `ServerArgs`."""
-    lines: list[str] = []
-    for group in GROUPS:
-        lines += [f"### {group}", ""]
-        if group in GROUP_DESCRIPTIONS:
-            lines += [GROUP_DESCRIPTIONS[group], ""]
-        lines += ["| Parameter | Default | Status | Meaning |", "| --- | --- | --- | --- |"]
-        for option in OPTIONS:
-            if option.spec.group != group:
-                continue
-            meaning = option.spec.help
-            if option.spec.choices:
-                meaning += " Choices: " + ", ".join(f"`{c}`" for c in option.spec.choices) + "."
-            meaning = meaning.replace("|", "\\|")
-            lines.append(f"| {_md_flags(option)} | {option.default_text()} | {_md_status(option)} | {meaning} |")
-        lines.append("")
-    return "\n".join(lines)
-
-
-if __name__ == "__main__":
-    # `python -m tokenspeed_worker.config` prints the generated tables of docs/parameters.md.
-    print(render_markdown(), end="")

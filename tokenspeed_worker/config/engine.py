@@ -1,0 +1,201 @@
+"""The engine's configuration: one frozen tree, validated when it is built and passed whole.
+
+    EngineConfig
+      model      ModelConfig      the checkpoint, where and in which dtype it runs, its kernels
+      cache      CacheConfig      the paged KV pool, the prefix cache and its events
+      scheduler  SchedulerConfig  what one step may hold: sequences, their length, its token budget
+      parallel   ParallelConfig   the tensor-parallel ranks and where they meet
+
+The server builds it from the parsed command line (config/worker.py); tests and benchmarks build
+it with `EngineConfig.build(model_path, **settings)`, each setting named as its section's field
+(`dtype="float32"`, `block_size=4`). ModelRunner reads the whole tree, the Scheduler its section
+and the cache's (`Scheduler.from_config`), engine/tp_worker.py the parallel section.
+
+Imports only the standard library, like the rest of the package: the server builds it before
+torch is loaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenspeed_worker.config.values import DTYPE_ALIASES
+
+LOAD_FORMATS: tuple[str, ...] = ("auto", "safetensors", "dummy")
+KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8", "fp8_e4m3")
+MODEL_DTYPES: tuple[str, ...] = ("bfloat16", "float16", "float32")  # what resolve_dtype returns
+
+
+def resolve_dtype(dtype: str, device: str, model_path: str) -> str:
+    """The dtype the model runs in: "bfloat16", "float16" or "float32"; aliases ("bf16", "half",
+    ...) name theirs. "auto" on a CPU is float32, which is faster there than bf16 without native
+    bf16 matrix units and matches references exactly; on a GPU it follows the checkpoint's
+    config.json (`torch_dtype`, or `dtype` since transformers 5), bfloat16 when that names none
+    of the three or cannot be read. `dtype`: a --dtype name (ModelConfig checks it)."""
+    dtype = DTYPE_ALIASES[dtype]
+    if dtype != "auto":
+        return dtype
+    if str(device).partition(":")[0] == "cpu":
+        return "float32"
+    try:
+        with open(os.path.join(model_path, "config.json"), encoding="utf-8") as f:
+            cfg = json.load(f)
+        found = cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"
+    except (OSError, ValueError):  # no readable config.json: the model facts report it (server/model_info.py)
+        found = "bfloat16"
+    return found if found in MODEL_DTYPES else "bfloat16"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The checkpoint and how its forward runs (model_executor/model_runner.py)."""
+
+    path: str  # a local folder with config.json (and safetensors weights unless load_format is dummy)
+    dtype: str = "auto"  # a --dtype name; "auto": resolve_dtype
+    device: str = "cpu"  # "cpu", "cuda" or "cuda:N": rank 0's device (EngineConfig.rank_device: the others')
+    load_format: str = "auto"  # "auto" (safetensors), "safetensors", or "dummy" (random weights)
+    seed: int = 0  # dummy weights and the engine's torch generator
+    attention_backend: str = "auto"  # triton on CUDA when triton imports, else torch
+    sampling_backend: str | None = None  # None: triton on CUDA when available, else torch
+    enforce_eager: bool = False  # no CUDA graphs
+    cudagraph_capture_sizes: list[int] | None = None  # None: 1, 2, 4, 8, 16, 24, ... up to the max
+    max_cudagraph_capture_size: int | None = None  # None: min(256, max_num_seqs)
+    # Structured output (engine/grammar.py): "xgrammar" or "none"; the tokenizer it is built from
+    # (None: no constraints).
+    grammar_backend: str = "xgrammar"
+    tokenizer_path: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_ALIASES:
+            raise ValueError(f"dtype {self.dtype!r} is not supported (supported: {', '.join(DTYPE_ALIASES)})")
+        if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"device {self.device!r} is not supported (supported: cpu, cuda, cuda:N)")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(
+                f"load_format {self.load_format!r} is not supported (supported: {', '.join(LOAD_FORMATS)})")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV pool and its prefix cache (engine_core.size_kv_pool_tokens, the Scheduler)."""
+
+    block_size: int = 16  # tokens per KV block
+    # "auto": the model's dtype; "fp8"/"fp8_e4m3": float8 e4m3, unscaled (values saturate at +-448;
+    # the attention kernels widen it to the model's dtype as they read).
+    kv_cache_dtype: str = "auto"
+    max_total_tokens: int | None = None  # the pool's size; None: what memory allows (size_kv_pool_tokens)
+    gpu_memory_utilization: float = 0.9  # CUDA: the share of the device's memory for weights and the pool
+    enable_prefix_caching: bool = True
+    # --kv-events-config, resolved (config.kv_events_settings) when it turns publishing on, else None.
+    kv_events: dict | None = None
+    # Record prefix-cache events for the server's SubscribeKvEvents (the CLI always does; engines
+    # driven directly, as benchmarks do, leave it off so nothing accumulates undrained).
+    report_kv_events: bool = False
+    # Event ids of this engine's KV events: offset + k * stride for its k-th event, so the replicas
+    # of a data-parallel worker never share one (replica index, number of replicas).
+    kv_event_id_offset: int = 0
+    kv_event_id_stride: int = 1
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+
+    @property
+    def records_kv_events(self) -> bool:
+        """Whether the scheduler records its prefix-cache events (for ZMQ, the server, or both)."""
+        return self.kv_events is not None or self.report_kv_events
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """What one step may hold (scheduler/scheduler.py)."""
+
+    max_num_seqs: int = 256  # sequences running at once
+    max_model_len: int = 2048  # the longest sequence, prompt + output
+    chunked_prefill_size: int = 8192  # a step's token budget; <= 0: prompts are never split
+    max_prefill_tokens: int = 8192  # the token budget without chunked prefill
+    # Admission keeps room for the running requests' expected output (scheduler/scheduler.py); 0: off.
+    schedule_conservativeness: float = 1.0
+    # Overlap scheduling (host work of step N+1 while the device runs step N); None: on for CUDA
+    # devices (env TOKENSPEED_OVERLAP_SCHEDULE=1/0 forces it on/off, for tests), off on CPU.
+    overlap_schedule: bool | None = None
+
+    @property
+    def chunked_prefill(self) -> bool:
+        return self.chunked_prefill_size > 0
+
+    @property
+    def token_budget(self) -> int:
+        """Tokens one step may compute: the chunk size, or max_prefill_tokens without chunking."""
+        return self.chunked_prefill_size if self.chunked_prefill else self.max_prefill_tokens
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism (engine/tp_worker.py): the ranks, this process's rank, where they meet."""
+
+    tensor_parallel_size: int = 1
+    tp_rank: int = 0
+    nnodes: int = 1  # the ranks span this many nodes, tensor_parallel_size / nnodes on each
+    # The rendezvous (tcp://host:port); None: a free loopback port (tp_worker.start_followers).
+    dist_init_method: str | None = None
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tensor_parallel_size // max(1, self.nnodes)
+
+
+SECTIONS: tuple[str, ...] = ("model", "cache", "scheduler", "parallel")
+_SECTION_TYPES = (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig)
+# Every setting's section; `build` and `replace` route a flat setting by its name.
+SECTION_OF: dict[str, str] = {
+    f.name: section for section, kind in zip(SECTIONS, _SECTION_TYPES) for f in dataclasses.fields(kind)
+}
+assert len(SECTION_OF) == sum(len(dataclasses.fields(kind)) for kind in _SECTION_TYPES), "setting names must be unique"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything an engine process runs with, one section per concern (module docstring)."""
+
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    @classmethod
+    def build(cls, model_path: str, **settings: Any) -> EngineConfig:
+        """The config of the model at `model_path` with the given settings, each named as a field
+        of its section (`dtype="float32"`, `block_size=4`, `tensor_parallel_size=2`); the rest keep
+        their defaults. Raises TypeError for a name no section has, ValueError for a bad value."""
+        return cls(ModelConfig(model_path)).replace(**settings)
+
+    def replace(self, **settings: Any) -> EngineConfig:
+        """A copy with the given settings changed (named as in `build`)."""
+        unknown = sorted(set(settings) - set(SECTION_OF))
+        if unknown:
+            raise TypeError(f"unknown engine setting {unknown[0]!r} (known: {', '.join(sorted(SECTION_OF))})")
+        changes: dict[str, Any] = {}
+        for section in SECTIONS:
+            mine = {name: value for name, value in settings.items() if SECTION_OF[name] == section}
+            if mine:
+                changes[section] = dataclasses.replace(getattr(self, section), **mine)
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def rank_device(self) -> str:
+        """The device of this tensor-parallel rank: the configured CUDA device's index + the
+        rank's place on its node (its node's first rank on the configured device)."""
+        device, parallel = self.model.device, self.parallel
+        if not device.startswith("cuda") or parallel.tensor_parallel_size == 1:
+            return device
+        index = int(device.partition(":")[2] or 0)
+        return f"cuda:{index + parallel.tp_rank % parallel.ranks_per_node}"

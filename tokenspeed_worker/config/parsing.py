@@ -1,0 +1,284 @@
+"""From the command line to resolved `ServerArgs`: the argparse parser, the --config YAML file,
+the defaults that depend on other values or on the machine, and the support check.
+
+Imports only the standard library (PyYAML only when --config is given, torch only to resolve
+`--device auto`), so `tokenspeed-worker --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import typing
+from collections.abc import Sequence
+from typing import Any
+
+from tokenspeed_worker.config.parameters import (
+    GROUP_DESCRIPTIONS,
+    GROUPS,
+    MODEL_LOADING,
+    OPTIONS,
+    PROG,
+    Option,
+    ServerArgs,
+    Status,
+)
+
+class _ParseError(Exception):
+    """A parser error raised instead of exiting (used while reading --config)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    raise_errors = False
+
+    def error(self, message: str) -> typing.NoReturn:
+        if self.raise_errors:
+            raise _ParseError(message)
+        super().error(message)
+
+
+def _help_text(option: Option) -> str:
+    text = f"{option.spec.help} (default: {option.default_text()})"
+    if option.spec.status is Status.NOT_YET:
+        text += " [not supported yet]"
+    elif option.spec.status is Status.GATEWAY:
+        text += " [handled by the smg gateway]"
+    return text.replace("%", "%%")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The worker's argument parser, grouped like TokenSpeed's parameter reference."""
+    parser = _Parser(
+        prog=PROG,
+        usage="%(prog)s [model] [--grpc-port PORT] [--host HOST] [--config FILE.yaml] [options]",
+        description="Serve one model over gRPC to the smg gateway.",
+        epilog="Parameters marked [not supported yet] are accepted with their default value only; "
+        "see docs/parameters.md.",
+        allow_abbrev=False,
+    )
+    groups = {name: parser.add_argument_group(name, GROUP_DESCRIPTIONS.get(name)) for name in GROUPS}
+    # Defaults are SUPPRESSed so the namespace holds only what was given; `parse_args`
+    # layers the command line over --config over the dataclass defaults.
+    groups[MODEL_LOADING].add_argument(
+        "positional_model", nargs="?", metavar="model", default=argparse.SUPPRESS, help="Model path (same as --model)."
+    )
+    for option in OPTIONS:
+        group = groups[option.spec.group]
+        common: dict[str, Any] = dict(dest=option.dest, default=argparse.SUPPRESS, help=_help_text(option))
+        if option.kind is bool:
+            action = argparse.BooleanOptionalAction if option.spec.negatable else "store_true"
+            group.add_argument(*option.flags, action=action, **common)
+            continue
+        if option.kind is list:
+            common["nargs"] = "+"
+        group.add_argument(
+            *option.flags,
+            type=option.item_parse,
+            choices=option.spec.choices,
+            metavar=option.spec.metavar,
+            **common,
+        )
+    return parser
+
+
+# --------------------------------------------------------------------------- --config
+
+
+def _config_tokens(key: str, option: Option, value: Any) -> list[str]:
+    """Command-line tokens equivalent to one --config entry (so it is validated the same way)."""
+    if option.kind is bool:
+        if not isinstance(value, bool):
+            raise _ParseError(f"key {key!r} must be a YAML boolean (true/false), got {value!r}")
+        if value:
+            return [option.flag]
+        return ["--no-" + option.flag[2:]] if option.spec.negatable else []
+    if isinstance(value, bool):
+        raise _ParseError(f"key {key!r} takes a {option.kind.__name__}, got the boolean {value!r}")
+    if option.kind is list:
+        if not isinstance(value, list) or not value:
+            raise _ParseError(f"key {key!r} must be a non-empty YAML list, got {value!r}")
+        return [option.flag, *(str(item) for item in value)]
+    if isinstance(value, dict | list):
+        if option.kind is not str:
+            raise _ParseError(f"key {key!r} takes a {option.kind.__name__}, got {value!r}")
+        value = json.dumps(value)  # JSON-valued options may be written as YAML mappings
+    return [f"{option.flag}={value}"]
+
+
+def _config_keys() -> dict[str, Option]:
+    keys: dict[str, Option] = {}
+    for option in OPTIONS:
+        for flag in option.flags:
+            keys[flag[2:].replace("_", "-")] = option
+    return keys
+
+
+def load_config_file(path: str) -> dict[str, Any]:
+    """Values of a --config YAML file, keyed by `ServerArgs` attribute, validated like flags.
+
+    Raises `ValueError` naming the file and the offending key."""
+    import yaml  # only needed when --config is used
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except OSError as exc:
+        raise ValueError(f"--config: cannot read {path}: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        raise ValueError(f"--config {path}: invalid YAML: {' '.join(str(exc).split())}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"--config {path}: expected a mapping of parameter names to values")
+
+    keys = _config_keys()
+    parser = build_parser()
+    assert isinstance(parser, _Parser)
+    parser.raise_errors = True
+    values: dict[str, Any] = {}
+    for raw_key, value in data.items():
+        key = str(raw_key).replace("_", "-")
+        option = keys.get(key)
+        try:
+            if option is None:
+                raise _ParseError(f"unknown key {raw_key!r}")
+            if option.dest == "config":
+                raise _ParseError("a config file cannot name another config file")
+            if option.dest in values:
+                raise _ParseError(f"key {raw_key!r} sets {option.flag} a second time")
+            if value is None:  # `key: null` (or an empty value) keeps the default
+                values[option.dest] = option.default
+                continue
+            namespace = parser.parse_args(_config_tokens(str(raw_key), option, value))
+            values[option.dest] = getattr(namespace, option.dest, option.default)
+        except _ParseError as exc:
+            raise ValueError(f"--config {path}: {exc}") from None
+    return values
+
+
+# --------------------------------------------------------------------------- parse_args
+
+
+def _cuda_available() -> bool:
+    import torch  # deferred: torch takes seconds to import
+
+    return torch.cuda.is_available()
+
+
+def _resolve(args: ServerArgs) -> None:
+    """Fill the defaults that depend on other values or on the machine."""
+    if args.tokenizer is None:
+        args.tokenizer = args.model
+    if args.served_model_name is None:
+        args.served_model_name = args.model
+    if args.device == "auto":
+        args.device = "cuda" if _cuda_available() else "cpu"
+    elif args.device == "cuda" and not _cuda_available():
+        raise ValueError("argument --device: cuda was requested but no CUDA device is available")
+    if args.attention_backend is None:
+        # Triton kernels on a GPU (when triton imports); the torch reference backend on a CPU.
+        args.attention_backend = "triton" if args.device == "cuda" and _triton_importable() else "torch"
+    elif args.attention_backend in ("triton", "flashinfer") and args.device != "cuda":
+        raise ValueError(f"argument --attention-backend: {args.attention_backend} needs --device cuda")
+    elif args.attention_backend == "flashinfer" and not _flashinfer_importable():
+        raise ValueError("argument --attention-backend: flashinfer is not installed (pip install flashinfer-python)")
+    if args.nnodes > 1:
+        if args.tensor_parallel_size % args.nnodes:
+            raise ValueError(f"argument --nnodes: --tensor-parallel-size {args.tensor_parallel_size} must be a "
+                             f"multiple of --nnodes {args.nnodes}")
+        if not args.dist_init_addr:
+            raise ValueError("argument --dist-init-addr: required with --nnodes > 1 (host:port of node 0)")
+    if args.node_rank >= args.nnodes:
+        raise ValueError(f"argument --node-rank: {args.node_rank} must be below --nnodes {args.nnodes}")
+    if args.dist_init_addr is not None and not re.fullmatch(r"\[?[\w.:-]+\]?:\d+", args.dist_init_addr):
+        raise ValueError(f"argument --dist-init-addr: expected host:port, got {args.dist_init_addr!r}")
+    per_node = args.tensor_parallel_size // args.nnodes
+    if args.device == "cuda" and per_node * args.data_parallel_size > 1:
+        import torch
+
+        if torch.cuda.device_count() < args.base_gpu_id + per_node * args.data_parallel_size:
+            raise ValueError(f"argument --tensor-parallel-size: {per_node * args.data_parallel_size} ranks on this "
+                             f"node from --base-gpu-id {args.base_gpu_id} need as many GPUs, "
+                             f"{torch.cuda.device_count()} visible")
+
+
+def _flashinfer_importable() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("flashinfer") is not None
+
+
+def _triton_importable() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
+
+
+def parse_args(argv: Sequence[str] | None = None, parser: argparse.ArgumentParser | None = None) -> ServerArgs:
+    """Parse the command line (and its --config file) into resolved `ServerArgs`.
+
+    Errors exit with status 2 and a message naming the flag, as argparse does. Values the
+    worker does not implement are left in place: call `check_supported` to reject them."""
+    parser = parser or build_parser()
+    given = vars(parser.parse_args(argv))
+    positional = given.pop("positional_model", None)
+
+    from_file: dict[str, Any] = {}
+    if given.get("config"):
+        try:
+            from_file = load_config_file(given["config"])
+        except ValueError as exc:
+            parser.error(str(exc))
+
+    cli_model = given.pop("model", None)
+    if positional is not None and cli_model is not None and positional != cli_model:
+        parser.error(f"the positional model {positional!r} and --model {cli_model!r} differ; give only one")
+    model = positional or cli_model or from_file.get("model")
+    if not model:
+        parser.error("a model is required: give it as the positional argument or with --model")
+
+    values = {**from_file, **given, "model": model}
+    args = ServerArgs(**values)
+    try:
+        _resolve(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    return args
+
+
+# --------------------------------------------------------------------------- support check
+
+
+class UnsupportedOptionError(ValueError):
+    """A parameter was given a value the worker does not implement."""
+
+
+def unsupported_settings(args: ServerArgs) -> list[str]:
+    """One message per parameter whose value the worker does not implement, in table order."""
+    messages = [
+        option.unsupported_message(getattr(args, option.dest))
+        for option in OPTIONS
+        if option.is_offending(getattr(args, option.dest))
+    ]
+    if args.data_parallel_size > 1 and args.kv_events_config:
+        messages.append("--kv-events-config with --data-parallel-size > 1 is not supported yet "
+                        "(one event stream per replica)")
+    if args.data_parallel_size > 1 and args.nnodes > 1:
+        messages.append("--data-parallel-size > 1 with --nnodes > 1 is not supported yet")
+    tp = args.tensor_parallel_size
+    for dest, value in (("attn_tp_size", args.attn_tp_size), ("dense_tp_size", args.dense_tp_size),
+                        ("moe_tp_size", args.moe_tp_size)):
+        if value is not None and value != tp:
+            flag = "--" + dest.replace("_", "-")
+            messages.append(f"{flag} {value} differs from --tensor-parallel-size {tp}: not supported yet "
+                            "(only one tensor-parallel size for every layer)")
+    return messages
+
+
+def check_supported(args: ServerArgs) -> None:
+    """Raise `UnsupportedOptionError` (one line naming every offending flag) if any."""
+    messages = unsupported_settings(args)
+    if messages:
+        raise UnsupportedOptionError("; ".join(messages))
+

@@ -1,0 +1,133 @@
+"""The worker's configuration tree, built and validated once from the parsed command line.
+
+    WorkerConfig
+      server  ServerConfig  the server process: where it listens, how it stops, the engines it starts
+      engine  EngineConfig  what each engine process runs (config/engine.py: model, cache,
+                            scheduler and parallel sections)
+
+`WorkerConfig.from_args` is the one place a command-line parameter becomes a setting;
+server/launch.py starts the worker from the tree. The server's request path (servicer, metrics)
+reads the few parameters it needs from `ServerArgs` itself, which GetServerInfo reports whole.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from tokenspeed_worker.config.engine import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    resolve_dtype,
+)
+from tokenspeed_worker.config.parameters import ServerArgs
+from tokenspeed_worker.config.values import kv_events_enabled, kv_events_settings
+
+DEFAULT_MAX_MODEL_LEN = 2048  # when neither --max-model-len nor the model's config.json gives one
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The server process's own settings (server/launch.py)."""
+
+    host: str = "127.0.0.1"
+    grpc_port: int = 50051
+    api_key: str | None = None  # required on every RPC except the health checks (server/auth.py)
+    log_level: str = "info"  # of the server and of every engine process
+    drain_timeout: float = 30.0  # seconds in-flight requests get after the first stop signal
+    watchdog_timeout: float = 300.0  # no engine progress this long with work pending: fail it all
+    data_parallel_size: int = 1  # engine replicas behind the one port (server/engine_client.py)
+    node_rank: int = 0  # > 0: this node only runs its share of the tensor-parallel ranks
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    server: ServerConfig
+    engine: EngineConfig
+
+    @classmethod
+    def from_args(cls, args: ServerArgs) -> WorkerConfig:
+        """The tree of parsed, resolved and supported arguments (cli.prepare). Reads the model's
+        config.json for what `--dtype auto` and an unset --max-model-len leave to the checkpoint.
+        Raises ValueError, naming the flag, for a value that cannot work here."""
+        positions = _max_positions(args.model)
+        if args.max_model_len and positions and args.max_model_len > positions:
+            raise ValueError(f"--max-model-len {args.max_model_len} exceeds the model's max_position_embeddings "
+                             f"({positions}); its rotary embedding is not defined past that")
+        model = ModelConfig(
+            path=args.model,
+            dtype=resolve_dtype(args.dtype, args.device, args.model),
+            device=f"cuda:{args.base_gpu_id}" if args.device == "cuda" and args.base_gpu_id else args.device,
+            load_format=args.load_format,
+            seed=args.seed,
+            attention_backend=args.attention_backend,
+            sampling_backend=args.sampling_backend,
+            enforce_eager=args.enforce_eager,
+            cudagraph_capture_sizes=args.cudagraph_capture_sizes,
+            max_cudagraph_capture_size=args.max_cudagraph_capture_size,
+            grammar_backend=args.grammar_backend,
+            tokenizer_path=args.tokenizer,
+        )
+        cache = CacheConfig(
+            block_size=args.block_size,
+            kv_cache_dtype=args.kv_cache_dtype,
+            max_total_tokens=args.max_total_tokens,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            enable_prefix_caching=args.enable_prefix_caching,
+            kv_events=_kv_events(args.kv_events_config),
+            report_kv_events=True,  # SubscribeKvEvents is always served
+        )
+        scheduler = SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_model_len=int(args.max_model_len or positions or DEFAULT_MAX_MODEL_LEN),
+            chunked_prefill_size=args.chunked_prefill_size,
+            max_prefill_tokens=args.max_prefill_tokens,
+            schedule_conservativeness=args.schedule_conservativeness,
+            overlap_schedule=False if args.disable_overlap_schedule else None,
+        )
+        parallel = ParallelConfig(
+            tensor_parallel_size=args.tensor_parallel_size,
+            nnodes=args.nnodes,
+            dist_init_method=f"tcp://{args.dist_init_addr}" if args.dist_init_addr else None,
+        )
+        server = ServerConfig(
+            host=args.host,
+            grpc_port=args.grpc_port,
+            api_key=args.api_key,
+            log_level=args.log_level,
+            drain_timeout=args.drain_timeout,
+            watchdog_timeout=args.watchdog_timeout,
+            data_parallel_size=args.data_parallel_size,
+            node_rank=args.node_rank,
+        )
+        return cls(server=server, engine=EngineConfig(model, cache, scheduler, parallel))
+
+
+def _max_positions(model_path: str) -> int | None:
+    """The model's max_position_embeddings, or None (no readable config.json: the model facts
+    report that, server/model_info.py)."""
+    try:
+        with open(os.path.join(model_path, "config.json"), encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return (cfg.get("text_config") or cfg).get("max_position_embeddings")
+
+
+def _kv_events(text: str | None) -> dict[str, Any] | None:
+    """The resolved --kv-events-config when it turns publishing on, else None."""
+    if not kv_events_enabled(text):
+        return None
+    missing = [m for m in ("zmq", "msgpack") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ValueError(
+            f"--kv-events-config: publishing needs the Python package(s) {', '.join(missing)} "
+            "(pip install pyzmq msgpack)"
+        )
+    return kv_events_settings(text)
