@@ -39,7 +39,7 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
 
 
 def build_engine(args, **overrides) -> EngineCore:
-    if os.environ.get("BENCH_LOG_LEVEL"):  # e.g. DEBUG: shows each skinny site's timed choice
+    if os.environ.get("BENCH_LOG_LEVEL"):  # e.g. DEBUG: shows each small-batch GEMV site's timed choice
         logging.basicConfig(level=os.environ["BENCH_LOG_LEVEL"].upper(), format="%(name)s %(message)s")
     path = MODEL_SHAPES.get(args.model, args.model)
     load_format = args.load_format or ("dummy" if args.model in MODEL_SHAPES else "auto")

@@ -2,7 +2,7 @@
 
     python scripts/bench_kernels.py [--batches 1 64 256] [--contexts 1024 8192] [--prefill-lens 2048]
     python scripts/bench_kernels.py --only fused [--fused-batches 1 256]
-    python scripts/bench_kernels.py --only skinny [--skinny-rows 1 4] [--skinny-shapes 8b 1b]
+    python scripts/bench_kernels.py --only gemv [--gemv-rows 1 4] [--gemv-shapes 8b 1b]
 
 Decode (Llama-3.1-8B attention: H=32, Hkv=8, D=128, bf16, block 16) is memory-bound: its
 figure is the bandwidth achieved (bytes of K/V read + q read + out written, divided by the
@@ -28,7 +28,7 @@ bandwidth of the bytes each must move and its fraction of the copy bandwidth; at
 are launch-bound, so the time ratio (torch / fused) is the point. Timed from a CUDA graph, as
 decode runs (--eager to include launch overhead).
 
-Skinny products (--only skinny, or part of the default run): the decode-step kernels of
+Small-batch GEMV products (--only gemv, or part of the default run): the decode-step kernels of
 kernels/gemv.py at each site of a decoder layer (add + RMSNorm + qkv_proj, o_proj,
 add + RMSNorm + gate_up_proj + SiLU·mul, down_proj) for Llama-3.1-8B and Llama-3.2-1B shapes,
 every configuration, against the unfused path they replace (the norm kernel + cuBLAS, cuBLAS +
@@ -75,10 +75,10 @@ def parse_args() -> argparse.Namespace:
                     help="skip the torch decode reference when its gathered K/V copy would exceed this")
     ap.add_argument("--copy-gib", type=float, default=2.0, help="size of the bandwidth-probe copy")
     ap.add_argument("--matmul-size", type=int, default=8192)
-    ap.add_argument("--skinny-rows", type=int, nargs="+", default=[1, 4], help="skinny products: rows per call")
-    ap.add_argument("--skinny-shapes", nargs="+", default=["8b", "1b"], choices=["8b", "1b"],
-                    help="skinny products: Llama-3.1-8B and/or Llama-3.2-1B layer shapes")
-    ap.add_argument("--only", choices=["all", "attention", "fused", "skinny"], default="all",
+    ap.add_argument("--gemv-rows", type=int, nargs="+", default=[1, 4], help="small-batch GEMV products: rows per call")
+    ap.add_argument("--gemv-shapes", nargs="+", default=["8b", "1b"], choices=["8b", "1b"],
+                    help="small-batch GEMV products: Llama-3.1-8B and/or Llama-3.2-1B layer shapes")
+    ap.add_argument("--only", choices=["all", "attention", "fused", "gemv"], default="all",
                     help="attention: the paged-attention kernels; fused: the fused decoder-layer kernels")
     ap.add_argument("--fused-batches", type=int, nargs="+", default=[1, 256], help="fused kernels: tokens per call")
     ap.add_argument("--hidden", type=int, default=4096, help="fused kernels: hidden size")
@@ -242,8 +242,8 @@ SKINNY_SHAPES = {"8b": (4096, 6144, 4096, 14336), "1b": (2048, 3072, 2048, 8192)
 SKINNY_HEADS = {"8b": (32, 8, 128), "1b": (32, 8, 64)}  # q heads, kv heads, head_dim
 
 
-def bench_skinny(device: torch.device, dtype: torch.dtype, timer: Timer, copy_bw: float) -> list[dict]:
-    """Each site's skinny kernel (every config) against the unfused path it replaces."""
+def bench_gemv(device: torch.device, dtype: torch.dtype, timer: Timer, copy_bw: float) -> list[dict]:
+    """Each site's small-batch GEMV kernel (every config) against the unfused path it replaces."""
     from tokenspeed_worker.kernels import gemv
     from tokenspeed_worker.layers.activation import SiluAndMul
     from tokenspeed_worker.layers.fused_kernels import fused_kernels
@@ -254,14 +254,14 @@ def bench_skinny(device: torch.device, dtype: torch.dtype, timer: Timer, copy_bw
     elt = torch.empty((), dtype=dtype).element_size()
     act = SiluAndMul()
     rows_out = []
-    for shape in args.skinny_shapes:
+    for shape in args.gemv_shapes:
         hidden, qkv_out, o_in, inter = SKINNY_SHAPES[shape]
         norm = RMSNorm(hidden, eps=1e-5).to(device=device, dtype=dtype)
         w = {"qkv": 0.02 * torch.randn(qkv_out, hidden, dtype=dtype, device=device),
              "o": 0.02 * torch.randn(hidden, o_in, dtype=dtype, device=device),
              "gate_up": 0.02 * torch.randn(2 * inter, hidden, dtype=dtype, device=device),
              "down": 0.02 * torch.randn(hidden, inter, dtype=dtype, device=device)}
-        for m in args.skinny_rows:
+        for m in args.gemv_rows:
             x = torch.randn(m, hidden, dtype=dtype, device=device)
             residual = torch.randn(m, hidden, dtype=dtype, device=device)
             attn_out = torch.randn(m, o_in, dtype=dtype, device=device)
@@ -318,7 +318,7 @@ def bench_skinny(device: torch.device, dtype: torch.dtype, timer: Timer, copy_bw
                         got = fused(config)
                         seconds = timer(lambda: fused(config), graph=graph)
                     except Exception as error:  # noqa: BLE001 - a config this GPU cannot run
-                        print(f"skinny {shape} {site} m={m} {config}: {type(error).__name__}: {error}", flush=True)
+                        print(f"gemv {shape} {site} m={m} {config}: {type(error).__name__}: {error}", flush=True)
                         continue
                     err = (got.float() - expected.float()).abs().max().item()
                     config_us[str(config)] = seconds * 1e6
@@ -333,9 +333,9 @@ def bench_skinny(device: torch.device, dtype: torch.dtype, timer: Timer, copy_bw
                        "speedup_vs_unfused": unfused_s / seconds, "max_abs_err_vs_unfused": err,
                        "config_us": config_us}
                 rows_out.append(row)
-                print(f"skinny {shape} {site:22s} m={m:2d}: {row['time_us']:7.1f} us {row['GBps']:6.0f} GB/s "
+                print(f"gemv {shape} {site:22s} m={m:2d}: {row['time_us']:7.1f} us {row['GBps']:6.0f} GB/s "
                       f"({100 * row['fraction_of_copy']:5.1f}% of copy) {config}  unfused {row['unfused_time_us']:7.1f} us "
-                      f"{row['unfused_GBps']:6.0f} GB/s  unfused/skinny {row['speedup_vs_unfused']:4.2f}x  err {err:.1e}",
+                      f"{row['unfused_GBps']:6.0f} GB/s  unfused/gemv {row['speedup_vs_unfused']:4.2f}x  err {err:.1e}",
                       flush=True)
     return rows_out
 
@@ -377,7 +377,7 @@ def main() -> int:
         "timing": "median of CUDA events, L2 flushed before each call; decode from a CUDA graph" + (
             " (eager)" if args.eager else ""),
         "copy_GBps": copy_bw / 1e9, "matmul_TFLOPs": mm_flops / 1e12 if mm_flops else None, "decode": [],
-        "extend": [], "fused": [], "skinny": [],
+        "extend": [], "fused": [], "gemv": [],
     }
 
     for context in args.contexts if run_attention else []:
@@ -467,8 +467,8 @@ def main() -> int:
 
     if args.only in ("all", "fused"):
         result["fused"] = bench_fused(device, dtype, timer, copy_bw)
-    if args.only in ("all", "skinny"):
-        result["skinny"] = bench_skinny(device, dtype, timer, copy_bw)
+    if args.only in ("all", "gemv"):
+        result["gemv"] = bench_gemv(device, dtype, timer, copy_bw)
 
     out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)

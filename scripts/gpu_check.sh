@@ -149,10 +149,10 @@ suite_kernels() {
     tests/test_triton_backend.py tests/test_cuda_graph_logic.py tests/test_small_batch_gemv.py \
     tests/test_fused_kernels.py tests/test_flashinfer_backend.py}
   step kernels "${KERNELS_TIMEOUT:-150}" "$REPO" python3 scripts/bench_kernels.py --out "$OUT/kernels.json" \
-    ${KERNELS_ARGS:---only skinny --skinny-rows 1 4}
+    ${KERNELS_ARGS:---only gemv --gemv-rows 1 4}
   local status=$?
   dry && return 0
-  grep -E "^skinny|^decode|^extend|^fused|copy" "$OUT/logs/kernels.log" | tail -40 | cut -c1-200
+  grep -E "^gemv|^decode|^extend|^fused|copy" "$OUT/logs/kernels.log" | tail -40 | cut -c1-200
   [ $status = 0 ] || failed kernels $status
 }
 

@@ -8,7 +8,7 @@ device busy time), the wall time per step, and the gap between the two (host wor
 waited for, launch latency between kernels). Writes the table as JSON (--out).
 
 --positions NAME=PERIOD breaks one kernel's calls down by their place in a repeating pattern, in
-launch order: `_gemv_kernel=4` gives a decoder layer's four skinny products (q/k/v, o, gate/up,
+launch order: `_gemv_kernel=4` gives a decoder layer's four small-batch GEMV products (q/k/v, o, gate/up,
 down where each takes the kernel) their own mean time and mean idle gap before them (the previous
 kernel's end to this one's start). With programmatic dependent launch on (TOKENSPEED_PDL, the
 default) a kernel's time includes its wait for the one before; TOKENSPEED_PDL=0 gives its own.

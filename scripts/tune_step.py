@@ -1,4 +1,4 @@
-"""In-step timing of the skinny sites' choices: which kernel configuration is fastest inside the
+"""In-step timing of the small-batch GEMV sites' choices: which kernel configuration is fastest inside the
 captured decode step, against the one each site chose when timed alone.
 
     python scripts/tune_step.py --model llama-3.2-1b --batch 1 [--top 6] [--context 256]

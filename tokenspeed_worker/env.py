@@ -1,8 +1,9 @@
 """Every environment variable the worker reads, typed, in one place.
 
 Command-line flags configure a deployment; these are the few process-level switches beneath
-them (a test hook, a debugging fallback, a default directory). Each is read when asked for,
-so a test may set it before the code that uses it runs. docs/operations.md lists them.
+them (a test hook, a debugging fallback, a default directory). Each is read where it is used:
+FUSED_KERNELS and DIST_TIMEOUT_S once, when their modules are imported; the others when the
+code that needs them runs. docs/operations.md lists them.
 """
 
 from __future__ import annotations
