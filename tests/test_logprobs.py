@@ -71,4 +71,5 @@ def test_prompt_logprobs_without_extras_and_empty():
     assert out.top_logprobs is None and out.token_ids_logprobs is None
     torch.testing.assert_close(out.logprobs, torch.log_softmax(logits, -1)[torch.arange(4), [1, 2, 3, 4]])
     empty = prompt_logprobs(torch.zeros(0, 10), torch.zeros(0, dtype=torch.int64), top_k=2, token_ids=[1])
-    assert empty.logprobs.shape == (0,) and empty.top_logprobs.shape == (0, 2) and empty.token_ids_logprobs.shape == (0, 1)
+    assert (empty.logprobs.shape == (0,) and empty.top_logprobs.shape == (0, 2)
+            and empty.token_ids_logprobs.shape == (0, 1))

@@ -213,7 +213,8 @@ def build_grammars(grammar_backend: str, tokenizer_path: str | None, model_path:
 
     try:
         config = AutoConfig.from_pretrained(model_path)
-        return Grammars(tokenizer_path, int(getattr(config, "vocab_size", None) or config.get_text_config().vocab_size))
+        vocab_size = int(getattr(config, "vocab_size", None) or config.get_text_config().vocab_size)
+        return Grammars(tokenizer_path, vocab_size)
     except Exception as exc:  # a tokenizer xgrammar cannot read: constraints are refused upstream
         logger.warning("structured output unavailable: %s", exc)
         return None

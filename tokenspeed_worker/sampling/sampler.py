@@ -1,7 +1,8 @@
 """Batched token sampling over the whole OpenAI sampling surface, with no per-request loop.
 
 `Sampler.sample` takes a step's logits and its `SamplingBatch` (the rows' `SamplingParams` as
-device tensors, sampling/state.py) and returns a `SampleOutput`. Per step, for the S rows that sample, in this order (each on what the previous left):
+device tensors, sampling/state.py) and returns a `SampleOutput`. Per step, for the S rows that
+sample, in this order (each on what the previous left):
 1. logit_bias: logit[id] += bias;
 2. penalties: repetition (HF: over prompt and output tokens, a positive logit is divided by
    p, a negative one multiplied), then frequency and presence (OpenAI: over output tokens,
