@@ -22,6 +22,7 @@ from tokenspeed_worker.config import EngineConfig  # noqa: E402
 from tokenspeed_worker.config.engine import SECTION_OF  # noqa: E402
 from tokenspeed_worker.engine.engine_core import EngineCore  # noqa: E402
 from tokenspeed_worker.engine.messages import AddRequest  # noqa: E402
+from tokenspeed_worker.sampling.params import SamplingParams  # noqa: E402
 
 MODEL_SHAPES = {"llama-3.2-1b": REPO / "scripts/model_configs/llama-3.2-1b",
                 "llama-3.1-8b": REPO / "scripts/model_configs/llama-3.1-8b"}
@@ -169,7 +170,7 @@ def plan_recorder(core: EngineCore, arithmetic: ModelArithmetic, records: list, 
 
 
 def greedy_request(req_id: int, prompt: np.ndarray, max_new: int) -> AddRequest:
-    return AddRequest(req_id, prompt.astype(np.int32), max_new, [], 0.0, -1, 1.0, 0.0, 0)
+    return AddRequest(req_id, prompt.astype(np.int32), max_new, SamplingParams(temperature=0.0))
 
 
 def sync(device) -> None:

@@ -25,6 +25,7 @@ import numpy as np
 
 from bench_common import MODEL_SHAPES, add_engine_args, build_engine, sync, write_result
 from tokenspeed_worker.engine.messages import AddRequest
+from tokenspeed_worker.sampling.params import SamplingParams
 
 # A list of records long enough that no constrained request completes (and leaves the batch) while
 # it is measured.
@@ -53,7 +54,7 @@ def run(core, batch: int, constrained: int, steps: int, prompt_len: int, rng, ti
     for i in range(batch):
         constraint = ("json_schema", json.dumps(SCHEMA)) if i < constrained else None
         core.add_request(AddRequest(base + i, rng.integers(10, min(vocab, 30_000), prompt_len).astype(np.int32),
-                                    steps + 16, [], 0.0, -1, 1.0, 0.0, i, constraint=constraint))
+                                    steps + 16, SamplingParams(temperature=0.0, seed=i), constraint=constraint))
     gen = (seen(out) for out in core.run_steps())
     while core.waiting_for_grammar or core.scheduler.num_waiting:  # compiles and prefills
         next(gen)

@@ -22,7 +22,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from tokenspeed_worker.sampling.sampler import Sampler, triton_sampling_available  # noqa: E402
-from tokenspeed_worker.sampling.state import RowSamplingParams, SamplingState  # noqa: E402
+from tokenspeed_worker.sampling.params import SamplingParams  # noqa: E402
+from tokenspeed_worker.sampling.state import SamplingState  # noqa: E402
 
 
 def timed(fn, device, iters: int) -> float:
@@ -61,9 +62,9 @@ def main() -> int:
     rng = np.random.default_rng(0)
     rows = np.arange(B)
     configs = {
-        "greedy": RowSamplingParams(temperature=0.0),
-        "temperature": RowSamplingParams(temperature=0.8, seed=1),
-        "all_options": RowSamplingParams(
+        "greedy": SamplingParams(temperature=0.0),
+        "temperature": SamplingParams(temperature=0.8, seed=1),
+        "all_options": SamplingParams(
             temperature=0.8, top_k=50, top_p=0.9, min_p=0.05, seed=1, frequency_penalty=0.5, presence_penalty=0.5,
             repetition_penalty=1.1, logit_bias={5: 2.0, 17: -1.0}, min_new_tokens=4, stop_token_ids=(2,),
             return_logprob=True, top_logprobs_num=5),

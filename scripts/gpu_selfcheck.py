@@ -329,6 +329,7 @@ def check_tiny_graph_tokens(ctx, path) -> dict:
 def check_engine_auto(ctx, model, load_format) -> dict:
     from tokenspeed_worker.engine.engine_core import EngineCore
     from tokenspeed_worker.engine.messages import AddRequest
+    from tokenspeed_worker.sampling.params import SamplingParams
 
     cfg = EngineConfig.build(
         str(model), dtype="bfloat16" if ctx.device.type == "cuda" else "float32",
@@ -347,7 +348,7 @@ def check_engine_auto(ctx, model, load_format) -> dict:
     rng = np.random.default_rng(0)
     for i in range(12):
         prompt = rng.integers(0, min(1000, runner.vocab_size), size=int(rng.integers(5, 300))).astype(np.int32)
-        core.add_request(AddRequest(i, prompt, 16, [], 0.0, -1, 1.0, 0.0, i))
+        core.add_request(AddRequest(i, prompt, 16, SamplingParams(temperature=0.0, seed=i)))
     produced, steps, start = {}, 0, time.perf_counter()
     while core.has_work() and steps < 500:
         out = core.step()

@@ -12,6 +12,7 @@ import pytest
 from tokenspeed_worker.config import EngineConfig
 from tokenspeed_worker.engine.engine_core import EngineCore
 from tokenspeed_worker.engine.messages import AddRequest
+from tokenspeed_worker.sampling.params import SamplingParams
 from worker_harness import hf_greedy, tiny_models
 
 DEVICE = os.environ.get("TOKENSPEED_TEST_DEVICE", "cpu")
@@ -34,8 +35,8 @@ def make_core(**overrides) -> EngineCore:
 
 
 def request(req_id, prompt, max_new, *, temperature=0.0, seed=0, wait_for=-1, top_k=-1):
-    return AddRequest(req_id, np.asarray(prompt, dtype=np.int32), max_new, [], temperature, top_k, 1.0, 0.0, seed,
-                      wait_for=wait_for)
+    return AddRequest(req_id, np.asarray(prompt, dtype=np.int32), max_new,
+                      SamplingParams(temperature=temperature, top_k=top_k, seed=seed), wait_for=wait_for)
 
 
 def run(core: EngineCore, requests, arrive_at=None):

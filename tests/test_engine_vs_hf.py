@@ -15,6 +15,7 @@ import pytest
 from tokenspeed_worker.config import EngineConfig
 from tokenspeed_worker.engine.engine_core import EngineCore
 from tokenspeed_worker.engine.messages import AddRequest
+from tokenspeed_worker.sampling.params import SamplingParams
 from worker_harness import hf_greedy, smollm2_dir, tiny_models
 
 # The GPU machine runs this same file with TOKENSPEED_TEST_DEVICE=cuda (scripts/gpu_check.sh).
@@ -22,7 +23,7 @@ DEVICE = os.environ.get("TOKENSPEED_TEST_DEVICE", "cpu")
 
 
 def greedy(req_id, prompt, max_new):
-    return AddRequest(req_id, np.asarray(prompt, dtype=np.int32), max_new, [], 0.0, -1, 1.0, 0.0, 0)
+    return AddRequest(req_id, np.asarray(prompt, dtype=np.int32), max_new, SamplingParams(temperature=0.0))
 
 
 def run_staggered(core: EngineCore, requests: list[AddRequest], arrive_at: list[int]) -> dict[int, list[int]]:

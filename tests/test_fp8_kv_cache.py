@@ -100,6 +100,7 @@ def test_a_model_runs_on_an_fp8_cache(tiny_model_paths):
     from tokenspeed_worker.config import EngineConfig
     from tokenspeed_worker.engine.engine_core import EngineCore
     from tokenspeed_worker.engine.messages import AddRequest
+    from tokenspeed_worker.sampling.params import SamplingParams
 
     path = str(tiny_model_paths["llama-gqa-tied"])
     logits = []
@@ -124,7 +125,7 @@ def test_a_model_runs_on_an_fp8_cache(tiny_model_paths):
 
     core = EngineCore(EngineConfig.build(path, dtype="float32", device=DEVICE.type, max_model_len=256,
                                          max_num_seqs=4, max_total_tokens=1024, kv_cache_dtype="fp8"))
-    core.add_request(AddRequest(1, np.arange(3, 40, dtype=np.int32), 8, [], 0.0, -1, 1.0, 0.0, 1))
+    core.add_request(AddRequest(1, np.arange(3, 40, dtype=np.int32), 8, SamplingParams(temperature=0.0, seed=1)))
     tokens = [t for out in core.run_steps() if out is not None for t in out.tokens.tolist()]
     assert len(tokens) == 8 and core.scheduler.num_used_tokens == 0
 

@@ -65,12 +65,13 @@ def test_prefill_pending_tokens_follow_requests_in_and_out():
 
     from tokenspeed_worker.config import EngineConfig
     from tokenspeed_worker.engine.messages import AddRequest, StepOutput
+    from tokenspeed_worker.sampling.params import SamplingParams
     from tokenspeed_worker.server.engine_client import EngineClient
 
     client = EngineClient(EngineConfig.build("unused"))
 
     def add(length):
-        return AddRequest(0, np.zeros(length, dtype=np.int32), 4, [], 0.0, -1, 1.0, 0.0, 0)
+        return AddRequest(0, np.zeros(length, dtype=np.int32), 4, SamplingParams(temperature=0.0))
 
     a = client.submit("a", [add(10), add(10)])  # n = 2 shares one prefill
     b = client.submit("b", [add(7)])

@@ -9,7 +9,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from tokenspeed_worker.sampling import logprobs as logprobs_module
 from tokenspeed_worker.sampling.logprobs import prompt_logprobs
 from tokenspeed_worker.sampling.sampler import Sampler
-from tokenspeed_worker.sampling.state import RowSamplingParams, SamplingState
+from tokenspeed_worker.sampling.params import SamplingParams
+from tokenspeed_worker.sampling.state import SamplingState
 
 
 def test_sampled_token_logprobs_are_the_raw_log_softmax():
@@ -17,10 +18,10 @@ def test_sampled_token_logprobs_are_the_raw_log_softmax():
     vocab = 120
     state = SamplingState(4, vocab)
     options = [
-        RowSamplingParams(temperature=0.7, seed=1, return_logprob=True, top_logprobs_num=5,
+        SamplingParams(temperature=0.7, seed=1, return_logprob=True, top_logprobs_num=5,
                           token_ids_logprob=[3, 119]),
-        RowSamplingParams(temperature=0.0, return_logprob=True, logit_bias={4: 30.0}, repetition_penalty=1.5),
-        RowSamplingParams(temperature=1.0, top_k=3, seed=2, top_logprobs_num=2, token_ids_logprob=[0]),
+        SamplingParams(temperature=0.0, return_logprob=True, logit_bias={4: 30.0}, repetition_penalty=1.5),
+        SamplingParams(temperature=1.0, top_k=3, seed=2, top_logprobs_num=2, token_ids_logprob=[0]),
     ]
     for row, p in enumerate(options):
         state.add_row(row, np.array([4, 5]), p)
@@ -58,16 +59,17 @@ def test_prompt_logprobs_match_transformers_on_a_tiny_model(monkeypatch):
                                rtol=0, atol=1e-5)
     assert torch.isnan(out.logprobs[-1])  # the last position has no next prompt token
     top = reference.topk(4, dim=-1)
-    torch.testing.assert_close(out.top_values, top.values, rtol=0, atol=1e-5)
-    assert torch.equal(out.top_ids, top.indices)
-    torch.testing.assert_close(out.ids_values, reference[:, [5, 96]], rtol=0, atol=1e-5)
-    assert out.ids.shape == (11, 2) and out.ids_counts.tolist() == [2] * 11
+    torch.testing.assert_close(out.top_logprobs, top.values, rtol=0, atol=1e-5)
+    assert torch.equal(out.top_logprob_ids, top.indices)
+    torch.testing.assert_close(out.token_ids_logprobs, reference[:, [5, 96]], rtol=0, atol=1e-5)
+    assert out.token_ids_logprob_ids.shape == (11, 2) and out.token_ids_logprob_counts.tolist() == [2] * 11
 
 
 def test_prompt_logprobs_without_extras_and_empty():
     logits = torch.randn(4, 10)
     out = prompt_logprobs(logits, torch.tensor([1, 2, 3, 4]))
-    assert out.top_values is None and out.ids_values is None
+    assert out.top_logprobs is None and out.token_ids_logprobs is None
     torch.testing.assert_close(out.logprobs, torch.log_softmax(logits, -1)[torch.arange(4), [1, 2, 3, 4]])
     empty = prompt_logprobs(torch.zeros(0, 10), torch.zeros(0, dtype=torch.int64), top_k=2, token_ids=[1])
-    assert empty.logprobs.shape == (0,) and empty.top_values.shape == (0, 2) and empty.ids_values.shape == (0, 1)
+    assert (empty.logprobs.shape == (0,) and empty.top_logprobs.shape == (0, 2)
+            and empty.token_ids_logprobs.shape == (0, 1))

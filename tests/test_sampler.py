@@ -14,19 +14,20 @@ from transformers import RepetitionPenaltyLogitsProcessor
 from tokenspeed_worker.sampling.sampler import (
     SAMPLING_BACKENDS,
     Sampler,
-    SamplingTensors,
+    SamplingBatch,
     default_sampling_backend,
     hashed_uniform,
     triton_sampling_available,
 )
-from tokenspeed_worker.sampling.state import RowSamplingParams, SamplingState
+from tokenspeed_worker.sampling.params import SamplingParams
+from tokenspeed_worker.sampling.state import SamplingState
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 def params(n, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seeds=None, positions=None, device="cpu"):
     per_row = lambda v: list(v) if isinstance(v, (list, tuple)) else [v] * n  # noqa: E731
-    return SamplingTensors.from_lists(
+    return SamplingBatch.from_lists(
         per_row(temperature), per_row(top_k), per_row(top_p), per_row(min_p),
         seeds if seeds is not None else list(range(n)), positions if positions is not None else [0] * n, device,
     )
@@ -94,7 +95,7 @@ def test_seeded_rows_reproduce_regardless_of_batch_mates_and_order():
     mates = torch.randn(3, 400)
     mixed = sampler.sample(
         torch.cat([mates, logits[:2]]),
-        SamplingTensors.from_lists([0.0, 2.0, 0.5, 0.9, 0.9], [0, 5, 0, 50, 50], [1.0, 0.5, 1.0, 0.95, 0.95],
+        SamplingBatch.from_lists([0.0, 2.0, 0.5, 0.9, 0.9], [0, 5, 0, 50, 50], [1.0, 0.5, 1.0, 0.95, 0.95],
                                    [0.0, 0.0, 0.2, 0.01, 0.01], [None, 1, 2, 11, 22], [0, 0, 0, 0, 3]),
     ).tokens
     assert torch.equal(mixed[3:], full[:2])
@@ -112,13 +113,13 @@ def test_seed_and_position_both_change_the_draw():
 
 
 def test_from_lists_accepts_numpy_arrays_and_big_seeds():
-    from_numpy = SamplingTensors.from_lists(
+    from_numpy = SamplingBatch.from_lists(
         np.array([0.0, 0.7], np.float32), np.array([-1, 5]), np.array([1.0, 0.9], np.float32),
         np.zeros(2, np.float32), np.array([3, 2**63 - 1]), np.array([0, 4]),
     )
-    from_lists = SamplingTensors.from_lists([0.0, 0.7], [0, 5], [1.0, 0.9], [0.0, 0.0], [3, 2**64 - 1], [0, 4])
-    assert torch.equal(from_numpy.top_ks, torch.tensor([0, 5])) and from_numpy.any_top_k and not from_numpy.any_min_p
-    assert not from_numpy.all_greedy and from_lists.seeds.dtype == torch.int64
+    from_lists = SamplingBatch.from_lists([0.0, 0.7], [0, 5], [1.0, 0.9], [0.0, 0.0], [3, 2**64 - 1], [0, 4])
+    assert torch.equal(from_numpy.top_k, torch.tensor([0, 5])) and from_numpy.any_top_k and not from_numpy.any_min_p
+    assert not from_numpy.all_greedy and from_lists.seed.dtype == torch.int64
     logits = torch.randn(2, 100)
     assert torch.equal(Sampler().sample(logits, from_numpy).tokens, Sampler().sample(logits, from_lists).tokens)
 
@@ -188,7 +189,7 @@ def test_cuda_draws_equal_cpu_draws():
 
 
 def make_state(vocab, rows, device="cpu"):
-    """rows: list of (prompt_ids, RowSamplingParams, output_ids): added at rows 0.. and stepped through
+    """rows: list of (prompt_ids, SamplingParams, output_ids): added at rows 0.. and stepped through
     their outputs one token at a time, as the engine would."""
     state = SamplingState(2, vocab, device)
     for row, (prompt, row_params, outputs) in enumerate(rows):
@@ -202,9 +203,9 @@ def test_repetition_penalty_equals_transformers():
     torch.manual_seed(0)
     vocab = 97
     rows = [
-        ([1, 5, 5, 9, 60], RowSamplingParams(repetition_penalty=1.3), [9, 2, 2, 70]),
-        ([3], RowSamplingParams(repetition_penalty=0.7), [3, 3, 11]),
-        ([], RowSamplingParams(repetition_penalty=2.0), [96, 0]),
+        ([1, 5, 5, 9, 60], SamplingParams(repetition_penalty=1.3), [9, 2, 2, 70]),
+        ([3], SamplingParams(repetition_penalty=0.7), [3, 3, 11]),
+        ([], SamplingParams(repetition_penalty=2.0), [96, 0]),
     ]
     state = make_state(vocab, rows)
     logits = torch.randn(3, vocab) * 3
@@ -220,9 +221,9 @@ def test_frequency_and_presence_penalties_follow_openai_formula_over_outputs_onl
     torch.manual_seed(1)
     vocab = 50
     rows = [
-        ([4, 4, 4], RowSamplingParams(frequency_penalty=0.5, presence_penalty=0.25), [4, 7, 7, 7, 8]),
-        ([7], RowSamplingParams(frequency_penalty=-1.0), [7, 1]),
-        ([], RowSamplingParams(presence_penalty=2.0), [0, 0, 49]),
+        ([4, 4, 4], SamplingParams(frequency_penalty=0.5, presence_penalty=0.25), [4, 7, 7, 7, 8]),
+        ([7], SamplingParams(frequency_penalty=-1.0), [7, 1]),
+        ([], SamplingParams(presence_penalty=2.0), [0, 0, 49]),
     ]
     state = make_state(vocab, rows)
     logits = torch.randn(3, vocab)
@@ -235,8 +236,8 @@ def test_frequency_and_presence_penalties_follow_openai_formula_over_outputs_onl
 
 def test_logit_bias_adds_to_the_named_tokens_only():
     logits = torch.randn(2, 30)
-    state = make_state(30, [([], RowSamplingParams(logit_bias={3: 100.0, 29: -5.5, 0: 0.25}), []),
-                            ([], RowSamplingParams(), [])])
+    state = make_state(30, [([], SamplingParams(logit_bias={3: 100.0, 29: -5.5, 0: 0.25}), []),
+                            ([], SamplingParams(), [])])
     processed = Sampler.process_logits(logits, state.batch(np.arange(2)))
     expected = logits.clone()
     expected[0, 3] += 100.0
@@ -244,7 +245,7 @@ def test_logit_bias_adds_to_the_named_tokens_only():
     expected[0, 0] += 0.25
     assert torch.equal(processed, expected)
     # A +100 bias wins greedy decoding; the input logits are left untouched.
-    greedy = make_state(30, [([], RowSamplingParams(temperature=0.0, logit_bias={17: 100.0}), [])])
+    greedy = make_state(30, [([], SamplingParams(temperature=0.0, logit_bias={17: 100.0}), [])])
     before = logits[:1].clone()
     assert Sampler().sample(logits[:1], greedy.batch(np.array([0]))).tokens.item() == 17
     assert torch.equal(logits[:1], before)
@@ -254,7 +255,7 @@ def test_min_new_tokens_masks_stop_tokens_exactly_until_the_threshold():
     vocab, eos, stop = 20, 19, 5
     logits = torch.zeros(1, vocab)
     logits[0, eos], logits[0, stop], logits[0, 8] = 9.0, 8.0, 1.0
-    state = make_state(vocab, [([1, 2], RowSamplingParams(temperature=0.0, min_new_tokens=3,
+    state = make_state(vocab, [([1, 2], SamplingParams(temperature=0.0, min_new_tokens=3,
                                                           stop_token_ids=[eos, stop]), [])])
     sampler, tokens = Sampler(), []
     for _ in range(5):
@@ -268,7 +269,7 @@ def test_min_new_tokens_masks_stop_tokens_exactly_until_the_threshold():
     assert tokens == [8, 8, 8, eos, eos]
 
 
-def reference_process(logits: np.ndarray, prompt, outputs, p: RowSamplingParams) -> np.ndarray:
+def reference_process(logits: np.ndarray, prompt, outputs, p: SamplingParams) -> np.ndarray:
     """Steps 1-3 in plain numpy, in the documented order."""
     z = logits.astype(np.float32).copy()
     for token, bias in p.logit_bias.items():
@@ -287,7 +288,7 @@ def reference_process(logits: np.ndarray, prompt, outputs, p: RowSamplingParams)
 def test_combined_processing_order():
     torch.manual_seed(2)
     vocab = 40
-    p = RowSamplingParams(temperature=0.0, logit_bias={2: 3.0, 6: -1.0}, repetition_penalty=1.5,
+    p = SamplingParams(temperature=0.0, logit_bias={2: 3.0, 6: -1.0}, repetition_penalty=1.5,
                           frequency_penalty=0.4, presence_penalty=0.3, min_new_tokens=4, stop_token_ids=[6, 39])
     prompt, outputs = [2, 3, 6], [2, 2, 10]
     state = make_state(vocab, [(prompt, p, outputs)])
@@ -302,13 +303,13 @@ def test_batched_rows_with_extras_equal_each_row_alone():
     torch.manual_seed(3)
     vocab = 300
     rows = [
-        ([1, 2, 3], RowSamplingParams(temperature=0.8, top_k=20, seed=1, repetition_penalty=1.2), [4, 5]),
-        ([9], RowSamplingParams(temperature=1.0, top_p=0.9, seed=2), [1]),  # no extras
-        ([], RowSamplingParams(temperature=0.0, logit_bias={7: 2.0}, frequency_penalty=0.5), [7, 7, 7]),
-        ([5, 5], RowSamplingParams(temperature=1.2, min_p=0.05, seed=3, min_new_tokens=9,
+        ([1, 2, 3], SamplingParams(temperature=0.8, top_k=20, seed=1, repetition_penalty=1.2), [4, 5]),
+        ([9], SamplingParams(temperature=1.0, top_p=0.9, seed=2), [1]),  # no extras
+        ([], SamplingParams(temperature=0.0, logit_bias={7: 2.0}, frequency_penalty=0.5), [7, 7, 7]),
+        ([5, 5], SamplingParams(temperature=1.2, min_p=0.05, seed=3, min_new_tokens=9,
                                    stop_token_ids=[0, 1, 2], presence_penalty=1.0, return_logprob=True,
                                    top_logprobs_num=3, token_ids_logprob=[4, 8]), [3]),
-        ([2], RowSamplingParams(temperature=0.7, seed=4, logit_bias={1: -50.0}), []),
+        ([2], SamplingParams(temperature=0.7, seed=4, logit_bias={1: -50.0}), []),
     ]
     state = make_state(vocab, rows)
     logits = torch.randn(len(rows), vocab)
@@ -320,7 +321,7 @@ def test_batched_rows_with_extras_equal_each_row_alone():
             alone = sampler.sample(logits[row : row + 1], state.batch(np.array([row]))).tokens
             assert together[i] == alone[0], row
         # The row without extras draws exactly what the basic surface alone draws.
-        plain = SamplingTensors.from_lists([1.0], [0], [0.9], [0.0], [2], state.output_positions(np.array([1])))
+        plain = SamplingBatch.from_lists([1.0], [0], [0.9], [0.0], [2], state.output_positions(np.array([1])))
         assert together[3] == sampler.sample(logits[1:2], plain).tokens[0]
         state.update(order, together)
         logits = torch.randn(len(rows), vocab)
@@ -331,7 +332,7 @@ def row_options(draw, vocab):
     token = st.integers(0, vocab - 1)
     return (
         draw(st.lists(token, max_size=6)),
-        RowSamplingParams(
+        SamplingParams(
             temperature=draw(st.sampled_from([0.0, 0.5, 1.0, 1.7])),
             top_k=draw(st.sampled_from([-1, 1, 3, 10])),
             top_p=draw(st.sampled_from([1.0, 0.9, 0.5])),
@@ -378,10 +379,10 @@ def test_hypothesis_batched_sample_equals_per_row_sample(rows, logits_seed):
 
 
 def test_plain_batches_take_the_fast_paths():
-    state = make_state(100, [([1], RowSamplingParams(temperature=0.0), []), ([2], RowSamplingParams(), [])])
+    state = make_state(100, [([1], SamplingParams(temperature=0.0), []), ([2], SamplingParams(), [])])
     greedy = state.batch(np.array([0]))
     assert greedy.plain_argmax and not greedy.needs_logprobs
-    assert greedy.bias_positions is None and greedy.penalty_positions is None and greedy.stop_positions is None
+    assert greedy.logit_bias_positions is None and greedy.penalty_positions is None and greedy.stop_positions is None
     out = Sampler().sample(torch.randn(1, 100), greedy)
     assert out.logprobs is None and out.top_logprobs is None and out.token_ids_logprobs is None
     assert not state.batch(np.array([0, 1])).plain_argmax
@@ -426,8 +427,8 @@ def test_triton_backend_draws_equal_torch_backend():
             expected = sampler_torch.sample(logits, batch).tokens
             assert torch.equal(sampler_triton.sample(logits, batch).tokens, expected), (vocab, p)
     # Penalized and biased rows through SamplingState on the GPU.
-    state = make_state(1000, [([1, 2], RowSamplingParams(seed=1, repetition_penalty=1.3, logit_bias={5: 1.0}),
-                               [3, 3]), ([], RowSamplingParams(seed=2, frequency_penalty=0.5), [7])], device="cuda")
+    state = make_state(1000, [([1, 2], SamplingParams(seed=1, repetition_penalty=1.3, logit_bias={5: 1.0}),
+                               [3, 3]), ([], SamplingParams(seed=2, frequency_penalty=0.5), [7])], device="cuda")
     logits = torch.randn(2, 1000, device="cuda")
     batch = state.batch(np.arange(2))
     assert torch.equal(sampler_triton.sample(logits, batch).tokens, sampler_torch.sample(logits, batch).tokens)

@@ -7,40 +7,41 @@ import pytest
 import torch
 
 from tokenspeed_worker.sampling.sampler import Sampler
-from tokenspeed_worker.sampling.state import RowSamplingParams, SamplingState
+from tokenspeed_worker.sampling.params import SamplingParams
+from tokenspeed_worker.sampling.state import SamplingState
 
-PENALIZED = RowSamplingParams(frequency_penalty=0.5)
+PENALIZED = SamplingParams(frequency_penalty=0.5)
 
 
 def test_rows_grow_past_the_initial_capacity_and_keep_their_parameters():
     state = SamplingState(2, 50)
     for row in range(9):
-        state.add_row(row, np.array([1]), RowSamplingParams(temperature=0.1 * row, top_k=row, seed=row))
+        state.add_row(row, np.array([1]), SamplingParams(temperature=0.1 * row, top_k=row, seed=row))
     assert state.capacity == 16
     state.ensure_capacity(40)
     assert state.capacity == 64
     batch = state.batch(np.array([8, 0, 5]))
-    torch.testing.assert_close(batch.temperatures, torch.tensor([0.8, 0.0, 0.5]))
-    assert batch.top_ks.tolist() == [8, 0, 5] and batch.seeds.tolist() == [8, 0, 5]
+    torch.testing.assert_close(batch.temperature, torch.tensor([0.8, 0.0, 0.5]))
+    assert batch.top_k.tolist() == [8, 0, 5] and batch.seed.tolist() == [8, 0, 5]
     assert batch.output_positions.tolist() == [0, 0, 0]
     assert not batch.all_greedy and batch.any_top_k and batch.max_top_k == 8
 
 
 def test_add_and_remove_rows_and_refuse_misuse():
     state = SamplingState(4, 50)
-    state.add_row(1, np.array([1, 2]), RowSamplingParams())
+    state.add_row(1, np.array([1, 2]), SamplingParams())
     with pytest.raises(ValueError, match="already in use"):
-        state.add_row(1, np.array([1]), RowSamplingParams())
+        state.add_row(1, np.array([1]), SamplingParams())
     with pytest.raises(ValueError, match="outside the vocabulary"):
-        state.add_row(2, np.array([1]), RowSamplingParams(logit_bias={50: 1.0}))
+        state.add_row(2, np.array([1]), SamplingParams(logit_bias={50: 1.0}))
     with pytest.raises(ValueError, match="outside the vocabulary"):
-        state.add_row(2, np.array([1]), RowSamplingParams(token_ids_logprob=[-1]))
+        state.add_row(2, np.array([1]), SamplingParams(token_ids_logprob=[-1]))
     assert not state.is_active(2)  # a refused row holds nothing
     state.remove_row(1)
     with pytest.raises(ValueError, match="not in use"):
         state.remove_row(1)
     # A recycled row starts afresh.
-    state.add_row(1, np.array([1]), RowSamplingParams(temperature=0.0))
+    state.add_row(1, np.array([1]), SamplingParams(temperature=0.0))
     assert state.output_positions(np.array([1])).tolist() == [0]
     assert state.batch(np.array([1])).plain_argmax
 
@@ -49,10 +50,10 @@ def test_an_all_greedy_batch_copies_no_basic_tensors():
     # Only sampled rows read the basic surface: an all-greedy batch leaves it None (no copies),
     # and the sampler still applies what changes the logits (here a min_new_tokens stop).
     state = SamplingState(4, 50)
-    state.add_row(0, np.array([1]), RowSamplingParams(temperature=0.0, min_new_tokens=2, stop_token_ids=(7,)))
-    state.add_row(1, np.array([1]), RowSamplingParams(temperature=0.0))
+    state.add_row(0, np.array([1]), SamplingParams(temperature=0.0, min_new_tokens=2, stop_token_ids=(7,)))
+    state.add_row(1, np.array([1]), SamplingParams(temperature=0.0))
     batch = state.batch(np.array([0, 1]))
-    assert batch.all_greedy and batch.temperatures is None and batch.seeds is None
+    assert batch.all_greedy and batch.temperature is None and batch.seed is None
     assert not batch.plain_argmax and batch.stop_positions.tolist() == [0]
     logits = torch.zeros(2, 50)
     logits[:, 7] = 5.0
@@ -70,7 +71,7 @@ def test_update_counts_over_several_steps_equal_counting_tokens():
     state = SamplingState(4, vocab)
     rows = np.array([0, 1, 2, 3])
     for row in rows:  # rows 0 and 2 penalized
-        state.add_row(row, np.array([5]), PENALIZED if row % 2 == 0 else RowSamplingParams())
+        state.add_row(row, np.array([5]), PENALIZED if row % 2 == 0 else SamplingParams())
     history = {int(r): [] for r in rows}
     for step in range(12):
         active = rng.permutation(rows)[: rng.integers(1, 5)]
@@ -93,7 +94,7 @@ def test_penalty_slots_are_reused_and_memory_is_released_on_remove():
     vocab = 1000
     state = SamplingState(8, vocab)
     assert state.penalty_pool_bytes == 0
-    state.add_row(0, np.array([1]), RowSamplingParams())  # no penalty: no pool
+    state.add_row(0, np.array([1]), SamplingParams())  # no penalty: no pool
     assert state.num_penalty_slots == 0
     for row in range(1, 6):
         state.add_row(row, np.array([row]), PENALIZED)
@@ -102,7 +103,7 @@ def test_penalty_slots_are_reused_and_memory_is_released_on_remove():
     state.update(np.array([3]), np.array([9]))
     slot_of_3 = state._slot[3]
     state.remove_row(3)
-    state.add_row(6, np.array([2]), RowSamplingParams(presence_penalty=1.0))
+    state.add_row(6, np.array([2]), SamplingParams(presence_penalty=1.0))
     assert state._slot[6] == slot_of_3 and state.num_penalty_slots == 8  # reused, not grown
     assert int(state.output_counts(6).sum()) == 0  # and cleared
     for row in (1, 2, 4, 5, 6):
@@ -114,7 +115,7 @@ def test_penalty_slots_are_reused_and_memory_is_released_on_remove():
 def test_repetition_prompt_mask_comes_from_the_prompt_and_ignores_ids_past_the_vocabulary():
     vocab = 30
     state = SamplingState(2, vocab)
-    state.add_row(0, np.array([3, 3, 12, 45]), RowSamplingParams(repetition_penalty=2.0))
+    state.add_row(0, np.array([3, 3, 12, 45]), SamplingParams(repetition_penalty=2.0))
     logits = torch.full((1, vocab), 4.0)
     processed = Sampler.process_logits(logits, state.batch(np.array([0])))[0]
     assert (processed == 2.0).nonzero().flatten().tolist() == [3, 12]
@@ -122,10 +123,10 @@ def test_repetition_prompt_mask_comes_from_the_prompt_and_ignores_ids_past_the_v
 
 def test_min_new_tokens_rows_leave_the_mask_once_they_reach_it():
     state = SamplingState(2, 30)
-    state.add_row(0, np.array([1]), RowSamplingParams(min_new_tokens=2, stop_token_ids=[29, 29, 3]))
-    state.add_row(1, np.array([1]), RowSamplingParams(min_new_tokens=5, stop_token_ids=[]))  # nothing to mask
+    state.add_row(0, np.array([1]), SamplingParams(min_new_tokens=2, stop_token_ids=[29, 29, 3]))
+    state.add_row(1, np.array([1]), SamplingParams(min_new_tokens=5, stop_token_ids=[]))  # nothing to mask
     batch = state.batch(np.array([1, 0]))
-    assert batch.stop_positions.tolist() == [1] and sorted(batch.stop_ids[0].tolist()) == [3, 29]
+    assert batch.stop_positions.tolist() == [1] and sorted(batch.stop_token_ids[0].tolist()) == [3, 29]
     state.update(np.array([0, 1]), np.array([4, 4]))
     state.update(np.array([0, 1]), np.array([4, 4]))
     assert state.batch(np.array([1, 0])).stop_positions is None
@@ -133,13 +134,13 @@ def test_min_new_tokens_rows_leave_the_mask_once_they_reach_it():
 
 def test_logprob_requests_are_gathered_per_batch():
     state = SamplingState(4, 30)
-    state.add_row(0, np.array([1]), RowSamplingParams(return_logprob=True, top_logprobs_num=2))
-    state.add_row(1, np.array([1]), RowSamplingParams(top_logprobs_num=5, token_ids_logprob=[7, 8, 9]))
-    state.add_row(2, np.array([1]), RowSamplingParams())
+    state.add_row(0, np.array([1]), SamplingParams(return_logprob=True, top_logprobs_num=2))
+    state.add_row(1, np.array([1]), SamplingParams(top_logprobs_num=5, token_ids_logprob=[7, 8, 9]))
+    state.add_row(2, np.array([1]), SamplingParams())
     batch = state.batch(np.array([2, 0, 1]))
     assert batch.return_logprob and batch.top_logprobs_num == 5
-    assert batch.logprob_token_counts.tolist() == [0, 0, 3]
-    assert batch.logprob_token_ids[2].tolist() == [7, 8, 9]
+    assert batch.token_ids_logprob_counts.tolist() == [0, 0, 3]
+    assert batch.token_ids_logprob[2].tolist() == [7, 8, 9]
     plain = state.batch(np.array([2]))
     assert not plain.needs_logprobs
     state.remove_row(0)
@@ -150,7 +151,7 @@ def test_logprob_requests_are_gathered_per_batch():
 def test_preempted_rows_keep_their_state_without_re_adding():
     # Preemption frees KV blocks only; the row, its position and counts continue.
     state = SamplingState(2, 40)
-    state.add_row(0, np.array([1, 2]), RowSamplingParams(seed=9, frequency_penalty=1.0))
+    state.add_row(0, np.array([1, 2]), SamplingParams(seed=9, frequency_penalty=1.0))
     state.update(np.array([0]), np.array([5]))
     state.update(np.array([0]), np.array([5]))
     batch = state.batch(np.array([0]))  # ... preempted and resumed here: same call, same state

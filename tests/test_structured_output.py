@@ -17,6 +17,7 @@ pytest.importorskip("xgrammar")
 from tokenspeed_worker.config import EngineConfig  # noqa: E402
 from tokenspeed_worker.engine.engine_core import EngineCore  # noqa: E402
 from tokenspeed_worker.engine.messages import AddRequest  # noqa: E402
+from tokenspeed_worker.sampling.params import SamplingParams  # noqa: E402
 from tokenspeed_worker.proto import tokenspeed_scheduler_pb2 as pb  # noqa: E402
 from worker_harness import Worker, smollm2_dir  # noqa: E402
 
@@ -46,9 +47,9 @@ def core():
                                          max_total_tokens=16384, tokenizer_path=m, overlap_schedule=True))
 
 
-def request(tok, req_id, prompt, constraint=None, max_new=64, **kw):
-    return AddRequest(req_id, np.asarray(prompt, np.int32), max_new, [tok.eos_token_id], kw.pop("temperature", 0.0),
-                      -1, 1.0, 0.0, req_id, constraint=constraint, **kw)
+def request(tok, req_id, prompt, constraint=None, max_new=64, temperature=0.0):
+    params = SamplingParams(temperature=temperature, seed=req_id, stop_token_ids=[tok.eos_token_id])
+    return AddRequest(req_id, np.asarray(prompt, np.int32), max_new, params, constraint=constraint)
 
 
 def run(core, requests):
@@ -211,7 +212,8 @@ def test_n2_samples_each_follow_the_grammar(core, tok):
     schema = ("json_schema", json.dumps(PERSON))
     prompt = chat(tok, "A person, as JSON.")
     reqs = [request(tok, 21, prompt, schema, temperature=1.0),
-            AddRequest(22, np.asarray(prompt, np.int32), 64, [tok.eos_token_id], 1.0, -1, 1.0, 0.0, 99,
+            AddRequest(22, np.asarray(prompt, np.int32), 64,
+                       SamplingParams(temperature=1.0, seed=99, stop_token_ids=[tok.eos_token_id]),
                        wait_for=21, constraint=schema)]
     outs, _, failures, _ = run(core, reqs)
     assert failures == []

@@ -1,28 +1,27 @@
 """The engine core: scheduler + model runner + sampler, stepped in one process.
 
-`EngineCore` is the in-process heart (tests drive it directly); `process.py`
-wraps it in the busy loop of the engine process. One `step()` is
-schedule -> forward -> sample -> advance, and returns one `StepOutput` for
-every request that produced a token in it.
+`EngineCore` is the in-process heart (tests drive it directly); `process.py` wraps it in the
+busy loop of the engine process. A step is schedule -> run -> postprocess: `launch()` schedules
+(scheduler/scheduler.py) and runs the forward and the sampling on the device; `complete()` waits
+for the sampled tokens and postprocesses them (finishes, releases) into one `StepOutput` for
+every request that produced a token.
 
-Requests are known to the native scheduler by a *row*: a small integer that
-indexes this class's per-request parameter arrays, so gathering sampling
-parameters for a batch is one numpy fancy-index, not a per-request loop.
-Rows are recycled after a request ends; the server's own ids never are.
+Its parts, one per file: the row table (engine/rows.py: requests by row, so a batch's parameters
+are one numpy fancy-index), the per-row sampling state (sampling/state.py), the queue of requests
+whose grammar is compiling (engine/grammar.py), the throughput window (engine/throughput.py), the
+KV-event outbox (engine/kv_event_publisher.py) and the fault-injection test hook (engine/faults.py).
 
-Overlap scheduling (`launch` / `complete`): `launch()` schedules a step, enqueues its
-forward and sampling on the device, starts copying the sampled tokens to the host and
-commits the plan in the scheduler with those tokens *pending*; `complete()` waits for
-the tokens and resolves them (finishes, releases). The engine loop launches step N+1
-before completing step N, so the host's scheduling and output work for one step runs
-while the device computes the other; a decode row of step N+1 reads its input token
-(sampled by step N) on the device (model_runner: negative input ids). `step()` is
-`complete(launch())`: the same without overlap.
+Overlap scheduling: `launch()` enqueues a step's forward and sampling on the device, starts
+copying the sampled tokens to the host and commits the plan in the scheduler with those tokens
+*pending*; `complete()` waits for the tokens and resolves them. The engine loop launches step
+N+1 before completing step N, so the host's scheduling and output work for one step runs while
+the device computes the other; a decode row of step N+1 reads its input token (sampled by step
+N) on the device (model_runner: negative input ids). `step()` is `complete(launch())`: the same
+without overlap.
 """
 
 from __future__ import annotations
 
-import collections
 import logging
 import os
 import time
@@ -33,8 +32,13 @@ import torch
 
 from tokenspeed_worker import distributed, env
 from tokenspeed_worker.config import EngineConfig
-from tokenspeed_worker.engine.kv_event_publisher import events_wire
+from tokenspeed_worker.engine import faults
+from tokenspeed_worker.engine.grammar import GrammarQueue, build_grammars
+from tokenspeed_worker.engine.kv_event_publisher import KvEventOutbox
 from tokenspeed_worker.engine.messages import AddRequest, EngineReady, KvEvents, Loads, StepOutput
+from tokenspeed_worker.engine.rows import RowTable
+from tokenspeed_worker.engine.throughput import ThroughputWindow
+from tokenspeed_worker.sampling.sampler import SampleOutput
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +46,6 @@ _GIB = 1 << 30
 # Sampler temporaries per logit of a full batch (a few float32 [S, V] copies: processed scores,
 # noise, log-softmax for logprobs); an estimate, the sampler is not part of the profiling forward.
 _SAMPLER_BYTES_PER_LOGIT = 16
-THROUGHPUT_WINDOW_S = 10.0  # Loads.gen_throughput: output tokens per second over this window
-KV_LOADS_S = 0.02  # KvEvents carry the engine's loads at most this often (server/kv_events.FLUSH_S)
 
 
 def size_kv_pool_tokens(cfg: EngineConfig, kv_bytes_per_token: int, device: torch.device, runner=None) -> int:
@@ -131,7 +133,11 @@ def build_runner(cfg: EngineConfig):
 
 
 class EngineCore:
+    """One engine: requests in (`add_request`, `abort`), steps out (`launch`/`complete`, `step`,
+    `pipeline_step`, `run_steps`), facts for the server (`ready_message`, `loads`, `take_kv_events`)."""
+
     def __init__(self, cfg: EngineConfig) -> None:
+        from tokenspeed_worker.engine.profiler import EngineProfiler
         from tokenspeed_worker.sampling.sampler import Sampler, default_sampling_backend
         from tokenspeed_worker.sampling.state import SamplingState
         from tokenspeed_worker.scheduler.scheduler import Scheduler
@@ -142,40 +148,23 @@ class EngineCore:
         self.kv_cache_bytes = self.num_blocks * cfg.cache.block_size * self.runner.kv_bytes_per_token()
         self.tp_size = cfg.parallel.tensor_parallel_size
         self.scheduler = Scheduler.from_config(cfg.scheduler, cfg.cache, self.num_blocks)
-        self.kv_publisher = None
-        self._kv_events_sent = 0  # KV events handed out by take_kv_events (their ids follow on)
-        self._kv_loads_at = -KV_LOADS_S  # time.monotonic() the last KvEvents carried loads
-        kv_events = cfg.cache.kv_events
-        if kv_events is not None:
-            from tokenspeed_worker.engine.kv_event_publisher import ZmqKvEventPublisher
-
-            self.kv_publisher = ZmqKvEventPublisher(kv_events["endpoint"], kv_events.get("topic", ""))
+        cache = cfg.cache
+        self.kv_events = KvEventOutbox(self.scheduler, self.loads, cache.kv_events, cache.report_kv_events,
+                                       cache.kv_event_id_offset, cache.kv_event_id_stride)
         self.overlap_schedule = resolve_overlap(cfg.scheduler.overlap_schedule, self.device)
         self.sampling_backend = cfg.model.sampling_backend or default_sampling_backend(self.device)
         self.sampler = Sampler(self.sampling_backend)
-        self.grammars = self._make_grammars(cfg)
-        self._grammar_pending: dict[int, tuple[AddRequest, object]] = {}  # req_id -> (request, future)
+        self.grammars = build_grammars(cfg.model.grammar_backend, cfg.model.tokenizer_path, cfg.model.path)
+        self.grammar_queue = GrammarQueue()
         self._failures: list[tuple[int, str, str]] = []  # (req_id, status code name, message) to report
-
-        # Per-row request state (see module docstring): the server's id here, everything
-        # sampling needs (parameters, output positions, penalty counts) in SamplingState.
-        cap = 64
-        self._server_id = np.full(cap, -1, dtype=np.int64)
-        self._was_scheduled = np.zeros(cap, dtype=bool)  # row already in a forward batch once
-        self.sampling = SamplingState(cap, self.runner.vocab_size, self.device)
-        self._free_rows: list[int] = list(range(cap - 1, -1, -1))
+        self.sampling = SamplingState(64, self.runner.vocab_size, self.device)
+        self.rows = RowTable(self.sampling, 64)
         self._last_launched: LaunchedStep | None = None  # the grammar matchers follow its tokens
-        self._row_of: dict[int, int] = {}
-
-        # (time.monotonic(), tokens) of the steps of the last THROUGHPUT_WINDOW_S and their sum:
-        # loads() runs after every step that has KV events, so it must not scan the window.
-        self._tokens_window: collections.deque[tuple[float, int]] = collections.deque()
-        self._window_tokens = 0
-        self._steps = 0  # non-empty steps run
-        from tokenspeed_worker.engine.profiler import EngineProfiler
-
+        self.throughput = ThroughputWindow()
         self.profiler = EngineProfiler(self.device)
-        self._fault = _parse_fault(env.FAULT_INJECT.get())
+        fault = faults.from_env()
+        if fault is not None:  # the test hook wraps the step's device work; nothing checks for it otherwise
+            self._run = fault.wrap(self._run)
         logger.info(
             "engine ready: %s on %s (%s), attention %s, CUDA graphs %s, overlap scheduling %s, KV pool %d blocks x %d tokens (%.2f GiB), "
             "weights %.2f GiB",
@@ -217,11 +206,6 @@ class EngineCore:
 
     def loads(self) -> Loads:
         s = self.scheduler
-        now = time.monotonic()
-        self._trim_window(now)
-        window = self._tokens_window
-        span = (now - window[0][0]) if len(window) > 1 else 0.0
-        throughput = self._window_tokens / span if span > 0 else 0.0
         return Loads(
             num_running=s.num_running,
             num_waiting=s.num_waiting,
@@ -231,171 +215,97 @@ class EngineCore:
             block_size=self.cfg.cache.block_size,
             waiting_tokens=s.waiting_tokens,
             num_preemptions=s.num_preemptions,
-            gen_throughput=throughput,
+            gen_throughput=self.throughput.rate(),
             cache_hit_rate=s.cache_hit_rate,
             num_cached_blocks=s.num_cached_blocks,
-            num_grammar_waiting=len(self._grammar_pending),
+            num_grammar_waiting=len(self.grammar_queue),
             num_retracted=s.num_retracted,
         )
 
-    def _trim_window(self, now: float) -> None:
-        window = self._tokens_window
-        while window and now - window[0][0] >= THROUGHPUT_WINDOW_S:
-            self._window_tokens -= window.popleft()[1]
-
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self._grammar_pending)
+        return self.scheduler.has_work() or bool(self.grammar_queue)
 
     @property
     def waiting_for_grammar(self) -> bool:
         """Requests whose grammar is still compiling (not in the scheduler yet)."""
-        return bool(self._grammar_pending)
+        return bool(self.grammar_queue)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.rows)
 
     def take_failures(self) -> list[tuple[int, str, str]]:
         """Requests that failed outside a step (a grammar that did not compile): (id, code, message)."""
         failures, self._failures = self._failures, []
         return failures
 
-    @staticmethod
-    def _make_grammars(cfg: EngineConfig):
-        from tokenspeed_worker.engine.grammar import Grammars, xgrammar_available
-
-        # The server decided whether constraints are served (launch.structured_output_available) and
-        # set grammar_backend "none" if not; engines built directly (tests, benchmarks) check here.
-        if cfg.model.grammar_backend == "none" or not cfg.model.tokenizer_path or not xgrammar_available():
-            return None
-        try:
-            return Grammars(cfg.model.tokenizer_path, _vocab_size(cfg))
-        except Exception as exc:  # a tokenizer xgrammar cannot read: constraints are refused upstream
-            logger.warning("structured output unavailable: %s", exc)
-            return None
-
-    @property
-    def num_requests(self) -> int:
-        return len(self._row_of)
+    def take_kv_events(self) -> KvEvents | None:
+        """The prefix-cache events recorded since the last call, for the server (published on ZMQ
+        too, as one batch, with --kv-events-config); None when there are none or none are recorded."""
+        return self.kv_events.take()
 
     # ---- requests ---------------------------------------------------------
-
-    def _grow(self) -> None:
-        old = self._server_id.shape[0]
-        new = old * 2
-        grown = np.full(new, -1, dtype=np.int64)
-        grown[:old] = self._server_id
-        self._server_id = grown
-        scheduled = np.zeros(new, dtype=bool)
-        scheduled[:old] = self._was_scheduled
-        self._was_scheduled = scheduled
-        self.sampling.ensure_capacity(new)
-        self._free_rows.extend(range(new - 1, old - 1, -1))
 
     def add_request(self, req: AddRequest) -> None:
         """Queue a request. Raises ValueError (message names the problem) if it can't be served.
         A constrained request waits outside the scheduler until its grammar compiled (poll_grammars)."""
-        if req.req_id in self._row_of or req.req_id in self._grammar_pending:
+        if req.req_id in self.rows or req.req_id in self.grammar_queue:
             raise ValueError(f"request {req.req_id} is already in flight")
         if req.constraint is not None:
             if self.grammars is None:
                 raise ValueError(f"sampling_params.{req.constraint[0]}: structured output is not available "
                                  "(--grammar-backend none, no tokenizer, or xgrammar not installed)")
-            self._grammar_pending[req.req_id] = (req, self.grammars.submit(*req.constraint))
+            self.grammar_queue.add(req, self.grammars.submit(*req.constraint))
             return
         self._admit(req)
 
     def poll_grammars(self) -> None:
         """Move requests whose grammar finished compiling into the scheduler (or fail them)."""
-        for req_id, (req, future) in list(self._grammar_pending.items()):
-            if not future.done():
-                continue
-            del self._grammar_pending[req_id]
-            kind = req.constraint[0]
-            try:
-                compiled = future.result()
-            except Exception as exc:  # noqa: BLE001 - xgrammar's errors name the problem
-                from tokenspeed_worker.engine.grammar import error_text
-
-                self._failures.append((req_id, "INVALID_ARGUMENT", f"sampling_params.{kind}: {error_text(exc)}"))
+        for req, compiled, error in self.grammar_queue.take_compiled():
+            if error is not None:
+                self._failures.append((req.req_id, "INVALID_ARGUMENT", error))
                 continue
             try:
-                self._admit(req)
+                row = self._admit(req)
             except ValueError as exc:
-                self._failures.append((req_id, "INVALID_ARGUMENT", str(exc)))
+                self._failures.append((req.req_id, "INVALID_ARGUMENT", str(exc)))
                 continue
-            self.grammars.start(self._row_of[req_id], compiled)
+            self.grammars.start(row, compiled)
 
-    def _admit(self, req: AddRequest) -> None:
-        if not self._free_rows:
-            self._grow()
-        row = self._free_rows.pop()
-        wait_for = self._row_of.get(req.wait_for, -1) if req.wait_for >= 0 else -1
+    def _admit(self, req: AddRequest) -> int:
+        """Give the request a row and hand it to the scheduler; returns its row."""
+        wait_row = self.rows.row_of(req.wait_for) if req.wait_for >= 0 else None  # None: gone, or none
         prompt = np.asarray(req.prompt_ids, dtype=np.int32)
+        params = req.sampling_params
+        row = self.rows.add(req.req_id, prompt, params)
         try:
-            self.sampling.add_row(row, prompt, _row_params(req))
+            self.scheduler.add_request(row, prompt, int(req.max_new_tokens), list(params.stop_token_ids),
+                                       wait_for=-1 if wait_row is None else wait_row)
         except Exception:
-            self._free_rows.append(row)
+            self.rows.release(row)
             raise
-        try:
-            self.scheduler.add_request(
-                row, prompt, int(req.max_new_tokens), list(req.stop_token_ids), wait_for=wait_for
-            )
-        except Exception:
-            self.sampling.remove_row(row)
-            self._free_rows.append(row)
-            raise
-        self._row_of[req.req_id] = row
-        self._server_id[row] = req.req_id
-        self._was_scheduled[row] = False
+        return row
 
     def _release(self, row: int) -> None:
         if self.grammars is not None:
             self.grammars.release(row)
-        sid = int(self._server_id[row])
-        self._row_of.pop(sid, None)
-        self._server_id[row] = -1
-        self.sampling.remove_row(row)
-        self._free_rows.append(row)
-
-    def flush_prefix_cache(self) -> int:
-        """Drop every cached prefix; returns how many blocks stopped being shareable."""
-        return int(self.scheduler.flush_prefix_cache())
-
-    def take_kv_events(self) -> KvEvents | None:
-        """The prefix-cache events recorded since the last call, for the server (published on ZMQ
-        too, as one batch, with --kv-events-config); None when there are none or none are recorded."""
-        cfg = self.cfg.cache
-        if self.kv_publisher is None and not cfg.report_kv_events:
-            return None
-        first = cfg.kv_event_id_offset + self._kv_events_sent * cfg.kv_event_id_stride
-        if self.kv_publisher is not None:
-            events = self.scheduler.drain_kv_events()
-            if not events:
-                return None
-            self.kv_publisher.publish(events)
-            data, count = events_wire(events, first, cfg.kv_event_id_stride)
-        else:
-            data, count = self.scheduler.drain_kv_events_wire(first, cfg.kv_event_id_stride)
-            if not count:
-                return None
-        self._kv_events_sent += count
-        # The server builds a load record at most every KV_LOADS_S (its batches gather that long), so
-        # the engine's figures go along no more often; between them the last ones stand.
-        now = time.monotonic()
-        loads = None
-        if now - self._kv_loads_at >= KV_LOADS_S:
-            self._kv_loads_at = now
-            loads = self.loads()
-        return KvEvents(time.time(), data, count, loads)
+        self.rows.release(row)
 
     def abort(self, req_id: int) -> bool:
-        if self._grammar_pending.pop(req_id, None) is not None:
+        if self.grammar_queue.discard(req_id):
             return True
-        row = self._row_of.get(req_id)
+        row = self.rows.row_of(req_id)
         if row is None:
             return False
         self.scheduler.abort(row)
         self._release(row)
         return True
 
-    # ---- the step ---------------------------------------------------------
+    def flush_prefix_cache(self) -> int:
+        """Drop every cached prefix; returns how many blocks stopped being shareable."""
+        return int(self.scheduler.flush_prefix_cache())
+
+    # ---- the loop ---------------------------------------------------------
 
     def run_steps(self):
         """Step until no work is left (`pipeline_step`); yields each step's StepOutput in order, or
@@ -439,41 +349,31 @@ class EngineCore:
         launched = self.launch()
         return None if launched is None else self.complete(launched)
 
+    # ---- one step: schedule -> run (launch), postprocess (complete) ---------
+
     def launch(self) -> "LaunchedStep | None":
-        """Schedule a step and enqueue it on the device; None when nothing can run now.
+        """Schedule a step and enqueue its device work; None when nothing can run now.
         Raises StepFailed (its requests freed) when the step cannot run."""
         t0 = time.perf_counter()
         start_ts = time.time()
-        if self._grammar_pending:
+        if self.grammar_queue:
             self.poll_grammars()
         plan = self.scheduler.schedule()
         if plan.num_reqs == 0:
             return None
-        # Requests whose first forward is this one (a boolean gather; no per-request loop).
-        fresh = plan.req_ids[~self._was_scheduled[plan.req_ids]]
-        if fresh.shape[0]:
-            self._was_scheduled[fresh] = True
+        table = self.rows
+        fresh = table.first_scheduled(plan.req_ids)  # requests whose first forward this is
         rows = plan.req_ids[plan.sample_rows]
         out = StepOutput(
-            req_ids=self._server_id[rows].copy(),
+            req_ids=table.server_id[rows].copy(),
             tokens=np.zeros(0, dtype=np.int64),
             finished_ids=np.zeros(0, dtype=np.int64),
             finish_reasons=np.zeros(0, dtype=np.int32),
-            scheduled_ids=self._server_id[fresh].copy() if fresh.shape[0] else None,
+            scheduled_ids=table.server_id[fresh].copy() if fresh.shape[0] else None,
             step_start_ts=start_ts,
         )
-        self._steps += 1
-        host: dict[str, torch.Tensor] = {}
         try:
-            if self._fault is not None:
-                self._inject_fault()
-            if self.tp_size > 1:  # the other ranks run the same forward (engine/tp_worker.py)
-                distributed.broadcast_object(("step", plan, int(rows.shape[0])))
-            if rows.shape[0] > 0:
-                logits = self.runner.forward(plan)
-                self._sample(logits, rows, host)
-            else:
-                self.runner.forward(plan)
+            sampled = self._run(plan, rows)
         except torch.OutOfMemoryError as exc:
             raise self._fail_step(plan, f"out of memory in a step: {exc}".splitlines()[0]) from exc
         event = None
@@ -483,103 +383,24 @@ class EngineCore:
         # Read before the step completes: a request that finishes in it is forgotten then.
         out.cached_tokens = self.scheduler.cached_tokens(rows) if rows.shape[0] else np.zeros(0, np.int32)
         self.scheduler.commit()
-        launched = LaunchedStep(out=out, rows=rows, host=host, event=event, t0=t0)
+        launched = LaunchedStep(out=out, rows=rows, sampled=sampled, event=event, t0=t0)
         self._last_launched = launched
         return launched
 
-    def _accept_grammar_tokens(self, launched: "LaunchedStep") -> None:
-        """Advance the constrained rows' matchers by the tokens `launched` sampled, once per step, in
-        launch order. Called when the next step's mask needs them (in its launch, after its forward
-        was enqueued, so the wait overlaps that forward) or, at the latest, when `launched` completes.
-        A row whose request ended since the launch (released, or its row given to another request:
-        engine request ids are unique) is skipped."""
-        if launched.grammar_accepted:
-            return
-        launched.grammar_accepted = True
-        tokens = launched.host.get("tokens")
-        if self.grammars is None or not self.grammars.active or tokens is None or not launched.rows.shape[0]:
-            return
-        if launched.event is not None:
-            launched.event.synchronize()
-        same = self._server_id[launched.rows] == launched.out.req_ids
-        rows, tokens = launched.rows[same], tokens.numpy()[same]
-        if rows.shape[0]:
-            self.grammars.accept(rows, tokens)
+    def _run(self, plan, rows: np.ndarray) -> SampleOutput | None:
+        """The step's device work: the forward and, when rows sample, the sampling, whose host copies
+        it starts (ready once the step's event fired); None when no row samples."""
+        if self.tp_size > 1:  # the other ranks run the same forward (engine/tp_worker.py)
+            distributed.broadcast_object(("step", plan, int(rows.shape[0])))
+        if rows.shape[0] == 0:
+            self.runner.forward(plan)
+            return None
+        logits = self.runner.forward(plan)
+        return self._sample(logits, rows).to_host()
 
-    def complete(self, launched: "LaunchedStep") -> StepOutput:
-        """Wait for a launched step's sampled tokens; finish and release its requests. Steps
-        complete in launch order. Tokens of requests that ended since the launch (aborted, or
-        finished by the previous step) are left out of the output."""
-        if launched.event is not None:
-            launched.event.synchronize()
-        self._accept_grammar_tokens(launched)  # before out.req_ids is narrowed to the live rows
-        out = launched.out
-        host = {name: tensor.numpy() for name, tensor in launched.host.items()}
-        tokens = host.pop("tokens", None)
-        tokens = np.zeros(0, dtype=np.int64) if tokens is None else tokens.astype(np.int64, copy=False)
-        finished_rows, reasons, live = self.scheduler.resolve(tokens)
-        if not live.all():
-            out.req_ids = out.req_ids[live]
-            out.cached_tokens = out.cached_tokens[live]
-            tokens = tokens[live]
-            host = {name: array[live] for name, array in host.items()}
-        out.tokens = tokens
-        if self.grammars is not None and self.grammars.active and tokens.shape[0]:
-            live_rows = launched.rows if live.all() else launched.rows[live]
-            done = set(finished_rows.tolist())
-            ended = [row for row in self.grammars.terminated(live_rows) if row not in done]
-            for row in ended:  # the grammar is complete: end the request with "stop" now
-                self.scheduler.abort(row)
-            if ended:
-                from tokenspeed_worker.scheduler.scheduler import FinishReason
-
-                finished_rows = np.concatenate([finished_rows, np.asarray(ended, dtype=finished_rows.dtype)])
-                reasons = np.concatenate([np.asarray(reasons, dtype=np.int32),
-                                          np.full(len(ended), int(FinishReason.STOP), dtype=np.int32)])
-        for name, array in host.items():
-            setattr(out, name, array)
-        out.finished_ids = self._server_id[finished_rows].copy()
-        out.finish_reasons = np.asarray(reasons, dtype=np.int32)
-        for row in finished_rows.tolist():
-            self._release(row)
-        if out.tokens.shape[0]:
-            now = time.monotonic()
-            self._tokens_window.append((now, int(out.tokens.shape[0])))
-            self._window_tokens += int(out.tokens.shape[0])
-            self._trim_window(now)
-        out.step_seconds = time.perf_counter() - launched.t0
-        return out
-
-    def _fail_step(self, plan, message: str) -> "StepFailed":
-        """Free every request of a step that could not run; the engine keeps serving the rest."""
-        failed = [int(self._server_id[row]) for row in plan.req_ids.tolist()]
-        for row in plan.req_ids.tolist():
-            self.scheduler.abort(row)
-        self.scheduler.drop_plan()  # every request in it is gone
-        for row in plan.req_ids.tolist():
-            self._release(row)
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-        logger.error("step failed, %d request(s) ended: %s", len(failed), message)
-        return StepFailed(failed, message)
-
-    def _inject_fault(self) -> None:
-        """Test hook (env TOKENSPEED_FAULT_INJECT=kind@step[:seconds]): oom, hang (for seconds) or
-        crash at that step."""
-        kind, step, duration = self._fault
-        if self._steps != step:
-            return
-        if kind == "oom":
-            raise torch.OutOfMemoryError("injected by TOKENSPEED_FAULT_INJECT")
-        if kind == "hang":
-            time.sleep(duration)
-        if kind == "crash":
-            os._exit(3)
-
-    def _sample(self, logits: torch.Tensor, rows: np.ndarray, host: dict) -> None:
-        """Sample the rows' next tokens (and logprobs if any row asked) on the device, keep the
-        tokens there for the next step's inputs, and start copying the results to `host`
-        (StepOutput field name -> CPU tensor, ready once the step's event fired)."""
+    def _sample(self, logits: torch.Tensor, rows: np.ndarray) -> SampleOutput:
+        """Sample the rows' next tokens (and logprobs if any row asked) on the device and keep the
+        tokens there for the next step's inputs."""
         batch = self.sampling.batch(rows)
         if self.grammars is not None and self.grammars.active:
             # The previous step, possibly still pending (overlap): its tokens advance the matchers
@@ -595,18 +416,88 @@ class EngineCore:
         self.runner.record_sampled(result.tokens)
         if self.tp_size > 1:  # the next plan's pending input ids read them on every rank
             distributed.broadcast_tensor(self.runner.last_sampled[: rows.shape[0]])
-        fields = {
-            "tokens": result.tokens,
-            "logprobs": result.logprobs,
-            "top_logprobs": result.top_logprobs,
-            "top_logprob_ids": result.top_logprob_ids,
-            "ids_logprobs": result.token_ids_logprobs,
-            "ids_logprob_ids": result.token_ids_logprob_ids,
-            "ids_logprob_counts": result.token_ids_logprob_counts,
-        }
-        for name, tensor in fields.items():
-            if tensor is not None:
-                host[name] = _to_host_async(tensor)
+        return result
+
+    def _accept_grammar_tokens(self, launched: "LaunchedStep") -> None:
+        """Advance the constrained rows' matchers by the tokens `launched` sampled, once per step, in
+        launch order. Called when the next step's mask needs them (in its launch, after its forward
+        was enqueued, so the wait overlaps that forward) or, at the latest, when `launched` completes.
+        A row whose request ended since the launch (released, or its row given to another request:
+        engine request ids are unique) is skipped."""
+        if launched.grammar_accepted:
+            return
+        launched.grammar_accepted = True
+        sampled = launched.sampled
+        if self.grammars is None or not self.grammars.active or sampled is None or not launched.rows.shape[0]:
+            return
+        if launched.event is not None:
+            launched.event.synchronize()
+        same = self.rows.server_id[launched.rows] == launched.out.req_ids
+        rows, tokens = launched.rows[same], sampled.tokens.numpy()[same]
+        if rows.shape[0]:
+            self.grammars.accept(rows, tokens)
+
+    def complete(self, launched: "LaunchedStep") -> StepOutput:
+        """Wait for a launched step's sampled tokens; finish and release its requests. Steps
+        complete in launch order. Tokens of requests that ended since the launch (aborted, or
+        finished by the previous step) are left out of the output."""
+        if launched.event is not None:
+            launched.event.synchronize()
+        self._accept_grammar_tokens(launched)  # before out.req_ids is narrowed to the live rows
+        out = launched.out
+        sampled = launched.sampled
+        if sampled is None:
+            tokens = np.zeros(0, dtype=np.int64)
+        else:
+            tokens = sampled.tokens.numpy().astype(np.int64, copy=False)
+        finished_rows, reasons, live = self.scheduler.resolve(tokens)
+        keep = None if live.all() else live
+        if keep is not None:
+            out.req_ids = out.req_ids[keep]
+            out.cached_tokens = out.cached_tokens[keep]
+            tokens = tokens[keep]
+        out.tokens = tokens
+        if sampled is not None and sampled.logprobs is not None:
+            _put_logprobs(out, sampled, keep)
+        if self.grammars is not None and self.grammars.active and tokens.shape[0]:
+            live_rows = launched.rows if keep is None else launched.rows[keep]
+            finished_rows, reasons = self._stop_completed_grammars(live_rows, finished_rows, reasons)
+        out.finished_ids = self.rows.server_id[finished_rows].copy()
+        out.finish_reasons = np.asarray(reasons, dtype=np.int32)
+        for row in finished_rows.tolist():
+            self._release(row)
+        if out.tokens.shape[0]:
+            self.throughput.add(int(out.tokens.shape[0]))
+        out.step_seconds = time.perf_counter() - launched.t0
+        return out
+
+    def _stop_completed_grammars(self, live_rows: np.ndarray, finished_rows: np.ndarray, reasons):
+        """Rows whose grammar is complete end with "stop" now (added to the step's finished rows)."""
+        done = set(finished_rows.tolist())
+        ended = [row for row in self.grammars.terminated(live_rows) if row not in done]
+        if not ended:
+            return finished_rows, reasons
+        from tokenspeed_worker.scheduler.scheduler import FinishReason
+
+        for row in ended:
+            self.scheduler.abort(row)
+        finished_rows = np.concatenate([finished_rows, np.asarray(ended, dtype=finished_rows.dtype)])
+        reasons = np.concatenate([np.asarray(reasons, dtype=np.int32),
+                                  np.full(len(ended), int(FinishReason.STOP), dtype=np.int32)])
+        return finished_rows, reasons
+
+    def _fail_step(self, plan, message: str) -> "StepFailed":
+        """Free every request of a step that could not run; the engine keeps serving the rest."""
+        failed = [int(self.rows.server_id[row]) for row in plan.req_ids.tolist()]
+        for row in plan.req_ids.tolist():
+            self.scheduler.abort(row)
+        self.scheduler.drop_plan()  # every request in it is gone
+        for row in plan.req_ids.tolist():
+            self._release(row)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        logger.error("step failed, %d request(s) ended: %s", len(failed), message)
+        return StepFailed(failed, message)
 
 
 @dataclass
@@ -615,17 +506,27 @@ class LaunchedStep:
 
     out: StepOutput
     rows: np.ndarray
-    host: dict  # StepOutput field -> CPU tensor being filled by the device
+    sampled: SampleOutput | None  # host copies being filled by the device; None when no row samples
     event: object | None  # CUDA event after the step's copies; None on CPU
     t0: float
     grammar_accepted: bool = False  # its tokens advanced the grammar matchers (_accept_grammar_tokens)
 
 
-def _vocab_size(cfg: EngineConfig) -> int:
-    from transformers import AutoConfig
+def _put_logprobs(out: StepOutput, sampled: SampleOutput, keep: np.ndarray | None) -> None:
+    """The step's logprobs (host copies, all fields set or None together with logprobs) into `out`,
+    narrowed to the live rows (`keep`, None for all)."""
 
-    config = AutoConfig.from_pretrained(cfg.model.path)
-    return int(getattr(config, "vocab_size", None) or config.get_text_config().vocab_size)
+    def host(t: torch.Tensor | None) -> np.ndarray | None:
+        if t is None:
+            return None
+        return t.numpy() if keep is None else t.numpy()[keep]
+
+    out.logprobs = host(sampled.logprobs)
+    out.top_logprobs = host(sampled.top_logprobs)
+    out.top_logprob_ids = host(sampled.top_logprob_ids)
+    out.token_ids_logprobs = host(sampled.token_ids_logprobs)
+    out.token_ids_logprob_ids = host(sampled.token_ids_logprob_ids)
+    out.token_ids_logprob_counts = host(sampled.token_ids_logprob_counts)
 
 
 def resolve_overlap(setting: bool | None, device: torch.device) -> bool:
@@ -645,47 +546,3 @@ class StepFailed(RuntimeError):
         super().__init__(message)
         self.server_ids = server_ids
         self.message = message
-
-
-def _parse_fault(spec: str) -> tuple[str, int, float] | None:
-    """kind@STEP, or hang@STEP:SECONDS (a stall that ends; hang alone is an hour)."""
-    if not spec:
-        return None
-    kind, _, when = spec.partition("@")
-    step, _, seconds = when.partition(":")
-    try:
-        duration = float(seconds) if seconds else 3600.0
-    except ValueError:
-        duration = -1.0
-    if kind not in ("oom", "hang", "crash") or not step.isdigit() or duration < 0 or (seconds and kind != "hang"):
-        raise ValueError(f"TOKENSPEED_FAULT_INJECT: expected oom|hang|crash@STEP or hang@STEP:SECONDS, got {spec!r}")
-    logger.warning("fault injection armed: %s at step %s", kind, when)
-    return kind, int(step), duration
-
-
-def _to_host_async(t: torch.Tensor) -> torch.Tensor:
-    """A CPU copy of t; from CUDA a non-blocking copy into pinned memory (read after the step's event)."""
-    if t.device.type == "cpu":
-        return t
-    return t.to("cpu", non_blocking=True)
-
-
-def _row_params(req: AddRequest):
-    from tokenspeed_worker.sampling.state import RowSamplingParams
-
-    return RowSamplingParams(
-        temperature=req.temperature,
-        top_k=req.top_k,
-        top_p=req.top_p,
-        min_p=req.min_p,
-        seed=req.seed,
-        frequency_penalty=req.frequency_penalty,
-        presence_penalty=req.presence_penalty,
-        repetition_penalty=req.repetition_penalty,
-        logit_bias=dict(req.logit_bias or {}),
-        min_new_tokens=req.min_new_tokens,
-        stop_token_ids=tuple(req.stop_token_ids),
-        return_logprob=req.return_logprob,
-        top_logprobs_num=req.top_logprobs_num,
-        token_ids_logprob=tuple(req.token_ids_logprob),
-    )

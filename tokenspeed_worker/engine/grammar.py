@@ -1,40 +1,39 @@
 """Structured output with xgrammar: constraints compiled off the step loop, masks applied per step.
 
-xgrammar (PyPI `xgrammar`) does what we need and no more: it compiles a JSON schema, regex, EBNF
-grammar or structural tag against the model's tokenizer into a `CompiledGrammar` (thread-safe,
-cached by its text), and a per-request `GrammarMatcher` fills the vocabulary bitmask of the tokens
-allowed next and accepts the sampled one.
+xgrammar (PyPI `xgrammar`) compiles a JSON schema, regex, EBNF grammar or structural tag against
+the model's tokenizer into a `CompiledGrammar` (thread-safe, cached by its text); a per-request
+`GrammarMatcher` fills the vocabulary bitmask of the tokens allowed next and accepts the sampled one.
 
-- The tokenizer info is built once, at startup, from the model's tokenizer.
-- `submit` starts compiling on a thread pool and returns at once. The engine keeps the request out
-  of the scheduler until its grammar is ready (`poll`), so a large schema never delays other
-  requests' steps. A grammar that fails to compile fails its request with INVALID_ARGUMENT naming
-  the constraint and xgrammar's error.
+- The tokenizer info is built once, at startup, from the model's tokenizer (`build_grammars`).
+- `Grammars.submit` starts compiling on a thread pool and returns at once; the request waits in the
+  `GrammarQueue`, outside the scheduler, until its grammar is ready, so a large schema never delays
+  other requests' steps. A grammar that fails to compile fails its request with INVALID_ARGUMENT
+  naming the constraint and xgrammar's error.
 - Per step, `fill_bitmask` writes the masks of the batch's constrained rows into one int32
   [S, ceil(V/32)] tensor (unconstrained rows stay all-allowed); the sampler applies it on the device.
 - `accept` advances each row's matcher by the token it sampled. The next mask needs that state;
-  the engine (engine/engine_core.py) keeps overlap scheduling: inside step N+1's launch, after its forward
-  is enqueued, it waits for step N's tokens, accepts them and fills N+1's mask.
+  the engine (engine/engine_core.py) keeps overlap scheduling: inside step N+1's launch, after its
+  forward is enqueued, it waits for step N's tokens, accepts them and fills N+1's mask.
 - The request still ends as any other: the grammar allows only a stop token (EOS) once complete,
   which finishes it with "stop". max_new_tokens still applies.
 
-Per-step host cost. xgrammar treats every id in [tokenizer vocabulary, model vocab_size) as a
-special token, and each `accept_token` scans the list of special ids linearly, as does each mask
-fill in some states: when the model's vocab pads far past its tokenizer's, that scan dominates both
-(~14 us a call for 79k padding ids, against ~1 us an accept and ~5 us a fill without). So when the
-padding is large, the matchers are built over the tokenizer's own ids (rounded up to whole
-bitmask words) and the words past them are cleared in each filled row: the same masks, the same
-accept results (a padding id is rejected either way), without the scan. A thread pool over the
-rows was measured too and dropped: on the H200 host's 16 cores, 8 threads took 0.58 ms a step for
-32 rows and one thread 0.25 ms (docs/benchmarks.md).
+xgrammar treats every id in [tokenizer vocabulary, model vocab_size) as a special token and scans
+that list linearly in each `accept_token` (and in some mask fills): when the model's vocab pads far
+past its tokenizer's, the matchers are built over the tokenizer's own ids (rounded up to whole
+bitmask words) and the words past them are cleared in each filled row. The masks and the accept
+results are the same (a padding id is rejected either way), without the scan. Matchers run on the
+engine's thread, one row after another.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
+
+from tokenspeed_worker.engine.messages import AddRequest
 
 logger = logging.getLogger(__name__)
 
@@ -168,6 +167,57 @@ class Grammars:
 
     def shutdown(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+class GrammarQueue:
+    """Constrained requests waiting, outside the scheduler, for their grammar to compile."""
+
+    def __init__(self) -> None:
+        self._waiting: dict[int, tuple[AddRequest, Future]] = {}  # req_id -> (request, compilation)
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def __contains__(self, req_id: int) -> bool:
+        return req_id in self._waiting
+
+    def add(self, req: AddRequest, compilation: Future) -> None:
+        self._waiting[req.req_id] = (req, compilation)
+
+    def discard(self, req_id: int) -> bool:
+        """Drop a waiting request (aborted); False when it is not waiting here."""
+        return self._waiting.pop(req_id, None) is not None
+
+    def take_compiled(self) -> Iterator[tuple[AddRequest, object | None, str | None]]:
+        """The requests whose compilation ended, in arrival order, each taken off the queue as it is
+        yielded: (request, CompiledGrammar, None), or (request, None, the error message)."""
+        for req_id, (req, future) in list(self._waiting.items()):
+            if not future.done():
+                continue
+            del self._waiting[req_id]
+            try:
+                compiled = future.result()
+            except Exception as exc:  # noqa: BLE001 - xgrammar's errors name the problem
+                yield req, None, f"sampling_params.{req.constraint[0]}: {error_text(exc)}"
+                continue
+            yield req, compiled, None
+
+
+def build_grammars(grammar_backend: str, tokenizer_path: str | None, model_path: str) -> Grammars | None:
+    """The engine's Grammars, or None when constraints are not served here. The server decided
+    whether they are (launch.structured_output_available) and set grammar_backend "none" if not;
+    engines built directly (tests, benchmarks) check here."""
+    if grammar_backend == "none" or not tokenizer_path or not xgrammar_available():
+        return None
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(model_path)
+        vocab_size = int(getattr(config, "vocab_size", None) or config.get_text_config().vocab_size)
+        return Grammars(tokenizer_path, vocab_size)
+    except Exception as exc:  # a tokenizer xgrammar cannot read: constraints are refused upstream
+        logger.warning("structured output unavailable: %s", exc)
+        return None
 
 
 def error_text(exc: Exception) -> str:

@@ -1,7 +1,8 @@
-"""KV cache events from the engine process over ZMQ (--kv-events-config).
+"""KV cache events out of the engine process: to the server, and over ZMQ (--kv-events-config).
 
-After every step (and after a cache flush) the engine drains the native scheduler's
-recorded prefix-cache events and, when there are any, publishes one batch as three
+After every turn of its loop (steps, aborts, a cache flush) the engine drains the native
+scheduler's recorded prefix-cache events (`KvEventOutbox`) and, when there are any, hands them
+to the server as one `KvEvents` and, with --kv-events-config, publishes one batch as three
 frames, the layout TokenSpeed documents:
 
     topic bytes | 8-byte big-endian sequence number | msgpack payload
@@ -22,8 +23,13 @@ from __future__ import annotations
 import logging
 import struct
 import time
+from collections.abc import Callable
+
+from tokenspeed_worker.engine.messages import KvEvents, Loads
 
 logger = logging.getLogger(__name__)
+
+KV_LOADS_S = 0.02  # KvEvents carry the engine's loads at most this often (server/kv_event_hub.FLUSH_S)
 
 
 def encode_events(events: list[tuple]) -> list[list]:
@@ -119,3 +125,47 @@ class ZmqKvEventPublisher:
     def close(self) -> None:
         self._sock.close(0)
         self._ctx.term()
+
+
+class KvEventOutbox:
+    """The engine's KV events: `take` drains what the scheduler recorded since the last call,
+    publishes it on ZMQ when configured, and returns it for the server with event ids assigned
+    (offset + k * stride for the engine's k-th event, so data-parallel replicas never share one)."""
+
+    def __init__(self, scheduler, loads: Callable[[], Loads], zmq: dict | None = None, report: bool = False,
+                 id_offset: int = 0, id_stride: int = 1) -> None:
+        """zmq: the resolved --kv-events-config (endpoint, topic) or None; report: record events for
+        the server's SubscribeKvEvents; loads: the engine's loads, sent along (`KvEvents.loads`)."""
+        self._scheduler = scheduler
+        self._loads = loads
+        self.publisher = ZmqKvEventPublisher(zmq["endpoint"], zmq.get("topic", "")) if zmq is not None else None
+        self._report = report
+        self._id_offset = id_offset
+        self._id_stride = id_stride
+        self._sent = 0  # events handed out by take (their ids follow on)
+        self._loads_at = -KV_LOADS_S  # time.monotonic() the last KvEvents carried loads
+
+    def take(self) -> KvEvents | None:
+        """The events recorded since the last call; None when there are none or none are recorded."""
+        if self.publisher is None and not self._report:
+            return None
+        first = self._id_offset + self._sent * self._id_stride
+        if self.publisher is not None:
+            events = self._scheduler.drain_kv_events()
+            if not events:
+                return None
+            self.publisher.publish(events)
+            data, count = events_wire(events, first, self._id_stride)
+        else:
+            data, count = self._scheduler.drain_kv_events_wire(first, self._id_stride)
+            if not count:
+                return None
+        self._sent += count
+        # The server builds a load record at most every KV_LOADS_S (its batches gather that long), so
+        # the engine's figures go along no more often; between them the last ones stand.
+        now = time.monotonic()
+        loads = None
+        if now - self._loads_at >= KV_LOADS_S:
+            self._loads_at = now
+            loads = self._loads()
+        return KvEvents(time.time(), data, count, loads)

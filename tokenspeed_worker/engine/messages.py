@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from tokenspeed_worker.sampling.params import SamplingParams
+
 # Finish reasons as the native scheduler reports them (kept in one place).
 FINISH_NONE = 0
 FINISH_STOP = 1  # a stop token id (EOS unless ignore_eos, or stop_token_ids)
@@ -26,22 +28,9 @@ class AddRequest:
     req_id: int  # engine id, assigned by the server, never reused
     prompt_ids: np.ndarray  # int32 [P]
     max_new_tokens: int  # already clamped to the context limit
-    stop_token_ids: list[int]
-    temperature: float
-    top_k: int  # -1 = off
-    top_p: float
-    min_p: float
-    seed: int  # the request's sampling seed (random when the client set none)
+    sampling_params: SamplingParams  # seed set (random when the client set none); stop ids include EOS
     # n > 1: the other samples wait for the first's prefill and share its prompt blocks.
     wait_for: int = -1  # engine id of the sample to wait for, -1 for none
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: dict[int, float] | None = None
-    min_new_tokens: int = 0
-    return_logprob: bool = False
-    top_logprobs_num: int = 0
-    token_ids_logprob: tuple[int, ...] = ()
     # Structured output: (kind, text) with kind one of engine/grammar.CONSTRAINT_KINDS, or None.
     constraint: tuple[str, str] | None = None
 
@@ -109,14 +98,15 @@ class StepOutput:
     finished_ids: np.ndarray  # int64 [F]
     finish_reasons: np.ndarray  # int32 [F]
     cached_tokens: np.ndarray | None = None  # int32 [S] prompt tokens served from the prefix cache
-    # Logprobs (raw: log_softmax of the model's logits), present when a row asked for them;
-    # then they hold a value for every row. K / M: the largest count any row asked for.
+    # Logprobs (raw: log_softmax of the model's logits; sampling.sampler.SampleOutput's fields on the
+    # host), present when a row asked for them; then they hold a value for every row. K / M: the
+    # largest count any row asked for.
     logprobs: np.ndarray | None = None  # float32 [S] of the sampled token
     top_logprobs: np.ndarray | None = None  # float32 [S, K], descending
     top_logprob_ids: np.ndarray | None = None  # int64 [S, K]
-    ids_logprobs: np.ndarray | None = None  # float32 [S, M] of the requested token ids
-    ids_logprob_ids: np.ndarray | None = None  # int64 [S, M]
-    ids_logprob_counts: np.ndarray | None = None  # int64 [S] how many of M are real
+    token_ids_logprobs: np.ndarray | None = None  # float32 [S, M] of the requested token ids
+    token_ids_logprob_ids: np.ndarray | None = None  # int64 [S, M]
+    token_ids_logprob_counts: np.ndarray | None = None  # int64 [S] how many of M are real
     step_seconds: float = 0.0
     # Requests scheduled into a forward batch for the first time in this step (their prefill
     # started here), and the wall-clock (time.time()) this step began: the server's queue time.

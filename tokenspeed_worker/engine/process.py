@@ -1,11 +1,10 @@
 """The engine process: a busy loop around `EngineCore`, talking to the server over a pipe.
 
-Between two steps it takes every pending message (new requests, aborts, probes);
-when idle it blocks on the pipe. Each step sends one `StepOutput`. With overlap
-scheduling (the GPU default) the next step is launched before the last one's output
-is completed and sent. If a step
-raises, it reports `EngineDead` and exits non-zero so the server fails every
-in-flight request instead of leaving it hanging.
+Between two steps it takes every pending message (new requests, aborts, probes); when idle
+it blocks on the pipe. Each step sends one `StepOutput`. With overlap scheduling (the GPU
+default) the next step is launched before the last one's output is completed and sent. If a
+step raises, it reports `EngineDead` and exits non-zero so the server fails every in-flight
+request instead of leaving it hanging.
 
 Signals: the engine ignores SIGTERM and SIGINT (a stop of the whole process group must not kill it
 while the server drains) and dies with the server (engine/lifetime.py). It exits when the server

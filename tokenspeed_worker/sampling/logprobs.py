@@ -25,16 +25,17 @@ import torch
 _CHUNK_ELEMENTS = 1 << 25  # 128 MiB of float32
 
 
-@dataclass
+@dataclass(slots=True)
 class TokenLogprobs:
-    """Logprobs of N positions (sampled rows, or prompt positions). Device tensors."""
+    """Logprobs of N positions (sampled rows, or prompt positions). Device tensors; the field
+    names are those of `SampleOutput` and `StepOutput`."""
 
     logprobs: torch.Tensor  # float32 [N]: of the chosen/next token (NaN where that id is < 0)
-    top_values: torch.Tensor | None = None  # float32 [N, K], descending
-    top_ids: torch.Tensor | None = None  # int64 [N, K]
-    ids_values: torch.Tensor | None = None  # float32 [N, M]: of the requested ids
-    ids: torch.Tensor | None = None  # int64 [N, M]: the requested ids (padding past the count)
-    ids_counts: torch.Tensor | None = None  # int64 [N]: how many of the M columns are real
+    top_logprobs: torch.Tensor | None = None  # float32 [N, K], descending
+    top_logprob_ids: torch.Tensor | None = None  # int64 [N, K]
+    token_ids_logprobs: torch.Tensor | None = None  # float32 [N, M]: of the requested ids
+    token_ids_logprob_ids: torch.Tensor | None = None  # int64 [N, M]: the requested ids (padding past the count)
+    token_ids_logprob_counts: torch.Tensor | None = None  # int64 [N]: how many of the M columns are real
 
 
 def _logprobs_block(
@@ -79,9 +80,7 @@ def token_logprobs(
     def cat(k: int) -> torch.Tensor | None:
         return torch.cat([p[k] for p in parts]) if parts[0][k] is not None else None
 
-    return TokenLogprobs(
-        logprobs=cat(0), top_values=cat(1), top_ids=cat(2), ids_values=cat(3), ids=ids, ids_counts=ids_counts
-    )
+    return TokenLogprobs(cat(0), cat(1), cat(2), cat(3), ids, ids_counts)
 
 
 def prompt_logprobs(

@@ -1,6 +1,8 @@
 """Batched token sampling over the whole OpenAI sampling surface, with no per-request loop.
 
-Per step, for the S rows that sample, in this order (each on what the previous left):
+`Sampler.sample` takes a step's logits and its `SamplingBatch` (the rows' `SamplingParams` as
+device tensors, sampling/state.py) and returns a `SampleOutput`. Per step, for the S rows that
+sample, in this order (each on what the previous left):
 1. logit_bias: logit[id] += bias;
 2. penalties: repetition (HF: over prompt and output tokens, a positive logit is divided by
    p, a negative one multiplied), then frequency and presence (OpenAI: over output tokens,
@@ -83,50 +85,51 @@ def hashed_uniform(seeds: torch.Tensor, output_positions: torch.Tensor, vocab_si
     return (top24.to(torch.float32) + 0.5) * (1.0 / (1 << 24))
 
 
-@dataclass
+@dataclass(slots=True)
 class SamplingBatch:
-    """Everything the sampler needs for S rows: device tensors plus host flags for the fast paths.
+    """A step's S sampling rows on the device, under `SamplingParams`' field names, plus host flags
+    for the fast paths. Built by `SamplingState.batch` (or `from_lists`, the basic surface alone).
 
-    The first block is the basic surface (also built by `from_lists`); the optional blocks are
-    None/0 when no row of the batch uses them. "Positions" below are indices into the batch
-    (0..S-1), not engine rows. Built by `SamplingState.batch` in the engine.
+    The optional blocks are None/0 when no row of the batch uses them. "Positions" are indices
+    into the batch (0..S-1), not engine rows.
     """
 
-    # The six basic tensors are read only for sampled (temperature > 0) rows: SamplingState.batch
-    # leaves them None when every row is greedy (two host-to-device copies a step saved).
-    temperatures: torch.Tensor | None  # float32 [S]; 0 = greedy
-    top_ks: torch.Tensor | None  # int64 [S]; 0 = off
-    top_ps: torch.Tensor | None  # float32 [S]; 1 = off
-    min_ps: torch.Tensor | None  # float32 [S]; 0 = off
-    seeds: torch.Tensor | None  # int64 [S]
+    # The basic surface, read only for sampled (temperature > 0) rows: SamplingState.batch leaves
+    # these None when every row is greedy (no host-to-device copies).
+    temperature: torch.Tensor | None  # float32 [S]; 0 = greedy
+    top_k: torch.Tensor | None  # int64 [S]; 0 = off
+    top_p: torch.Tensor | None  # float32 [S]; 1 = off
+    min_p: torch.Tensor | None  # float32 [S]; 0 = off
+    seed: torch.Tensor | None  # int64 [S]
     output_positions: torch.Tensor | None  # int64 [S] index of the token being drawn among the request's outputs
     all_greedy: bool
     any_top_k: bool
     any_top_p: bool
     any_min_p: bool
     max_top_k: int = 0  # largest top_k among sampled rows (0 = none)
-    # logit_bias: rows at bias_positions [B] add bias_values [B, Mb] at bias_ids [B, Mb] (padding adds 0).
-    bias_positions: torch.Tensor | None = None
-    bias_ids: torch.Tensor | None = None
-    bias_values: torch.Tensor | None = None
-    # penalties: rows at penalty_positions [P] use slot penalty_slots [P] of these pool tensors.
+    # logit_bias: rows at logit_bias_positions [B] add logit_bias_values [B, Mb] at logit_bias_ids [B, Mb]
+    # (padding adds 0).
+    logit_bias_positions: torch.Tensor | None = None
+    logit_bias_ids: torch.Tensor | None = None
+    logit_bias_values: torch.Tensor | None = None
+    # Penalties: rows at penalty_positions [P] use slot penalty_slots [P] of these pool tensors.
     penalty_positions: torch.Tensor | None = None
     penalty_slots: torch.Tensor | None = None
     output_counts: torch.Tensor | None = None  # int32 [slots, V] (the pool, not a copy)
     prompt_mask: torch.Tensor | None = None  # bool [slots, V] (the pool, not a copy)
-    repetition_penalties: torch.Tensor | None = None  # float32 [P]; 1 = off
-    frequency_penalties: torch.Tensor | None = None  # float32 [P]
-    presence_penalties: torch.Tensor | None = None  # float32 [P]
+    repetition_penalty: torch.Tensor | None = None  # float32 [P]; 1 = off
+    frequency_penalty: torch.Tensor | None = None  # float32 [P]
+    presence_penalty: torch.Tensor | None = None  # float32 [P]
     any_repetition: bool = False
     any_frequency_presence: bool = False
-    # min_new_tokens: rows at stop_positions [Q] (still under their minimum) get -inf at stop_ids [Q, Ms].
+    # min_new_tokens: rows at stop_positions [Q] (still under their minimum) get -inf at stop_token_ids [Q, Ms].
     stop_positions: torch.Tensor | None = None
-    stop_ids: torch.Tensor | None = None
-    # logprobs (raw): which outputs to compute.
+    stop_token_ids: torch.Tensor | None = None
+    # Logprobs (raw): which outputs to compute.
     return_logprob: bool = False  # chosen-token logprobs [S]
     top_logprobs_num: int = 0  # K: the largest top_logprobs_num in the batch
-    logprob_token_ids: torch.Tensor | None = None  # int64 [S, M] padded requested ids
-    logprob_token_counts: torch.Tensor | None = None  # int64 [S]
+    token_ids_logprob: torch.Tensor | None = None  # int64 [S, M] padded requested ids
+    token_ids_logprob_counts: torch.Tensor | None = None  # int64 [S]
     # Structured output (engine/grammar.py): int32 [S, ceil(V/32)] allowed-token bitmask on the host
     # and the batch positions it constrains; applied after steps 1-3, before temperature.
     grammar_bitmask: torch.Tensor | None = None
@@ -135,73 +138,70 @@ class SamplingBatch:
     @property
     def plain_argmax(self) -> bool:
         """All greedy and nothing changes the logits: the token is argmax of the raw logits."""
-        return self.all_greedy and self.bias_positions is None and self.penalty_positions is None and (
+        return self.all_greedy and self.logit_bias_positions is None and self.penalty_positions is None and (
             self.stop_positions is None and self.grammar_bitmask is None
         )
 
     @property
     def needs_logprobs(self) -> bool:
-        return self.return_logprob or self.top_logprobs_num > 0 or self.logprob_token_ids is not None
+        return self.return_logprob or self.top_logprobs_num > 0 or self.token_ids_logprob is not None
 
     @classmethod
     def from_lists(
         cls,
-        temperatures: Sequence[float],
-        top_ks: Sequence[int],
-        top_ps: Sequence[float],
-        min_ps: Sequence[float],
-        seeds: Sequence[int | None],
+        temperature: Sequence[float],
+        top_k: Sequence[int],
+        top_p: Sequence[float],
+        min_p: Sequence[float],
+        seed: Sequence[int | None],
         output_positions: Sequence[int],
         device: str | torch.device = "cpu",
     ) -> "SamplingBatch":
         """The basic surface from lists or numpy arrays, one entry per row. top_k <= 0 means off;
         a None seed gets a random one."""
-        temperatures = np.asarray(temperatures, dtype=np.float32)
-        top_ks = np.maximum(np.asarray(top_ks, dtype=np.int64), 0)
-        top_ps = np.asarray(top_ps, dtype=np.float32)
-        min_ps = np.asarray(min_ps, dtype=np.float32)
-        seeds = np.array([(int(s) if s is not None else random.getrandbits(62)) & _MASK62 for s in seeds], np.int64)
+        temperature = np.asarray(temperature, dtype=np.float32)
+        top_k = np.maximum(np.asarray(top_k, dtype=np.int64), 0)
+        top_p = np.asarray(top_p, dtype=np.float32)
+        min_p = np.asarray(min_p, dtype=np.float32)
+        seed = np.array([(int(s) if s is not None else random.getrandbits(62)) & _MASK62 for s in seed], np.int64)
         output_positions = np.asarray(output_positions, dtype=np.int64)
-        n = temperatures.shape[0]
-        if not (top_ks.shape == top_ps.shape == min_ps.shape == seeds.shape == output_positions.shape == (n,)):
+        n = temperature.shape[0]
+        if not (top_k.shape == top_p.shape == min_p.shape == seed.shape == output_positions.shape == (n,)):
             raise ValueError("sampling parameter lists must all have one entry per row")
 
         def tensor(values: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(values).to(device, non_blocking=True)
 
         return cls(
-            temperatures=tensor(temperatures),
-            top_ks=tensor(top_ks),
-            top_ps=tensor(top_ps),
-            min_ps=tensor(min_ps),
-            seeds=tensor(seeds),
+            temperature=tensor(temperature),
+            top_k=tensor(top_k),
+            top_p=tensor(top_p),
+            min_p=tensor(min_p),
+            seed=tensor(seed),
             output_positions=tensor(output_positions),
-            **basic_flags(temperatures, top_ks, top_ps, min_ps),
+            **basic_flags(temperature, top_k, top_p, min_p),
         )
 
 
-# The name the engine and tests used before SamplingState existed.
-SamplingTensors = SamplingBatch
-
-
-def basic_flags(temperatures: np.ndarray, top_ks: np.ndarray, top_ps: np.ndarray, min_ps: np.ndarray) -> dict:
-    """Host flags of the basic surface from host arrays of one batch (top_ks: 0 = off)."""
-    sampled = temperatures > 0.0
-    top_k_rows = sampled & (top_ks > 0)
+def basic_flags(temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, min_p: np.ndarray) -> dict:
+    """Host flags of the basic surface from host arrays of one batch (top_k: 0 = off)."""
+    sampled = temperature > 0.0
+    top_k_rows = sampled & (top_k > 0)
     return dict(
         all_greedy=not sampled.any(),
         any_top_k=bool(top_k_rows.any()),
-        any_top_p=bool((sampled & (top_ps < 1.0)).any()),
-        any_min_p=bool((sampled & (min_ps > 0.0)).any()),
-        max_top_k=int(top_ks[top_k_rows].max()) if top_k_rows.any() else 0,
+        any_top_p=bool((sampled & (top_p < 1.0)).any()),
+        any_min_p=bool((sampled & (min_p > 0.0)).any()),
+        max_top_k=int(top_k[top_k_rows].max()) if top_k_rows.any() else 0,
     )
 
 
-@dataclass
+@dataclass(slots=True)
 class SampleOutput:
-    """What one step sampled for S rows. Device tensors; logprob fields are None unless some
-    row of the batch asked for them (then they hold values for every row; rows that did not
-    ask are to be ignored, rows asking fewer than K top logprobs are sliced by the caller)."""
+    """What one step sampled for S rows (device tensors, or their host copies: `to_host`). The
+    logprob fields are None unless some row of the batch asked for them; then they hold values for
+    every row (rows that did not ask are to be ignored, rows asking fewer than K top logprobs are
+    sliced by the caller). Field names are those of `TokenLogprobs` and `StepOutput`."""
 
     tokens: torch.Tensor  # int64 [S]
     logprobs: torch.Tensor | None = None  # float32 [S]: of the chosen token
@@ -210,6 +210,23 @@ class SampleOutput:
     token_ids_logprobs: torch.Tensor | None = None  # float32 [S, M]
     token_ids_logprob_ids: torch.Tensor | None = None  # int64 [S, M] (padding at and past the count)
     token_ids_logprob_counts: torch.Tensor | None = None  # int64 [S]
+
+    def to_host(self) -> "SampleOutput":
+        """CPU copies, started without waiting: from CUDA, non-blocking copies into pinned memory, to
+        be read only after an event recorded behind them fired; CPU tensors are kept as they are."""
+        if self.logprobs is None:  # no row asked for logprobs: then none of them is set
+            return SampleOutput(_to_host(self.tokens))
+        return SampleOutput(
+            _to_host(self.tokens), _to_host(self.logprobs), _to_host(self.top_logprobs),
+            _to_host(self.top_logprob_ids), _to_host(self.token_ids_logprobs),
+            _to_host(self.token_ids_logprob_ids), _to_host(self.token_ids_logprob_counts),
+        )
+
+
+def _to_host(t: torch.Tensor | None) -> torch.Tensor | None:
+    if t is None or t.device.type == "cpu":
+        return t
+    return t.to("cpu", non_blocking=True)
 
 
 def _triton_importable() -> bool:
@@ -295,20 +312,16 @@ class Sampler:
             if batch.all_greedy:
                 tokens = greedy_tokens
             else:
-                is_greedy = batch.temperatures <= 0.0
-                temperatures = torch.where(is_greedy, 1.0, batch.temperatures)
-                scores = self._filter(scores / temperatures[:, None], batch)
+                is_greedy = batch.temperature <= 0.0
+                temperature = torch.where(is_greedy, 1.0, batch.temperature)
+                scores = self._filter(scores / temperature[:, None], batch)
                 tokens = torch.where(is_greedy, greedy_tokens, self._draw(scores, batch))
-        out = SampleOutput(tokens=tokens)
-        if batch.needs_logprobs:
-            lp = token_logprobs(
-                logits, tokens, batch.top_logprobs_num, batch.logprob_token_ids, batch.logprob_token_counts
-            )
-            out.logprobs = lp.logprobs
-            out.top_logprobs, out.top_logprob_ids = lp.top_values, lp.top_ids
-            out.token_ids_logprobs, out.token_ids_logprob_ids = lp.ids_values, lp.ids
-            out.token_ids_logprob_counts = lp.ids_counts
-        return out
+        if not batch.needs_logprobs:
+            return SampleOutput(tokens)
+        lp = token_logprobs(logits, tokens, batch.top_logprobs_num, batch.token_ids_logprob,
+                            batch.token_ids_logprob_counts)
+        return SampleOutput(tokens, lp.logprobs, lp.top_logprobs, lp.top_logprob_ids, lp.token_ids_logprobs,
+                            lp.token_ids_logprob_ids, lp.token_ids_logprob_counts)
 
     def _argmax(self, scores: torch.Tensor) -> torch.Tensor:
         """First index of each row's maximum; the triton backend splits each row over many programs."""
@@ -323,8 +336,8 @@ class Sampler:
         if self.backend == "triton" and scores.is_cuda:
             from tokenspeed_worker.kernels.sampling import gumbel_argmax
 
-            return gumbel_argmax(scores, row_keys(batch.seeds, batch.output_positions))
-        noise = hashed_uniform(batch.seeds, batch.output_positions, scores.shape[-1])
+            return gumbel_argmax(scores, row_keys(batch.seed, batch.output_positions))
+        noise = hashed_uniform(batch.seed, batch.output_positions, scores.shape[-1])
         return (scores - torch.log(-torch.log(noise))).argmax(dim=-1)
 
     @staticmethod
@@ -333,57 +346,55 @@ class Sampler:
 
         The input is never modified (a copy is made when anything applies)."""
         scores = logits.float()
-        changes = batch.bias_positions is not None or batch.penalty_positions is not None
+        changes = batch.logit_bias_positions is not None or batch.penalty_positions is not None
         if (changes or batch.stop_positions is not None) and scores is logits:
             scores = scores.clone()
-        if batch.bias_positions is not None:
-            rows = batch.bias_positions[:, None].expand_as(batch.bias_ids)
-            scores.index_put_((rows, batch.bias_ids), batch.bias_values, accumulate=True)
+        if batch.logit_bias_positions is not None:
+            rows = batch.logit_bias_positions[:, None].expand_as(batch.logit_bias_ids)
+            scores.index_put_((rows, batch.logit_bias_ids), batch.logit_bias_values, accumulate=True)
         if batch.penalty_positions is not None:
             sub = scores.index_select(0, batch.penalty_positions)
             counts = batch.output_counts.index_select(0, batch.penalty_slots)
             if batch.any_repetition:
                 seen = (counts > 0) | batch.prompt_mask.index_select(0, batch.penalty_slots)
-                penalty = batch.repetition_penalties[:, None]
+                penalty = batch.repetition_penalty[:, None]
                 sub = torch.where(seen, torch.where(sub < 0, sub * penalty, sub / penalty), sub)
             if batch.any_frequency_presence:
-                sub = sub - batch.frequency_penalties[:, None] * counts - batch.presence_penalties[:, None] * (
-                    counts > 0
-                )
+                sub = sub - batch.frequency_penalty[:, None] * counts - batch.presence_penalty[:, None] * (counts > 0)
             scores.index_copy_(0, batch.penalty_positions, sub)
         if batch.stop_positions is not None:
-            rows = batch.stop_positions[:, None].expand_as(batch.stop_ids)
-            scores.index_put_((rows, batch.stop_ids), scores.new_full((), float("-inf")))
+            rows = batch.stop_positions[:, None].expand_as(batch.stop_token_ids)
+            scores.index_put_((rows, batch.stop_token_ids), scores.new_full((), float("-inf")))
         return scores
 
     @staticmethod
-    def _filter(scores: torch.Tensor, params: SamplingBatch) -> torch.Tensor:
+    def _filter(scores: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """Set filtered-out entries to -inf; the most likely token always survives."""
         vocab = scores.shape[-1]
-        if params.any_top_k and not params.any_top_p and 0 < params.max_top_k <= _TOPK_WITHOUT_SORT_MAX_K:
+        if batch.any_top_k and not batch.any_top_p and 0 < batch.max_top_k <= _TOPK_WITHOUT_SORT_MAX_K:
             # k-th largest score per row as the threshold; ties at it all survive.
-            k = min(params.max_top_k, vocab)
+            k = min(batch.max_top_k, vocab)
             top = scores.topk(k, dim=-1, sorted=True).values
-            top_ks = torch.where(params.top_ks > 0, params.top_ks.clamp(max=k), k)
+            top_ks = torch.where(batch.top_k > 0, batch.top_k.clamp(max=k), k)
             kth = top.gather(1, (top_ks - 1)[:, None])
-            kth = torch.where((params.top_ks > 0)[:, None], kth, float("-inf"))
+            kth = torch.where((batch.top_k > 0)[:, None], kth, float("-inf"))
             scores = scores.masked_fill(scores < kth, float("-inf"))
-        elif params.any_top_k or params.any_top_p:
+        elif batch.any_top_k or batch.any_top_p:
             # Stable, so tokens with equal scores keep vocabulary order whatever the batch.
             sorted_scores, order = scores.sort(dim=-1, descending=True, stable=True)
             remove = torch.zeros_like(sorted_scores, dtype=torch.bool)
-            if params.any_top_k:
+            if batch.any_top_k:
                 # Everything below the k-th score goes, ties at it stay (as in the topk path above).
-                top_ks = torch.where(params.top_ks > 0, params.top_ks.clamp(max=vocab), vocab)
+                top_ks = torch.where(batch.top_k > 0, batch.top_k.clamp(max=vocab), vocab)
                 remove |= sorted_scores < sorted_scores.gather(1, (top_ks - 1)[:, None])
-            if params.any_top_p:
+            if batch.any_top_p:
                 probs = sorted_scores.masked_fill(remove, float("-inf")).softmax(dim=-1)
                 mass_before = probs.cumsum(dim=-1) - probs  # probability of the strictly better tokens
-                remove |= (mass_before >= params.top_ps[:, None]) & (params.top_ps[:, None] < 1.0)
+                remove |= (mass_before >= batch.top_p[:, None]) & (batch.top_p[:, None] < 1.0)
             remove[:, 0] = False
             scores = scores.masked_fill(torch.zeros_like(remove).scatter_(1, order, remove), float("-inf"))
-        if params.any_min_p:
+        if batch.any_min_p:
             # p >= min_p * p_max  <=>  score >= max_score + log(min_p); renormalization does not change it.
-            threshold = scores.max(dim=-1, keepdim=True).values + torch.log(params.min_ps[:, None])
+            threshold = scores.max(dim=-1, keepdim=True).values + torch.log(batch.min_p[:, None])
             scores = scores.masked_fill(scores < threshold, float("-inf"))
         return scores

@@ -1,8 +1,9 @@
 """Per-row sampling state of the engine: parameters, output positions and penalty counts.
 
-The engine knows requests by *row*. This class owns, per row, everything sampling needs and
-turns a step's rows into one `SamplingBatch` with a few numpy gathers and host-to-device
-copies, so no per-request Python runs inside a step (per-request work happens at `add_row`).
+The engine knows requests by *row*. This class owns, per row, everything sampling needs (the
+request's `SamplingParams`, stored at `add_row`) and turns a step's rows into one `SamplingBatch`
+with a few numpy gathers and host-to-device copies, so no per-request Python runs inside a step
+(per-request work happens at `add_row`).
 
 What lives where:
 - Host (numpy, [capacity] or [capacity, width]): the scalar parameters, the output position
@@ -23,41 +24,16 @@ preemption or resumption, its output position and counts continue where they wer
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
-
 import numpy as np
 import torch
 
+from tokenspeed_worker.sampling.params import SamplingParams
 from tokenspeed_worker.sampling.sampler import _MASK62, SamplingBatch, basic_flags
 
 # Columns of the packed per-row parameter arrays (one host-to-device copy each per step).
 _F_TEMPERATURE, _F_TOP_P, _F_MIN_P = 0, 1, 2
 _I_TOP_K, _I_SEED, _I_OUT_POS = 0, 1, 2
-
-
-@dataclass
-class RowSamplingParams:
-    """One request's sampling options, as the engine passes them at admission."""
-
-    temperature: float = 1.0  # 0 = greedy
-    top_k: int = -1  # <= 0 = off
-    top_p: float = 1.0
-    min_p: float = 0.0
-    seed: int = 0  # non-negative, < 2**63 (the low 62 bits are used, as in SamplingBatch.from_lists)
-    frequency_penalty: float = 0.0  # OpenAI, over output tokens: logit -= f * count
-    presence_penalty: float = 0.0  # OpenAI, over output tokens: logit -= p * (count > 0)
-    repetition_penalty: float = 1.0  # HF, over prompt and output tokens; 1 = off
-    logit_bias: dict[int, float] = field(default_factory=dict)
-    min_new_tokens: int = 0  # stop_token_ids get -inf while fewer outputs exist
-    stop_token_ids: Sequence[int] = ()  # the engine passes EOS ∪ stop_token_ids unless ignore_eos
-    return_logprob: bool = False  # logprob of each sampled token
-    top_logprobs_num: int = 0  # top-K logprobs per sampled token
-    token_ids_logprob: Sequence[int] = ()  # logprobs of these ids at each sampled token
-
-    @property
-    def uses_penalty(self) -> bool:
-        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+_P_REPETITION, _P_FREQUENCY, _P_PRESENCE = 0, 1, 2
 
 
 class _Ragged:
@@ -152,7 +128,7 @@ class SamplingState:
 
     # ---- rows -------------------------------------------------------------
 
-    def add_row(self, row: int, prompt_ids: np.ndarray, params: RowSamplingParams) -> None:
+    def add_row(self, row: int, prompt_ids: np.ndarray, params: SamplingParams) -> None:
         """Admit a request at `row` (output position 0). Raises ValueError for ids outside the
         vocabulary or a row already in use; nothing is changed then."""
         row = int(row)
@@ -295,11 +271,11 @@ class SamplingState:
             floats_dev = self._to_device(floats)
             ints_dev = self._to_device(ints)
             batch = SamplingBatch(
-                temperatures=floats_dev[:, _F_TEMPERATURE],
-                top_ks=ints_dev[:, _I_TOP_K],
-                top_ps=floats_dev[:, _F_TOP_P],
-                min_ps=floats_dev[:, _F_MIN_P],
-                seeds=ints_dev[:, _I_SEED],
+                temperature=floats_dev[:, _F_TEMPERATURE],
+                top_k=ints_dev[:, _I_TOP_K],
+                top_p=floats_dev[:, _F_TOP_P],
+                min_p=floats_dev[:, _F_MIN_P],
+                seed=ints_dev[:, _I_SEED],
                 output_positions=ints_dev[:, _I_OUT_POS],
                 **flags,
             )
@@ -307,9 +283,9 @@ class SamplingState:
             positions = np.flatnonzero(self._bias.counts[rows] > 0)
             if positions.shape[0]:
                 ids, values = self._bias.gather(rows[positions])
-                batch.bias_positions = self._to_device(positions)
-                batch.bias_ids = self._to_device(ids)
-                batch.bias_values = self._to_device(values)
+                batch.logit_bias_positions = self._to_device(positions)
+                batch.logit_bias_ids = self._to_device(ids)
+                batch.logit_bias_values = self._to_device(values)
         if self._num_penalty:
             slots = self._slot[rows]
             positions = np.flatnonzero(slots >= 0)
@@ -320,25 +296,25 @@ class SamplingState:
                 batch.penalty_slots = self._to_device(slots[positions])
                 batch.output_counts = self._output_counts
                 batch.prompt_mask = self._prompt_mask
-                batch.repetition_penalties = coefficients_dev[:, 0]
-                batch.frequency_penalties = coefficients_dev[:, 1]
-                batch.presence_penalties = coefficients_dev[:, 2]
-                batch.any_repetition = bool((coefficients[:, 0] != 1.0).any())
-                batch.any_frequency_presence = bool((coefficients[:, 1:] != 0.0).any())
+                batch.repetition_penalty = coefficients_dev[:, _P_REPETITION]
+                batch.frequency_penalty = coefficients_dev[:, _P_FREQUENCY]
+                batch.presence_penalty = coefficients_dev[:, _P_PRESENCE]
+                batch.any_repetition = bool((coefficients[:, _P_REPETITION] != 1.0).any())
+                batch.any_frequency_presence = bool((coefficients[:, _P_FREQUENCY:] != 0.0).any())
         if self._num_min_tokens:
             positions = np.flatnonzero(self._min_new_tokens[rows] > ints[:, _I_OUT_POS])
             if positions.shape[0]:
                 ids, _ = self._stops.gather(rows[positions])
                 batch.stop_positions = self._to_device(positions)
-                batch.stop_ids = self._to_device(ids)
+                batch.stop_token_ids = self._to_device(ids)
         if self._num_logprobs:
             batch.return_logprob = bool(self._return_logprob[rows].any())
             batch.top_logprobs_num = int(self._top_logprobs[rows].max()) if rows.shape[0] else 0
             counts = self._logprob_ids.counts[rows]
             if counts.any():
                 ids, _ = self._logprob_ids.gather(rows)
-                batch.logprob_token_ids = self._to_device(ids)
-                batch.logprob_token_counts = self._to_device(counts.copy())
+                batch.token_ids_logprob = self._to_device(ids)
+                batch.token_ids_logprob_counts = self._to_device(counts.copy())
         return batch
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:

@@ -450,8 +450,8 @@ class EngineClient:
             if index > 0:
                 add.wait_for = adds[0].req_id
             st = RequestState(engine_id=add.req_id, request_id=request_id, prompt_len=int(len(add.prompt_ids)),
-                              index=index, event=event, top_logprobs_num=add.top_logprobs_num,
-                              wants_logprobs=add.return_logprob, recv_ts=recv_ts, replica=replica.index)
+                              index=index, event=event, top_logprobs_num=add.sampling_params.top_logprobs_num,
+                              wants_logprobs=add.sampling_params.return_logprob, recv_ts=recv_ts, replica=replica.index)
             self.requests[st.engine_id] = st
             states.append(st)
         replica.in_flight += len(states)
@@ -575,10 +575,11 @@ def _logprob_entry(msg: StepOutput, i: int, top_k: int) -> tuple[float, list[flo
     if top_k and msg.top_logprobs is not None:
         values = msg.top_logprobs[i, :top_k].tolist()
         ids = msg.top_logprob_ids[i, :top_k].tolist()
-    if msg.ids_logprob_counts is not None and msg.ids_logprob_counts[i]:
-        count = int(msg.ids_logprob_counts[i])
+    if msg.token_ids_logprob_counts is not None and msg.token_ids_logprob_counts[i]:
+        count = int(msg.token_ids_logprob_counts[i])
         seen = set(ids)
-        for value, token in zip(msg.ids_logprobs[i, :count].tolist(), msg.ids_logprob_ids[i, :count].tolist()):
+        requested = zip(msg.token_ids_logprobs[i, :count].tolist(), msg.token_ids_logprob_ids[i, :count].tolist())
+        for value, token in requested:
             if token not in seen:
                 values.append(value)
                 ids.append(token)

@@ -28,6 +28,7 @@ from grpc_reflection.v1alpha import reflection
 from tokenspeed_worker.config import EngineConfig, ServerArgs, ServerConfig, WorkerConfig
 from tokenspeed_worker.engine.messages import AddRequest
 from tokenspeed_worker.proto import tokenspeed_scheduler_pb2_grpc as pb_grpc
+from tokenspeed_worker.sampling.params import SamplingParams
 from tokenspeed_worker.engine.lifetime import STOP_SIGNALS
 from tokenspeed_worker.server.engine_client import EngineClient, EngineUnavailable, StartCancelled
 from tokenspeed_worker.server.model_info import load_model_facts
@@ -67,7 +68,7 @@ async def _warm_up(engine: EngineClient, facts) -> None:
     prompt = [facts.bos_token_id if facts.bos_token_id < facts.vocab_size else 0] * 4
     import numpy as np
 
-    add = AddRequest(0, np.asarray(prompt, dtype=np.int32), 2, [], 0.0, -1, 1.0, 0.0, 0)
+    add = AddRequest(0, np.asarray(prompt, dtype=np.int32), 2, SamplingParams(temperature=0.0))
     (st,) = engine.submit("__warmup__", [add])
     while not st.done:
         await asyncio.wait_for(st.event.wait(), WARMUP_TIMEOUT_S)

@@ -149,11 +149,12 @@ class RequestObserver:
         add = adds[0]
         parts = [f"n={len(adds)}", f"prompt_tokens={len(add.prompt_ids)}", f"max_new_tokens={add.max_new_tokens}"]
         if self.level >= 1:
+            p = add.sampling_params
             parts.append(
-                f"sampling=(temperature={add.temperature}, top_p={add.top_p}, top_k={add.top_k}, min_p={add.min_p}, "
-                f"seed={add.seed}, stop_token_ids={list(add.stop_token_ids)}, min_new_tokens={add.min_new_tokens}, "
-                f"frequency_penalty={add.frequency_penalty}, presence_penalty={add.presence_penalty}, "
-                f"repetition_penalty={add.repetition_penalty}, return_logprob={add.return_logprob})"
+                f"sampling=(temperature={p.temperature}, top_p={p.top_p}, top_k={p.top_k}, min_p={p.min_p}, "
+                f"seed={p.seed}, stop_token_ids={list(p.stop_token_ids)}, min_new_tokens={p.min_new_tokens}, "
+                f"frequency_penalty={p.frequency_penalty}, presence_penalty={p.presence_penalty}, "
+                f"repetition_penalty={p.repetition_penalty}, return_logprob={p.return_logprob})"
             )
         if self.level >= 2:
             parts.append(f"input_ids={_ids(add.prompt_ids.tolist(), self.level)}")

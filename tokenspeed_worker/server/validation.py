@@ -6,6 +6,7 @@ holds nothing. Messages name the field as it is spelled on the wire.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import secrets
@@ -16,6 +17,7 @@ import grpc
 import numpy as np
 
 from tokenspeed_worker.engine.messages import AddRequest
+from tokenspeed_worker.sampling.params import SamplingParams
 from tokenspeed_worker.server.model_info import ModelFacts
 
 
@@ -73,8 +75,59 @@ def validate_generate(req, facts: ModelFacts) -> ValidatedRequest:
     """Proto3 cannot tell an unset plain scalar from its zero: every such field's zero means that
     field's default (the table in docs/parameters.md): an empty request_id gets a generated one,
     n 0 is one sample, top_k 0 is off. Explicit optional fields are taken as sent; a
-    max_new_tokens of 0 is a real request (the prompt back, no output: the servicer ends it at once)."""
+    max_new_tokens of 0 is a real request (the prompt back, no output: the servicer ends it at once).
+    The checks run in a fixed order; the first that fails names its field."""
     request_id = req.request_id or f"gen-{uuid.uuid4().hex}"
+    _refuse_unsupported(req, facts)
+    prompt = _prompt_ids(req, facts)
+    logprob_ids = _token_ids_logprob(req, facts)
+    sp = req.sampling_params
+    params = _sampling_params(sp, facts)
+    stop_strings = list(sp.stop)
+    if any(not s for s in stop_strings):
+        raise _invalid("sampling_params.stop: stop strings must not be empty")
+    if stop_strings and not facts.has_tokenizer:
+        raise _invalid("sampling_params.stop: this worker has no tokenizer.json to detect stop strings with")
+    if sp.HasField("custom_params") and len(sp.custom_params.fields):
+        raise _invalid("sampling_params.custom_params: no custom parameters are supported")
+    constraint = _constraint(sp, facts)
+    n = sp.n or 1  # proto3's 0 is an unset n
+    if n > MAX_SAMPLES:
+        raise _invalid(f"sampling_params.n: at most {MAX_SAMPLES} samples per request (got {n})")
+    params.stop_token_ids = _stop_token_ids(sp, facts)
+
+    # Unset max_new_tokens means up to the context limit; a larger one is clamped to it; 0 asks for
+    # the prompt back and nothing else (scoring clients: /v1/completions echo with max_tokens 0).
+    room = facts.max_context_length - len(prompt)
+    max_new = min(int(sp.max_new_tokens), room) if sp.HasField("max_new_tokens") else room
+    params.min_new_tokens = min(int(sp.min_new_tokens), max_new)
+    # Any logprob option needs the sampled token's logprob too (OutputLogProbs aligns on it).
+    logprobs = bool(req.return_logprob or req.top_logprobs_num or logprob_ids)
+    params.return_logprob = logprobs
+    params.top_logprobs_num = int(req.top_logprobs_num)
+    params.token_ids_logprob = tuple(logprob_ids)
+
+    # The sampler hashes a non-negative int64; unseeded samples get a random seed each.
+    seeded = sp.HasField("sampling_seed")
+    seeds = [sample_seed(int(sp.sampling_seed), i) if seeded else secrets.randbits(63) for i in range(n)]
+    adds = [AddRequest(0, prompt, max_new, dataclasses.replace(params, seed=seed), constraint=constraint)
+            for seed in seeds]
+    return ValidatedRequest(
+        request_id=request_id,
+        adds=adds,
+        stream=bool(req.stream),
+        n=n,
+        no_stop_trim=bool(sp.no_stop_trim),
+        stop_strings=stop_strings,
+        skip_special_tokens=bool(sp.skip_special_tokens),
+        spaces_between_special_tokens=bool(sp.spaces_between_special_tokens),
+        logprobs=logprobs,
+        top_logprobs_num=int(req.top_logprobs_num),
+        dp_rank=int(req.data_parallel_rank) if req.HasField("data_parallel_rank") else None,
+    )
+
+
+def _refuse_unsupported(req, facts: ModelFacts) -> None:
     if req.HasField("mm_inputs"):
         raise _unimplemented("mm_inputs: multimodal inputs are not supported (text models only)")
     if req.HasField("encode_bootstrap_info"):
@@ -85,6 +138,10 @@ def validate_generate(req, facts: ModelFacts) -> ValidatedRequest:
     if req.HasField("data_parallel_rank") and not 0 <= req.data_parallel_rank < dp_size:
         raise _invalid(f"data_parallel_rank: {req.data_parallel_rank} does not exist "
                        f"(this worker has ranks 0..{dp_size - 1})")
+
+
+def _prompt_ids(req, facts: ModelFacts) -> np.ndarray:
+    """tokenized.input_ids as int32, in the vocabulary and leaving room to generate."""
     if not req.HasField("tokenized"):
         raise _invalid("tokenized: missing (the worker takes token ids; tokenized.input_ids is required)")
     ids = np.fromiter(req.tokenized.input_ids, dtype=np.int64, count=len(req.tokenized.input_ids))
@@ -99,8 +156,11 @@ def validate_generate(req, facts: ModelFacts) -> ValidatedRequest:
             f"tokenized.input_ids: prompt of {prompt_len} tokens leaves no room to generate "
             f"(context length {facts.max_context_length})"
         )
+    return ids.astype(np.int32)
 
-    # Logprobs.
+
+def _token_ids_logprob(req, facts: ModelFacts) -> list[int]:
+    """The logprob options checked; returns token_ids_logprob."""
     if req.top_logprobs_num < 0 or req.top_logprobs_num > MAX_TOP_LOGPROBS:
         raise _invalid(f"top_logprobs_num: must be in [0, {MAX_TOP_LOGPROBS}], got {req.top_logprobs_num}")
     logprob_ids = [int(t) for t in req.token_ids_logprob]
@@ -116,8 +176,11 @@ def validate_generate(req, facts: ModelFacts) -> ValidatedRequest:
             "logprob_start_len: prompt logprobs cannot be returned (the TokenSpeed wire has no input-logprobs "
             "field); use -1"
         )
+    return logprob_ids
 
-    sp = req.sampling_params
+
+def _sampling_params(sp, facts: ModelFacts) -> SamplingParams:
+    """The filters, penalties and logit_bias of sampling_params; the caller sets the rest."""
     temperature = sp.temperature if sp.HasField("temperature") else 1.0
     top_p = sp.top_p if sp.HasField("top_p") else 1.0
     top_k = sp.top_k if sp.HasField("top_k") else -1
@@ -153,85 +216,43 @@ def validate_generate(req, facts: ModelFacts) -> ValidatedRequest:
         if not math.isfinite(bias) or not (-100.0 <= bias <= 100.0):
             raise _invalid(f"sampling_params.logit_bias: bias of token {token} must be in [-100, 100], got {bias}")
         logit_bias[token] = float(bias)
-    stop_strings = list(sp.stop)
-    if any(not s for s in stop_strings):
-        raise _invalid("sampling_params.stop: stop strings must not be empty")
-    if stop_strings and not facts.has_tokenizer:
-        raise _invalid("sampling_params.stop: this worker has no tokenizer.json to detect stop strings with")
-    if sp.HasField("custom_params") and len(sp.custom_params.fields):
-        raise _invalid("sampling_params.custom_params: no custom parameters are supported")
-    constraint = sp.WhichOneof("constraint")
-    constraint_spec = None
-    if constraint is not None:
-        text = getattr(sp, constraint)
-        if not getattr(facts, "structured_output", False):
-            raise _unimplemented(f"sampling_params.{constraint}: structured output is off on this worker "
-                                 "(--grammar-backend none, no tokenizer, or the xgrammar package is missing)")
-        if not text.strip():
-            raise _invalid(f"sampling_params.{constraint}: must not be empty")
-        if constraint in ("json_schema", "structural_tag"):
-            try:
-                json.loads(text)
-            except ValueError as exc:
-                raise _invalid(f"sampling_params.{constraint}: not valid JSON ({exc})") from None
-        constraint_spec = (constraint, text)
-    n = sp.n or 1  # proto3's 0 is an unset n
-    if n > MAX_SAMPLES:
-        raise _invalid(f"sampling_params.n: at most {MAX_SAMPLES} samples per request (got {n})")
+    return SamplingParams(
+        temperature=float(temperature),
+        top_k=int(top_k),
+        top_p=float(top_p),
+        min_p=float(min_p),
+        frequency_penalty=float(frequency_penalty),
+        presence_penalty=float(presence_penalty),
+        repetition_penalty=float(repetition_penalty),
+        logit_bias=logit_bias,
+    )
 
+
+def _constraint(sp, facts: ModelFacts) -> tuple[str, str] | None:
+    """The structured-output constraint (kind, text), or None."""
+    constraint = sp.WhichOneof("constraint")
+    if constraint is None:
+        return None
+    text = getattr(sp, constraint)
+    if not getattr(facts, "structured_output", False):
+        raise _unimplemented(f"sampling_params.{constraint}: structured output is off on this worker "
+                             "(--grammar-backend none, no tokenizer, or the xgrammar package is missing)")
+    if not text.strip():
+        raise _invalid(f"sampling_params.{constraint}: must not be empty")
+    if constraint in ("json_schema", "structural_tag"):
+        try:
+            json.loads(text)
+        except ValueError as exc:
+            raise _invalid(f"sampling_params.{constraint}: not valid JSON ({exc})") from None
+    return constraint, text
+
+
+def _stop_token_ids(sp, facts: ModelFacts) -> list[int]:
+    """stop_token_ids ∪ EOS (unless ignore_eos), sorted."""
     stop_ids = [int(t) for t in sp.stop_token_ids]
     for t in stop_ids:
         if t >= facts.vocab_size:
             raise _invalid(f"sampling_params.stop_token_ids: token id {t} is out of range (vocab_size {facts.vocab_size})")
     if not sp.ignore_eos:
         stop_ids.extend(facts.eos_token_ids)
-    stop_ids = sorted(set(stop_ids))
-
-    # Unset max_new_tokens means up to the context limit; a larger one is clamped to it; 0 asks for
-    # the prompt back and nothing else (scoring clients: /v1/completions echo with max_tokens 0).
-    room = facts.max_context_length - prompt_len
-    if sp.HasField("max_new_tokens"):
-        max_new = min(int(sp.max_new_tokens), room)
-    else:
-        max_new = room
-
-    seeded = sp.HasField("sampling_seed")
-    prompt = ids.astype(np.int32)
-    adds = [
-        AddRequest(
-            req_id=0,
-            prompt_ids=prompt,
-            max_new_tokens=max_new,
-            stop_token_ids=stop_ids,
-            temperature=float(temperature),
-            top_k=int(top_k),
-            top_p=float(top_p),
-            min_p=float(min_p),
-            # The sampler hashes a non-negative int64; unseeded samples get a random seed each.
-            seed=sample_seed(int(sp.sampling_seed), i) if seeded else secrets.randbits(63),
-            frequency_penalty=float(frequency_penalty),
-            presence_penalty=float(presence_penalty),
-            repetition_penalty=float(repetition_penalty),
-            logit_bias=logit_bias,
-            min_new_tokens=min(int(sp.min_new_tokens), max_new),
-            # Any logprob option needs the sampled token's logprob too (OutputLogProbs aligns on it).
-            return_logprob=bool(req.return_logprob or req.top_logprobs_num or logprob_ids),
-            top_logprobs_num=int(req.top_logprobs_num),
-            token_ids_logprob=tuple(logprob_ids),
-            constraint=constraint_spec,
-        )
-        for i in range(n)
-    ]
-    return ValidatedRequest(
-        request_id=request_id,
-        adds=adds,
-        stream=bool(req.stream),
-        n=n,
-        no_stop_trim=bool(sp.no_stop_trim),
-        stop_strings=stop_strings,
-        skip_special_tokens=bool(sp.skip_special_tokens),
-        spaces_between_special_tokens=bool(sp.spaces_between_special_tokens),
-        logprobs=bool(req.return_logprob or req.top_logprobs_num or logprob_ids),
-        top_logprobs_num=int(req.top_logprobs_num),
-        dp_rank=int(req.data_parallel_rank) if req.HasField("data_parallel_rank") else None,
-    )
+    return sorted(set(stop_ids))
