@@ -157,7 +157,7 @@ class EngineClient:
         self._closing = False
         self._start_cancelled = False
         self.on_dead = None  # optional callback(message) run on the loop
-        # Optional callback(replica index, KvEvents) run on the loop (server/kv_events.KvEventHub).
+        # Optional callback(replica index, KvEvents) run on the loop (server/kv_event_hub.KvEventHub).
         self.on_kv_events = None
         # Each replica's latest loads and when they arrived (time.monotonic()), from a probe or
         # a KvEvents message; None before the first.

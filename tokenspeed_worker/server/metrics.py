@@ -256,17 +256,17 @@ def _ids(ids: list[int], level: int) -> str:
 
 def make_observer(args) -> RequestObserver | None:
     """The observer the flags ask for, or None (then nothing is measured at all)."""
-    enable_metrics = bool(getattr(args, "enable_metrics", False))
-    log_stats = bool(getattr(args, "enable_log_request_stats", False))
-    log_requests = bool(getattr(args, "enable_log_requests", False))
+    enable_metrics = bool(args.enable_metrics)
+    log_stats = bool(args.enable_log_request_stats)
+    log_requests = bool(args.enable_log_requests)
     if not (enable_metrics or log_stats or log_requests):
         return None
     metrics = PrometheusMetrics(args.served_model_name) if enable_metrics else None
-    return RequestObserver(metrics, log_stats, log_requests, int(getattr(args, "log_requests_level", 0) or 0))
+    return RequestObserver(metrics, log_stats, log_requests, int(args.log_requests_level or 0))
 
 
 def metrics_address(args) -> tuple[str, int]:
-    host = getattr(args, "metrics_host", None) or args.host
+    host = args.metrics_host or args.host
     port = getattr(args, "metrics_port", None) or args.grpc_port + 1000
     if port > 65535:
         raise ValueError(f"--metrics-port: --grpc-port + 1000 = {port} is not a port; give --metrics-port")

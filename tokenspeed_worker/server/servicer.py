@@ -52,11 +52,11 @@ class TokenSpeedSchedulerServicer(pb_grpc.TokenSpeedSchedulerServicer):
         self.engine = engine
         self.facts = facts
         self.server_args = server_args
-        self.stream_interval = max(1, int(getattr(server_args, "stream_interval", 1) or 1))
+        self.stream_interval = max(1, int(server_args.stream_interval or 1))
         # --enable-cache-report: the prefix-cache hit of each request goes to the gateway (which puts it
         # into usage.prompt_tokens_details.cached_tokens); off, 0 does. Metrics and logs count it either way.
-        self.cache_report = bool(getattr(server_args, "enable_cache_report", False))
-        self.max_queued_requests = getattr(server_args, "max_queued_requests", None)
+        self.cache_report = bool(server_args.enable_cache_report)
+        self.max_queued_requests = server_args.max_queued_requests
         self.active_calls = 0  # Generate handlers running (the drain waits for them)
         self.tokenizer = None
         if facts.has_tokenizer:
