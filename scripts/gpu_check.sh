@@ -16,7 +16,7 @@
 # BENCH_ARGS: more flags for latency and offline (e.g. "--engine-arg kv_cache_dtype=fp8"); SERVING_ARGS:
 # more worker flags for serving and prefix (e.g. "--dp 2"); *_TIMEOUT: each run's limit in seconds.
 # A/B of two trees: AB_TREE=DIR runs each bench suite (latency offline serving prefix sampler; the others
-# run once, for this tree) for this tree ("new") and DIR ("old"), alternating for AB_ROUNDS (2) rounds,
+# run once, for this tree) for this tree ("new") and DIR ("old"), alternating for AB_ROUNDS (2) rounds (round 2 runs old first),
 # each tree with its own scripts and its own editable install, then prints the table of both. DIR is
 # another checkout, e.g. `git archive COMMIT | tar -x -C .cache/ab_old` (carry .cache/ab_old). A device
 # call lasts at most 600 s: one 8b_1000 run takes about 130 s, a latency run about 30 s, so give each
@@ -194,6 +194,10 @@ suite_serving() {
   bench serving "$case" "${SERVING_TIMEOUT:-300}" scripts/bench_serving.py --model "$SERVING_MODEL" \
     --concurrency ${SERVING_C:-1 64 256} --prompt-len 128 --output-len 128 --rounds "${SERVING_ROUNDS:-2}" \
     --client-procs 8 $sub -- --load-format dummy ${SERVING_ARGS:-}
+  # Where the startup went: the worker's own log lines of its phases (its log stays on the machine).
+  dry || grep -hE "CUDA graphs: captured|KV pool sizing|engine ready|warm-up|serving .* on|first seen while" \
+    "$(ls -t "$tree"/.cache/logs/worker-*.log 2>/dev/null | head -1)" 2>/dev/null | cut -c1-300 \
+    > "$OUT/logs/serving_${case}${tag:+_$tag}_startup.log"
 }
 
 suite_prefix() {
@@ -209,9 +213,9 @@ suite_sampler() {
 if dry; then
   echo "(dry run: nothing below runs)"
 else
-  if ls .whl/*.whl .whl/*/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-      $(ls .whl/*.whl .whl/*/*.whl 2>/dev/null)
+  wheels=$(compgen -G ".whl/*.whl"; compgen -G ".whl/*/*.whl")  # `ls` of a glob with no match fails the test
+  if [ -n "$wheels" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $wheels
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH
   fi
   # Triton's compiled kernels from an earlier call (carry .cache/triton as pieces triton.tgz.*; TRITON_CACHE_OUT=1
@@ -234,8 +238,11 @@ else
   for s in "${suites[@]}"; do
     case $BENCH_SUITES in *" $s "*) ab_suites+=("$s") ;; *) "suite_$s" ;; esac
   done
+  # Rounds alternate which tree goes first (new old, old new, ...): the first run of a lease also pays
+  # the Triton compiles of kernels the carried cache lacks, which must not land on one tree only.
   for round in $(seq "${AB_ROUNDS:-2}"); do
-    for side in new old; do
+    order="new old"; [ $((round % 2)) = 0 ] && order="old new"
+    for side in $order; do
       tree=$REPO
       [ $side = old ] && tree=$AB_TREE
       tag=${side}_r$round
