@@ -44,6 +44,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from tests.emulated_graph import EmulatedGraph  # noqa: E402
 from tests.reference_attention import (  # noqa: E402
     reference_paged_decode_attention as _reference_paged_decode_attention,
     reference_paged_extend_attention as _reference_paged_extend_attention,
@@ -239,7 +240,7 @@ def make_runner(path, ctx, backend: str, *, eager: bool, dtype="float32", load_f
         attention = TorchAttentionBackend()
     cfg = EngineConfig.build(str(path), dtype=dtype, device=str(ctx.device), block_size=ctx.block_size,
                              enforce_eager=eager, load_format=load_format, **kwargs)
-    return ModelRunner(cfg, attention_backend=attention, emulate_cuda_graphs=ctx.dry_run and not eager)
+    return ModelRunner(cfg, attention_backend=attention, graph_class=EmulatedGraph if ctx.dry_run and not eager else None)
 
 
 def check_tiny_triton_vs_torch(ctx, path) -> dict:

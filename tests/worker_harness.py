@@ -219,7 +219,15 @@ def make_runner(model_path: Path | str, *, attention_backend="torch", emulate_cu
         if positions:
             settings["max_model_len"] = positions
     cfg = EngineConfig.build(str(model_path), **settings)
-    return ModelRunner(cfg, attention_backend=backend, emulate_cuda_graphs=emulate_cuda_graphs)
+    graph_class = None
+    if emulate_cuda_graphs:  # CPU tests of the graph path: replays re-run the captured step
+        try:
+            from emulated_graph import EmulatedGraph
+        except ImportError:  # imported as tests.worker_harness (scripts)
+            from tests.emulated_graph import EmulatedGraph
+
+        graph_class = EmulatedGraph
+    return ModelRunner(cfg, attention_backend=backend, graph_class=graph_class)
 
 
 def child_pids(pid: int) -> list[int]:

@@ -19,8 +19,8 @@ only writer.
 
 Steps that are not decode-only run eagerly, as do decode batches larger than the largest captured
 size or with a block table wider than the static one (logged once per reason: `decode_graph_size`).
-`EmulatedGraph` replays a "captured" step by re-running it on the same static buffers, so a runner
-on CPU (ModelRunner's emulate_cuda_graphs) exercises the whole graph path.
+A graph is anything with `capture(step, pool)` and `replay()` (`CudaGraph` here; CPU tests give
+the runner one that re-runs the step, tests/emulated_graph.py, to exercise the whole graph path).
 """
 
 from __future__ import annotations
@@ -196,16 +196,6 @@ class CudaGraph:
 
     def replay(self) -> None:
         self.graph.replay()
-
-
-class EmulatedGraph:
-    """Replays by re-running the captured step on the same static buffers and metadata (CPU tests)."""
-
-    def capture(self, step: Callable[[], None], pool) -> None:
-        self.step = step
-
-    def replay(self) -> None:
-        self.step()
 
 
 @dataclass

@@ -29,7 +29,6 @@ from tokenspeed_worker.layers.attention import Attention, AttentionBackend, Atte
 from tokenspeed_worker.model_executor.cuda_graph import (
     CudaGraph,
     DecodeGraphs,
-    EmulatedGraph,
     capture_sizes,
     graph_reserve_bytes,
     max_table_width,
@@ -69,14 +68,14 @@ def _default_dtype(dtype: torch.dtype):
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, *, attention_backend: AttentionBackend | None = None,
-                 emulate_cuda_graphs: bool = False) -> None:
+                 graph_class: type | None = None) -> None:
         """The runner of `config`'s model (its model, cache and scheduler sections) on this rank's
         device (`config.rank_device`); max_model_len sets the CUDA graphs' block table width. The
         model section's attention_backend is "torch", "triton", "flashinfer" or "auto" (triton on
         CUDA when its kernels can run, else torch); `attention_backend`, a backend instance,
-        replaces it. `emulate_cuda_graphs`: "capture" by recording the decode step and "replay" by
-        re-running it on the static buffers, so CPU tests exercise the graph path (padding, dummy
-        block, static buffers)."""
+        replaces it. `graph_class`: what captures and replays the decode steps (default
+        cuda_graph.CudaGraph, CUDA only); CPU tests pass one that re-runs the step on the static
+        buffers (tests/emulated_graph.py), which also turns the graph path on off CUDA."""
         from transformers import AutoConfig
 
         self.model_path = config.model.path
@@ -117,7 +116,7 @@ class ModelRunner:
         self.dummy_block: int | None = None
 
         # CUDA graphs: decided here, because they change the pool's size (one dummy block).
-        self.emulate_cuda_graphs = emulate_cuda_graphs
+        self.graph_class = graph_class
         self.max_num_seqs = max_num_seqs = config.scheduler.max_num_seqs
         self.cudagraph_sizes = capture_sizes(max_num_seqs, config.model.cudagraph_capture_sizes,
                                              config.model.max_cudagraph_capture_size)
@@ -136,7 +135,7 @@ class ModelRunner:
     def _cuda_graphs_off_reason(self, enforce_eager: bool) -> str | None:
         if enforce_eager:
             return "--enforce-eager"
-        if self.device.type != "cuda" and not self.emulate_cuda_graphs:
+        if self.device.type != "cuda" and self.graph_class in (None, CudaGraph):
             return f"device is {self.device.type}"
         if not self.attention_backend.supports_cuda_graphs:
             return f"attention backend {self.attention_backend.name!r} cannot be captured (triton can)"
@@ -281,7 +280,7 @@ class ModelRunner:
             dtype=self.dtype,
             device=self.device,
             last_sampled=self.last_sampled,
-            graph_class=EmulatedGraph if self.emulate_cuda_graphs else CudaGraph,
+            graph_class=self.graph_class or CudaGraph,
             step_tuner=step_tuner(self.small_batch_gemv, self.device),
         )
         report = graphs.capture()
