@@ -131,3 +131,19 @@ def test_unsupported_quant_method_names_the_field(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "awq", "bits": 4}}))
     with pytest.raises(UnsupportedQuantization, match="quant_method 'awq' is not supported"):
         resolve_quantization(str(tmp_path), None)
+
+
+def test_tp2_per_channel_fp8_through_the_cli_equals_transformers(fp8_models):
+    """Per-channel scales split with their rows (column-parallel) and stay whole (row-parallel)."""
+    from test_grpc_sampling import complete, gen
+    from worker_harness import Worker
+
+    fp8_dir, ref_dir = fp8_models["ct-channel"]
+    worker = Worker(fp8_dir, "--max-model-len", "128", "--max-total-tokens", "512", "--tensor-parallel-size", "2",
+                    "--quantization", "compressed-tensors")
+    try:
+        for prompt in PROMPTS:
+            c, _ = complete(worker, gen(prompt, max_new_tokens=MAX_NEW))
+            assert list(c.output_ids) == hf_greedy(ref_dir, prompt, MAX_NEW), prompt
+    finally:
+        assert worker.stop() == 0, worker.log()
