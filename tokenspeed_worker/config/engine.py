@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenspeed_worker.config.values import DTYPE_ALIASES
+from tokenspeed_worker.layers.quantization import QuantConfig, resolve_quantization
 
 LOAD_FORMATS: tuple[str, ...] = ("auto", "safetensors", "dummy")
 KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8", "fp8_e4m3")
@@ -69,6 +70,11 @@ class ModelConfig:
     # (None: no constraints).
     grammar_backend: str = "xgrammar"
     tokenizer_path: str | None = None
+    # Weight quantization: --quantization (None: follow the checkpoint), and what the checkpoint
+    # loads with, resolved from `path` when the config is built (layers/quantization/; None:
+    # unquantized). Building refuses a mismatch or an unsupported scheme (ValueError).
+    quantization: str | None = None
+    quant_config: QuantConfig | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_ALIASES:
@@ -78,6 +84,8 @@ class ModelConfig:
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(
                 f"load_format {self.load_format!r} is not supported (supported: {', '.join(LOAD_FORMATS)})")
+        if self.quant_config is None:
+            object.__setattr__(self, "quant_config", resolve_quantization(self.path, self.quantization))
 
 
 @dataclass(frozen=True)

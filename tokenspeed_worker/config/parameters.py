@@ -65,6 +65,13 @@ GROUP_DESCRIPTIONS: dict[str, str] = {
 }
 
 LOAD_FORMATS: tuple[str, ...] = ("auto", "pt", "safetensors", "npcache", "dummy", "extensible")
+# TokenSpeed's and SGLang's --quantization values (docs/configuration/server.md); the worker loads
+# fp8, compressed-tensors and modelopt (FP8) checkpoints, and refuses the rest by name.
+QUANTIZATION_CHOICES: tuple[str, ...] = (
+    "fp8", "compressed-tensors", "modelopt", "mxfp4", "nvfp4", "w8a8_fp8", "awq", "gptq", "marlin",
+    "gptq_marlin", "awq_marlin", "bitsandbytes", "gguf", "modelopt_fp4", "petit_nvfp4", "w8a8_int8",
+    "moe_wna16", "qoq", "w4afp8",
+)
 ATTENTION_BACKENDS: tuple[str, ...] = (
     "torch",
     "mha",
@@ -177,11 +184,16 @@ class ServerArgs:
     kv_cache_quant_method: str = _not_yet(
         "none", PRECISION, "KV cache quantization method.", choices=("none", "per_token_head")
     )
-    quantization: str | None = _not_yet(
+    quantization: str | None = _option(
         None,
         PRECISION,
-        "Weight quantization mode.",
-        choices=("fp8", "mxfp4", "nvfp4", "w8a8_fp8", "compressed-tensors"),
+        "Weight quantization; unset follows the checkpoint's config.json quantization_config (or "
+        "hf_quant_config.json), and a value must match it. Supported: FP8 checkpoints, 'fp8' "
+        "(quant_method fp8, per-tensor or block-wise), 'compressed-tensors' (float-quantized FP8) and "
+        "'modelopt' (ModelOpt FP8); loaded FP8 weights are dequantized to --dtype at load for now "
+        "(FP8 GEMMs come next). Online quantization of an unquantized checkpoint is not supported yet.",
+        choices=QUANTIZATION_CHOICES,
+        unsupported_values=tuple(c for c in QUANTIZATION_CHOICES if c not in ("fp8", "compressed-tensors", "modelopt")),
     )
     quantization_param_path: str | None = _not_yet(
         None, PRECISION, "JSON file with KV cache scaling factors (for an FP8 KV cache)."

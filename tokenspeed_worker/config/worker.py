@@ -73,6 +73,7 @@ class WorkerConfig:
             max_cudagraph_capture_size=args.max_cudagraph_capture_size,
             grammar_backend=args.grammar_backend,
             tokenizer_path=args.tokenizer,
+            quantization=args.quantization,
         )
         cache = CacheConfig(
             block_size=args.block_size,

@@ -18,6 +18,12 @@ Tensor parallelism (tokenspeed_worker/distributed.py; a group size of 1 changes 
 Every loader narrows the full checkpoint tensor to this rank's part and returns how many elements
 it filled, so a model can check that every parameter was filled exactly once.
 
+Quantized checkpoints (layers/quantization/): a layer built while a model runner builds with a
+quantization config takes its method (`quant_method`), which creates its weight and scales
+(loaded by the same loaders), processes them after loading and runs the product; layers the
+config ignores, and every layer of an unquantized model, keep `quant_method = None` and the
+paths below unchanged.
+
 For steps of few rows each projection asks the small-batch GEMV chooser current when it was built
 (layers/small_batch_gemv.py; a model runner's) whether a kernel of kernels/gemv.py runs it, with
 a pending norm before it (layers/layernorm.PendingNorm) and, for gate_up, SiLU·mul folded in.
@@ -35,6 +41,7 @@ from tokenspeed_worker import distributed
 from tokenspeed_worker.layers import small_batch_gemv
 from tokenspeed_worker.layers.activation import SiluAndMul
 from tokenspeed_worker.layers.layernorm import PendingNorm
+from tokenspeed_worker.layers.quantization import methods as quant_methods
 
 if TYPE_CHECKING:
     from tokenspeed_worker.layers.attention.layer import Attention
@@ -61,29 +68,44 @@ def _divide(total: int, parts: int, what: str) -> int:
 
 
 class Linear(nn.Module):
-    """y = x W^T (+ b), weights in HF's [out_features, in_features] layout (replicated on every rank)."""
+    """y = x W^T (+ b), weights in HF's [out_features, in_features] layout (replicated on every rank).
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+    prefix: the layer's module name ("model.layers.0.mlp.down_proj"), fused from the checkpoint
+    modules `shard_names` (default [prefix]); used to pick its quantization method (ignore lists).
+    `output_sizes`: this rank's rows of each stacked matrix (subclasses; default [out_features])."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, prefix: str = "",
+                 shard_names: list[str] | None = None, output_sizes: list[int] | None = None) -> None:
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
-        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        # None: unquantized (also every layer a quantization config ignores).
+        self.quant_method = quant_methods.linear_method(prefix, shard_names)
+        if self.quant_method is None:
+            self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        else:
+            self.quant_method.create_weights(self, in_features, output_sizes or [out_features])
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-        # A plain attribute (not a submodule): None runs every product with F.linear.
-        self.gemv: small_batch_gemv.SmallBatchGemv | None = small_batch_gemv.current()
+        # A plain attribute (not a submodule): None runs every product with F.linear. The
+        # small-batch GEMV kernels read 16-bit weights: a quantized layer never consults them.
+        self.gemv: small_batch_gemv.SmallBatchGemv | None = (
+            small_batch_gemv.current() if self.quant_method is None else None)
 
     def forward(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:
         """x W^T (+ b); x may be a pending norm, folded into the product where that is faster."""
         if isinstance(x, PendingNorm):
             if self.gemv is None:
-                return F.linear(x.apply(), self.weight, self.bias)
+                return self._product(x.apply(), self.bias)
             out, residual = self.gemv.norm_linear(x, self)
             x.folded(residual)
             return out
         return self._product(x, self.bias)
 
     def _product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x W^T (+ bias): F.linear, or a small-batch GEMV kernel for few rows where the chooser takes it."""
+        """x W^T (+ bias): the quantization method's product, F.linear, or a small-batch GEMV
+        kernel for few rows where the chooser takes it."""
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, x, bias)
         if self.gemv is None:
             return F.linear(x, self.weight, bias)
         return self.gemv.linear(x, self.weight, bias)
@@ -93,11 +115,12 @@ class MergedLinear(Linear):
     """Several linears sharing one input, stacked along the output dimension; column-parallel: each
     rank holds rows [rank * size / tp, (rank + 1) * size / tp) of every stacked matrix."""
 
-    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False) -> None:
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False, prefix: str = "",
+                 shard_names: list[str] | None = None) -> None:
         tp = distributed.size()
         self.full_sizes = list(output_sizes)
         local = [_divide(size, tp, "an output size") for size in output_sizes]
-        super().__init__(in_features, sum(local), bias)
+        super().__init__(in_features, sum(local), bias, prefix, shard_names, local)
         self.output_sizes = local
         self.shard_offsets = [sum(local[:i]) for i in range(len(local))]
         # The loader finds the shard-aware copy on the parameter itself (as vLLM does).
@@ -143,7 +166,8 @@ class QKVLinear(MergedLinear):
     num_heads / tp query heads and num_kv_heads / tp KV heads, or, with fewer KV heads than ranks,
     the one KV head its query heads use (replicated across the ranks sharing it)."""
 
-    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False) -> None:
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False,
+                 prefix: str = "", shard_names: list[str] | None = None) -> None:
         tp = distributed.size()
         self.head_dim = head_dim
         self.num_heads = _divide(num_heads, tp, "num_attention_heads")
@@ -159,7 +183,8 @@ class QKVLinear(MergedLinear):
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
         # Build with the full sizes scaled to what this rank holds (MergedLinear divides by tp).
-        Linear.__init__(self, hidden_size, self.q_size + 2 * self.kv_size, bias)
+        Linear.__init__(self, hidden_size, self.q_size + 2 * self.kv_size, bias, prefix, shard_names,
+                        [self.q_size, self.kv_size, self.kv_size])
         self.full_sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
         self.output_sizes = [self.q_size, self.kv_size, self.kv_size]
         self.shard_offsets = [0, self.q_size, self.q_size + self.kv_size]
@@ -193,9 +218,9 @@ class QKVLinear(MergedLinear):
 class RowParallelLinear(Linear):
     """y = all_reduce(x_local W_local^T) (+ b): each rank holds in_features / tp input columns."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, prefix: str = "") -> None:
         self.full_in_features = in_features
-        super().__init__(_divide(in_features, distributed.size(), "an input size"), out_features, bias)
+        super().__init__(_divide(in_features, distributed.size(), "an input size"), out_features, bias, prefix)
         self.weight.shard_loader = self._load_weight
 
     def _load_weight(self, param: nn.Parameter, loaded: torch.Tensor) -> int:

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from tokenspeed_worker.config import ModelConfig
+from tokenspeed_worker.layers.quantization import methods as quant_methods
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 DUMMY_STD = 0.02
@@ -57,13 +58,16 @@ def iter_safetensors(model_path: str | Path) -> Iterator[tuple[str, torch.Tensor
 def init_dummy_weights(model: nn.Module, seed: int) -> None:
     """Norm weights 1, biases 0, everything else N(0, DUMMY_STD^2): activations stay in a sane range."""
     for index, (name, param) in enumerate(model.named_parameters()):
-        if "norm" in name:
+        if "norm" in name or name.endswith(("_scale", "_scale_inv")):  # FP8 scales too
             param.fill_(1.0)
         elif name.endswith(".bias"):
             param.zero_()
         else:
             generator = torch.Generator(device=param.device).manual_seed(seed + index)
-            param.normal_(0.0, DUMMY_STD, generator=generator)
+            if param.dtype == torch.float8_e4m3fn:  # FP8 weights (normal_ has no FP8 kernel)
+                param.copy_(torch.empty(param.shape, device=param.device).normal_(0.0, DUMMY_STD, generator=generator))
+            else:
+                param.normal_(0.0, DUMMY_STD, generator=generator)
 
 
 @torch.no_grad()
@@ -75,4 +79,5 @@ def load_model_weights(model: nn.Module, config: ModelConfig) -> str:
         init_dummy_weights(model, config.seed)
     else:
         model.load_weights(iter_safetensors(config.path))
+    quant_methods.process_weights_after_loading(model)
     return load_format

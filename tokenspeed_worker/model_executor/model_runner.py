@@ -34,6 +34,7 @@ from tokenspeed_worker.model_executor.cuda_graph import (
     max_table_width,
     resolve_pending_ids,
 )
+from tokenspeed_worker.layers.quantization import methods as quant_methods
 from tokenspeed_worker.model_executor.loader import load_model_weights
 from tokenspeed_worker.models.llama import head_dim_of
 from tokenspeed_worker.models.registry import get_model_class
@@ -96,7 +97,8 @@ class ModelRunner:
         torch.manual_seed(self.seed)
         # This runner's small-batch GEMV choices: its layers consult it (layers/small_batch_gemv.py).
         self.small_batch_gemv = small_batch_gemv.SmallBatchGemv()
-        with torch.device(self.device), _default_dtype(self.dtype), small_batch_gemv.building(self.small_batch_gemv):
+        with (torch.device(self.device), _default_dtype(self.dtype), small_batch_gemv.building(self.small_batch_gemv),
+              quant_methods.building(config.model.quant_config)):
             self.model = model_class(self.hf_config)
         self.load_format = load_model_weights(self.model, config.model)
         self.model.eval()

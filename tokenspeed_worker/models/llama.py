@@ -26,6 +26,7 @@ from tokenspeed_worker.layers.linear import (
     VocabParallelEmbedding,
     load_into,
 )
+from tokenspeed_worker.layers.quantization import methods as quant_methods
 from tokenspeed_worker.layers.rotary import RotaryEmbedding, get_rope
 
 
@@ -41,16 +42,18 @@ def check_full_attention(config) -> None:
 
 class LlamaAttention(nn.Module):
     def __init__(
-        self, config, rotary_emb: RotaryEmbedding, qkv_bias: bool, o_bias: bool, qk_norm: bool
+        self, config, rotary_emb: RotaryEmbedding, qkv_bias: bool, o_bias: bool, qk_norm: bool, prefix: str = ""
     ) -> None:
         super().__init__()
         self.head_dim = head_dim_of(config)
         # This rank's heads (all of them without tensor parallelism): QKVLinear decides the split.
         self.qkv_proj = QKVLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
-                                  config.num_key_value_heads, bias=qkv_bias)
+                                  config.num_key_value_heads, bias=qkv_bias, prefix=f"{prefix}.qkv_proj",
+                                  shard_names=[f"{prefix}.{n}_proj" for n in "qkv"])
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
-        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=o_bias)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=o_bias,
+                                        prefix=f"{prefix}.o_proj")
         self.rotary_emb = rotary_emb
         self.qk_norm = qk_norm
         if qk_norm:  # Qwen3: RMSNorm over each head of q and k, before rotary
@@ -75,13 +78,14 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config, bias: bool = False) -> None:
+    def __init__(self, config, bias: bool = False, prefix: str = "") -> None:
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (supported: silu)")
         size = config.intermediate_size
-        self.gate_up_proj = MergedLinear(config.hidden_size, [size, size], bias=bias)
-        self.down_proj = RowParallelLinear(size, config.hidden_size, bias=bias)
+        self.gate_up_proj = MergedLinear(config.hidden_size, [size, size], bias=bias, prefix=f"{prefix}.gate_up_proj",
+                                         shard_names=[f"{prefix}.gate_proj", f"{prefix}.up_proj"])
+        self.down_proj = RowParallelLinear(size, config.hidden_size, bias=bias, prefix=f"{prefix}.down_proj")
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:
@@ -89,10 +93,12 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, rotary_emb: RotaryEmbedding, qkv_bias: bool, o_bias: bool, mlp_bias: bool, qk_norm: bool):
+    def __init__(self, config, rotary_emb: RotaryEmbedding, qkv_bias: bool, o_bias: bool, mlp_bias: bool, qk_norm: bool,
+                 prefix: str = ""):
         super().__init__()
-        self.self_attn = LlamaAttention(config, rotary_emb, qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=qk_norm)
-        self.mlp = LlamaMLP(config, bias=mlp_bias)
+        self.self_attn = LlamaAttention(config, rotary_emb, qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=qk_norm,
+                                        prefix=f"{prefix}.self_attn")
+        self.mlp = LlamaMLP(config, bias=mlp_bias, prefix=f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -112,8 +118,8 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         rotary_emb = get_rope(config, head_dim_of(config))  # one cos/sin table shared by all layers
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, rotary_emb, qkv_bias, o_bias, mlp_bias, qk_norm)
-            for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, rotary_emb, qkv_bias, o_bias, mlp_bias, qk_norm, prefix=f"model.layers.{i}")
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -138,6 +144,9 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
         self.config = config
+        # Quantized checkpoints may carry k/v cache scales: noted in the config, not used yet.
+        quant = quant_methods.current_config()
+        self.skips_kv_scales = quant is not None
         self.model = LlamaModel(config, **self.layer_options(config))
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size,
@@ -162,6 +171,8 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name == "lm_head.weight"):
                 continue
+            if self.skips_kv_scales and name.endswith((".k_scale", ".v_scale")):
+                continue  # FP8 KV-cache scales: the cache is unscaled for now (layers/README.md)
             for fused, shard_name, shard_id in self.stacked_params_mapping:
                 if f".{shard_name}." in name:
                     param_name = name.replace(f".{shard_name}.", f".{fused}.")

@@ -1,0 +1,149 @@
+"""FP8 checkpoints (compressed-tensors, quant_method fp8 per-tensor and block-wise, ModelOpt)
+against transformers on the same weights dequantized, and the startup refusals of the real CLI.
+
+On CPU the worker dequantizes the FP8 weights at load (layers/quantization/methods.py), so its
+greedy tokens must equal transformers' on the reference checkpoint exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tokenspeed_worker.config import EngineConfig
+from tokenspeed_worker.engine.engine_core import EngineCore
+from tokenspeed_worker.engine.messages import AddRequest
+from tokenspeed_worker.layers.quantization import UnsupportedQuantization, resolve_quantization
+from tokenspeed_worker.sampling.params import SamplingParams
+from worker_harness import CACHE, REPO, _load_script, free_port, hf_greedy, tiny_models
+
+PROMPTS = [[5, 17, 99, 230, 41, 7, 300], [12, 480, 3, 3, 77]]
+MAX_NEW = 8
+
+
+@pytest.fixture(scope="module")
+def fp8_models():
+    return _load_script("make_fp8_models").make_all(CACHE / "fp8_models", tiny_models())
+
+
+def engine_greedy(model_dir, **settings) -> dict[int, list[int]]:
+    core = EngineCore(EngineConfig.build(str(model_dir), dtype="float32", device="cpu", block_size=4,
+                                         max_model_len=128, max_num_seqs=4, max_total_tokens=512, **settings))
+    for i, prompt in enumerate(PROMPTS):
+        core.add_request(AddRequest(i + 1, np.asarray(prompt, dtype=np.int32), MAX_NEW, SamplingParams(temperature=0.0)))
+    outputs = {i + 1: [] for i in range(len(PROMPTS))}
+    for out in core.run_steps():
+        if out is not None:
+            for rid, tok in zip(out.req_ids.tolist(), out.tokens.tolist()):
+                outputs[rid].append(tok)
+    return outputs
+
+
+@pytest.mark.parametrize("name", ["ct-tensor", "ct-channel", "fp8-tensor", "fp8-block", "fp8-sharded", "modelopt"])
+def test_fp8_checkpoint_greedy_equals_transformers_on_dequantized_weights(fp8_models, name):
+    fp8_dir, ref_dir = fp8_models[name]
+    outputs = engine_greedy(fp8_dir)
+    for i, prompt in enumerate(PROMPTS):
+        assert outputs[i + 1] == hf_greedy(ref_dir, prompt, MAX_NEW), f"{name}, prompt {i}"
+
+
+def test_detected_schemes(fp8_models):
+    ct = resolve_quantization(str(fp8_models["ct-channel"][0]), None)
+    assert (ct.method, ct.scheme.weight, ct.scheme.activation, ct.scheme.activation_granularity) == (
+        "compressed-tensors", "channel", "dynamic", "token")
+    assert ct.is_ignored("model.layers.0.self_attn.k_proj") and not ct.is_ignored("model.layers.1.self_attn.k_proj")
+    block = resolve_quantization(str(fp8_models["fp8-block"][0]), "fp8")
+    assert (block.scheme.weight, block.scheme.block, block.scheme.scale_name) == ("block", (128, 128), "weight_scale_inv")
+    mo = resolve_quantization(str(fp8_models["modelopt"][0]), "modelopt")
+    assert (mo.method, mo.scheme.activation, mo.kv_cache_scales) == ("modelopt", "static", True)
+    assert mo.is_ignored("lm_head")
+    assert resolve_quantization(str(tiny_models()["qwen2-bias"]), None) is None
+
+
+def test_ignored_layers_load_unquantized(fp8_models):
+    from worker_harness import make_runner
+
+    runner = make_runner(fp8_models["ct-channel"][0], dtype="float32", device="cpu", block_size=4, max_model_len=64,
+                         max_total_tokens=256)
+    layers = runner.model.model.layers
+    assert layers[0].self_attn.qkv_proj.quant_method is None  # re: ignore entry
+    assert layers[1].self_attn.qkv_proj.quant_method is not None
+    assert layers[1].self_attn.qkv_proj.gemv is None and layers[0].self_attn.qkv_proj.gemv is not None
+
+
+def test_block_scales_dequantize_by_block():
+    """Several blocks per matrix, partial ones at the edges, over fused shards."""
+    import torch
+
+    from tokenspeed_worker.layers.linear import MergedLinear
+    from tokenspeed_worker.layers.quantization import Fp8LinearScheme, QuantConfig
+    from tokenspeed_worker.layers.quantization.methods import building
+
+    quantize = _load_script("make_fp8_models").quantize
+    config = QuantConfig("fp8", Fp8LinearScheme("block", block=(16, 16), scale_name="weight_scale_inv"))
+    torch.manual_seed(0)
+    with building(config):
+        layer = MergedLinear(40, [24, 37], prefix="m.gate_up_proj", shard_names=["m.gate_proj", "m.up_proj"])
+    expected = []
+    for shard, rows in enumerate((24, 37)):
+        w = torch.randn(rows, 40) * torch.linspace(0.1, 3, 40)
+        q, scale, deq = quantize(w, "block", block=16)
+        layer.weight.weight_loader(layer.weight, q, shard)
+        layer.weight_scale_inv.weight_loader(layer.weight_scale_inv, scale, shard)
+        expected.append(deq)
+    layer.quant_method.process_weights_after_loading(layer)
+    assert torch.equal(layer.weight.data, torch.cat(expected))
+
+
+def _cli(model_dir, *flags):
+    cmd = [sys.executable, "-m", "tokenspeed_worker", str(model_dir), "--device", "cpu", "--port", str(free_port()), *flags]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO)
+
+
+@pytest.mark.parametrize("case", ["mismatch", "online-fp8", "unsupported-scheme", "unsupported-flag"])
+def test_cli_refuses_with_exit_2_naming_the_field(fp8_models, tmp_path, case):
+    if case == "mismatch":
+        result, expected = _cli(fp8_models["fp8-tensor"][0], "--quantization", "modelopt"), "--quantization modelopt"
+        assert "'fp8'" in result.stderr
+    elif case == "online-fp8":
+        result = _cli(tiny_models()["qwen2-bias"], "--quantization", "fp8")
+        expected = "--quantization fp8: quantizing an unquantized checkpoint at load (online FP8) is not supported yet"
+    elif case == "unsupported-scheme":
+        model = tmp_path / "int4"
+        shutil.copytree(fp8_models["ct-tensor"][0], model)
+        config = json.loads((model / "config.json").read_text())
+        config["quantization_config"]["config_groups"]["group_0"]["weights"].update(type="int", num_bits=4)
+        (model / "config.json").write_text(json.dumps(config))
+        result, expected = _cli(model), "config_groups.group_0.weights.type/num_bits 'int4' is not supported"
+    else:
+        result = _cli(fp8_models["fp8-tensor"][0], "--quantization", "awq")
+        expected = "--quantization awq is not supported yet (supported: fp8, compressed-tensors, modelopt)"
+    assert result.returncode == 2, result.stderr
+    assert expected in result.stderr, result.stderr
+
+
+def test_unsupported_quant_method_names_the_field(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "awq", "bits": 4}}))
+    with pytest.raises(UnsupportedQuantization, match="quant_method 'awq' is not supported"):
+        resolve_quantization(str(tmp_path), None)
+
+
+def test_tp2_per_channel_fp8_through_the_cli_equals_transformers(fp8_models):
+    """Per-channel scales split with their rows (column-parallel) and stay whole (row-parallel)."""
+    from test_grpc_sampling import complete, gen
+    from worker_harness import Worker
+
+    fp8_dir, ref_dir = fp8_models["ct-channel"]
+    worker = Worker(fp8_dir, "--max-model-len", "128", "--max-total-tokens", "512", "--tensor-parallel-size", "2",
+                    "--quantization", "compressed-tensors")
+    try:
+        for prompt in PROMPTS:
+            c, _ = complete(worker, gen(prompt, max_new_tokens=MAX_NEW))
+            assert list(c.output_ids) == hf_greedy(ref_dir, prompt, MAX_NEW), prompt
+    finally:
+        assert worker.stop() == 0, worker.log()

@@ -1,0 +1,221 @@
+"""The quantization method of one linear layer, in the shape vLLM uses: it creates the layer's
+weight and scale parameters (`create_weights`), fixes them up once the checkpoint is loaded
+(`process_weights_after_loading`) and runs the product (`apply`).
+
+The Linear layers (layers/linear.py) ask `linear_method(name, shard_names)` while they are built
+inside `building(quant_config)` (the model runner's); None means unquantized, which keeps the
+layer's own bf16/fp32 path, small-batch GEMV included, exactly as without quantization.
+
+FP8 today, on every device: the FP8 weights (torch.float8_e4m3fn) and their float32 scales load
+through the layers' weight_loader path (fused q/k/v and gate/up shards, sharded checkpoints,
+tensor-parallel splits: per-channel and block scales split with their weights), then
+`process_weights_after_loading` dequantizes each weight to the model's dtype (weight * scale;
+block-wise by blocks) and `apply` is F.linear. So the behaviour is correct and the speed that of
+the unquantized model. The FP8 GEMMs (torch._scaled_mm / Triton, per-token x per-channel and
+block-scaled) are the next step: they replace `process_weights_after_loading` and `apply` here,
+the parameters and loaders stay as they are.
+
+Fused layers keep one per-tensor weight scale per shard (q, k, v; gate, up) rather than
+requantizing to one scale as vLLM does: dequantizing by shard is exact, and the GPU step may
+requantize to the shards' maximum when its GEMM wants one scale.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenspeed_worker import distributed
+from tokenspeed_worker.layers.quantization.base import Fp8LinearScheme, QuantConfig, UnsupportedQuantization
+
+logger = logging.getLogger(__name__)
+
+FP8_DTYPE = torch.float8_e4m3fn
+_current: QuantConfig | None = None
+
+
+def current_config() -> QuantConfig | None:
+    """The quantization config of the model being built (set by `building`); None outside it."""
+    return _current
+
+
+@contextmanager
+def building(config: QuantConfig | None) -> Iterator[QuantConfig | None]:
+    """Within the block, Linear layers built take their methods from `config` (None: unquantized)."""
+    global _current
+    previous, _current = _current, config
+    try:
+        yield config
+    finally:
+        _current = previous
+
+
+def linear_method(name: str, shard_names: list[str] | None = None) -> Fp8LinearMethod | None:
+    """The method of the linear layer `name` (fused from the checkpoint modules `shard_names`),
+    or None when it is unquantized: no config is being built with, or the config ignores it."""
+    if _current is None or not name:
+        return None
+    if not _current.layer_is_quantized(name, shard_names or [name]):
+        return None
+    return Fp8LinearMethod(_current.scheme)
+
+
+def _scalar_loader(index_of):
+    """A loader of per-shard scalars (per-tensor weight scales, static input scales)."""
+
+    def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None) -> int:
+        if loaded.numel() != 1:
+            raise ValueError(f"a per-tensor scale must hold one value, checkpoint has {tuple(loaded.shape)}")
+        param.data[index_of(shard_id)] = loaded.reshape(()).to(param.dtype)
+        return 1
+
+    return load
+
+
+class Fp8LinearMethod:
+    """FP8 e4m3 weights with float32 scales, as `scheme` says (see the module docstring)."""
+
+    def __init__(self, scheme: Fp8LinearScheme) -> None:
+        self.scheme = scheme
+
+    # ---- parameters
+
+    def create_weights(self, layer: nn.Module, in_features: int, output_sizes: list[int]) -> None:
+        """Register on `layer` its FP8 `weight` [sum(output_sizes), in_features] and its scales;
+        `output_sizes`: this rank's rows of each stacked checkpoint matrix (one entry unfused)."""
+        scheme = self.scheme
+        layer.params_dtype = torch.get_default_dtype()
+        layer.weight = nn.Parameter(torch.empty(sum(output_sizes), in_features, dtype=FP8_DTYPE), requires_grad=False)
+        fused = hasattr(layer, "shard_index")
+
+        def index_of(shard_id):
+            return layer.shard_index(shard_id) if fused else 0
+
+        if scheme.weight == "tensor":
+            scale = torch.empty(len(output_sizes), dtype=torch.float32)
+        elif scheme.weight == "channel":
+            scale = torch.empty(sum(output_sizes), 1, dtype=torch.float32)
+        else:
+            rows, cols = scheme.block
+            if distributed.size() > 1:
+                self._check_block_split(layer, in_features, output_sizes)
+            scale = torch.empty(sum(math.ceil(s / rows) for s in output_sizes), math.ceil(in_features / cols),
+                                dtype=torch.float32)
+        scale = nn.Parameter(scale, requires_grad=False)
+        if scheme.weight == "tensor":
+            loader = _scalar_loader(index_of)
+        else:
+            loader = self._rows_loader(layer, output_sizes)
+        if fused:
+            scale.weight_loader = loader
+        else:
+            scale.shard_loader = loader
+        setattr(layer, scheme.scale_name, scale)
+        layer.fp8_scale_name = scheme.scale_name
+        if scheme.activation == "static":
+            input_scale = nn.Parameter(torch.empty(len(output_sizes), dtype=torch.float32), requires_grad=False)
+            if fused:
+                input_scale.weight_loader = _scalar_loader(index_of)
+            else:
+                input_scale.shard_loader = _scalar_loader(index_of)
+            layer.input_scale = input_scale
+
+    def _check_block_split(self, layer: nn.Module, in_features: int, output_sizes: list[int]) -> None:
+        rows, cols = self.scheme.block
+        if getattr(layer, "full_in_features", None) is not None and in_features % cols:
+            raise UnsupportedQuantization(
+                f"weight_block_size {list(self.scheme.block)}: this rank's {in_features} input columns are not "
+                "whole blocks; use a tensor-parallel size that splits the blocks evenly")
+        if any(size % rows for size in output_sizes):
+            raise UnsupportedQuantization(
+                f"weight_block_size {list(self.scheme.block)}: this rank's output rows {output_sizes} are not "
+                "whole blocks; use a tensor-parallel size that splits the blocks evenly")
+
+    def _rows_loader(self, layer: nn.Module, output_sizes: list[int]):
+        """The loader of per-channel or block scales: the rows (and, row-parallel, the block
+        columns) of this rank's part, as the weight's own loader narrows the weight."""
+        block = self.scheme.block
+        row_unit = block[0] if block else 1
+
+        def local_rows(index: int) -> tuple[int, int]:  # (offset, count) in the scale parameter
+            counts = [math.ceil(s / row_unit) for s in output_sizes]
+            return sum(counts[:index]), counts[index]
+
+        def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None) -> int:
+            index = layer.shard_index(shard_id) if shard_id is not None else 0
+            if block is None:
+                loaded = loaded.reshape(-1, 1)
+            offset, count = local_rows(index)
+            target = param.data.narrow(0, offset, count)
+            if hasattr(layer, "source_rows"):
+                start, rows = layer.source_rows(index)
+            else:
+                start, rows = 0, output_sizes[0]
+            if start % row_unit:
+                raise ValueError(f"scale rows of shard {shard_id!r} start inside a block ({start} % {row_unit})")
+            source = loaded.narrow(0, start // row_unit, count)
+            full_in = getattr(layer, "full_in_features", None)
+            if block is not None and full_in is not None and distributed.size() > 1:  # row-parallel: split columns
+                source = source.narrow(1, distributed.rank() * layer.in_features // block[1], target.shape[1])
+            if source.shape != target.shape:
+                raise ValueError(f"scale shape mismatch for shard {shard_id!r}: expected {tuple(target.shape)}, "
+                                 f"checkpoint gives {tuple(source.shape)} (of {tuple(loaded.shape)})")
+            target.copy_(source)
+            return target.numel()
+
+        return load
+
+    # ---- after loading, and the product
+
+    @torch.no_grad()
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Dequantize the FP8 weight to the model's dtype (every device, for now: the module
+        docstring) and drop the scales; afterwards `apply` is F.linear over that weight."""
+        scheme = self.scheme
+        weight = layer.weight.data.to(torch.float32)
+        scale = getattr(layer, scheme.scale_name).data
+        sizes = getattr(layer, "output_sizes", None) or [weight.shape[0]]
+        if scheme.weight == "tensor":
+            weight *= torch.repeat_interleave(scale, torch.tensor(sizes, device=scale.device)).unsqueeze(1)
+        elif scheme.weight == "channel":
+            weight *= scale
+        else:
+            rows, cols = scheme.block
+            offset, block_offset = 0, 0
+            for size in sizes:
+                count = math.ceil(size / rows)
+                tile = scale[block_offset:block_offset + count]
+                tile = tile.repeat_interleave(rows, 0)[:size].repeat_interleave(cols, 1)[:, :weight.shape[1]]
+                weight[offset:offset + size] *= tile
+                offset, block_offset = offset + size, block_offset + count
+        layer.weight = nn.Parameter(weight.to(layer.params_dtype), requires_grad=False)
+        delattr(layer, scheme.scale_name)
+        if scheme.activation == "static":
+            delattr(layer, "input_scale")  # used by the FP8 GEMMs (next step), not by F.linear
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x W^T (+ bias) over the dequantized weight."""
+        return F.linear(x, layer.weight, bias)
+
+
+def process_weights_after_loading(model: nn.Module) -> int:
+    """Run every quantized layer's `process_weights_after_loading`; returns how many there were
+    (logging once, on CUDA, that FP8 runs at the unquantized speed for now)."""
+    layers = [m for m in model.modules() if getattr(m, "quant_method", None) is not None]
+    for layer in layers:
+        layer.quant_method.process_weights_after_loading(layer)
+    if layers:
+        device = layers[0].weight.device
+        message = ("FP8 checkpoint: %d linear layers dequantized to %s at load (FP8 GEMMs are not implemented "
+                   "yet: correct results, unquantized speed and memory)")
+        if device.type == "cuda":
+            logger.info(message, len(layers), layers[0].weight.dtype)
+        else:
+            logger.debug(message, len(layers), layers[0].weight.dtype)
+    return len(layers)
