@@ -154,7 +154,7 @@ class EngineCore:
         self.overlap_schedule = resolve_overlap(cfg.scheduler.overlap_schedule, self.device)
         self.sampling_backend = cfg.model.sampling_backend or default_sampling_backend(self.device)
         self.sampler = Sampler(self.sampling_backend)
-        self.grammars = build_grammars(cfg.model.grammar_backend, cfg.model.tokenizer_path, cfg.model.path)
+        self.grammars = build_grammars(cfg.model.grammar_backend, cfg.model.tokenizer_path, self.runner.vocab_size)
         self.grammar_queue = GrammarQueue()
         self._failures: list[tuple[int, str, str]] = []  # (req_id, status code name, message) to report
         self.sampling = SamplingState(64, self.runner.vocab_size, self.device)

@@ -203,17 +203,13 @@ class GrammarQueue:
             yield req, compiled, None
 
 
-def build_grammars(grammar_backend: str, tokenizer_path: str | None, model_path: str) -> Grammars | None:
-    """The engine's Grammars, or None when constraints are not served here. The server decided
-    whether they are (launch.structured_output_available) and set grammar_backend "none" if not;
-    engines built directly (tests, benchmarks) check here."""
+def build_grammars(grammar_backend: str, tokenizer_path: str | None, vocab_size: int) -> Grammars | None:
+    """The engine's Grammars over the model's `vocab_size` logits, or None when constraints are not
+    served here. The server decided whether they are (launch.structured_output_available) and set
+    grammar_backend "none" if not; engines built directly (tests, benchmarks) check here."""
     if grammar_backend == "none" or not tokenizer_path or not xgrammar_available():
         return None
-    from transformers import AutoConfig
-
     try:
-        config = AutoConfig.from_pretrained(model_path)
-        vocab_size = int(getattr(config, "vocab_size", None) or config.get_text_config().vocab_size)
         return Grammars(tokenizer_path, vocab_size)
     except Exception as exc:  # a tokenizer xgrammar cannot read: constraints are refused upstream
         logger.warning("structured output unavailable: %s", exc)
