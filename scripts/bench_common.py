@@ -91,7 +91,7 @@ class ModelArithmetic:
     """Bytes and FLOPs of one step, from the model's shape (`from_core`, or the numbers themselves:
     scripts/sim_admission.py prices steps without a model)."""
 
-    weight_bytes: int
+    weight_bytes: int  # weights read by every step: all of them but an untied embedding table (rows looked up)
     kv_bytes_per_token: int
     linear_params: int  # matmul parameters every token passes through (not the embedding, not the LM head)
     lm_head_params: int
@@ -107,7 +107,11 @@ class ModelArithmetic:
         tied = getattr(cfg, "tie_word_embeddings", False)
         # Not the embedding lookup, and not the LM head (counted for sampled rows only); an untied
         # LM head is a second vocab x hidden.
-        return cls(weight_bytes=runner.weight_bytes(), kv_bytes_per_token=runner.kv_bytes_per_token(),
+        # An untied embedding table is not read whole by a step (only its looked-up rows); the LM
+        # head is, tied or not. FP8 layers count their FP8 bytes and scales.
+        embedding = runner.model.model.embed_tokens.weight
+        lookup_only = 0 if tied else embedding.numel() * embedding.element_size()
+        return cls(weight_bytes=runner.weight_bytes() - lookup_only, kv_bytes_per_token=runner.kv_bytes_per_token(),
                    linear_params=params - embed if tied else params - 2 * embed, lm_head_params=embed,
                    num_layers=cfg.num_hidden_layers, q_dim=cfg.num_attention_heads * runner.head_dim)
 

@@ -15,6 +15,8 @@ Formats (name: base model, scheme):
                                   on 64/128-wide matrices: partial blocks only
     fp8-sharded   qwen2-bias      fp8-tensor saved in several shards with an index
     modelopt      llama-gqa-tied  ModelOpt FP8 (hf_quant_config.json), with k/v cache scales
+    online        llama-gqa-tied  no quantization: the float checkpoint itself, for `--quantization fp8`
+                                  (its reference: every linear weight quantized per output channel)
 
 Deterministic and idempotent (a finished folder is left alone).
 
@@ -67,6 +69,7 @@ SPECS: dict[str, tuple[str, str, bool, dict | None, dict]] = {
     "fp8-sharded": ("qwen2-bias", "tensor", True, {"quant_method": "fp8", "activation_scheme": "static"},
                     {"shards": 4}),
     "modelopt": ("llama-gqa-tied", "tensor", True, None, {"modelopt": True}),
+    "online": ("llama-gqa-tied", "channel", False, None, {"online": True}),
 }
 
 
@@ -128,11 +131,14 @@ def make_pair(name: str, base: Path, out: Path, ref: Path) -> None:
             quantized[key] = reference[key] = tensor
             continue
         q, scale, deq = quantize(tensor, scheme)
+        reference[key] = deq
+        if extra.get("online"):  # the worker quantizes the float weight itself
+            quantized[key] = tensor
+            continue
         quantized[key] = q
         quantized[f"{module}.{'weight_scale_inv' if scheme == 'block' else 'weight_scale'}"] = scale
         if static:  # a made-up calibration: the scale of a unit-range activation
             quantized[f"{module}.input_scale"] = torch.tensor(1.0 / FP8_MAX + 0.001 * len(module) / 100)
-        reference[key] = deq
     config = json.loads((base / "config.json").read_text())
     for folder in (out, ref):
         for file in TOKENIZER_FILES:
@@ -147,7 +153,7 @@ def make_pair(name: str, base: Path, out: Path, ref: Path) -> None:
         hf_quant = {"producer": {"name": "modelopt", "version": "0.19.0"},
                     "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8", "exclude_modules": ["lm_head"]}}
         (out / "hf_quant_config.json").write_text(json.dumps(hf_quant, indent=2) + "\n")
-    else:
+    elif qconfig is not None:
         config["quantization_config"] = qconfig
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     _save(quantized, out, extra.get("shards", 1))

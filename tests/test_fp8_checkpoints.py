@@ -2,7 +2,10 @@
 against transformers on the same weights dequantized, and the startup refusals of the real CLI.
 
 On CPU the worker dequantizes the FP8 weights at load (layers/quantization/methods.py), so its
-greedy tokens must equal transformers' on the reference checkpoint exactly.
+greedy tokens must equal transformers' on the reference checkpoint exactly. The FP8 form the GPU
+keeps (FP8 weight, one scale per row, per-token quantized activations) is checked here on CPU
+through the same code with kernels/fp8.py's float32 product, and against the real GEMMs on the GPU
+(tests/test_fp8_gemm.py).
 """
 
 from __future__ import annotations
@@ -44,10 +47,11 @@ def engine_greedy(model_dir, **settings) -> dict[int, list[int]]:
     return outputs
 
 
-@pytest.mark.parametrize("name", ["ct-tensor", "ct-channel", "fp8-tensor", "fp8-block", "fp8-sharded", "modelopt"])
+@pytest.mark.parametrize("name", ["ct-tensor", "ct-channel", "fp8-tensor", "fp8-block", "fp8-sharded", "modelopt",
+                                  "online"])
 def test_fp8_checkpoint_greedy_equals_transformers_on_dequantized_weights(fp8_models, name):
     fp8_dir, ref_dir = fp8_models[name]
-    outputs = engine_greedy(fp8_dir)
+    outputs = engine_greedy(fp8_dir, **({"quantization": "fp8"} if name == "online" else {}))
     for i, prompt in enumerate(PROMPTS):
         assert outputs[i + 1] == hf_greedy(ref_dir, prompt, MAX_NEW), f"{name}, prompt {i}"
 
@@ -63,6 +67,9 @@ def test_detected_schemes(fp8_models):
     assert (mo.method, mo.scheme.activation, mo.kv_cache_scales) == ("modelopt", "static", True)
     assert mo.is_ignored("lm_head")
     assert resolve_quantization(str(tiny_models()["qwen2-bias"]), None) is None
+    online = resolve_quantization(str(fp8_models["online"][0]), "fp8")
+    assert (online.method, online.online, online.scheme.weight, online.scheme.activation_granularity) == (
+        "fp8", True, "channel", "token")
 
 
 def test_ignored_layers_load_unquantized(fp8_models):
@@ -73,7 +80,7 @@ def test_ignored_layers_load_unquantized(fp8_models):
     layers = runner.model.model.layers
     assert layers[0].self_attn.qkv_proj.quant_method is None  # re: ignore entry
     assert layers[1].self_attn.qkv_proj.quant_method is not None
-    assert layers[1].self_attn.qkv_proj.gemv is None and layers[0].self_attn.qkv_proj.gemv is not None
+    assert layers[1].self_attn.qkv_proj.gemv is runner.small_batch_gemv is layers[0].self_attn.qkv_proj.gemv
 
 
 def test_block_scales_dequantize_by_block():
@@ -96,8 +103,8 @@ def test_block_scales_dequantize_by_block():
         layer.weight.weight_loader(layer.weight, q, shard)
         layer.weight_scale_inv.weight_loader(layer.weight_scale_inv, scale, shard)
         expected.append(deq)
-    layer.quant_method.process_weights_after_loading(layer)
-    assert torch.equal(layer.weight.data, torch.cat(expected))
+    layer.quant_method.process_weights_after_loading(layer, keep_fp8=True)  # block-wise: dequantized all the same
+    assert torch.equal(layer.weight.data, torch.cat(expected)) and layer.weight_scale_rows is None
 
 
 def _cli(model_dir, *flags):
@@ -105,14 +112,14 @@ def _cli(model_dir, *flags):
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO)
 
 
-@pytest.mark.parametrize("case", ["mismatch", "online-fp8", "unsupported-scheme", "unsupported-flag"])
+@pytest.mark.parametrize("case", ["mismatch", "online-mismatch", "unsupported-scheme", "unsupported-flag"])
 def test_cli_refuses_with_exit_2_naming_the_field(fp8_models, tmp_path, case):
     if case == "mismatch":
         result, expected = _cli(fp8_models["fp8-tensor"][0], "--quantization", "modelopt"), "--quantization modelopt"
         assert "'fp8'" in result.stderr
-    elif case == "online-fp8":
-        result = _cli(tiny_models()["qwen2-bias"], "--quantization", "fp8")
-        expected = "--quantization fp8: quantizing an unquantized checkpoint at load (online FP8) is not supported yet"
+    elif case == "online-mismatch":  # online quantization is fp8 only
+        result = _cli(tiny_models()["qwen2-bias"], "--quantization", "modelopt")
+        expected = "--quantization modelopt does not match the checkpoint: its config.json has no quantization_config"
     elif case == "unsupported-scheme":
         model = tmp_path / "int4"
         shutil.copytree(fp8_models["ct-tensor"][0], model)
@@ -147,3 +154,110 @@ def test_tp2_per_channel_fp8_through_the_cli_equals_transformers(fp8_models):
             assert list(c.output_ids) == hf_greedy(ref_dir, prompt, MAX_NEW), prompt
     finally:
         assert worker.stop() == 0, worker.log()
+
+
+# ---- the FP8 form kept on the GPU, through the same code on CPU ------------------------------
+
+
+def _kept_layer(scheme_weight: str, rows=(24, 40), k=48, online=False, seed=0):
+    """A fused layer loaded from a float weight (online) or an FP8 one with `scheme_weight` scales,
+    processed into the kept-FP8 form; returns (layer, the float weight its FP8 values stand for)."""
+    import torch
+
+    from tokenspeed_worker.layers.linear import MergedLinear
+    from tokenspeed_worker.layers.quantization import Fp8LinearScheme, QuantConfig
+    from tokenspeed_worker.layers.quantization.methods import building
+
+    quantize = _load_script("make_fp8_models").quantize
+    scheme = Fp8LinearScheme(scheme_weight)
+    torch.manual_seed(seed)
+    with building(QuantConfig("fp8", scheme, online=online)):
+        layer = MergedLinear(k, list(rows), prefix="m.gate_up_proj", shard_names=["m.gate_proj", "m.up_proj"])
+    expected = []
+    for shard, n in enumerate(rows):
+        w = torch.randn(n, k) * torch.linspace(0.1, 3, k)
+        if online:
+            layer.weight.weight_loader(layer.weight, w, shard)
+            expected.append(quantize(w, "channel")[2])
+            continue
+        q, scale, deq = quantize(w, scheme_weight)
+        layer.weight.weight_loader(layer.weight, q, shard)
+        getattr(layer, "weight_scale").weight_loader(layer.weight_scale, scale, shard)
+        expected.append(deq)
+    layer.quant_method.process_weights_after_loading(layer, keep_fp8=True)
+    return layer, torch.cat(expected)
+
+
+@pytest.mark.parametrize("scheme_weight,online", [("tensor", False), ("channel", False), ("channel", True)])
+def test_kept_fp8_form_holds_fp8_weights_and_a_scale_per_row(scheme_weight, online):
+    import torch
+
+    layer, expected = _kept_layer(scheme_weight, online=online)
+    assert layer.weight.dtype == torch.float8_e4m3fn and layer.weight_scale_rows.shape == (64,)
+    assert not hasattr(layer, "weight_scale")  # the checkpoint's scales are gone
+    assert torch.equal(layer.weight.float() * layer.weight_scale_rows[:, None], expected)
+
+
+def test_kept_fp8_product_quantizes_each_token_and_scales_in_the_epilogue():
+    import torch
+
+    from tokenspeed_worker.kernels import fp8
+
+    layer, expected = _kept_layer("channel")
+    torch.manual_seed(1)
+    x = torch.randn(3, 5, 48) * torch.tensor([0.01, 1.0, 100.0]).view(3, 1, 1)  # rows of very different ranges
+    out = layer(x)
+    assert out.shape == (3, 5, 64) and out.dtype == x.dtype
+    q, s = fp8.quantize_rows_reference(x)
+    assert s.shape == (15, 1) and torch.equal(q.float().abs().amax(dim=1), torch.full((15,), 448.0))
+    reference = ((q.float() * s) @ expected.t()).view(3, 5, 64)
+    torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
+    exact = x @ expected.t()  # the activations' own rounding: within a few e4m3 steps of the unquantized x
+    assert ((out - exact).norm() / exact.norm()).item() < 0.05
+
+
+@pytest.mark.parametrize("k,one_pass_limit", [(40, None), (200, 64)], ids=["one-pass", "two-pass"])
+def test_quantize_rows_kernel_equals_torch(monkeypatch, k, one_pass_limit):
+    """The Triton kernel (the interpreter on CPU) against the torch reference, bit for bit: rows of
+    very different ranges and a zero row."""
+    import torch
+
+    from tokenspeed_worker.kernels import fp8
+
+    if one_pass_limit is not None:  # rows longer than the one-pass limit: amax first, then quantize
+        monkeypatch.setattr(fp8, "MAX_K_ONE_PASS", one_pass_limit)
+    torch.manual_seed(2)
+    x = (torch.randn(4, k) * torch.tensor([1e-3, 1.0, 30.0, 0.0]).view(4, 1)).to(torch.bfloat16)
+    q, s = fp8.quantize_rows(x, use_kernel=True)
+    q_ref, s_ref = fp8.quantize_rows_reference(x)
+    assert torch.equal(s, s_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    assert s[3].item() == pytest.approx(fp8.MIN_SCALE) and not q[3].float().any()
+
+
+def test_kept_fp8_layer_takes_the_small_batch_kernel_for_few_rows():
+    """A kept-FP8 layer hands few rows to the small-batch GEMV kernel (the interpreter here, in its
+    first FP8 configuration) with its per-row scales; more rows take the scaled GEMM."""
+    import torch
+
+    from tokenspeed_worker.kernels import gemv
+    from tokenspeed_worker.layers.fused_kernels import fused_kernels
+    from tokenspeed_worker.layers.small_batch_gemv import SmallBatchGemv
+
+    layer, expected = _kept_layer("tensor")
+    layer.gemv = SmallBatchGemv()
+    calls = []
+    real = gemv.small_batch_linear
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs["config"])
+        return real(*args, **kwargs)
+
+    torch.manual_seed(3)
+    with fused_kernels("force"), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gemv, "small_batch_linear", spy)
+        x = torch.randn(3, 48).to(torch.bfloat16)
+        out = layer(x)
+        assert calls == [gemv.FP8_CONFIGS[0]]
+        torch.testing.assert_close(out.double(), x.double() @ expected.double().t(), rtol=2e-2, atol=2e-2)
+        layer(torch.randn(9, 48).to(torch.bfloat16))  # past MAX_ROWS: the scaled GEMM
+        assert len(calls) == 1

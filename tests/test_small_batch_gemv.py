@@ -1,5 +1,6 @@
 """The small-batch GEMV kernels (kernels/gemv.py: norm / residual prologue, SiLU·mul and rotary
-epilogues) against the torch code they replace, and the choice between them (layers/small_batch_gemv.py).
+epilogues; bf16 and fp8 weights) against the torch code they replace, and the choice between them
+(layers/small_batch_gemv.py).
 
 On CPU the kernel runs in Triton's interpreter (TRITON_INTERPRET=1) on small, ragged shapes; on
 CUDA the same tests run compiled, plus Llama-8B shapes and the timed choice.
@@ -405,6 +406,12 @@ def test_llama_8b_shapes_and_the_timed_choice(rows):
 def test_rotary_epilogue_writes_q_and_the_caches_like_the_unfused_path(rows, cache_dtype, config):
     # Epilogue RotaryKV: the q/k/v product's q heads come back rotated, the rotated k heads and the
     # v heads go into the caches at the rows' slots, as norm -> qkv_proj -> rope_and_write_kv.
+    _check_rotary_epilogue(rows, cache_dtype, config, fp8_weight=False)
+
+
+def _check_rotary_epilogue(rows, cache_dtype, config, fp8_weight: bool) -> None:
+    """The rotary epilogue against norm -> qkv_proj (one rounding of the float64 product) ->
+    rope_and_write_kv; with fp8_weight, the q/k/v weight is fp8 with per-row scales."""
     from tokenspeed_worker.layers.kv_cache import to_cache_dtype, write_kv_cache
     from tokenspeed_worker.layers.rotary import RotaryEmbedding
 
@@ -412,7 +419,11 @@ def test_rotary_epilogue_writes_q_and_the_caches_like_the_unfused_path(rows, cac
     rope = RotaryEmbedding(head_dim, 64, {"rope_type": "default", "rope_theta": 10000.0}).to(DEVICE)
     norm = _norm(hidden, seed=40)
     x, residual = _randn(rows, hidden, seed=41), _randn(rows, hidden, seed=42)
-    w = _randn((heads + 2 * kv_heads) * head_dim, hidden, seed=43, scale=0.1)
+    if fp8_weight:
+        w, w_scale, w_ref = _fp8_weight((heads + 2 * kv_heads) * head_dim, hidden, seed=43, scale=0.05)
+    else:
+        w = w_ref = _randn((heads + 2 * kv_heads) * head_dim, hidden, seed=43, scale=0.1)
+        w_scale = None
     bias = _randn(w.shape[0], seed=44, scale=0.1)
     positions = torch.tensor([5, 17, 63][:rows], device=DEVICE)
     slots = torch.tensor([9, 2, 14][:rows], device=DEVICE)
@@ -420,10 +431,10 @@ def test_rotary_epilogue_writes_q_and_the_caches_like_the_unfused_path(rows, cac
     rotary = gemv.RotaryKV(heads, kv_heads, head_dim, positions, rope.cos_cache, rope.sin_cache, caches[0], caches[1],
                            slots)
     q, new_residual = gemv.small_batch_linear(x, w, bias, norm_weight=norm.weight, residual=residual, eps=norm.eps,
-                                         rotary=rotary, config=config)
+                                              rotary=rotary, weight_scale=w_scale, config=config)
     with fused_mode("off"):
         normed, expected_residual = norm(x, residual)
-        qkv = _matmul_reference(normed, w, bias).to(DTYPE)  # one rounding of the product, as cuBLAS
+        qkv = _matmul_reference(normed, w_ref, bias).to(DTYPE)  # one rounding of the product, as cuBLAS
         q_ref, k_ref, v_ref = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
         q_ref, k_ref = rope(positions, q_ref.reshape(rows, heads, head_dim), k_ref.reshape(rows, kv_heads, head_dim))
         write_kv_cache(caches[2], caches[3], slots, k_ref, v_ref.reshape(rows, kv_heads, head_dim))
@@ -450,3 +461,157 @@ def test_rotary_epilogue_refuses_shapes_it_cannot_pair():
         gemv.small_batch_linear(x, w[:-head_dim], rotary=rotary, config=(4, 32, 4))
     with pytest.raises(ValueError, match="no rotary epilogue"):
         gemv.small_batch_linear(x, w, rotary=rotary, config=gemv.Persistent(2, 4, 4))
+
+
+# FP8 weights: e4m3 with one float32 scale per weight row (weight_scale). The kernel sums exact
+# products (a 16-bit input times an e4m3 value) in float32 and multiplies each sum once by its row's
+# scale, so the references are the bf16 weights' references with the dequantized weight in float64,
+# w.double() * scale[:, None], and the same tolerances (_close: the bf16 output's one rounding).
+
+FP8 = torch.float8_e4m3fn
+
+
+def _fp8_weight(n: int, k: int, seed: int, scale: float = 0.05) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(weight, weight_scale, the dequantized weight in float64) as an fp8 checkpoint ships them:
+    random rows of magnitudes spread over 16x (so a scale applied to another row's sum shows),
+    quantized to e4m3 with one scale per row, amax / 448."""
+    g = torch.Generator().manual_seed(seed)
+    w = scale * torch.randn(n, k, generator=g) * 2.0 ** (4 * torch.rand(n, 1, generator=g) - 2)
+    w_scale = w.abs().amax(dim=1) / 448
+    q, w_scale = (w / w_scale[:, None]).to(FP8).to(DEVICE), w_scale.to(DEVICE)
+    return q, w_scale, q.double() * w_scale.double()[:, None]
+
+
+def test_every_finite_fp8_value_widens_exactly():
+    # The 254 finite e4m3 values as a [127, 2] weight of scale 1, times the one-hot rows of a float32
+    # x: out is the weight itself, bit for bit. (Triton's interpreter widens the two NaN encodings,
+    # 0x7f and 0xff, to +-480; no weight holds one.)
+    values = torch.arange(256).to(torch.uint8).view(FP8)
+    w = values[values.float().isfinite()].reshape(-1, 2).to(DEVICE)
+    x = torch.eye(2, device=DEVICE)
+    out = gemv.small_batch_linear(x, w, weight_scale=torch.ones(w.shape[0], device=DEVICE), config=(16, 128, 4))[0]
+    assert torch.equal(out, w.float().T)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("config", [(16, 128, 4), gemv.Persistent(4, 8, 2)])
+def test_fp8_weight_plain_product_with_ragged_shapes_and_bias(rows, config):
+    k, n = 300, 42  # K over 128 and N over 16 and 4: all ragged
+    x, b = _randn(rows, k, seed=60), _randn(n, seed=61)
+    w, w_scale, w_ref = _fp8_weight(n, k, seed=62)
+    out, residual_out = gemv.small_batch_linear(x, w, b, weight_scale=w_scale, config=config)
+    assert out.shape == (rows, n) and out.dtype == DTYPE and residual_out is None
+    _close(out, _matmul_reference(x, w_ref, b))
+
+
+@pytest.mark.parametrize("with_residual", [True, False])
+@pytest.mark.parametrize("config", [(16, 128, 4), (16, 128, 4, True), gemv.Persistent(4, 8, 2)])
+def test_fp8_weight_under_the_norm_prologue(with_residual, config):
+    # Two-pass, one-pass (1 / RMS and the scales both multiply the finished sum) and persistent.
+    rows, k, n = 3, 264, 48
+    norm = _norm(k, seed=63)
+    x, residual = _randn(rows, k, seed=64, scale=2.0), _randn(rows, k, seed=65)
+    w, w_scale, w_ref = _fp8_weight(n, k, seed=66)
+    out, residual_out = gemv.small_batch_linear(x, w, norm_weight=norm.weight,
+                                                residual=residual if with_residual else None, eps=norm.eps,
+                                                weight_scale=w_scale, config=config)
+    with fused_mode("off"):
+        normed, expected_residual = norm(x, residual) if with_residual else (norm(x), x)
+    assert torch.equal(residual_out, expected_residual)
+    _close(out, _matmul_reference(normed, w_ref))
+
+
+@pytest.mark.parametrize("config", [(16, 64, 4), (16, 64, 4, True), gemv.Persistent(2, 4, 4)])
+def test_fp8_weight_silu_epilogue_over_gate_up_rows(config):
+    # The gate columns take the first I scales, the up columns the last I.
+    rows, k, inter = 2, 192, 40
+    norm = _norm(k, seed=67)
+    x, residual = _randn(rows, k, seed=68), _randn(rows, k, seed=69)
+    w, w_scale, w_ref = _fp8_weight(2 * inter, k, seed=70, scale=0.1)
+    out, residual_out = gemv.small_batch_linear(x, w, norm_weight=norm.weight, residual=residual, eps=norm.eps,
+                                                silu=True, weight_scale=w_scale, config=config)
+    with fused_mode("off"):
+        normed, expected_residual = norm(x, residual)
+        expected = SiluAndMul()(F.linear(normed.double(), w_ref).to(DTYPE))
+    assert out.shape == (rows, inter) and torch.equal(residual_out, expected_residual)
+    torch.testing.assert_close(out.double(), expected.double(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("cache_dtype, config", [(DTYPE, (8, 128, 4, True)), (FP8, (4, 64, 4))])
+def test_fp8_weight_under_the_rotary_epilogue(cache_dtype, config):
+    # Each pair's columns d and d + head_dim / 2 take their own rows' scales. The fp8 cache with the
+    # two-pass prologue: the one-pass one's bfloat16 step can move a value across an e4m3 rounding
+    # boundary, one e4m3 step (up to 1/8) off the reference.
+    _check_rotary_epilogue(3, cache_dtype, config, fp8_weight=True)
+
+
+@pytest.mark.parametrize("config", [(16, 128, 4), gemv.Persistent(4, 8, 2)])
+def test_a_weight_scale_also_scales_a_weight_of_xs_dtype(config):
+    rows, k, n = 2, 300, 42
+    x, w, b = _randn(rows, k, seed=71), _randn(n, k, seed=72, scale=0.05), _randn(n, seed=73)
+    w_scale = (torch.rand(n, generator=torch.Generator().manual_seed(74)) * 4 + 0.25).to(DEVICE)
+    out = gemv.small_batch_linear(x, w, b, weight_scale=w_scale, config=config)[0]
+    _close(out, _matmul_reference(x, w.double() * w_scale.double()[:, None], b))
+
+
+def test_fp8_weight_refusals():
+    x = _randn(2, 64, seed=75)
+    w, w_scale, _ = _fp8_weight(8, 64, seed=76)
+    with pytest.raises(ValueError, match="needs weight_scale"):
+        gemv.small_batch_linear(x, w)
+    for wrong in (w_scale[:-1], w_scale.double(), w_scale[None], torch.stack([w_scale, w_scale], dim=1)[:, 0]):
+        with pytest.raises(ValueError, match="weight_scale must be"):
+            gemv.small_batch_linear(x, w, weight_scale=wrong)
+    for other in (w.float().to(torch.float8_e5m2), w.to(torch.float16)):
+        with pytest.raises(ValueError, match="weight dtype"):
+            gemv.small_batch_linear(x, other, weight_scale=w_scale)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+def test_fp8_weights_at_llama_8b_shapes(rows):
+    # Llama-3.1-8B's q/k/v (norm prologue), gate_up (norm, SiLU) and down_proj sites with fp8 weights,
+    # every one-shot and Persistent configuration against float64; Persistent ones that would spill
+    # registers or hold more than PERSISTENT_MAX_ELEMENTS inputs (down_proj's K at 3 and 4 rows) are refused.
+    # Row magnitudes up to 0.02, as the bf16 tests' weights: the one-pass configurations' bfloat16 step
+    # per input element adds up over K = 4096 to more than _close allows at larger weights (bf16 too).
+    hidden, qkv_out, inter = 4096, 6144, 14336
+    norm = _norm(hidden, seed=80)
+    x, residual, h = _randn(rows, hidden, seed=81), _randn(rows, hidden, seed=82), _randn(rows, inter, seed=83)
+    w_qkv, s_qkv, ref_qkv = _fp8_weight(qkv_out, hidden, seed=84, scale=0.005)
+    w_gate_up, s_gate_up, ref_gate_up = _fp8_weight(2 * inter, hidden, seed=85, scale=0.005)
+    w_down, s_down, ref_down = _fp8_weight(hidden, inter, seed=86, scale=0.005)
+    normed, expected_residual = norm(x, residual)
+    expected_qkv, expected_down = _matmul_reference(normed, ref_qkv), _matmul_reference(h, ref_down)
+    expected_act = SiluAndMul()(F.linear(normed.double(), ref_gate_up).to(DTYPE))
+    del ref_gate_up
+    ran, refused = 0, []
+
+    def run(config, fn):
+        nonlocal ran
+        try:
+            result = fn(config)
+        except ValueError as error:
+            assert isinstance(config, gemv.Persistent) and ("spills" in str(error) or "input elements" in str(error))
+            refused.append(config)
+            return None
+        ran += 1
+        return result
+
+    for config in gemv.NORM_CONFIGS:
+        got = run(config, lambda c: gemv.small_batch_linear(x, w_qkv, norm_weight=norm.weight, residual=residual,
+                                                            eps=norm.eps, weight_scale=s_qkv, config=c))
+        if got is not None:
+            assert torch.equal(got[1], expected_residual)
+            _close(got[0], expected_qkv)
+        got = run(config, lambda c: gemv.small_batch_linear(x, w_gate_up, norm_weight=norm.weight, residual=residual,
+                                                            eps=norm.eps, silu=True, weight_scale=s_gate_up, config=c))
+        if got is not None:
+            torch.testing.assert_close(got[0], expected_act, atol=3e-2, rtol=3e-2)
+    for config in gemv.CONFIGS:
+        got = run(config, lambda c: gemv.small_batch_linear(h, w_down, weight_scale=s_down, config=c))
+        if got is not None:
+            _close(got[0], expected_down)
+    print(f"fp8 rows {rows}: {ran} ran, refused: {refused}")
+    assert ran >= 2 * len(gemv.NORM_CONFIGS)

@@ -190,8 +190,11 @@ class ServerArgs:
         "Weight quantization; unset follows the checkpoint's config.json quantization_config (or "
         "hf_quant_config.json), and a value must match it. Supported: FP8 checkpoints, 'fp8' "
         "(quant_method fp8, per-tensor or block-wise), 'compressed-tensors' (float-quantized FP8) and "
-        "'modelopt' (ModelOpt FP8); loaded FP8 weights are dequantized to --dtype at load for now "
-        "(FP8 GEMMs come next). Online quantization of an unquantized checkpoint is not supported yet.",
+        "'modelopt' (ModelOpt FP8); 'fp8' on an unquantized (bf16/fp16) checkpoint quantizes every "
+        "linear layer at load (online FP8: one scale per output channel). On a GPU of compute "
+        "capability 9.0+ the weights stay FP8 (FP8 GEMMs with per-token activation scales; the "
+        "small-batch GEMV reads FP8 weights); block-wise checkpoints, and every FP8 model on other "
+        "devices, are dequantized to --dtype at load. Embeddings and the LM head stay in --dtype.",
         choices=QUANTIZATION_CHOICES,
         unsupported_values=tuple(c for c in QUANTIZATION_CHOICES if c not in ("fp8", "compressed-tensors", "modelopt")),
     )

@@ -12,6 +12,10 @@ One kernel computes, for x of at most MAX_ROWS rows,
 - epilogue ROPE (RotaryKV): W is the q/k/v projection; q comes back rotated, the rotated k and the
   v go into the paged KV cache, as layers/rotary.py's rope_and_write_kv.
 
+W is x's dtype or float8 e4m3 with one float32 scale per row (per output channel): the tiles widen
+to float32 exactly, and each finished sum is multiplied once by its weight row's scale, before the
+bias and the epilogue (W_SCALE; without scales the kernel is compiled without them).
+
 At so few rows the product is bound by the weight bytes: each program streams a strip of weight
 rows once for all input rows, on the CUDA cores (each row its own accumulator). One-shot
 configurations run one program per strip; Persistent ones run a few programs per multiprocessor
@@ -77,6 +81,27 @@ CONFIGS = ((8, 512, 4), (16, 512, 4), (4, 1024, 4), (16, 256, 4), (32, 256, 8), 
 # the row for its RMS. It rounds the normalized input differently from the norm layer (x * w in
 # float32, scaled after the sum, vs. x * rstd rounded, then * w rounded), by about one bfloat16 step.
 NORM_CONFIGS = CONFIGS + ((4, 1024, 4, True), (8, 512, 4, True), (4, 2048, 8, True), (8, 1024, 8, True))
+
+
+def _wider(config: tuple) -> tuple:
+    """The configuration that moves as many bytes per tile over FP8 weights (one byte each, not two):
+    twice BLOCK_K for a one-shot one, twice block_n for a Persistent one."""
+    if isinstance(config, Persistent):
+        return config._replace(block_n=2 * config.block_n)
+    return (config[0], 2 * config[1], *config[2:])
+
+
+# FP8 weights: the same configurations with tiles of the same bytes (their first is the default).
+FP8_CONFIGS = tuple(_wider(c) for c in CONFIGS)
+FP8_NORM_CONFIGS = tuple(_wider(c) for c in NORM_CONFIGS)
+
+
+def configs_for(weight_dtype: torch.dtype, norm: bool = False) -> tuple:
+    """The configurations to time for a weight of this dtype: NORM_CONFIGS / CONFIGS, or their FP8
+    forms for float8 e4m3 weights; norm: the site has the RMSNorm prologue (adds the one-pass ones)."""
+    if weight_dtype == torch.float8_e4m3fn:
+        return FP8_NORM_CONFIGS if norm else FP8_CONFIGS
+    return NORM_CONFIGS if norm else CONFIGS
 
 
 if AVAILABLE:
@@ -200,7 +225,7 @@ if AVAILABLE:
 
     @triton.jit
     def _gemv_kernel(
-        x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, w_ptr, bias_ptr, out_ptr,
+        x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr,
         positions_ptr, slots_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr,
         N, K, up_offset,
         stride_x, stride_residual, stride_residual_out, stride_w, stride_out,
@@ -220,6 +245,7 @@ if AVAILABLE:
         ROPE: tl.constexpr,
         HEAD_DIM: tl.constexpr,
         KV_SATURATE: tl.constexpr,
+        W_SCALE: tl.constexpr,
     ):
         # One program: BLOCK_N output columns (weight rows) over the whole of K, for every input
         # row. Each step loads a [BLOCK_N, BLOCK_K] weight tile with 16-byte vector loads and
@@ -248,6 +274,12 @@ if AVAILABLE:
         wu_next = w_next
         if SILU or ROPE:
             wu_next = tl.load(up_rows + offs_k[None, :], mask=n_ok[:, None] & (offs_k < K)[None, :], other=0.0)
+        scale = 1.0
+        up_scale = 1.0
+        if W_SCALE:  # the rows' scales, as constant as the weights: loaded with the first tile
+            scale = tl.load(w_scale_ptr + offs_n, mask=n_ok, other=0.0)
+            if SILU or ROPE:
+                up_scale = tl.load(w_scale_ptr + up_offset + offs_n, mask=n_ok, other=0.0)
         if PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
@@ -347,6 +379,18 @@ if AVAILABLE:
                 rstd3 = _rstd_of(sq3, K, eps, LIBDEVICE)
                 acc3 *= rstd3
                 up3 *= rstd3
+        if W_SCALE:  # once per finished sum, before the bias and the epilogue
+            acc0 *= scale
+            up0 *= up_scale
+            if ROWS > 1:
+                acc1 *= scale
+                up1 *= up_scale
+            if ROWS > 2:
+                acc2 *= scale
+                up2 *= up_scale
+            if ROWS > 3:
+                acc3 *= scale
+                up3 *= up_scale
         if ROPE:
             _rope_epilogue(acc0, up0, bias_ptr, out_ptr, 0, offs_n, d, head, positions_ptr, slots_ptr, cos_ptr, sin_ptr,
                            k_cache_ptr, v_cache_ptr, stride_out, stride_cos, stride_sin, stride_kc_slot, stride_kc_h,
@@ -396,18 +440,23 @@ if AVAILABLE:
         return xt.to(tl.float32)
 
     @triton.jit
-    def _strip_out(w, wu, xr, bias_ptr, out_ptr, row, offs_n, n_ok, stride_out,
-                   SILU: tl.constexpr, HAS_BIAS: tl.constexpr, LIBDEVICE: tl.constexpr):
-        """One input row's products with a strip (w, and wu: its up rows under SILU), through _epilogue."""
+    def _strip_out(w, wu, xr, scale, up_scale, bias_ptr, out_ptr, row, offs_n, n_ok, stride_out,
+                   SILU: tl.constexpr, HAS_BIAS: tl.constexpr, LIBDEVICE: tl.constexpr, W_SCALE: tl.constexpr):
+        """One input row's products with a strip (w, and wu: its up rows under SILU), each times its
+        weight row's scale under W_SCALE, through _epilogue."""
         acc = tl.sum(w * xr[None, :], axis=1)
+        if W_SCALE:
+            acc *= scale
         up = acc
         if SILU:
             up = tl.sum(wu * xr[None, :], axis=1)
+            if W_SCALE:
+                up *= up_scale
         _epilogue(acc, up, bias_ptr, out_ptr, row, offs_n, n_ok, stride_out, SILU, HAS_BIAS, LIBDEVICE)
 
     @triton.jit
     def _gemv_persistent_kernel(
-        x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, w_ptr, bias_ptr, out_ptr,
+        x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr,
         N, K, up_offset,
         stride_x, stride_residual, stride_residual_out, stride_w, stride_out,
         eps,
@@ -420,6 +469,7 @@ if AVAILABLE:
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         PDL: tl.constexpr,
+        W_SCALE: tl.constexpr,
     ):
         # A Persistent configuration: program p takes strips p, p + programs, ... of BLOCK_N weight
         # rows over the whole of K (BLOCK_K >= K). The next strip's tile is loaded before the current
@@ -438,6 +488,12 @@ if AVAILABLE:
         if SILU:
             wu_next = tl.load(w_ptr + (up_offset + first).to(tl.int64)[:, None] * stride_w + offs_k[None, :],
                               mask=first_mask, other=0.0)
+        s_next = 1.0  # the strip's rows' scales (W_SCALE), loaded with its tile
+        su_next = 1.0
+        if W_SCALE:
+            s_next = tl.load(w_scale_ptr + first, mask=first < N, other=0.0)
+            if SILU:
+                su_next = tl.load(w_scale_ptr + up_offset + first, mask=first < N, other=0.0)
         if PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
@@ -458,6 +514,8 @@ if AVAILABLE:
         for strip in range(pid, tl.cdiv(N, BLOCK_N), programs):
             w = w_next.to(tl.float32)
             wu = wu_next.to(tl.float32)
+            s = s_next
+            su = su_next
             offs_n = strip * BLOCK_N + offs_b
             n_ok = offs_n < N
             nxt = offs_n + programs * BLOCK_N  # past N (the last strip): no load, no traffic
@@ -466,13 +524,21 @@ if AVAILABLE:
             if SILU:
                 wu_next = tl.load(w_ptr + (up_offset + nxt).to(tl.int64)[:, None] * stride_w + offs_k[None, :],
                                   mask=nxt_mask, other=0.0)
-            _strip_out(w, wu, x0, bias_ptr, out_ptr, 0, offs_n, n_ok, stride_out, SILU, HAS_BIAS, LIBDEVICE)
+            if W_SCALE:
+                s_next = tl.load(w_scale_ptr + nxt, mask=nxt < N, other=0.0)
+                if SILU:
+                    su_next = tl.load(w_scale_ptr + up_offset + nxt, mask=nxt < N, other=0.0)
+            _strip_out(w, wu, x0, s, su, bias_ptr, out_ptr, 0, offs_n, n_ok, stride_out, SILU, HAS_BIAS, LIBDEVICE,
+                       W_SCALE)
             if ROWS > 1:
-                _strip_out(w, wu, x1, bias_ptr, out_ptr, 1, offs_n, n_ok, stride_out, SILU, HAS_BIAS, LIBDEVICE)
+                _strip_out(w, wu, x1, s, su, bias_ptr, out_ptr, 1, offs_n, n_ok, stride_out, SILU, HAS_BIAS,
+                           LIBDEVICE, W_SCALE)
             if ROWS > 2:
-                _strip_out(w, wu, x2, bias_ptr, out_ptr, 2, offs_n, n_ok, stride_out, SILU, HAS_BIAS, LIBDEVICE)
+                _strip_out(w, wu, x2, s, su, bias_ptr, out_ptr, 2, offs_n, n_ok, stride_out, SILU, HAS_BIAS,
+                           LIBDEVICE, W_SCALE)
             if ROWS > 3:
-                _strip_out(w, wu, x3, bias_ptr, out_ptr, 3, offs_n, n_ok, stride_out, SILU, HAS_BIAS, LIBDEVICE)
+                _strip_out(w, wu, x3, s, su, bias_ptr, out_ptr, 3, offs_n, n_ok, stride_out, SILU, HAS_BIAS,
+                           LIBDEVICE, W_SCALE)
 
 
 _spills: dict[tuple, int] = {}
@@ -535,6 +601,7 @@ def small_batch_linear(
     eps: float = 1e-6,
     silu: bool = False,
     rotary: RotaryKV | None = None,
+    weight_scale: torch.Tensor | None = None,
     config: tuple = CONFIGS[0],
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(out, residual_out) for x of at most MAX_ROWS rows.
@@ -545,6 +612,12 @@ def small_batch_linear(
     - silu: weight is [gate | up] (2I x K) and out = silu(gate) * up, [rows, I] (no bias);
     - rotary: weight is q/k/v ((H + 2 Hkv) * D x K); out is the rotated q, [rows, H, D], and the
       rotated k and the v go into the caches (RotaryKV), as layers/rotary.py's rope_and_write_kv.
+
+    weight is x's dtype or torch.float8_e4m3fn. With weight_scale (float32, contiguous, on weight's
+    device, one per weight row: all 2I of [gate | up] under silu, all (H + 2 Hkv) * D under rotary)
+    the weight is weight.float() * weight_scale[:, None]: each row's float32 sum is multiplied by its
+    scale once, before the bias and the epilogue. An fp8 weight needs it; a weight of x's dtype
+    without it is taken as it is.
     """
     if not AVAILABLE:
         raise RuntimeError("triton is not installed")
@@ -555,6 +628,17 @@ def small_batch_linear(
         raise ValueError(f"small_batch_linear takes at most {MAX_ROWS} rows, got {m}")
     if weight.dim() != 2 or weight.shape[1] != k or weight.stride(1) != 1:
         raise ValueError(f"weight {tuple(weight.shape)} does not fit x {tuple(x.shape)} (or is not contiguous along K)")
+    if weight.dtype not in (x.dtype, torch.float8_e4m3fn):
+        raise ValueError(f"weight dtype {weight.dtype} must be x's ({x.dtype}) or torch.float8_e4m3fn")
+    if weight_scale is None:
+        if weight.dtype == torch.float8_e4m3fn:
+            raise ValueError("an fp8 weight needs weight_scale: float32, one per weight row")
+    elif weight_scale.dtype != torch.float32 or weight_scale.shape != (weight.shape[0],):
+        raise ValueError(f"weight_scale must be float32 of shape ({weight.shape[0]},), one per weight row; got "
+                         f"{weight_scale.dtype} {tuple(weight_scale.shape)}")
+    elif not weight_scale.is_contiguous() or weight_scale.device != weight.device:
+        raise ValueError(f"weight_scale must be contiguous and on the weight's device ({weight.device}); got "
+                         f"{'' if weight_scale.is_contiguous() else 'non-contiguous, '}{weight_scale.device}")
     if silu and (bias is not None or weight.shape[0] % 2):
         raise ValueError("silu needs an even number of weight rows [gate | up] and no bias")
     n = weight.shape[0] // 2 if silu else weight.shape[0]
@@ -604,13 +688,14 @@ def small_batch_linear(
         out_rows = out.view(-1, n)
         programs = min(triton.cdiv(n, block_n), _multiprocessors(x.device) * config.per_sm)
         args = (rows, residual_rows, residual_out_rows, norm_weight if norm_weight is not None else weight, weight,
-                bias if bias is not None else weight, out_rows,
+                weight_scale if weight_scale is not None else weight, bias if bias is not None else weight, out_rows,
                 n, k, n if silu else 0,
                 rows.stride(0), residual_rows.stride(0), residual_out_rows.stride(0), weight.stride(0),
                 out_rows.stride(0), float(eps))
         meta = dict(ROWS=m, NORM=norm_weight is not None, ADD_RESIDUAL=norm_weight is not None and residual is not None,
                     SILU=silu, HAS_BIAS=bias is not None, LIBDEVICE=not interpreting(), BLOCK_N=block_n,
-                    BLOCK_K=block_k, PDL=pdl_on, num_warps=num_warps, **pdl.launch_options(pdl_on))
+                    BLOCK_K=block_k, PDL=pdl_on, W_SCALE=weight_scale is not None, num_warps=num_warps,
+                    **pdl.launch_options(pdl_on))
         spills = spilled_registers(args, meta, (x.dtype, weight.dtype, n, k, x.device))
         if spills:
             raise ValueError(f"{config} spills {spills} registers at {m} rows x K {k}: refused (a spilling kernel "
@@ -635,7 +720,7 @@ def small_batch_linear(
     _gemv_kernel[(grid,)](
         rows, residual_rows, residual_out_rows,
         norm_weight if norm_weight is not None else weight, weight,
-        bias if bias is not None else weight, out_rows,
+        weight_scale if weight_scale is not None else weight, bias if bias is not None else weight, out_rows,
         positions, slots, cos_cache, sin_cache, k_slots, v_slots,
         n, k, up_offset,
         rows.stride(0), residual_rows.stride(0), residual_out_rows.stride(0), weight.stride(0), out_rows.stride(0),
@@ -655,11 +740,12 @@ def small_batch_linear(
         ROPE=rotary is not None,
         HEAD_DIM=max(2, heads[2]),
         KV_SATURATE=saturation_limit(k_slots.dtype) if rotary is not None else 0.0,
+        W_SCALE=weight_scale is not None,
         num_warps=num_warps,
         **pdl.launch_options(pdl_on),
     )
     return out, residual_out
 
 
-__all__ = ["AVAILABLE", "CONFIGS", "MAX_ROWS", "NORM_CONFIGS", "PERSISTENT_MAX_ELEMENTS", "Persistent", "RotaryKV",
+__all__ = ["AVAILABLE", "CONFIGS", "FP8_CONFIGS", "FP8_NORM_CONFIGS", "MAX_ROWS", "NORM_CONFIGS", "configs_for", "PERSISTENT_MAX_ELEMENTS", "Persistent", "RotaryKV",
            "small_batch_linear"]

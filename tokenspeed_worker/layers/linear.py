@@ -81,15 +81,17 @@ class Linear(nn.Module):
         self.out_features = out_features
         # None: unquantized (also every layer a quantization config ignores).
         self.quant_method = quant_methods.linear_method(prefix, shard_names)
+        # Set by an FP8 method that keeps its weight in FP8 (CUDA): float32 [out_features], one
+        # scale per weight row; None while the weight holds the values themselves.
+        self.weight_scale_rows: torch.Tensor | None = None
         if self.quant_method is None:
             self.weight = nn.Parameter(torch.empty(out_features, in_features))
         else:
             self.quant_method.create_weights(self, in_features, output_sizes or [out_features])
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-        # A plain attribute (not a submodule): None runs every product with F.linear. The
-        # small-batch GEMV kernels read 16-bit weights: a quantized layer never consults them.
-        self.gemv: small_batch_gemv.SmallBatchGemv | None = (
-            small_batch_gemv.current() if self.quant_method is None else None)
+        # A plain attribute (not a submodule): None runs every product with dense_product. The
+        # small-batch GEMV kernels read 16-bit weights, or FP8 ones with weight_scale_rows.
+        self.gemv: small_batch_gemv.SmallBatchGemv | None = small_batch_gemv.current()
 
     def forward(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:
         """x W^T (+ b); x may be a pending norm, folded into the product where that is faster."""
@@ -101,14 +103,18 @@ class Linear(nn.Module):
             return out
         return self._product(x, self.bias)
 
-    def _product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x W^T (+ bias): the quantization method's product, F.linear, or a small-batch GEMV
-        kernel for few rows where the chooser takes it."""
+    def dense_product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x W^T (+ bias) without the small-batch kernels: the quantization method's product, or F.linear."""
         if self.quant_method is not None:
             return self.quant_method.apply(self, x, bias)
+        return F.linear(x, self.weight, bias)
+
+    def _product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x W^T (+ bias): dense_product, or a small-batch GEMV kernel for few rows where the chooser
+        takes it."""
         if self.gemv is None:
-            return F.linear(x, self.weight, bias)
-        return self.gemv.linear(x, self.weight, bias)
+            return self.dense_product(x, bias)
+        return self.gemv.linear(x, self, bias)
 
 
 class MergedLinear(Linear):

@@ -7,6 +7,9 @@ A decode step of at most kernels.gemv.MAX_ROWS rows asks, at each projection (a 
 - `norm_qkv_rope`: (add +) RMSNorm, q/k/v, rotary and the KV-cache write, for backends that attend
   over K/V written beforehand and do not rotate in their attention kernel.
 
+The weight is x's dtype, or FP8 e4m3 with one float32 scale per row (`Linear.weight_scale_rows`; the
+kernel reads half the bytes and applies the scales in-register, activations stay 16-bit).
+
 A `SmallBatchGemv` holds the choices of one model runner: the first time a (site, rows, weight
 shape, dtype, device) is seen outside a CUDA-graph capture, the unfused path and each kernel
 configuration are timed alone (kernels/timing.time_us) and the fastest is kept, within the site's
@@ -59,7 +62,10 @@ def _name(choice: Any) -> str:
 
 def _key(site: str, x: torch.Tensor, weight: torch.Tensor) -> tuple:
     rows = x.numel() // x.shape[-1]
-    return (site, rows, *weight.shape, str(x.dtype).replace("torch.", ""), x.device.index)
+    dtype = str(x.dtype).replace("torch.", "")
+    if weight.dtype != x.dtype:  # FP8 weights: their own choices
+        dtype += "/" + str(weight.dtype).replace("torch.", "")
+    return (site, rows, *weight.shape, dtype, x.device.index)
 
 
 class SmallBatchGemv:
@@ -87,14 +93,17 @@ class SmallBatchGemv:
 
     # -- the sites ----------------------------------------------------------------------------
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x @ weight^T (+ bias), by the kernel when that is faster for these few rows."""
-        kernels = self._kernels(x, weight)
+    def linear(self, x: torch.Tensor, proj: Linear, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ proj's weight^T (+ bias), by the kernel when that is faster for these few rows than
+        the layer's own product (`proj.dense_product`: F.linear, or its quantization method's)."""
+        kernels = self._kernels(x, proj)
         if kernels is None:  # the common case (many rows): no closures on the eager path
-            return F.linear(x, weight, bias)
-        return self._run("linear", x, weight, kernels,
-                         lambda config: kernels.small_batch_linear(x, weight, bias, config=config)[0],
-                         lambda: F.linear(x, weight, bias))
+            return proj.dense_product(x, bias)
+        scale = proj.weight_scale_rows
+        return self._run("linear", x, proj.weight, kernels,
+                         lambda config: kernels.small_batch_linear(x, proj.weight, bias, weight_scale=scale,
+                                                                   config=config)[0],
+                         lambda: proj.dense_product(x, bias), kernels.configs_for(proj.weight.dtype))
 
     def norm_linear(self, pending: PendingNorm, proj: Linear) -> tuple[torch.Tensor, torch.Tensor]:
         """(proj(norm(x + residual)), x + residual) of a pending norm; without a residual (proj(norm(x)), x).
@@ -106,16 +115,16 @@ class SmallBatchGemv:
             hidden, new_residual = pending.normalize()
             return proj(hidden), new_residual
 
-        kernels = self._kernels(x, proj.weight)
+        kernels = self._kernels(x, proj)
         if kernels is None:
             return plain()
 
         def fused(config):
-            return kernels.small_batch_linear(x, proj.weight, proj.bias, norm_weight=norm.weight, residual=residual,
-                                              eps=norm.eps, config=config)
+            return kernels.small_batch_linear(x, proj.weight, proj.bias, weight_scale=proj.weight_scale_rows,
+                                              norm_weight=norm.weight, residual=residual, eps=norm.eps, config=config)
 
         return self._run("norm_linear" if residual is None else "add_norm_linear", x, proj.weight, kernels, fused,
-                         plain, kernels.NORM_CONFIGS, FOLD_MARGIN)
+                         plain, kernels.configs_for(proj.weight.dtype, norm=True), FOLD_MARGIN)
 
     def norm_gate_up_silu(self, pending: PendingNorm, gate_up: Linear,
                           act: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,16 +135,17 @@ class SmallBatchGemv:
             hidden, new_residual = pending.normalize()
             return act(gate_up(hidden)), new_residual
 
-        kernels = self._kernels(x, gate_up.weight)
+        kernels = self._kernels(x, gate_up)
         if kernels is None or gate_up.bias is not None:
             return plain()
 
         def fused(config):
-            return kernels.small_batch_linear(x, gate_up.weight, norm_weight=norm.weight, residual=residual,
-                                              eps=norm.eps, silu=True, config=config)
+            return kernels.small_batch_linear(x, gate_up.weight, weight_scale=gate_up.weight_scale_rows,
+                                              norm_weight=norm.weight, residual=residual, eps=norm.eps, silu=True,
+                                              config=config)
 
-        return self._run("norm_gate_up_silu", x, gate_up.weight, kernels, fused, plain, kernels.NORM_CONFIGS,
-                         FOLD_MARGIN)
+        return self._run("norm_gate_up_silu", x, gate_up.weight, kernels, fused, plain,
+                         kernels.configs_for(gate_up.weight.dtype, norm=True), FOLD_MARGIN)
 
     def norm_qkv_rope(self, pending: PendingNorm, proj: QKVLinear, rope: RotaryEmbedding, attn: Attention,
                       positions: torch.Tensor, attn_metadata) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -146,13 +156,14 @@ class SmallBatchGemv:
         where it cannot apply, or where the attention kernel rotates and writes the cache itself
         (Attention.fuses_rope): the caller then projects and rotates itself."""
         norm, x, residual = pending.norm, pending.x, pending.residual_in
-        kernels = self._kernels(x, proj.weight)
+        kernels = self._kernels(x, proj)
         if (kernels is None or rope.rotary_dim != attn.head_dim or attn.head_dim % 2
                 or attn.backend is None or not attn.backend.supports_prewritten_kv or not rope.fuses(x)
                 or attn.fuses_rope(rope, x, attn_metadata)):  # the attention kernel rotates: nothing to fold
             return None
         half = attn.head_dim // 2
-        configs = tuple(c for c in kernels.NORM_CONFIGS if not isinstance(c, kernels.Persistent) and half % c[0] == 0)
+        configs = tuple(c for c in kernels.configs_for(proj.weight.dtype, norm=True)
+                        if not isinstance(c, kernels.Persistent) and half % c[0] == 0)
         if not configs:
             return None
         heads, kv_heads, head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
@@ -171,8 +182,9 @@ class SmallBatchGemv:
             return q, new_residual
 
         def fused(config):
-            return kernels.small_batch_linear(x, proj.weight, proj.bias, norm_weight=norm.weight, residual=residual,
-                                              eps=norm.eps, rotary=rotary, config=config)
+            return kernels.small_batch_linear(x, proj.weight, proj.bias, weight_scale=proj.weight_scale_rows,
+                                              norm_weight=norm.weight, residual=residual, eps=norm.eps, rotary=rotary,
+                                              config=config)
 
         site = "norm_qkv_rope" if residual is None else "add_norm_qkv_rope"
         if (x.is_cuda and fused_kernels_mode() != "force" and _key(site, x, proj.weight) not in self.decisions
@@ -239,20 +251,25 @@ class SmallBatchGemv:
 
     # -- choosing -----------------------------------------------------------------------------
 
-    def _kernels(self, x: torch.Tensor, weight: torch.Tensor):
-        """kernels.gemv when the kernel may run on x (few rows, 16-bit, not timing), else None."""
+    def _kernels(self, x: torch.Tensor, proj: Linear):
+        """kernels.gemv when the kernel may run x through proj (few 16-bit rows, a weight of x's dtype
+        or FP8 with its per-row scales, not timing), else None."""
         if self._choosing or x.dim() == 0 or x.dtype not in (torch.bfloat16, torch.float16):
             return None
         kernels = use_fused(x, "gemv")
-        if kernels is None or weight.dtype != x.dtype or x.numel() // max(1, x.shape[-1]) > kernels.MAX_ROWS:
+        if kernels is None or x.numel() // max(1, x.shape[-1]) > kernels.MAX_ROWS:
+            return None
+        weight = proj.weight
+        if weight.dtype != x.dtype and not (weight.dtype == torch.float8_e4m3fn
+                                            and proj.weight_scale_rows is not None):
             return None
         return kernels
 
     def _run(self, site: str, x: torch.Tensor, weight: torch.Tensor, kernels, fused: Callable[[tuple], Any],
              plain: Callable[[], Any], configs=None, margin: float = MARGIN):
         """The chosen path for this site (kernels: from _kernels, not None; configs: the kernel
-        configurations to time, kernels.CONFIGS by default; margin: MARGIN, or FOLD_MARGIN where the
-        kernel replaces several)."""
+        configurations to time, kernels.CONFIGS by default, the first taken untimed; margin: MARGIN,
+        or FOLD_MARGIN where the kernel replaces several)."""
         configs = kernels.CONFIGS if configs is None else configs
         if fused_kernels_mode() == "force" or not x.is_cuda:
             return fused(configs[0])

@@ -148,7 +148,9 @@ class ModelRunner:
     # -- memory ---------------------------------------------------------------------------
 
     def weight_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+        """Device bytes of the weights: the parameters, and the FP8 layers' per-row scales."""
+        scales = [m.weight_scale_rows for m in self.model.modules() if getattr(m, "weight_scale_rows", None) is not None]
+        return sum(t.numel() * t.element_size() for t in (*self.model.parameters(), *scales))
 
     def kv_bytes_per_token(self) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_dtype.itemsize

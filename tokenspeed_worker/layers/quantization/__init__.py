@@ -57,18 +57,17 @@ def detect(model_path: str) -> QuantConfig | None:
 
 def resolve_quantization(model_path: str, requested: str | None) -> QuantConfig | None:
     """The quantization the model at `model_path` loads with: the checkpoint's, which `requested`
-    (a --quantization value, or None) must name when given. Raises UnsupportedQuantization for a
-    mismatch, an unsupported scheme, or online quantization (`fp8` on an unquantized checkpoint,
-    not supported yet)."""
+    (a --quantization value, or None) must name when given; `fp8` on an unquantized checkpoint is
+    online FP8 (every linear layer quantized per output channel at load). Raises
+    UnsupportedQuantization for a mismatch or an unsupported scheme."""
     if requested is not None and requested not in SUPPORTED_METHODS:
         raise UnsupportedQuantization(
             f"--quantization {requested} is not supported yet (supported: {', '.join(SUPPORTED_METHODS)})")
     found = detect(model_path)
     if found is None:
         if requested == "fp8":
-            raise UnsupportedQuantization(
-                "--quantization fp8: quantizing an unquantized checkpoint at load (online FP8) is not supported "
-                "yet; the checkpoint's config.json has no quantization_config (load an FP8 checkpoint instead)")
+            return QuantConfig("fp8", Fp8LinearScheme("channel", "dynamic", "token"), online=True,
+                               source="--quantization fp8")
         if requested is not None:
             raise UnsupportedQuantization(
                 f"--quantization {requested} does not match the checkpoint: its config.json has no "

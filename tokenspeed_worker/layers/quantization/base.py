@@ -57,6 +57,9 @@ class QuantConfig:
     # ModelOpt / compressed-tensors checkpoints may carry per-layer k/v cache scales: noted, not
     # used yet (the FP8 KV cache is unscaled); the loader skips them.
     kv_cache_scales: bool = False
+    # Online FP8 (`--quantization fp8` on a 16-bit checkpoint): the checkpoint's weights are
+    # quantized per output channel after loading (scheme "channel", dynamic per-token activations).
+    online: bool = False
     source: str = "config.json"  # where the config was read (for messages)
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 

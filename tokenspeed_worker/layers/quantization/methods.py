@@ -4,20 +4,22 @@ weight and scale parameters (`create_weights`), fixes them up once the checkpoin
 
 The Linear layers (layers/linear.py) ask `linear_method(name, shard_names)` while they are built
 inside `building(quant_config)` (the model runner's); None means unquantized, which keeps the
-layer's own bf16/fp32 path, small-batch GEMV included, exactly as without quantization.
+layer's own path exactly as without quantization.
 
-FP8 today, on every device: the FP8 weights (torch.float8_e4m3fn) and their float32 scales load
-through the layers' weight_loader path (fused q/k/v and gate/up shards, sharded checkpoints,
-tensor-parallel splits: per-channel and block scales split with their weights), then
-`process_weights_after_loading` dequantizes each weight to the model's dtype (weight * scale;
-block-wise by blocks) and `apply` is F.linear. So the behaviour is correct and the speed that of
-the unquantized model. The FP8 GEMMs (torch._scaled_mm / Triton, per-token x per-channel and
-block-scaled) are the next step: they replace `process_weights_after_loading` and `apply` here,
-the parameters and loaders stay as they are.
+The FP8 weights (torch.float8_e4m3fn) and their float32 scales load through the layers'
+weight_loader path (fused q/k/v and gate/up shards, sharded checkpoints, tensor-parallel splits:
+per-channel and block scales split with their weights); online FP8 (`QuantConfig.online`) loads
+the checkpoint's 16-bit weight as it is. After loading, each weight becomes one of two forms:
 
-Fused layers keep one per-tensor weight scale per shard (q, k, v; gate, up) rather than
-requantizing to one scale as vLLM does: dequantizing by shard is exact, and the GPU step may
-requantize to the shards' maximum when its GEMM wants one scale.
+- FP8 kept (CUDA, compute capability 9.0+; every scheme but block-wise): the FP8 weight with one
+  float32 scale per row (`Linear.weight_scale_rows`): a per-tensor scale repeated over its shard's
+  rows, a per-channel scale as it is, an online weight quantized per row (max |row| / 448). The
+  product quantizes the activations per token and runs kernels/fp8.scaled_mm (cuBLASLt FP8 GEMM,
+  both scales in its epilogue); for a few rows the small-batch GEMV kernel reads the FP8 weight
+  instead, with 16-bit activations. A checkpoint's static input scales are not used: per-token
+  scales cost the same pass and lose less.
+- Dequantized (elsewhere, and block-wise scales for now): weight x scale in the model's dtype,
+  and the product is the layer's unquantized one. Correct results at the unquantized speed.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenspeed_worker import distributed
+from tokenspeed_worker.kernels import fp8 as fp8_kernels
 from tokenspeed_worker.layers.quantization.base import Fp8LinearScheme, QuantConfig, UnsupportedQuantization
 
 logger = logging.getLogger(__name__)
@@ -63,7 +66,7 @@ def linear_method(name: str, shard_names: list[str] | None = None) -> Fp8LinearM
         return None
     if not _current.layer_is_quantized(name, shard_names or [name]):
         return None
-    return Fp8LinearMethod(_current.scheme)
+    return Fp8LinearMethod(_current.scheme, online=_current.online)
 
 
 def _scalar_loader(index_of):
@@ -81,8 +84,9 @@ def _scalar_loader(index_of):
 class Fp8LinearMethod:
     """FP8 e4m3 weights with float32 scales, as `scheme` says (see the module docstring)."""
 
-    def __init__(self, scheme: Fp8LinearScheme) -> None:
+    def __init__(self, scheme: Fp8LinearScheme, online: bool = False) -> None:
         self.scheme = scheme
+        self.online = online  # the checkpoint holds 16-bit weights, quantized after loading
 
     # ---- parameters
 
@@ -91,6 +95,9 @@ class Fp8LinearMethod:
         `output_sizes`: this rank's rows of each stacked checkpoint matrix (one entry unfused)."""
         scheme = self.scheme
         layer.params_dtype = torch.get_default_dtype()
+        if self.online:  # a 16-bit weight, loaded as an unquantized layer's
+            layer.weight = nn.Parameter(torch.empty(sum(output_sizes), in_features), requires_grad=False)
+            return
         layer.weight = nn.Parameter(torch.empty(sum(output_sizes), in_features, dtype=FP8_DTYPE), requires_grad=False)
         fused = hasattr(layer, "shard_index")
 
@@ -174,48 +181,82 @@ class Fp8LinearMethod:
     # ---- after loading, and the product
 
     @torch.no_grad()
-    def process_weights_after_loading(self, layer: nn.Module) -> None:
-        """Dequantize the FP8 weight to the model's dtype (every device, for now: the module
-        docstring) and drop the scales; afterwards `apply` is F.linear over that weight."""
+    def process_weights_after_loading(self, layer: nn.Module, keep_fp8: bool) -> None:
+        """Turn the loaded weight into one of the two forms of the module docstring: FP8 with
+        `weight_scale_rows` when keep_fp8 (and the scheme is not block-wise), else dequantized to
+        the model's dtype. The checkpoint's scale parameters are dropped either way."""
         scheme = self.scheme
-        weight = layer.weight.data.to(torch.float32)
-        scale = getattr(layer, scheme.scale_name).data
-        sizes = getattr(layer, "output_sizes", None) or [weight.shape[0]]
-        if scheme.weight == "tensor":
-            weight *= torch.repeat_interleave(scale, torch.tensor(sizes, device=scale.device)).unsqueeze(1)
-        elif scheme.weight == "channel":
-            weight *= scale
+        scale = None
+        if self.online:
+            weight, rows = fp8_kernels.quantize_weight_rows(layer.weight.data)
         else:
-            rows, cols = scheme.block
-            offset, block_offset = 0, 0
-            for size in sizes:
-                count = math.ceil(size / rows)
-                tile = scale[block_offset:block_offset + count]
-                tile = tile.repeat_interleave(rows, 0)[:size].repeat_interleave(cols, 1)[:, :weight.shape[1]]
-                weight[offset:offset + size] *= tile
-                offset, block_offset = offset + size, block_offset + count
-        layer.weight = nn.Parameter(weight.to(layer.params_dtype), requires_grad=False)
-        delattr(layer, scheme.scale_name)
-        if scheme.activation == "static":
-            delattr(layer, "input_scale")  # used by the FP8 GEMMs (next step), not by F.linear
+            weight, scale = layer.weight.data, getattr(layer, scheme.scale_name).data
+            rows = self._row_scales(layer, scale)
+            delattr(layer, scheme.scale_name)
+            if scheme.activation == "static":
+                delattr(layer, "input_scale")  # per-token scales instead (module docstring)
+        if keep_fp8 and rows is not None:
+            layer.weight = nn.Parameter(weight, requires_grad=False)
+            layer.weight_scale_rows = rows.contiguous()
+            return
+        if rows is not None:
+            dense = weight.to(torch.float32) * rows.unsqueeze(1)
+        else:
+            dense = self._dequantize_blocks(layer, weight, scale)
+        layer.weight = nn.Parameter(dense.to(layer.params_dtype), requires_grad=False)
+
+    def _row_scales(self, layer: nn.Module, scale: torch.Tensor) -> torch.Tensor | None:
+        """The checkpoint's weight scales `scale` as one float32 per weight row; None for block-wise ones."""
+        if self.scheme.weight == "channel":
+            return scale.reshape(-1).to(torch.float32)
+        if self.scheme.weight == "tensor":
+            sizes = getattr(layer, "output_sizes", None) or [layer.weight.shape[0]]
+            return torch.repeat_interleave(scale.to(torch.float32), torch.tensor(sizes, device=scale.device))
+        return None
+
+    def _dequantize_blocks(self, layer: nn.Module, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """weight x its block-wise scales `scale`, float32: each shard's [rows, cols] tiles by their scale."""
+        rows, cols = self.scheme.block
+        weight = weight.to(torch.float32)
+        sizes = getattr(layer, "output_sizes", None) or [weight.shape[0]]
+        offset, block_offset = 0, 0
+        for size in sizes:
+            count = math.ceil(size / rows)
+            tile = scale[block_offset:block_offset + count]
+            tile = tile.repeat_interleave(rows, 0)[:size].repeat_interleave(cols, 1)[:, :weight.shape[1]]
+            weight[offset:offset + size] *= tile
+            offset, block_offset = offset + size, block_offset + count
+        return weight
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x W^T (+ bias) over the dequantized weight."""
-        return F.linear(x, layer.weight, bias)
+        """x W^T (+ bias): the FP8 GEMM over per-token quantized x where the weight is FP8, else F.linear."""
+        if layer.weight.dtype != FP8_DTYPE:
+            return F.linear(x, layer.weight, bias)
+        q, scale = fp8_kernels.quantize_rows(x)
+        out = fp8_kernels.scaled_mm(q, scale, layer.weight, layer.weight_scale_rows, bias, x.dtype)
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def keeps_fp8(device: torch.device) -> bool:
+    """Whether FP8 weights stay FP8 on `device` (FP8 tensor-core GEMMs with row-wise scales:
+    CUDA compute capability 9.0+); elsewhere they are dequantized at load."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
 def process_weights_after_loading(model: nn.Module) -> int:
-    """Run every quantized layer's `process_weights_after_loading`; returns how many there were
-    (logging once, on CUDA, that FP8 runs at the unquantized speed for now)."""
+    """Run every quantized layer's `process_weights_after_loading`; returns how many there were,
+    logging which form the weights took."""
     layers = [m for m in model.modules() if getattr(m, "quant_method", None) is not None]
+    if not layers:
+        return 0
+    keep = keeps_fp8(layers[0].weight.device)
     for layer in layers:
-        layer.quant_method.process_weights_after_loading(layer)
-    if layers:
-        device = layers[0].weight.device
-        message = ("FP8 checkpoint: %d linear layers dequantized to %s at load (FP8 GEMMs are not implemented "
-                   "yet: correct results, unquantized speed and memory)")
-        if device.type == "cuda":
-            logger.info(message, len(layers), layers[0].weight.dtype)
-        else:
-            logger.debug(message, len(layers), layers[0].weight.dtype)
+        layer.quant_method.process_weights_after_loading(layer, keep)
+    kept = sum(1 for layer in layers if layer.weight.dtype == FP8_DTYPE)
+    if kept:
+        logger.info("FP8: %d of %d quantized linear layers run FP8 GEMMs", kept, len(layers))
+    if kept < len(layers):
+        log = logger.info if layers[0].weight.is_cuda else logger.debug
+        log("FP8: %d quantized linear layers dequantized to %s at load (%s)", len(layers) - kept,
+            layers[0].params_dtype, "block-wise scales" if keep else "no FP8 GEMMs on this device")
     return len(layers)
