@@ -13,6 +13,10 @@
 #              the JSON has the launch-to-healthy startup_s
 #   prefix     bench_prefix.py, 1B shape (SERVING_MODEL), prefix cache on and off
 #   sampler    bench_sampler.py, batch 256 x vocab 128,256
+#   fp8        the FP8 GPU tests (scaled GEMM, activation quantization, GEMV on FP8 weights), then
+#              fp8_accuracy.py (FP8 against bf16 on the same weights) for FP8_MODELS (llama-3.1-8b)
+# QUANTS (latency, offline): "none" (default), "fp8" (online FP8: --engine-arg quantization=fp8) or both;
+# a case quantized gets the suffix _fp8.
 # BENCH_ARGS: more flags for latency and offline (e.g. "--engine-arg kv_cache_dtype=fp8"); SERVING_ARGS:
 # more worker flags for serving and prefix (e.g. "--dp 2"); *_TIMEOUT: each run's limit in seconds.
 # A/B of two trees: AB_TREE=DIR runs each bench suite (latency offline serving prefix sampler; the others
@@ -35,11 +39,12 @@ mkdir -p "$OUT/logs" && OUT=$(cd "$OUT" && pwd)
 DRY_RUN=${DRY_RUN:-0}
 SERVING_MODEL=${SERVING_MODEL:-$REPO/scripts/model_configs/llama-3.2-1b}
 BENCH_SUITES=" latency offline serving prefix sampler "
+OTHER_SUITES=" tests kernels selfcheck fp8 "
 suites=()
 while [ $# -gt 0 ] && [[ $1 != -* ]]; do
-  case " tests kernels selfcheck$BENCH_SUITES" in
+  case "$OTHER_SUITES$BENCH_SUITES" in
     *" $1 "*) suites+=("$1") ;;
-    *) echo "unknown suite: $1 (tests kernels selfcheck$BENCH_SUITES)"; exit 2 ;;
+    *) echo "unknown suite: $1 ($OTHER_SUITES$BENCH_SUITES)"; exit 2 ;;
   esac
   shift
 done
@@ -164,27 +169,56 @@ suite_selfcheck() {
   [ $status = 0 ] || failed selfcheck $status
 }
 
+# quant_args Q: the bench flags of quantization Q ("none" or "fp8"), and its case suffix in $suffix.
+quant_args() {
+  case $1 in
+    none) suffix="" qargs="" ;;
+    fp8) suffix=_fp8 qargs="--engine-arg quantization=fp8" ;;
+    *) echo "QUANTS: unknown $1 (none fp8)"; rc=1; return 1 ;;
+  esac
+}
+
 suite_latency() {
-  local m
-  for m in ${LATENCY_MODELS:-llama-3.1-8b llama-3.2-1b}; do
-    bench latency "${m##*/}" "${LATENCY_TIMEOUT:-150}" scripts/bench_latency.py --model "$m" --prompt-len 128 \
-      --new-tokens 128 ${BENCH_ARGS:-}
+  local m q
+  for q in ${QUANTS:-none}; do
+    quant_args "$q" || continue
+    for m in ${LATENCY_MODELS:-llama-3.1-8b llama-3.2-1b}; do
+      bench latency "${m##*/}$suffix" "${LATENCY_TIMEOUT:-150}" scripts/bench_latency.py --model "$m" --prompt-len 128 \
+        --new-tokens 128 $qargs ${BENCH_ARGS:-}
+    done
   done
 }
 
 suite_offline() {
-  local c len
-  for c in ${OFFLINE_CASES:-8b_1000 1b_128}; do
-    len=${c#*_}
-    case ${c%%_*} in
-      # The 8B runs as docs/benchmarks.md's: 512 sequences, graphs up to 512 rows.
-      8b) bench offline "$c" "${OFFLINE_TIMEOUT:-330}" scripts/bench_offline.py --model llama-3.1-8b \
-            --num-requests 1000 --input-len "$len" --output-len "$len" --max-num-seqs 512 \
-            --engine-arg max_cudagraph_capture_size=512 ${BENCH_ARGS:-} ;;
-      1b) bench offline "$c" "${OFFLINE_TIMEOUT:-330}" scripts/bench_offline.py --model llama-3.2-1b \
-            --num-requests 1000 --input-len "$len" --output-len "$len" ${BENCH_ARGS:-} ;;
-      *) echo "offline: unknown case $c (8b_LEN or 1b_LEN)"; rc=1 ;;
-    esac
+  local c len q
+  for q in ${QUANTS:-none}; do
+    quant_args "$q" || continue
+    for c in ${OFFLINE_CASES:-8b_1000 1b_128}; do
+      len=${c#*_}
+      case ${c%%_*} in
+        # The 8B runs as docs/benchmarks.md's: 512 sequences, graphs up to 512 rows.
+        8b) bench offline "$c$suffix" "${OFFLINE_TIMEOUT:-330}" scripts/bench_offline.py --model llama-3.1-8b \
+              --num-requests 1000 --input-len "$len" --output-len "$len" --max-num-seqs 512 \
+              --engine-arg max_cudagraph_capture_size=512 $qargs ${BENCH_ARGS:-} ;;
+        1b) bench offline "$c$suffix" "${OFFLINE_TIMEOUT:-330}" scripts/bench_offline.py --model llama-3.2-1b \
+              --num-requests 1000 --input-len "$len" --output-len "$len" $qargs ${BENCH_ARGS:-} ;;
+        *) echo "offline: unknown case $c (8b_LEN or 1b_LEN)"; rc=1 ;;
+      esac
+    done
+  done
+}
+
+suite_fp8() {
+  pytest_run fp8_tests "${FP8_TESTS_TIMEOUT:-300}" -m gpu ${FP8_TESTS:-tests/test_fp8_gemm.py tests/test_small_batch_gemv.py} \
+    -k fp8
+  local m
+  for m in ${FP8_MODELS:-llama-3.1-8b}; do
+    step "fp8_accuracy_${m##*/}" "${FP8_ACCURACY_TIMEOUT:-240}" "$REPO" python3 scripts/fp8_accuracy.py --model "$m" \
+      --out "$OUT/fp8_accuracy_${m##*/}.json"
+    local status=$?
+    dry && continue
+    grep -E "^batch|runners built" "$OUT/logs/fp8_accuracy_${m##*/}.log" | cut -c1-200
+    [ $status = 0 ] || failed "fp8_accuracy_${m##*/}" $status
   done
 }
 
