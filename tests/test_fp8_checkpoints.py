@@ -140,14 +140,17 @@ def test_unsupported_quant_method_names_the_field(tmp_path):
         resolve_quantization(str(tmp_path), None)
 
 
-def test_tp2_per_channel_fp8_through_the_cli_equals_transformers(fp8_models):
-    """Per-channel scales split with their rows (column-parallel) and stay whole (row-parallel)."""
+@pytest.mark.parametrize("name,method", [("ct-channel", "compressed-tensors"), ("online", "fp8")])
+def test_tp2_per_channel_fp8_through_the_cli_equals_transformers(fp8_models, name, method):
+    """Per-channel scales split with their rows (column-parallel) and stay whole (row-parallel);
+    online FP8 quantizes each whole checkpoint row before the split, so every rank holds the scales
+    one GPU would."""
     from test_grpc_sampling import complete, gen
     from worker_harness import Worker
 
-    fp8_dir, ref_dir = fp8_models["ct-channel"]
+    fp8_dir, ref_dir = fp8_models[name]
     worker = Worker(fp8_dir, "--max-model-len", "128", "--max-total-tokens", "512", "--tensor-parallel-size", "2",
-                    "--quantization", "compressed-tensors")
+                    "--quantization", method)
     try:
         for prompt in PROMPTS:
             c, _ = complete(worker, gen(prompt, max_new_tokens=MAX_NEW))
@@ -168,6 +171,8 @@ def _kept_layer(scheme_weight: str, rows=(24, 40), k=48, online=False, seed=0):
     from tokenspeed_worker.layers.quantization import Fp8LinearScheme, QuantConfig
     from tokenspeed_worker.layers.quantization.methods import building
 
+    from tokenspeed_worker.kernels import fp8
+
     quantize = _load_script("make_fp8_models").quantize
     scheme = Fp8LinearScheme(scheme_weight)
     torch.manual_seed(seed)
@@ -176,11 +181,11 @@ def _kept_layer(scheme_weight: str, rows=(24, 40), k=48, online=False, seed=0):
     expected = []
     for shard, n in enumerate(rows):
         w = torch.randn(n, k) * torch.linspace(0.1, 3, k)
-        if online:
-            layer.weight.weight_loader(layer.weight, w, shard)
-            expected.append(quantize(w, "channel")[2])
-            continue
-        q, scale, deq = quantize(w, scheme_weight)
+        if online:  # as methods.quantize_online feeds the loaders
+            q, scale = fp8.quantize_weight_rows(w)
+            deq = quantize(w, "channel")[2]
+        else:
+            q, scale, deq = quantize(w, scheme_weight)
         layer.weight.weight_loader(layer.weight, q, shard)
         getattr(layer, "weight_scale").weight_loader(layer.weight_scale, scale, shard)
         expected.append(deq)
@@ -261,3 +266,31 @@ def test_kept_fp8_layer_takes_the_small_batch_kernel_for_few_rows():
         torch.testing.assert_close(out.double(), x.double() @ expected.double().t(), rtol=2e-2, atol=2e-2)
         layer(torch.randn(9, 48).to(torch.bfloat16))  # past MAX_ROWS: the scaled GEMM
         assert len(calls) == 1
+
+
+def test_online_fp8_quantizes_each_linear_weight_as_it_streams_in(fp8_models):
+    """`--quantization fp8`: the runner's layers hold FP8 weights and per-row scales from the first
+    tensor on (no 16-bit copy of a quantized layer is ever made whole); embeddings, norms and the
+    LM head pass through as they are."""
+    import torch
+    from safetensors import safe_open
+
+    from tokenspeed_worker.layers.quantization import methods
+    from worker_harness import make_runner
+
+    fp8_dir, _ = fp8_models["online"]
+    runner = make_runner(fp8_dir, dtype="float32", device="cpu", block_size=4, max_model_len=64,
+                         max_total_tokens=256, quantization="fp8")
+    modules = methods.online_modules(runner.model)
+    assert "model.layers.0.self_attn.q_proj" in modules and "model.layers.1.mlp.down_proj" in modules
+    assert not any("embed" in m or "lm_head" in m or "norm" in m for m in modules)
+    with safe_open(str(fp8_dir / "model.safetensors"), framework="pt") as f:
+        source = [(name, f.get_tensor(name)) for name in sorted(f.keys())]
+    out = dict(methods.quantize_online(runner.model, iter(source), torch.device("cpu")))
+    for name, tensor in source:
+        module = name.removesuffix(".weight")
+        if module in modules:
+            assert out[name].dtype == torch.float8_e4m3fn and out[f"{module}.weight_scale"].shape == (tensor.shape[0],)
+            assert out[name].float().abs().amax(dim=1).eq(448).all()  # each row's largest maps to 448
+        else:
+            assert out[name] is tensor

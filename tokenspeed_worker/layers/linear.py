@@ -81,6 +81,7 @@ class Linear(nn.Module):
         self.out_features = out_features
         # None: unquantized (also every layer a quantization config ignores).
         self.quant_method = quant_methods.linear_method(prefix, shard_names)
+        self.checkpoint_modules = shard_names or [prefix]  # the checkpoint's modules this layer loads
         # Set by an FP8 method that keeps its weight in FP8 (CUDA): float32 [out_features], one
         # scale per weight row; None while the weight holds the values themselves.
         self.weight_scale_rows: torch.Tensor | None = None

@@ -55,29 +55,49 @@ def iter_safetensors(model_path: str | Path) -> Iterator[tuple[str, torch.Tensor
 
 
 @torch.no_grad()
-def init_dummy_weights(model: nn.Module, seed: int) -> None:
-    """Norm weights 1, biases 0, everything else N(0, DUMMY_STD^2): activations stay in a sane range."""
-    for index, (name, param) in enumerate(model.named_parameters()):
-        if "norm" in name or name.endswith(("_scale", "_scale_inv")):  # FP8 scales too
+def init_dummy_weights(model: nn.Module, seed: int, online_fp8: bool = False) -> None:
+    """Norm weights 1, biases 0, everything else N(0, DUMMY_STD^2): activations stay in a sane range.
+    FP8 scales are 1 (an FP8 checkpoint's weights are drawn in FP8 directly). online_fp8: each
+    quantized layer's FP8 weight and per-row scales are those of the 16-bit weight the unquantized
+    model draws for the same seed (online FP8 of the same dummy model)."""
+    index = 0  # a weight's seed is seed + its index among the non-scale parameters, the same with or without FP8
+    for name, param in model.named_parameters():
+        if name.endswith(("_scale", "_scale_inv")):
+            param.fill_(1.0)
+            continue
+        if "norm" in name:
             param.fill_(1.0)
         elif name.endswith(".bias"):
             param.zero_()
         else:
             generator = torch.Generator(device=param.device).manual_seed(seed + index)
-            if param.dtype == torch.float8_e4m3fn:  # FP8 weights (normal_ has no FP8 kernel)
-                param.copy_(torch.empty(param.shape, device=param.device).normal_(0.0, DUMMY_STD, generator=generator))
+            if param.dtype == torch.float8_e4m3fn:
+                module = model.get_submodule(name.rsplit(".", 1)[0])
+                draw = torch.empty(param.shape, device=param.device, dtype=module.params_dtype if online_fp8 else None)
+                draw.normal_(0.0, DUMMY_STD, generator=generator)
+                if online_fp8:
+                    q, scale = quant_methods.fp8_kernels.quantize_weight_rows(draw)
+                    param.copy_(q)
+                    module.weight_scale.copy_(scale.view_as(module.weight_scale))
+                else:
+                    param.copy_(draw)  # normal_ has no FP8 kernel
             else:
                 param.normal_(0.0, DUMMY_STD, generator=generator)
+        index += 1
 
 
 @torch.no_grad()
 def load_model_weights(model: nn.Module, config: ModelConfig) -> str:
-    """Fill the model's weights as `config` says (its path, load_format and seed); returns the
-    format used ("safetensors" or "dummy")."""
+    """Fill the model's weights as `config` says (its path, load_format and seed; online FP8
+    quantizes the 16-bit weights as they load); returns the format used ("safetensors" or "dummy")."""
     load_format = resolve_load_format(config.path, config.load_format)
+    online = config.quant_config is not None and config.quant_config.online
     if load_format == "dummy":
-        init_dummy_weights(model, config.seed)
+        init_dummy_weights(model, config.seed, online_fp8=online)
     else:
-        model.load_weights(iter_safetensors(config.path))
+        weights = iter_safetensors(config.path)
+        if online:
+            weights = quant_methods.quantize_online(model, weights, next(model.parameters()).device)
+        model.load_weights(weights)
     quant_methods.process_weights_after_loading(model)
     return load_format

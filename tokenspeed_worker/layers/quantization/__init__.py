@@ -67,7 +67,7 @@ def resolve_quantization(model_path: str, requested: str | None) -> QuantConfig 
     if found is None:
         if requested == "fp8":
             return QuantConfig("fp8", Fp8LinearScheme("channel", "dynamic", "token"), online=True,
-                               source="--quantization fp8")
+                               ignore=("lm_head",), source="--quantization fp8")
         if requested is not None:
             raise UnsupportedQuantization(
                 f"--quantization {requested} does not match the checkpoint: its config.json has no "

@@ -57,8 +57,9 @@ class QuantConfig:
     # ModelOpt / compressed-tensors checkpoints may carry per-layer k/v cache scales: noted, not
     # used yet (the FP8 KV cache is unscaled); the loader skips them.
     kv_cache_scales: bool = False
-    # Online FP8 (`--quantization fp8` on a 16-bit checkpoint): the checkpoint's weights are
-    # quantized per output channel after loading (scheme "channel", dynamic per-token activations).
+    # Online FP8 (`--quantization fp8` on a 16-bit checkpoint): the checkpoint's linear weights are
+    # quantized per output channel as they load (scheme "channel", dynamic per-token activations;
+    # methods.quantize_online).
     online: bool = False
     source: str = "config.json"  # where the config was read (for messages)
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)

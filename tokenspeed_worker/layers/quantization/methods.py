@@ -8,12 +8,14 @@ layer's own path exactly as without quantization.
 
 The FP8 weights (torch.float8_e4m3fn) and their float32 scales load through the layers'
 weight_loader path (fused q/k/v and gate/up shards, sharded checkpoints, tensor-parallel splits:
-per-channel and block scales split with their weights); online FP8 (`QuantConfig.online`) loads
-the checkpoint's 16-bit weight as it is. After loading, each weight becomes one of two forms:
+per-channel and block scales split with their weights). Online FP8 (`QuantConfig.online`) is the
+per-channel scheme fed by `quantize_online`, which turns each 16-bit checkpoint weight of a
+quantized layer into its FP8 values and per-row scales as it streams in (on the model's device),
+so the 16-bit model never sits whole in memory. After loading, each weight becomes one of two forms:
 
 - FP8 kept (CUDA, compute capability 9.0+; every scheme but block-wise): the FP8 weight with one
   float32 scale per row (`Linear.weight_scale_rows`): a per-tensor scale repeated over its shard's
-  rows, a per-channel scale as it is, an online weight quantized per row (max |row| / 448). The
+  rows, a per-channel scale as it is (an online weight's: max |row| / 448). The
   product quantizes the activations per token and runs kernels/fp8.scaled_mm (cuBLASLt FP8 GEMM,
   both scales in its epilogue); for a few rows the small-batch GEMV kernel reads the FP8 weight
   instead, with 16-bit activations. A checkpoint's static input scales are not used: per-token
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -66,7 +68,7 @@ def linear_method(name: str, shard_names: list[str] | None = None) -> Fp8LinearM
         return None
     if not _current.layer_is_quantized(name, shard_names or [name]):
         return None
-    return Fp8LinearMethod(_current.scheme, online=_current.online)
+    return Fp8LinearMethod(_current.scheme)
 
 
 def _scalar_loader(index_of):
@@ -84,9 +86,8 @@ def _scalar_loader(index_of):
 class Fp8LinearMethod:
     """FP8 e4m3 weights with float32 scales, as `scheme` says (see the module docstring)."""
 
-    def __init__(self, scheme: Fp8LinearScheme, online: bool = False) -> None:
+    def __init__(self, scheme: Fp8LinearScheme) -> None:
         self.scheme = scheme
-        self.online = online  # the checkpoint holds 16-bit weights, quantized after loading
 
     # ---- parameters
 
@@ -95,9 +96,6 @@ class Fp8LinearMethod:
         `output_sizes`: this rank's rows of each stacked checkpoint matrix (one entry unfused)."""
         scheme = self.scheme
         layer.params_dtype = torch.get_default_dtype()
-        if self.online:  # a 16-bit weight, loaded as an unquantized layer's
-            layer.weight = nn.Parameter(torch.empty(sum(output_sizes), in_features), requires_grad=False)
-            return
         layer.weight = nn.Parameter(torch.empty(sum(output_sizes), in_features, dtype=FP8_DTYPE), requires_grad=False)
         fused = hasattr(layer, "shard_index")
 
@@ -186,15 +184,11 @@ class Fp8LinearMethod:
         `weight_scale_rows` when keep_fp8 (and the scheme is not block-wise), else dequantized to
         the model's dtype. The checkpoint's scale parameters are dropped either way."""
         scheme = self.scheme
-        scale = None
-        if self.online:
-            weight, rows = fp8_kernels.quantize_weight_rows(layer.weight.data)
-        else:
-            weight, scale = layer.weight.data, getattr(layer, scheme.scale_name).data
-            rows = self._row_scales(layer, scale)
-            delattr(layer, scheme.scale_name)
-            if scheme.activation == "static":
-                delattr(layer, "input_scale")  # per-token scales instead (module docstring)
+        weight, scale = layer.weight.data, getattr(layer, scheme.scale_name).data
+        rows = self._row_scales(layer, scale)
+        delattr(layer, scheme.scale_name)
+        if scheme.activation == "static":
+            delattr(layer, "input_scale")  # per-token scales instead (module docstring)
         if keep_fp8 and rows is not None:
             layer.weight = nn.Parameter(weight, requires_grad=False)
             layer.weight_scale_rows = rows.contiguous()
@@ -235,6 +229,29 @@ class Fp8LinearMethod:
         q, scale = fp8_kernels.quantize_rows(x)
         out = fp8_kernels.scaled_mm(q, scale, layer.weight, layer.weight_scale_rows, bias, x.dtype)
         return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def online_modules(model: nn.Module) -> set[str]:
+    """The checkpoint module names ("model.layers.0.self_attn.q_proj") whose weights online FP8
+    quantizes: those of every quantized Linear layer (its `checkpoint_modules`)."""
+    return {name for m in model.modules() if getattr(m, "quant_method", None) is not None
+            for name in m.checkpoint_modules}
+
+
+def quantize_online(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                    device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint stream `weights` with each 16-bit weight of a quantized layer replaced by its
+    FP8 values and per-row scales (`<module>.weight`, `<module>.weight_scale`), quantized on
+    `device` as they stream in; every other tensor passes through."""
+    quantized = online_modules(model)
+    for name, tensor in weights:
+        module = name[: -len(".weight")] if name.endswith(".weight") else None
+        if module not in quantized:
+            yield name, tensor
+            continue
+        q, scale = fp8_kernels.quantize_weight_rows(tensor.to(device))
+        yield name, q
+        yield f"{module}.weight_scale", scale
 
 
 def keeps_fp8(device: torch.device) -> bool:
