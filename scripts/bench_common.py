@@ -97,6 +97,9 @@ class ModelArithmetic:
     lm_head_params: int
     num_layers: int
     q_dim: int
+    # The linear layers run FP8 GEMMs (their FLOPs priced at the FP8 matrix rate when one is given);
+    # the LM head and attention stay 16-bit.
+    fp8_linear: bool = False
 
     @classmethod
     def from_core(cls, core: EngineCore) -> "ModelArithmetic":
@@ -113,7 +116,8 @@ class ModelArithmetic:
         lookup_only = 0 if tied else embedding.numel() * embedding.element_size()
         return cls(weight_bytes=runner.weight_bytes() - lookup_only, kv_bytes_per_token=runner.kv_bytes_per_token(),
                    linear_params=params - embed if tied else params - 2 * embed, lm_head_params=embed,
-                   num_layers=cfg.num_hidden_layers, q_dim=cfg.num_attention_heads * runner.head_dim)
+                   num_layers=cfg.num_hidden_layers, q_dim=cfg.num_attention_heads * runner.head_dim,
+                   fp8_linear=any(getattr(m, "weight_scale_rows", None) is not None for m in runner.model.modules()))
 
     def step_flops(self, num_tokens: int, num_sampled: int, attended: int) -> float:
         """GEMM FLOPs: every token through the layers, sampled rows through the LM head, plus
@@ -121,14 +125,23 @@ class ModelArithmetic:
         return (2.0 * self.linear_params * num_tokens + 2.0 * self.lm_head_params * num_sampled
                 + 4.0 * self.q_dim * attended * self.num_layers)
 
+    def flops_seconds(self, record: tuple, flops: float, fp8_flops: float | None = None) -> float:
+        """The GEMM time of one `step_record` at `flops` (16-bit), the linear layers' share at
+        `fp8_flops` where they run FP8 GEMMs and an FP8 rate was measured."""
+        num_tokens, num_sampled, _, attended = record
+        total = self.step_flops(num_tokens, num_sampled, attended) / flops
+        if self.fp8_linear and fp8_flops:
+            linear = 2.0 * self.linear_params * num_tokens
+            total += linear / fp8_flops - linear / flops
+        return total
+
     def step_bytes(self, kv_tokens: int) -> float:
         """Weights once plus the KV of every sequence in the step."""
         return self.weight_bytes + self.kv_bytes_per_token * kv_tokens
 
-    def minimum_seconds(self, record: tuple, flops: float, bandwidth: float) -> float:
-        """The step roofline of one `step_record`: its GEMM FLOPs at `flops` plus its bytes at `bandwidth`."""
-        num_tokens, num_sampled, kv_tokens, attended = record
-        return self.step_flops(num_tokens, num_sampled, attended) / flops + self.step_bytes(kv_tokens) / bandwidth
+    def minimum_seconds(self, record: tuple, flops: float, bandwidth: float, fp8_flops: float | None = None) -> float:
+        """The step roofline of one `step_record`: its GEMM time (flops_seconds) plus its bytes at `bandwidth`."""
+        return self.flops_seconds(record, flops, fp8_flops) + self.step_bytes(record[2]) / bandwidth
 
 
 def step_record(plan) -> tuple[int, int, int, int]:

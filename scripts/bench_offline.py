@@ -17,7 +17,7 @@ import torch
 
 from bench_common import free_engine_memory, MODEL_SHAPES, ModelArithmetic, add_engine_args, build_engine, greedy_request, \
     hf_generate_tok_s, plan_recorder, sync, write_result
-from roofline import copy_bandwidth, matmul_flops
+from roofline import copy_bandwidth, fp8_matmul_flops, matmul_flops
 
 
 def gpu_step_marks(core) -> list:
@@ -61,7 +61,7 @@ def step_kind(decode_rows: int, prefill_tokens: int) -> str:
 
 
 def breakdown(records: list, shapes: list, busy_ms: list, arithmetic: ModelArithmetic, flops: float,
-              bandwidth: float) -> dict:
+              bandwidth: float, fp8_flops: float | None = None) -> dict:
     """Per kind of step: how many, the GPU's busy time in them, their roofline and its parts
     (GEMM FLOPs, weights, KV), and roofline / busy. Says where the wall time above the roofline goes."""
     kinds: dict = {}
@@ -75,8 +75,8 @@ def breakdown(records: list, shapes: list, busy_ms: list, arithmetic: ModelArith
         row["decode_rows"] += shape[0]
         row["tokens"] += num_tokens
         row["busy_s"] += busy / 1e3
-        row["roofline_s"] += arithmetic.minimum_seconds(record, flops, bandwidth)
-        row["flops_s"] += arithmetic.step_flops(num_tokens, num_sampled, attended) / flops
+        row["roofline_s"] += arithmetic.minimum_seconds(record, flops, bandwidth, fp8_flops)
+        row["flops_s"] += arithmetic.flops_seconds(record, flops, fp8_flops)
         row["weights_s"] += arithmetic.weight_bytes / bandwidth
         row["kv_s"] += arithmetic.kv_bytes_per_token * kv_tokens / bandwidth
     for kind, row in kinds.items():
@@ -104,6 +104,9 @@ def main() -> int:
     print(f"  {bandwidth / 1e9:.0f} GB/s, {flops / 1e12:.1f} TFLOP/s", flush=True)
     core = build_engine(args, max_model_len=args.input_len + args.output_len + 16, max_num_seqs=args.max_num_seqs)
     arithmetic = ModelArithmetic.from_core(core)
+    fp8_flops = fp8_matmul_flops(args.device) if arithmetic.fp8_linear else None
+    if fp8_flops:
+        print(f"  FP8 linear layers: {fp8_flops / 1e12:.1f} TFLOP/s (FP8 GEMM)", flush=True)
     records: list = []
     rng = np.random.default_rng(0)
     vocab = core.runner.vocab_size
@@ -131,10 +134,11 @@ def main() -> int:
             last_report = now
     sync(args.device)
     wall = time.perf_counter() - t0
-    minimum = sum(arithmetic.minimum_seconds(record, flops, bandwidth) for record in records)
+    minimum = sum(arithmetic.minimum_seconds(record, flops, bandwidth, fp8_flops) for record in records)
     idle = gpu_idle_gaps(gpu_marks)
     busy_ms = [a.elapsed_time(b) for a, b in gpu_marks if b is not None] if gpu_marks else []
-    kinds = breakdown(records, shapes, busy_ms, arithmetic, flops, bandwidth) if len(busy_ms) == len(records) else None
+    kinds = (breakdown(records, shapes, busy_ms, arithmetic, flops, bandwidth, fp8_flops)
+             if len(busy_ms) == len(records) else None)
     result = {
         "gpu_idle_gap_ms_median": idle[0], "gpu_idle_gap_ms_mean": idle[1], "gpu_busy_ms_mean": idle[2],
         "model": args.model, "device": args.device, "dtype": str(core.runner.dtype),
@@ -142,6 +146,7 @@ def main() -> int:
         "num_requests": args.num_requests, "input_len": args.input_len, "output_len": args.output_len,
         "max_num_seqs": args.max_num_seqs, "kv_pool_tokens": core.num_blocks * core.cfg.cache.block_size,
         "copy_bandwidth_tb_s": bandwidth / 1e12, "matmul_tflop_s": flops / 1e12,
+        "fp8_matmul_tflop_s": fp8_flops / 1e12 if fp8_flops else None,
         "wall_s": wall, "steps": steps, "output_tokens": produced, "output_tok_s": produced / wall,
         "step_roofline_s": minimum, "fraction_of_step_roofline": minimum / wall,
         "preemptions": core.scheduler.num_preemptions,

@@ -1,7 +1,8 @@
 """The machine's physical limits, measured in the same run as a benchmark.
 
 - copy bandwidth: bytes read + written per second by a large device-to-device copy;
-- matmul throughput: dense FLOP/s of a large square matmul in the model's dtype.
+- matmul throughput: dense FLOP/s of a large square matmul in the model's dtype, and of the FP8
+  GEMM the FP8 linear layers run (row-wise scaled cuBLASLt, CUDA 9.0+ only).
 Benchmarks report their results as fractions of these.
 """
 
@@ -45,4 +46,18 @@ def matmul_flops(device: str | torch.device = "cpu", dtype: torch.dtype = torch.
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     t = _timed(lambda: a @ b, device, iters)
+    return 2 * n**3 / t
+
+
+def fp8_matmul_flops(device: str | torch.device = "cuda", n: int = 8192, iters: int = 5) -> float | None:
+    """FLOP/s of the FP8 linear layers' GEMM (kernels/fp8.scaled_mm: e4m3 operands, row-wise
+    scales, bf16 output) at n x n x n; None where it does not run (a CPU, a GPU before Hopper)."""
+    device = torch.device(device)
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (9, 0):
+        return None
+    from tokenspeed_worker.kernels import fp8
+
+    a, s_a = fp8.quantize_rows(torch.randn(n, n, device=device, dtype=torch.bfloat16))
+    b, s_b = fp8.quantize_weight_rows(torch.randn(n, n, device=device, dtype=torch.bfloat16))
+    t = _timed(lambda: fp8.scaled_mm(a, s_a, b, s_b), device, iters)
     return 2 * n**3 / t

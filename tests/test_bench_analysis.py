@@ -44,3 +44,19 @@ def test_offline_breakdown_sums_each_kind_of_step_against_its_roofline():
     assert decode["fraction_of_roofline"] == pytest.approx(expected / 0.067)
     assert kinds["mixed (prefill + decode rows)"]["mean_decode_rows"] == 192
     assert bench_offline.step_kind(100, 0) == "decode, <= 128 rows" and bench_offline.step_kind(200, 0) == "decode, <= 320 rows"
+
+
+def test_fp8_linear_layers_are_priced_at_the_fp8_rate():
+    """With FP8 linear layers the layers' GEMM FLOPs go at the FP8 rate, the LM head's and
+    attention's at the 16-bit one; without a measured FP8 rate everything stays 16-bit."""
+    import dataclasses
+
+    fp8 = dataclasses.replace(LLAMA_8B, fp8_linear=True)
+    record = (4096, 8, 200_000, 2_000_000)  # tokens, sampled rows, KV tokens read, keys attended
+    linear = 2.0 * LLAMA_8B.linear_params * 4096
+    rest = LLAMA_8B.step_flops(4096, 8, 2_000_000) - linear
+    assert fp8.flops_seconds(record, 800e12, 1600e12) == pytest.approx(linear / 1600e12 + rest / 800e12)
+    assert fp8.flops_seconds(record, 800e12, None) == pytest.approx(LLAMA_8B.flops_seconds(record, 800e12))
+    assert LLAMA_8B.flops_seconds(record, 800e12, 1600e12) == pytest.approx((linear + rest) / 800e12)
+    assert fp8.minimum_seconds(record, 800e12, 4e12, 1600e12) == pytest.approx(
+        fp8.flops_seconds(record, 800e12, 1600e12) + fp8.step_bytes(200_000) / 4e12)
