@@ -25,7 +25,8 @@ from tokenspeed_worker.engine.messages import AddRequest  # noqa: E402
 from tokenspeed_worker.sampling.params import SamplingParams  # noqa: E402
 
 MODEL_SHAPES = {"llama-3.2-1b": REPO / "scripts/model_configs/llama-3.2-1b",
-                "llama-3.1-8b": REPO / "scripts/model_configs/llama-3.1-8b"}
+                "llama-3.1-8b": REPO / "scripts/model_configs/llama-3.1-8b",
+                "llama-3.1-70b": REPO / "scripts/model_configs/llama-3.1-70b"}
 
 
 def add_engine_args(ap: argparse.ArgumentParser) -> None:
