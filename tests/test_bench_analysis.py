@@ -60,3 +60,19 @@ def test_fp8_linear_layers_are_priced_at_the_fp8_rate():
     assert LLAMA_8B.flops_seconds(record, 800e12, 1600e12) == pytest.approx((linear + rest) / 800e12)
     assert fp8.minimum_seconds(record, 800e12, 4e12, 1600e12) == pytest.approx(
         fp8.flops_seconds(record, 800e12, 1600e12) + fp8.step_bytes(200_000) / 4e12)
+
+
+def test_the_small_batch_gemv_streams_fp8_weights_with_16_byte_loads():
+    """scripts/sass_gemv.py compiles the kernel for sm_90 on this machine (Triton's ptxas and
+    cuobjdump, no GPU; a process of its own: the tests run kernels in the interpreter): the FP8
+    weight tiles load 16 bytes at a time, with no spills at one row, and e4m3 pairs widen to f16."""
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, str(Path(__file__).resolve().parent.parent / "scripts" / "sass_gemv.py"),
+                          "--weight", "fp8", "--configs", "8,1024,4"], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    line = out.stdout.strip().splitlines()[-1]
+    assert "spills 0/0" in line and "'LDG.E.128'" in line and "F2FP" in line, line
