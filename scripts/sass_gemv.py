@@ -3,12 +3,12 @@ the instruction mix per weight byte, for each configuration of a site.
 
     python scripts/sass_gemv.py [--weight fp8|bf16] [--rows 1] [--site linear|norm_linear|gate_up] [--configs all]
 
-Compiles kernels/gemv.py's one-shot kernel for sm_90 with Triton's own ptxas (in the triton wheel)
-and disassembles it with its cuobjdump, integers specialized as a real launch sees them (divisible
-by 16: what makes the weight loads 16 bytes wide). Per configuration it prints the local-memory
-stores and loads (spills), the global load widths, the instructions of the kernel and per weight
-byte of one K step (the loop body dominates), and the most frequent opcodes: a kernel that issues
-several instructions per weight byte cannot stream weights at the memory's rate.
+Compiles kernels/gemv.py's one-shot or tensor-core (Mma) kernel for sm_90 with Triton's own ptxas
+(in the triton wheel) and disassembles it with its cuobjdump, integers specialized as a real launch
+sees them (divisible by 16: what makes the weight loads 16 bytes wide). Per configuration it prints
+the local-memory stores and loads (spills), the global load widths, and the K loop's instructions
+per weight byte a thread loads in one iteration, with its most frequent opcodes: at 4 TB/s every
+instruction per byte is about 4 T instructions/s of the GPU's ~33 T thread-instructions/s issue rate.
 """
 
 from __future__ import annotations
@@ -38,14 +38,20 @@ NOT_ALIGNED = ("eps", "num_heads", "num_kv_heads", "up_offset")  # runtime value
 
 
 def sass(config: tuple, weight: str, rows: int, site: str) -> str:
-    """The disassembly of the one-shot kernel for one configuration, as compiled for sm_90."""
-    kernel = gemv._gemv_kernel
-    names = kernel.arg_names
-    block_n, block_k, num_warps, *one_pass = config
+    """The disassembly of the one-shot or tensor-core (Mma) kernel for one configuration, as
+    compiled for sm_90."""
     norm = site in ("norm_linear", "gate_up")
-    consts = dict(ROWS=rows, NORM=norm, ADD_RESIDUAL=norm, SILU=site == "gate_up", HAS_BIAS=False, LIBDEVICE=True,
-                  BLOCK_N=block_n, BLOCK_K=block_k, PDL=True, ONE_PASS=bool(one_pass and one_pass[0]) and norm,
-                  ROPE=False, HEAD_DIM=2, KV_SATURATE=0.0, W_SCALE=weight == "fp8")
+    common = dict(ROWS=rows, NORM=norm, ADD_RESIDUAL=norm, SILU=site == "gate_up", HAS_BIAS=False, LIBDEVICE=True,
+                  PDL=True)
+    if isinstance(config, gemv.Mma):
+        kernel, num_warps = gemv._gemv_mma_kernel, config.num_warps
+        consts = dict(common, BLOCK_N=config.block_n, BLOCK_K=config.block_k, NUM_STAGES=config.num_stages)
+    else:
+        kernel = gemv._gemv_kernel
+        block_n, block_k, num_warps, *one_pass = config
+        consts = dict(common, BLOCK_N=block_n, BLOCK_K=block_k, ONE_PASS=bool(one_pass and one_pass[0]) and norm,
+                      ROPE=False, HEAD_DIM=2, KV_SATURATE=0.0, W_SCALE=weight == "fp8")
+    names = kernel.arg_names
     pointers = {**POINTERS, "w_ptr": "fp8e4nv" if weight == "fp8" else "bf16"}
     signature = {n: "constexpr" if n in consts else ("*" + pointers[n] if n in pointers else
                                                       "fp32" if n == "eps" else "i32") for n in names}
@@ -61,14 +67,35 @@ def sass(config: tuple, weight: str, rows: int, site: str) -> str:
                               check=True).stdout
 
 
+def _instructions(text: str) -> list[tuple[int, str, str]]:
+    """(address, opcode, operands) of each instruction of a cuobjdump listing."""
+    found = re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)\s*([^;]*);", text)
+    return [(int(m.group(1), 16), m.group(2), m.group(3)) for m in found]
+
+
+def loop_body(text: str) -> list[str]:
+    """The opcodes of the longest loop (a backward branch to its head): the K loop, for this kernel."""
+    instructions = _instructions(text)
+    index = {address: i for i, (address, _, _) in enumerate(instructions)}
+    best: list[str] = []
+    for i, (address, op, operands) in enumerate(instructions):
+        target = re.match(r"(0x[0-9a-f]+)", operands.strip()) if op == "BRA" else None
+        if target and int(target.group(1), 16) < address and int(target.group(1), 16) in index:
+            body = [o for _, o, _ in instructions[index[int(target.group(1), 16)]:i + 1]]
+            best = max(best, body, key=len)
+    return best
+
+
 def summary(text: str, config: tuple, weight: str) -> dict:
-    ops = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", text)
+    """Spills, global load widths, and the K loop's instructions per weight byte a thread loads in one
+    iteration (with the most frequent opcodes)."""
     block_n, block_k, num_warps = config[:3]
-    tile_bytes = block_n * block_k * (1 if weight == "fp8" else 2)
-    per_thread = tile_bytes / (32 * num_warps)
+    per_thread = block_n * block_k * (1 if weight == "fp8" else 2) / (32 * num_warps)
+    body = loop_body(text)
     return {"spill_stores": text.count(" STL"), "spill_loads": text.count(" LDL"),
-            "loads": dict(Counter(re.findall(r"(LDG\.[A-Z0-9.]+)", text))), "instructions": len(ops),
-            "instructions_per_weight_byte": len(ops) / per_thread, "top": Counter(ops).most_common(8)}
+            "loads": dict(Counter(re.findall(r"(LDG\.[A-Z0-9.]+)", text))), "loop_instructions": len(body),
+            "loop_instructions_per_weight_byte": len(body) / per_thread,
+            "top": Counter(o.split(".")[0] for o in body).most_common(8)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,18 +103,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--weight", choices=("fp8", "bf16"), default="fp8")
     parser.add_argument("--rows", type=int, default=1, choices=range(1, gemv.MAX_ROWS + 1))
     parser.add_argument("--site", choices=("linear", "norm_linear", "gate_up"), default="linear")
-    parser.add_argument("--configs", default="all", help="'all' (the weight's one-shot configurations) or one, e.g. 8,1024,4")
+    parser.add_argument("--configs", default="all",
+                        help="'all' (the weight's one-shot and tensor-core configurations) or one, e.g. 8,1024,4 "
+                        "(four numbers: an Mma one, block_n,block_k,num_warps,num_stages)")
     args = parser.parse_args(argv)
     if args.configs == "all":
         configs = [c for c in gemv.configs_for(gemv.torch.float8_e4m3fn if args.weight == "fp8" else gemv.torch.bfloat16,
                                                norm=args.site != "linear") if not isinstance(c, gemv.Persistent)]
     else:
-        configs = [tuple(int(v) for v in args.configs.split(","))]
+        values = tuple(int(v) for v in args.configs.split(","))
+        configs = [gemv.Mma(*values) if len(values) == 4 else values]
     print(f"{args.weight} weights, {args.rows} row(s), site {args.site}, sm_90")
     for config in configs:
         s = summary(sass(config, args.weight, args.rows, args.site), config, args.weight)
-        print(f"{str(config):22s} spills {s['spill_stores']}/{s['spill_loads']}  loads {s['loads']}  "
-              f"{s['instructions']} instructions, {s['instructions_per_weight_byte']:.1f} per weight byte of a K step; "
+        print(f"{str(config):22s} spills {s['spill_stores']}/{s['spill_loads']}  loads {s['loads']}  K loop "
+              f"{s['loop_instructions']} instructions, {s['loop_instructions_per_weight_byte']:.2f} per weight byte; "
               f"{', '.join(f'{op} {n}' for op, n in s['top'])}", flush=True)
     return 0
 

@@ -494,7 +494,7 @@ def test_every_finite_fp8_value_widens_exactly():
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
-@pytest.mark.parametrize("config", [(16, 128, 4), gemv.Persistent(4, 8, 2)])
+@pytest.mark.parametrize("config", [(16, 128, 4), gemv.Persistent(4, 8, 2), gemv.Mma(16, 64, 4, 2)])
 def test_fp8_weight_plain_product_with_ragged_shapes_and_bias(rows, config):
     k, n = 300, 42  # K over 128 and N over 16 and 4: all ragged
     x, b = _randn(rows, k, seed=60), _randn(n, seed=61)
@@ -505,9 +505,11 @@ def test_fp8_weight_plain_product_with_ragged_shapes_and_bias(rows, config):
 
 
 @pytest.mark.parametrize("with_residual", [True, False])
-@pytest.mark.parametrize("config", [(16, 128, 4), (16, 128, 4, True), gemv.Persistent(4, 8, 2)])
+@pytest.mark.parametrize("config", [(16, 128, 4), (16, 128, 4, True), gemv.Persistent(4, 8, 2),
+                                    gemv.Mma(32, 64, 4, 2)])
 def test_fp8_weight_under_the_norm_prologue(with_residual, config):
-    # Two-pass, one-pass (1 / RMS and the scales both multiply the finished sum) and persistent.
+    # Two-pass, one-pass (1 / RMS and the scales both multiply the finished sum), persistent, and
+    # tensor cores (the normalized rows as f16, exact for these bf16 values).
     rows, k, n = 3, 264, 48
     norm = _norm(k, seed=63)
     x, residual = _randn(rows, k, seed=64, scale=2.0), _randn(rows, k, seed=65)
@@ -521,7 +523,7 @@ def test_fp8_weight_under_the_norm_prologue(with_residual, config):
     _close(out, _matmul_reference(normed, w_ref))
 
 
-@pytest.mark.parametrize("config", [(16, 64, 4), (16, 64, 4, True), gemv.Persistent(2, 4, 4)])
+@pytest.mark.parametrize("config", [(16, 64, 4), (16, 64, 4, True), gemv.Persistent(2, 4, 4), gemv.Mma(16, 64, 4, 2)])
 def test_fp8_weight_silu_epilogue_over_gate_up_rows(config):
     # The gate columns take the first I scales, the up columns the last I.
     rows, k, inter = 2, 192, 40
@@ -565,6 +567,11 @@ def test_fp8_weight_refusals():
     for other in (w.float().to(torch.float8_e5m2), w.to(torch.float16)):
         with pytest.raises(ValueError, match="weight dtype"):
             gemv.small_batch_linear(x, other, weight_scale=w_scale)
+    mma = gemv.Mma(16, 64, 4, 2)
+    with pytest.raises(ValueError, match="takes FP8 weights"):
+        gemv.small_batch_linear(x, _randn(8, 64, seed=77), config=mma)
+    assert not gemv.supports_rotary(mma) and not gemv.supports_rotary(gemv.Persistent(2, 4, 4))
+    assert gemv.supports_rotary((16, 128, 4)) and set(gemv.MMA_CONFIGS) <= set(gemv.FP8_CONFIGS)
 
 
 @pytest.mark.gpu
@@ -572,7 +579,7 @@ def test_fp8_weight_refusals():
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
 def test_fp8_weights_at_llama_8b_shapes(rows):
     # Llama-3.1-8B's q/k/v (norm prologue), gate_up (norm, SiLU) and down_proj sites with fp8 weights,
-    # every one-shot and Persistent configuration against float64; Persistent ones that would spill
+    # every one-shot, Persistent and tensor-core configuration against float64; Persistent ones that would spill
     # registers or hold more than PERSISTENT_MAX_ELEMENTS inputs (down_proj's K at 3 and 4 rows) are refused.
     # Row magnitudes up to 0.02, as the bf16 tests' weights: the one-pass configurations' bfloat16 step
     # per input element adds up over K = 4096 to more than _close allows at larger weights (bf16 too).
@@ -599,7 +606,7 @@ def test_fp8_weights_at_llama_8b_shapes(rows):
         ran += 1
         return result
 
-    for config in gemv.NORM_CONFIGS:
+    for config in dict.fromkeys(gemv.NORM_CONFIGS + gemv.FP8_NORM_CONFIGS):  # the bf16 and the FP8 sets
         got = run(config, lambda c: gemv.small_batch_linear(x, w_qkv, norm_weight=norm.weight, residual=residual,
                                                             eps=norm.eps, weight_scale=s_qkv, config=c))
         if got is not None:
@@ -609,7 +616,7 @@ def test_fp8_weights_at_llama_8b_shapes(rows):
                                                             eps=norm.eps, silu=True, weight_scale=s_gate_up, config=c))
         if got is not None:
             torch.testing.assert_close(got[0], expected_act, atol=3e-2, rtol=3e-2)
-    for config in gemv.CONFIGS:
+    for config in dict.fromkeys(gemv.CONFIGS + gemv.FP8_CONFIGS):
         got = run(config, lambda c: gemv.small_batch_linear(h, w_down, weight_scale=s_down, config=c))
         if got is not None:
             _close(got[0], expected_down)

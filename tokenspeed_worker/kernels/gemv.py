@@ -67,6 +67,20 @@ class Persistent(NamedTuple):
     per_sm: int
 
 
+class Mma(NamedTuple):
+    """A tensor-core configuration, for FP8 weights: one program per block_n weight rows, looping
+    over K in block_k steps (software-pipelined num_stages deep); each step widens the FP8 tile to
+    f16 pairwise (no per-element float32 widening on the CUDA cores) and multiplies it with the
+    input rows, padded to 16 and held as f16, on the tensor cores with float32 accumulation. The
+    input rows go through f16: values past its range saturate at +-65504 (normalized inputs never
+    come near it)."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
 PERSISTENT_MAX_ELEMENTS = 32768  # rows x next_power_of_2(K): the input rows held as float32 across the program
 # Tried per shape by layers/small_batch_gemv.py: one-shot (BLOCK_N, BLOCK_K, num_warps) (one program per
 # BLOCK_N weight rows, looping over K), then Persistent ones. The first is the default where nothing
@@ -91,9 +105,16 @@ def _wider(config: tuple) -> tuple:
     return (config[0], 2 * config[1], *config[2:])
 
 
-# FP8 weights: the same configurations with tiles of the same bytes (their first is the default).
-FP8_CONFIGS = tuple(_wider(c) for c in CONFIGS)
-FP8_NORM_CONFIGS = tuple(_wider(c) for c in NORM_CONFIGS)
+# FP8 weights: the same configurations with tiles of the same bytes (their first is the default),
+# and the tensor-core ones.
+MMA_CONFIGS = (Mma(64, 128, 4, 4), Mma(128, 128, 4, 4))
+FP8_CONFIGS = tuple(_wider(c) for c in CONFIGS) + MMA_CONFIGS
+FP8_NORM_CONFIGS = tuple(_wider(c) for c in NORM_CONFIGS) + MMA_CONFIGS
+
+
+def supports_rotary(config: tuple) -> bool:
+    """Whether a configuration has the rotary + KV-write epilogue (the one-shot ones)."""
+    return not isinstance(config, (Persistent, Mma))
 
 
 def configs_for(weight_dtype: torch.dtype, norm: bool = False) -> tuple:
@@ -540,6 +561,103 @@ if AVAILABLE:
                 _strip_out(w, wu, x3, s, su, bias_ptr, out_ptr, 3, offs_n, n_ok, stride_out, SILU, HAS_BIAS,
                            LIBDEVICE, W_SCALE)
 
+    @triton.jit
+    def _rows_rstd(x_ptr, residual_ptr, offs_m, m_ok, K, stride_x, stride_residual, eps,
+                   ADD_RESIDUAL: tl.constexpr, LIBDEVICE: tl.constexpr, BLOCK_K: tl.constexpr):
+        """_row_rstd of rows offs_m at once ([16]; rows not m_ok read nothing)."""
+        offs_k = tl.arange(0, BLOCK_K)
+        sum_sq = tl.zeros([16, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + offs_k
+            mask = m_ok[:, None] & (kk < K)[None, :]
+            xt = tl.load(x_ptr + offs_m[:, None] * stride_x + kk[None, :], mask=mask, other=0.0)
+            if ADD_RESIDUAL:
+                rt = tl.load(residual_ptr + offs_m[:, None] * stride_residual + kk[None, :], mask=mask, other=0.0)
+                xt = (xt.to(tl.float32) + rt.to(tl.float32)).to(x_ptr.dtype.element_ty)
+            x32 = xt.to(tl.float32)
+            sum_sq += x32 * x32
+        mean_sq = tl.sum(sum_sq, axis=1) / K + eps
+        if LIBDEVICE:
+            return libdevice.rsqrt(mean_sq)
+        return 1.0 / tl.sqrt_rn(mean_sq)
+
+    @triton.jit
+    def _gemv_mma_kernel(
+        x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr,
+        N, K, up_offset,
+        stride_x, stride_residual, stride_residual_out, stride_w, stride_out,
+        eps,
+        ROWS: tl.constexpr,
+        NORM: tl.constexpr,
+        ADD_RESIDUAL: tl.constexpr,
+        SILU: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        LIBDEVICE: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        PDL: tl.constexpr,
+        NUM_STAGES: tl.constexpr,
+    ):
+        # An Mma configuration: out[rows, BLOCK_N] = X[16 (ROWS used), K] @ W[BLOCK_N, K]^T on the
+        # tensor cores, X and the FP8 tile W as f16, float32 accumulators; the rows' prologue
+        # (residual add, RMSNorm) and epilogue (scales, bias, SiLU) round as the one-shot kernel's.
+        dtype = out_ptr.dtype.element_ty
+        pid_n = tl.program_id(0)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        offs_m = tl.arange(0, 16)
+        m_ok = offs_m < ROWS
+        offs_k = tl.arange(0, BLOCK_K)
+        scale = tl.load(w_scale_ptr + offs_n, mask=n_ok, other=0.0)
+        up_scale = scale
+        if SILU:
+            up_scale = tl.load(w_scale_ptr + up_offset + offs_n, mask=n_ok, other=0.0)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        rstd = tl.full([16], 1.0, dtype=tl.float32)
+        if NORM:
+            rstd = _rows_rstd(x_ptr, residual_ptr, offs_m, m_ok, K, stride_x, stride_residual, eps, ADD_RESIDUAL,
+                              LIBDEVICE, BLOCK_K)
+        acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+        acc_up = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+        w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w
+        up_rows = w_ptr + (up_offset + offs_n).to(tl.int64)[:, None] * stride_w
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+            kk = k0 + offs_k
+            k_ok = kk < K
+            x_mask = m_ok[:, None] & k_ok[None, :]
+            xt = tl.load(x_ptr + offs_m[:, None] * stride_x + kk[None, :], mask=x_mask, other=0.0)
+            if NORM:
+                if ADD_RESIDUAL:
+                    rt = tl.load(residual_ptr + offs_m[:, None] * stride_residual + kk[None, :], mask=x_mask, other=0.0)
+                    xt = (xt.to(tl.float32) + rt.to(tl.float32)).to(x_ptr.dtype.element_ty)
+                    tl.store(residual_out_ptr + offs_m[:, None] * stride_residual_out + kk[None, :], xt,
+                             mask=x_mask & (pid_n == 0))
+                nw = tl.load(norm_weight_ptr + kk, mask=k_ok, other=0.0)
+                normed = (xt.to(tl.float32) * rstd[:, None]).to(x_ptr.dtype.element_ty)
+                xt = (normed.to(tl.float32) * nw.to(tl.float32)[None, :]).to(x_ptr.dtype.element_ty)
+            x16 = tl.clamp(xt.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+            w_mask = n_ok[:, None] & k_ok[None, :]
+            w = tl.load(w_rows + kk[None, :], mask=w_mask, other=0.0)
+            acc = tl.dot(x16, tl.trans(w.to(tl.float16)), acc)
+            if SILU:
+                wu = tl.load(up_rows + kk[None, :], mask=w_mask, other=0.0)
+                acc_up = tl.dot(x16, tl.trans(wu.to(tl.float16)), acc_up)
+        acc = acc * scale[None, :]
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        if SILU:  # as _epilogue: gate_up's output rounded, then silu, then the product
+            gate = acc.to(dtype).to(tl.float32)
+            up = (acc_up * up_scale[None, :]).to(dtype).to(tl.float32)
+            if LIBDEVICE:
+                e = libdevice.exp(-gate)
+            else:
+                e = tl.exp(-gate)
+            acc = tl.math.div_rn(gate, 1.0 + e).to(dtype).to(tl.float32) * up
+        tl.store(out_ptr + offs_m[:, None] * stride_out + offs_n[None, :], acc.to(dtype),
+                 mask=m_ok[:, None] & n_ok[None, :])
+
 
 _spills: dict[tuple, int] = {}
 
@@ -644,7 +762,14 @@ def small_batch_linear(
     n = weight.shape[0] // 2 if silu else weight.shape[0]
     out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
     persistent = isinstance(config, Persistent)
-    if persistent:
+    mma = isinstance(config, Mma)
+    if mma:
+        block_n, block_k, num_warps = config.block_n, config.block_k, config.num_warps
+        if rotary is not None:
+            raise ValueError(f"{config} has no rotary epilogue: use a one-shot configuration")
+        if weight.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"{config} takes FP8 weights (with their scales), got {weight.dtype}")
+    elif persistent:
         block_n, num_warps, block_k = config.block_n, config.num_warps, triton.next_power_of_2(k)
         if rotary is not None:
             raise ValueError(f"{config} has no rotary epilogue: use a one-shot configuration")
@@ -684,6 +809,18 @@ def small_batch_linear(
     if m == 0 or n == 0:
         return out, residual_out
     pdl_on = pdl.enabled(x.device)
+    if mma:
+        out_rows = out.view(-1, n)
+        _gemv_mma_kernel[(triton.cdiv(n, block_n),)](
+            rows, residual_rows, residual_out_rows, norm_weight if norm_weight is not None else weight, weight,
+            weight_scale, bias if bias is not None else weight, out_rows,
+            n, k, n if silu else 0,
+            rows.stride(0), residual_rows.stride(0), residual_out_rows.stride(0), weight.stride(0),
+            out_rows.stride(0), float(eps),
+            ROWS=m, NORM=norm_weight is not None, ADD_RESIDUAL=norm_weight is not None and residual is not None,
+            SILU=silu, HAS_BIAS=bias is not None, LIBDEVICE=not interpreting(), BLOCK_N=block_n, BLOCK_K=block_k,
+            PDL=pdl_on, NUM_STAGES=config.num_stages, num_warps=num_warps, **pdl.launch_options(pdl_on))
+        return out, residual_out
     if persistent:
         out_rows = out.view(-1, n)
         programs = min(triton.cdiv(n, block_n), _multiprocessors(x.device) * config.per_sm)
@@ -747,5 +884,5 @@ def small_batch_linear(
     return out, residual_out
 
 
-__all__ = ["AVAILABLE", "CONFIGS", "FP8_CONFIGS", "FP8_NORM_CONFIGS", "MAX_ROWS", "NORM_CONFIGS", "configs_for", "PERSISTENT_MAX_ELEMENTS", "Persistent", "RotaryKV",
+__all__ = ["AVAILABLE", "CONFIGS", "FP8_CONFIGS", "MMA_CONFIGS", "Mma", "supports_rotary", "FP8_NORM_CONFIGS", "MAX_ROWS", "NORM_CONFIGS", "configs_for", "PERSISTENT_MAX_ELEMENTS", "Persistent", "RotaryKV",
            "small_batch_linear"]

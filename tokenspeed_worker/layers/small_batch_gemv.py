@@ -163,7 +163,7 @@ class SmallBatchGemv:
             return None
         half = attn.head_dim // 2
         configs = tuple(c for c in kernels.configs_for(proj.weight.dtype, norm=True)
-                        if not isinstance(c, kernels.Persistent) and half % c[0] == 0)
+                        if kernels.supports_rotary(c) and half % c[0] == 0)
         if not configs:
             return None
         heads, kv_heads, head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
