@@ -217,6 +217,23 @@ def test_the_timed_choice_applies_the_sites_margin(monkeypatch, fused_over_unfus
     assert small_batch_gemv.FOLD_MARGIN > 1 > small_batch_gemv.MARGIN
 
 
+def test_a_configuration_that_disagrees_with_the_unfused_path_is_refused(monkeypatch, caplog):
+    """However fast: a miscompiled or mis-indexed kernel (here, one that returns garbage, one that
+    returns a NaN) never becomes a site's choice."""
+    monkeypatch.setattr(small_batch_gemv, "l2_flush_buffer", lambda device: None)
+    times = {"garbage": 1.0, "nan": 1.0, "close": 20.0, "unfused": 30.0}
+    reference = torch.linspace(-1, 1, 64)
+    outputs = {"garbage": reference.flip(0), "nan": reference.clone().index_fill_(0, torch.tensor([3]), float("nan")),
+               "close": reference * 1.01, "unfused": reference}
+    monkeypatch.setattr(small_batch_gemv, "time_us", lambda fn, flush: times[next(k for k, v in outputs.items()
+                                                                                  if v is fn())])
+    chooser = SmallBatchGemv()
+    got = chooser._choose(("site",), torch.zeros(1), lambda config: outputs[config], lambda: outputs["unfused"],
+                          ("garbage", "nan", "close"), small_batch_gemv.MARGIN)
+    assert got == "close" and set(chooser.timings[("site",)]) == {"unfused", "close"}
+    assert sum("disagrees with the unfused path" in r.message for r in caplog.records) == 2
+
+
 @pytest.fixture
 def chooser():
     return SmallBatchGemv()

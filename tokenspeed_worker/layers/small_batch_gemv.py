@@ -13,8 +13,9 @@ kernel reads half the bytes and applies the scales in-register, activations stay
 A `SmallBatchGemv` holds the choices of one model runner: the first time a (site, rows, weight
 shape, dtype, device) is seen outside a CUDA-graph capture, the unfused path and each kernel
 configuration are timed alone (kernels/timing.time_us) and the fastest is kept, within the site's
-margin (MARGIN, FOLD_MARGIN). A shape first seen while capturing takes the unfused path. The
-batch-1 choices are then refined inside the whole decode step (`tune_in_step`, before the batch-1
+margin (MARGIN, FOLD_MARGIN); a configuration whose output disagrees with the unfused path's
+(AGREEMENT) is refused before it is timed. A shape first seen while capturing takes the unfused
+path. The batch-1 choices are then refined inside the whole decode step (`tune_in_step`, before the batch-1
 graph's capture). The runner makes its chooser `current()` while it builds the model; each Linear
 keeps the chooser current at its construction (None: always the unfused path).
 
@@ -53,6 +54,10 @@ FOLD_MARGIN = 1.05
 IN_STEP_TOP = 3  # configurations per site tried in the step besides its choice and the unfused path
 IN_STEP_MIN_GAIN = 0.003  # a path replaces the current one in-step only if the step gets 0.3 % faster
 IN_STEP_ROWS = (1,)  # batch sizes refined in-step: the latency-bound step
+# A configuration whose output differs from the unfused path's by more than this (relative norm) when
+# first timed is refused: roundings differ by far less (FP8 weights: the scaled GEMM's per-token
+# activation rounding, a few percent), a miscompiled or mis-indexed kernel by far more.
+AGREEMENT = 0.1
 UNFUSED = "unfused"
 
 
@@ -292,8 +297,13 @@ class SmallBatchGemv:
             timings = {UNFUSED: time_us(plain, flush)}
             options = self.options[key] = {UNFUSED: UNFUSED}
             best, best_us = UNFUSED, timings[UNFUSED] * margin
+            reference = plain()
             for config in configs:
                 try:
+                    if not _agrees(fused(config), reference):  # a miscompiled configuration never runs a step
+                        logger.warning("small-batch GEMV %s: config %s disagrees with the unfused path: refused",
+                                       key, config)
+                        continue
                     us = time_us(lambda: fused(config), flush)  # noqa: B023 (called here, inside the loop)
                 except Exception as error:  # a configuration that cannot compile or launch here (shared memory)
                     logger.debug("small-batch GEMV %s: config %s unusable: %s", key, config, error)
@@ -308,6 +318,19 @@ class SmallBatchGemv:
         self.timings[key] = timings
         logger.debug("small-batch GEMV %s: chose %s from %s", key, best, timings)
         return best
+
+
+def _agrees(got: Any, reference: Any, tolerance: float = AGREEMENT) -> bool:
+    """Whether a path's output (the first tensor of a tuple) is finite and within `tolerance` of the
+    reference's, relative to its norm; outputs that are not tensors (tests' stand-ins) agree."""
+    got = got[0] if isinstance(got, tuple) else got
+    reference = reference[0] if isinstance(reference, tuple) else reference
+    if not isinstance(got, torch.Tensor) or not isinstance(reference, torch.Tensor):
+        return True
+    got, reference = got.float(), reference.float()
+    if got.shape != reference.shape or not bool(torch.isfinite(got).all()):
+        return False
+    return bool((got - reference).norm() <= tolerance * reference.norm() + 1e-6)
 
 
 _current: SmallBatchGemv | None = None
@@ -329,5 +352,5 @@ def building(chooser: SmallBatchGemv | None) -> Iterator[SmallBatchGemv | None]:
         _current = previous
 
 
-__all__ = ["FOLD_MARGIN", "IN_STEP_MIN_GAIN", "IN_STEP_ROWS", "IN_STEP_TOP", "MARGIN", "SmallBatchGemv", "UNFUSED",
+__all__ = ["AGREEMENT", "FOLD_MARGIN", "IN_STEP_MIN_GAIN", "IN_STEP_ROWS", "IN_STEP_TOP", "MARGIN", "SmallBatchGemv", "UNFUSED",
            "building", "current"]
