@@ -14,18 +14,15 @@ import pytest
 
 from test_grpc_sampling import complete, gen
 from tokenspeed_worker.proto import tokenspeed_scheduler_pb2 as pb
-from worker_harness import Worker, child_pids, hf_greedy, tiny_models
+from worker_harness import Worker, child_pids, hf_greedy, needs_devices, tiny_models
 
 PROMPT = list(range(30, 94))  # 64 tokens: 4 full blocks of 16 to hit in the prefix cache
 
 
 @pytest.fixture(scope="module", autouse=True)
 def enough_devices():
-    """The replicas pick CUDA when it is there (one GPU each): skip where there are too few."""
-    import torch
-
-    if torch.cuda.is_available() and torch.cuda.device_count() < 2:
-        pytest.skip(f"needs 2 GPUs, {torch.cuda.device_count()} visible")
+    """The replicas pick CUDA when it is there (one GPU each)."""
+    needs_devices(2)
 
 
 @pytest.fixture(scope="module")

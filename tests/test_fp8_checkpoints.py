@@ -23,7 +23,7 @@ from tokenspeed_worker.engine.engine_core import EngineCore
 from tokenspeed_worker.engine.messages import AddRequest
 from tokenspeed_worker.layers.quantization import UnsupportedQuantization, resolve_quantization
 from tokenspeed_worker.sampling.params import SamplingParams
-from worker_harness import CACHE, REPO, _load_script, free_port, hf_greedy, tiny_models
+from worker_harness import CACHE, REPO, _load_script, free_port, hf_greedy, needs_devices, tiny_models
 
 PROMPTS = [[5, 17, 99, 230, 41, 7, 300], [12, 480, 3, 3, 77]]
 MAX_NEW = 8
@@ -148,6 +148,7 @@ def test_tp2_per_channel_fp8_through_the_cli_equals_transformers(fp8_models, nam
     from test_grpc_sampling import complete, gen
     from worker_harness import Worker
 
+    needs_devices(2)
     fp8_dir, ref_dir = fp8_models[name]
     worker = Worker(fp8_dir, "--max-model-len", "128", "--max-total-tokens", "512", "--tensor-parallel-size", "2",
                     "--quantization", method)
@@ -233,6 +234,7 @@ def test_quantize_rows_kernel_equals_torch(monkeypatch, k, one_pass_limit):
         monkeypatch.setattr(fp8, "MAX_K_ONE_PASS", one_pass_limit)
     torch.manual_seed(2)
     x = (torch.randn(4, k) * torch.tensor([1e-3, 1.0, 30.0, 0.0]).view(4, 1)).to(torch.bfloat16)
+    x = x.to("cuda" if torch.cuda.is_available() else "cpu")
     q, s = fp8.quantize_rows(x, use_kernel=True)
     q_ref, s_ref = fp8.quantize_rows_reference(x)
     assert torch.equal(s, s_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
@@ -248,7 +250,9 @@ def test_kept_fp8_layer_takes_the_small_batch_kernel_for_few_rows():
     from tokenspeed_worker.layers.fused_kernels import fused_kernels
     from tokenspeed_worker.layers.small_batch_gemv import SmallBatchGemv
 
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter on CPU
     layer, expected = _kept_layer("tensor")
+    layer = layer.to(device)
     layer.gemv = SmallBatchGemv()
     calls = []
     real = gemv.small_batch_linear
@@ -261,10 +265,10 @@ def test_kept_fp8_layer_takes_the_small_batch_kernel_for_few_rows():
     with fused_kernels("force"), pytest.MonkeyPatch.context() as mp:
         mp.setattr(gemv, "small_batch_linear", spy)
         x = torch.randn(3, 48).to(torch.bfloat16)
-        out = layer(x)
+        out = layer(x.to(device)).cpu()
         assert calls == [gemv.FP8_CONFIGS[0]]
         torch.testing.assert_close(out.double(), x.double() @ expected.double().t(), rtol=2e-2, atol=2e-2)
-        layer(torch.randn(9, 48).to(torch.bfloat16))  # past MAX_ROWS: the scaled GEMM
+        layer(torch.randn(9, 48).to(torch.bfloat16).to(device))  # past MAX_ROWS: the scaled GEMM
         assert len(calls) == 1
 
 

@@ -86,7 +86,10 @@ def test_online_fp8_linear_layer_at_every_row_count(rows):
             torch.set_default_dtype(torch.float32)
     with torch.no_grad():
         dense = torch.randn(2 * inter, hidden, device="cuda") * 0.02
-        layer.weight.copy_(dense)
+        for shard in range(2):  # as methods.quantize_online feeds the loaders: FP8 rows and their scales
+            q, scale = fp8.quantize_weight_rows(dense[shard * inter:(shard + 1) * inter])
+            layer.weight.weight_loader(layer.weight, q, shard)
+            layer.weight_scale.weight_loader(layer.weight_scale, scale, shard)
         norm.weight.copy_(1 + 0.1 * torch.randn(hidden, device="cuda"))
     process_weights_after_loading(layer)
     assert layer.weight.dtype == torch.float8_e4m3fn

@@ -18,17 +18,11 @@ import pytest
 from test_grpc_sampling import complete, gen, hf_log_softmax
 from tokenspeed_worker.config import check_supported, parse_args, UnsupportedOptionError
 from tokenspeed_worker.proto import tokenspeed_scheduler_pb2 as pb
-from worker_harness import Worker, hf_greedy, tiny_models
+from worker_harness import Worker, hf_greedy, needs_devices, tiny_models
 
 PROMPTS = [[5, 17, 42, 99, 7, 3, 250, 11, 64, 300], [9, 8, 7], list(range(20, 61))]
 
 
-def needs_devices(n: int) -> None:
-    """The workers pick CUDA when it is there (one GPU per rank): skip where there are too few."""
-    import torch
-
-    if torch.cuda.is_available() and torch.cuda.device_count() < n:
-        pytest.skip(f"needs {n} GPUs, {torch.cuda.device_count()} visible")
 FLAGS = ("--max-model-len", "256", "--max-total-tokens", "4096")
 
 
@@ -120,11 +114,13 @@ def test_killing_a_rank_ends_every_request_and_the_worker_exits_non_zero():
 
 
 def test_per_layer_tp_sizes_are_accepted_only_at_the_tp_size():
-    args = parse_args(["m", "--tp", "2", "--attn-tp-size", "2", "--dense-tp-size", "2", "--moe-tp-size", "2"])
+    # --device cpu: the checks are of the flags, whatever GPUs this machine has.
+    args = parse_args(["m", "--device", "cpu", "--tp", "2", "--attn-tp-size", "2", "--dense-tp-size", "2",
+                       "--moe-tp-size", "2"])
     check_supported(args)
     assert args.tensor_parallel_size == 2
     with pytest.raises(UnsupportedOptionError, match="--attn-tp-size 4 differs from --tensor-parallel-size 2"):
-        check_supported(parse_args(["m", "--tp", "2", "--attn-tp-size", "4"]))
+        check_supported(parse_args(["m", "--device", "cpu", "--tp", "2", "--attn-tp-size", "4"]))
     with pytest.raises(UnsupportedOptionError, match="--dense-tp-size 2 differs"):
         check_supported(parse_args(["m", "--dense-tp-size", "2"]))
 
@@ -173,7 +169,8 @@ def test_multi_node_flags_are_checked():
         parse_args(["m", "--nnodes", "2", "--node-rank", "2", "--dist-init-addr", "h:1", "--tp", "2"])
     with pytest.raises(SystemExit):
         parse_args(["m", "--dist-init-addr", "nocolon"])
-    args = parse_args(["m", "--tp", "4", "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "10.0.0.1:29500"])
+    args = parse_args(["m", "--device", "cpu", "--tp", "4", "--nnodes", "2", "--node-rank", "1",
+                       "--dist-init-addr", "10.0.0.1:29500"])
     check_supported(args)
 
 

@@ -39,6 +39,16 @@ def smollm2_dir() -> Path:
     return Path(_load_script("prepare_smollm2").prepare())
 
 
+def needs_devices(n: int) -> None:
+    """Workers pick CUDA when it is there (one GPU per rank or replica): skip where there are fewer
+    than n GPUs. On CPU the ranks share the machine (gloo), so nothing is skipped."""
+    import pytest
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.device_count() < n:
+        pytest.skip(f"needs {n} GPUs, {torch.cuda.device_count()} visible")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -637,6 +637,9 @@ def paged_decode_attention(
         KV_SATURATE=saturation_limit(k_cache.dtype) if rope is not None else 0.0,
         num_warps=4,
         num_stages=2,
+        # A float32 model's rotary rounds each product as kernels/rotary.py does (no FMA there);
+        # 16-bit dtypes round each product explicitly, so fusion cannot change their bits.
+        enable_fp_fusion=not (rope is not None and q.dtype == torch.float32),
         **pdl.launch_options(pdl_on),
     )
 

@@ -84,7 +84,8 @@ class Linear(nn.Module):
         self.checkpoint_modules = shard_names or [prefix]  # the checkpoint's modules this layer loads
         # Set by an FP8 method that keeps its weight in FP8 (CUDA): float32 [out_features], one
         # scale per weight row; None while the weight holds the values themselves.
-        self.weight_scale_rows: torch.Tensor | None = None
+        self.weight_scale_rows: torch.Tensor | None
+        self.register_buffer("weight_scale_rows", None, persistent=False)
         if self.quant_method is None:
             self.weight = nn.Parameter(torch.empty(out_features, in_features))
         else:

@@ -191,7 +191,7 @@ class Fp8LinearMethod:
             delattr(layer, "input_scale")  # per-token scales instead (module docstring)
         if keep_fp8 and rows is not None:
             layer.weight = nn.Parameter(weight, requires_grad=False)
-            layer.weight_scale_rows = rows.contiguous()
+            layer.weight_scale_rows = rows.contiguous()  # a buffer (Linear): moves with .to()
             return
         if rows is not None:
             dense = weight.to(torch.float32) * rows.unsqueeze(1)
