@@ -93,9 +93,12 @@ class CacheConfig:
     """The paged KV pool and its prefix cache (engine_core.size_kv_pool_tokens, the Scheduler)."""
 
     block_size: int = 16  # tokens per KV block
-    # "auto": the model's dtype; "fp8"/"fp8_e4m3": float8 e4m3, unscaled (values saturate at +-448;
-    # the attention kernels widen it to the model's dtype as they read).
+    # "auto": the model's dtype; "fp8"/"fp8_e4m3": float8 e4m3 with per-layer k/v scales (the
+    # attention kernels widen it to the model's dtype as they read; layers/quantization/kv_scales.py).
     kv_cache_dtype: str = "auto"
+    # The JSON file of the FP8 cache's per-layer scales (vLLM's format; kv_scales.read_scales_file);
+    # None: the checkpoint's, else 1.0.
+    quantization_param_path: str | None = None
     max_total_tokens: int | None = None  # the pool's size; None: what memory allows (size_kv_pool_tokens)
     gpu_memory_utilization: float = 0.9  # CUDA: the share of the device's memory for weights and the pool
     enable_prefix_caching: bool = True
@@ -115,6 +118,9 @@ class CacheConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.quantization_param_path is not None and self.kv_cache_dtype == "auto":
+            raise ValueError("--quantization-param-path: its KV-cache scales apply only to an FP8 KV cache "
+                             "(add --kv-cache-dtype fp8_e4m3)")
 
     @property
     def records_kv_events(self) -> bool:

@@ -177,8 +177,10 @@ class ServerArgs:
     )
     kv_cache_dtype: str = _option(
         "auto", PRECISION, "KV cache dtype; 'auto' uses the model dtype. 'fp8' / 'fp8_e4m3': float8 e4m3, half "
-        "the bytes of bf16 (twice the tokens in the pool, half the KV reads per decode step), stored unscaled "
-        "(values saturate at +-448; per-tensor scales from --quantization-param-path are not supported yet).",
+        "the bytes of bf16 (twice the tokens in the pool, half the KV reads per decode step), with one k and one "
+        "v scale per layer: from --quantization-param-path, else the checkpoint's (ModelOpt k_proj.k_scale / "
+        "v_proj.v_scale, compressed-tensors self_attn.k_scale / v_scale, or kv_scale), else 1.0 (values "
+        "saturate at +-448). The scales are folded into the attention weights at load.",
         choices=("auto", "fp8", "fp8_e4m3"),
     )
     kv_cache_quant_method: str = _not_yet(
@@ -198,8 +200,12 @@ class ServerArgs:
         choices=QUANTIZATION_CHOICES,
         unsupported_values=tuple(c for c in QUANTIZATION_CHOICES if c not in ("fp8", "compressed-tensors", "modelopt")),
     )
-    quantization_param_path: str | None = _not_yet(
-        None, PRECISION, "JSON file with KV cache scaling factors (for an FP8 KV cache)."
+    quantization_param_path: str | None = _option(
+        None, PRECISION, "JSON file with the FP8 KV cache's per-layer scaling factors, in vLLM's and SGLang's "
+        "format ({\"kv_cache\": {\"dtype\": \"float8_e4m3fn\", \"scaling_factor\": {\"0\": {\"0\": s0, "
+        "\"1\": s1, ...}}}}: tensor-parallel rank, then layer; one scale for both k and v; a file with rank 0 "
+        "only serves every rank). Needs --kv-cache-dtype fp8_e4m3; overrides the checkpoint's scales. Every "
+        "layer must be there; a bad file is a startup error naming the field."
     )
 
     # ---- API Surface

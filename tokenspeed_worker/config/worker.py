@@ -28,6 +28,7 @@ from tokenspeed_worker.config.engine import (
 )
 from tokenspeed_worker.config.parameters import ServerArgs
 from tokenspeed_worker.config.values import kv_events_enabled, kv_events_settings
+from tokenspeed_worker.layers.quantization import kv_scales
 
 DEFAULT_MAX_MODEL_LEN = 2048  # when neither --max-model-len nor the model's config.json gives one
 
@@ -78,6 +79,7 @@ class WorkerConfig:
         cache = CacheConfig(
             block_size=args.block_size,
             kv_cache_dtype=args.kv_cache_dtype,
+            quantization_param_path=_kv_scales_file(args),
             max_total_tokens=args.max_total_tokens,
             gpu_memory_utilization=args.gpu_memory_utilization,
             enable_prefix_caching=args.enable_prefix_caching,
@@ -108,6 +110,16 @@ class WorkerConfig:
             node_rank=args.node_rank,
         )
         return cls(server=server, engine=EngineConfig(model, cache, scheduler, parallel))
+
+
+def _kv_scales_file(args: ServerArgs) -> str | None:
+    """--quantization-param-path, checked against the model's layers and this worker's ranks."""
+    path = args.quantization_param_path
+    if path is not None and args.kv_cache_dtype != "auto":
+        layers = kv_scales.model_num_layers(args.model)
+        if layers:  # no readable config.json: the model facts report that
+            kv_scales.read_scales_file(path, layers, 0, args.tensor_parallel_size)
+    return path
 
 
 def _max_positions(model_path: str) -> int | None:

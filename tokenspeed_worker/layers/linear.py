@@ -118,6 +118,18 @@ class Linear(nn.Module):
             return self.dense_product(x, bias)
         return self.gemv.linear(x, self, bias)
 
+    @torch.no_grad()
+    def scale_output_rows(self, factor: float, rows: slice = slice(None), bias: bool = True) -> None:
+        """Make output rows `rows` (this rank's) `factor` times what they were: W[rows], and b[rows]
+        when `bias`. A weight kept in FP8 takes it in its row scales (exact); a 16-bit one is
+        rounded to its dtype once. Called once after loading (kv_scales' fold), never while serving."""
+        if self.weight_scale_rows is not None:
+            self.weight_scale_rows[rows] *= factor
+        else:
+            self.weight.data[rows] = (self.weight.data[rows].float() * factor).to(self.weight.dtype)
+        if bias and self.bias is not None:
+            self.bias.data[rows] = (self.bias.data[rows].float() * factor).to(self.bias.dtype)
+
 
 class MergedLinear(Linear):
     """Several linears sharing one input, stacked along the output dimension; column-parallel: each

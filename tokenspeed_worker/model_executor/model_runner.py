@@ -34,7 +34,7 @@ from tokenspeed_worker.model_executor.cuda_graph import (
     max_table_width,
     resolve_pending_ids,
 )
-from tokenspeed_worker.layers.quantization import methods as quant_methods
+from tokenspeed_worker.layers.quantization import kv_scales, methods as quant_methods
 from tokenspeed_worker.model_executor.loader import load_model_weights
 from tokenspeed_worker.models.llama import head_dim_of
 from tokenspeed_worker.models.registry import get_model_class
@@ -101,6 +101,7 @@ class ModelRunner:
               quant_methods.building(config.model.quant_config)):
             self.model = model_class(self.hf_config)
         self.load_format = load_model_weights(self.model, config.model)
+        self.kv_scales_source = self._fold_kv_cache_scales(config)
         self.model.eval()
 
         self.vocab_size: int = self.hf_config.vocab_size
@@ -133,6 +134,29 @@ class ModelRunner:
         # After a decode graph replay whose sampling rows are the leading rows: their argmax, taken
         # inside the graph into last_sampled (the tokens of an all-greedy step); else None.
         self.greedy_tokens: torch.Tensor | None = None
+
+    def _fold_kv_cache_scales(self, config: EngineConfig) -> str:
+        """With an FP8 KV cache, fold each layer's k/v scales (--quantization-param-path, else the
+        checkpoint's, else 1.0: layers/quantization/kv_scales.py) into the weights; returns where
+        they came from ("file", "checkpoint", "none"), or "unused" for a 16-bit cache."""
+        found = getattr(self.model, "checkpoint_kv_scales", {})
+        if self.kv_dtype != torch.float8_e4m3fn:
+            if found:
+                logger.info("the checkpoint has FP8 KV-cache scales; they apply with --kv-cache-dtype fp8_e4m3")
+            return "unused"
+        scales, source = kv_scales.resolve(config.cache.quantization_param_path, found,
+                                           self.hf_config.num_hidden_layers, config.parallel.tp_rank,
+                                           config.parallel.tensor_parallel_size)
+        if source == "none":
+            logger.warning("FP8 KV cache without scales (neither --quantization-param-path nor the checkpoint "
+                           "has them): every scale is 1.0, keys and values saturate at +-448")
+            return source
+        self.model.fold_kv_cache_scales(scales)
+        ks, vs = [k for k, _ in scales.values()], [v for _, v in scales.values()]
+        logger.info("FP8 KV cache: per-layer scales from the %s folded into the weights (k %.4g-%.4g, v %.4g-%.4g)",
+                    "--quantization-param-path file" if source == "file" else "checkpoint",
+                    min(ks), max(ks), min(vs), max(vs))
+        return source
 
     def _cuda_graphs_off_reason(self, enforce_eager: bool) -> str | None:
         if enforce_eager:

@@ -26,7 +26,7 @@ from tokenspeed_worker.layers.linear import (
     VocabParallelEmbedding,
     load_into,
 )
-from tokenspeed_worker.layers.quantization import methods as quant_methods
+from tokenspeed_worker.layers.quantization import kv_scales
 from tokenspeed_worker.layers.rotary import RotaryEmbedding, get_rope
 
 
@@ -60,6 +60,22 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, scale=self.head_dim**-0.5)
+
+    @torch.no_grad()
+    def fold_kv_cache_scales(self, k_scale: float, v_scale: float) -> None:
+        """Make the KV cache hold k / k_scale and v / v_scale while the layer computes what it did
+        (layers/quantization/kv_scales.py): q and k take k_scale and 1 / k_scale (in their norms
+        with q/k norm, as a norm's output ignores its input's scale), v takes 1 / v_scale and the
+        output projection v_scale (not its bias)."""
+        q, kv = self.q_size, self.kv_size
+        if self.qk_norm:
+            for norm, factor in ((self.q_norm, k_scale), (self.k_norm, 1.0 / k_scale)):
+                norm.weight.data = (norm.weight.data.float() * factor).to(norm.weight.dtype)
+        else:
+            self.qkv_proj.scale_output_rows(k_scale, slice(0, q))
+            self.qkv_proj.scale_output_rows(1.0 / k_scale, slice(q, q + kv))
+        self.qkv_proj.scale_output_rows(1.0 / v_scale, slice(q + kv, q + 2 * kv))
+        self.o_proj.scale_output_rows(v_scale, bias=False)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor | PendingNorm,
                 attn_metadata: object) -> torch.Tensor:
@@ -144,9 +160,9 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
         self.config = config
-        # Quantized checkpoints may carry k/v cache scales: noted in the config, not used yet.
-        quant = quant_methods.current_config()
-        self.skips_kv_scales = quant is not None
+        # The checkpoint's FP8 KV-cache scales, layer -> {"k"/"v"/"kv": scale} (load_weights); the
+        # runner folds them in with an FP8 cache (fold_kv_cache_scales).
+        self.checkpoint_kv_scales: dict[int, dict[str, float]] = {}
         self.model = LlamaModel(config, **self.layer_options(config))
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size,
@@ -164,6 +180,13 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden_states)
 
+    def fold_kv_cache_scales(self, scales: dict[int, tuple[float, float]]) -> None:
+        """Fold each layer's (k_scale, v_scale) into its weights (LlamaAttention.fold_kv_cache_scales)."""
+        for i, layer in enumerate(self.model.layers):
+            k_scale, v_scale = scales.get(i, (1.0, 1.0))
+            if (k_scale, v_scale) != (1.0, 1.0):
+                layer.self_attn.fold_kv_cache_scales(k_scale, v_scale)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named checkpoint tensors into the parameters; every parameter must be filled exactly once."""
         params = dict(self.named_parameters())  # a tied lm_head appears only as embed_tokens
@@ -171,8 +194,13 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name == "lm_head.weight"):
                 continue
-            if self.skips_kv_scales and name.endswith((".k_scale", ".v_scale")):
-                continue  # FP8 KV-cache scales: the cache is unscaled for now (layers/README.md)
+            kv_scale = kv_scales.checkpoint_scale(name)
+            if kv_scale is not None:
+                if tensor.numel() != 1:
+                    raise ValueError(f"checkpoint weight {name!r}: per-head KV-cache scales are not supported "
+                                     f"(one scale per layer; shape {tuple(tensor.shape)})")
+                self.checkpoint_kv_scales.setdefault(kv_scale[0], {})[kv_scale[1]] = float(tensor.float().item())
+                continue
             for fused, shard_name, shard_id in self.stacked_params_mapping:
                 if f".{shard_name}." in name:
                     param_name = name.replace(f".{shard_name}.", f".{fused}.")
