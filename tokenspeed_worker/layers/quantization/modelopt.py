@@ -1,8 +1,8 @@
 """NVIDIA ModelOpt FP8 checkpoints: `hf_quant_config.json` ({"quantization": {"quant_algo": "FP8",
 "kv_cache_quant_algo": ..., "exclude_modules": [...]}}) or the same fields in config.json's
 quantization_config (`quant_method: "modelopt"`). Weights per-tensor (`weight_scale`), activations
-static per-tensor (`input_scale`); k/v cache scales (`k_proj.k_scale`, `v_proj.v_scale`) are noted
-but not used yet."""
+static per-tensor (`input_scale`); k/v cache scales (`k_proj.k_scale`, `v_proj.v_scale`) apply to
+an FP8 KV cache (kv_scales.py)."""
 
 from __future__ import annotations
 
