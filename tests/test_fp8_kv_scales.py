@@ -68,11 +68,18 @@ def _scales_file(path, num_layers: int, scale: float, ranks=("0",)):
 def _logits(path, kv="fp8", **settings):
     """The logits of a prefill and a decode step of two sequences; on CUDA through the Triton
     backend (and an FP8 checkpoint's weights kept FP8), on CPU through the torch reference."""
-    from test_triton_backend import BLOCK_SIZE, Plans, random_seqs
+    from test_triton_backend import BLOCK_SIZE
 
     backend = "auto" if DEVICE == "cuda" else "torch"
     runner = make_runner(str(path), dtype="float32", device=DEVICE, block_size=BLOCK_SIZE, kv_cache_dtype=kv,
                          attention_backend=backend, **settings)
+    return _steps(runner), runner
+
+
+def _steps(runner) -> torch.Tensor:
+    """The logits of the same two steps on a fresh pool of `runner`'s."""
+    from test_triton_backend import Plans, random_seqs
+
     runner.allocate_kv_cache(32)
     seqs = random_seqs([20, 9], seed=2)
     plans = Plans(num_blocks=32, seed=2)
@@ -80,7 +87,7 @@ def _logits(path, kv="fp8", **settings):
     for s in seqs:
         s.tokens.append(7)
     out.append(runner.forward_all_logits(plans.plan([(s, 1) for s in seqs])))
-    return torch.cat(out), runner
+    return torch.cat(out)
 
 
 def _relative(a, b) -> float:
@@ -141,16 +148,7 @@ def test_fold_is_the_identity_for_any_scale():
     _, runner = _logits(tiny_models()["qwen2-bias"], kv="auto")
     before, _ = _logits(tiny_models()["qwen2-bias"], kv="auto")
     runner.model.fold_kv_cache_scales({0: (0.37, 2.9), 1: (5.3, 0.011)})
-    from test_triton_backend import Plans, random_seqs
-
-    runner.allocate_kv_cache(32)
-    seqs = random_seqs([20, 9], seed=2)
-    plans = Plans(num_blocks=32, seed=2)
-    after = [runner.forward_all_logits(plans.plan([(s, len(s.tokens)) for s in seqs]))]
-    for s in seqs:
-        s.tokens.append(7)
-    after.append(runner.forward_all_logits(plans.plan([(s, 1) for s in seqs])))
-    torch.testing.assert_close(torch.cat(after), before, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(_steps(runner), before, rtol=1e-4, atol=1e-4)
 
 
 def test_a_kept_fp8_layer_scales_its_row_scales_exactly():
