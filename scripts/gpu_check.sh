@@ -13,7 +13,8 @@
 #              the JSON has the launch-to-healthy startup_s
 #   prefix     bench_prefix.py, 1B shape (SERVING_MODEL), prefix cache on and off
 #   sampler    bench_sampler.py, batch 256 x vocab 128,256
-#   fp8        the FP8 GPU tests (scaled GEMM, activation quantization, GEMV on FP8 weights), then
+#   fp8        the FP8 GPU tests (scaled GEMM, activation quantization, GEMV on FP8 weights), the FP8
+#              checkpoint and KV-scale tests on CUDA (block-scaled GEMM, kept-FP8 folds), then
 #              fp8_accuracy.py (FP8 against bf16 on the same weights) for FP8_MODELS (llama-3.1-8b)
 # QUANTS (latency, offline): "none" (default), "fp8" (online FP8: --engine-arg quantization=fp8) or both;
 # a case quantized gets the suffix _fp8.
@@ -211,6 +212,9 @@ suite_offline() {
 suite_fp8() {
   pytest_run fp8_tests "${FP8_TESTS_TIMEOUT:-300}" -m gpu ${FP8_TESTS:-tests/test_fp8_gemm.py tests/test_small_batch_gemv.py} \
     -k fp8
+  # The checkpoint formats, the block-scaled GEMM and the KV-cache scales on CUDA (kept FP8, Triton).
+  pytest_run fp8_checkpoint_tests "${FP8_TESTS_TIMEOUT:-300}" ${FP8_CHECKPOINT_TESTS:-tests/test_fp8_checkpoints.py \
+    tests/test_fp8_kv_scales.py}
   local m
   for m in ${FP8_MODELS:-llama-3.1-8b}; do
     step "fp8_accuracy_${m##*/}" "${FP8_ACCURACY_TIMEOUT:-240}" "$REPO" python3 scripts/fp8_accuracy.py --model "$m" \

@@ -83,8 +83,9 @@ def test_ignored_layers_load_unquantized(fp8_models):
     assert layers[1].self_attn.qkv_proj.gemv is runner.small_batch_gemv is layers[0].self_attn.qkv_proj.gemv
 
 
-def test_block_scales_dequantize_by_block():
-    """Several blocks per matrix, partial ones at the edges, over fused shards."""
+def _block_layer(sizes=(24, 37), k=40, block=16, seed=0):
+    """A fused layer loaded with block-wise FP8 shards `sizes` x k (tiles block x block, partial at
+    the edges); returns (layer, the float weight its FP8 values and tile scales stand for)."""
     import torch
 
     from tokenspeed_worker.layers.linear import MergedLinear
@@ -92,19 +93,100 @@ def test_block_scales_dequantize_by_block():
     from tokenspeed_worker.layers.quantization.methods import building
 
     quantize = _load_script("make_fp8_models").quantize
-    config = QuantConfig("fp8", Fp8LinearScheme("block", block=(16, 16), scale_name="weight_scale_inv"))
-    torch.manual_seed(0)
+    config = QuantConfig("fp8", Fp8LinearScheme("block", block=(block, block), scale_name="weight_scale_inv"))
+    torch.manual_seed(seed)
     with building(config):
-        layer = MergedLinear(40, [24, 37], prefix="m.gate_up_proj", shard_names=["m.gate_proj", "m.up_proj"])
+        layer = MergedLinear(k, list(sizes), prefix="m.gate_up_proj", shard_names=["m.gate_proj", "m.up_proj"])
     expected = []
-    for shard, rows in enumerate((24, 37)):
-        w = torch.randn(rows, 40) * torch.linspace(0.1, 3, 40)
-        q, scale, deq = quantize(w, "block", block=16)
+    for shard, rows in enumerate(sizes):
+        w = torch.randn(rows, k) * torch.linspace(0.1, 3, k)
+        q, scale, deq = quantize(w, "block", block=block)
         layer.weight.weight_loader(layer.weight, q, shard)
         layer.weight_scale_inv.weight_loader(layer.weight_scale_inv, scale, shard)
         expected.append(deq)
-    layer.quant_method.process_weights_after_loading(layer, keep_fp8=True)  # block-wise: dequantized all the same
-    assert torch.equal(layer.weight.data, torch.cat(expected)) and layer.weight_scale_rows is None
+    return layer, torch.cat(expected)
+
+
+def test_block_scales_dequantize_by_block():
+    """Several blocks per matrix, partial ones at the edges, over fused shards: where FP8 is not
+    kept, the weight becomes its values times their tile's scale."""
+    import torch
+
+    layer, expected = _block_layer()
+    layer.quant_method.process_weights_after_loading(layer, keep_fp8=False)
+    assert torch.equal(layer.weight.data, expected) and layer.weight_scale_rows is None
+
+
+@pytest.mark.parametrize("sizes,block_rows", [((24, 37), 1), ((32, 48), 16)], ids=["partial-tiles", "whole-tiles"])
+def test_kept_block_fp8_runs_the_block_scaled_gemm(sizes, block_rows):
+    """Kept FP8 with tile scales (the checkpoint's where every shard is whole tiles, else one per
+    row): the product (the Triton kernel on CUDA, its torch reference on CPU) equals the float
+    product over the activations' per-group quantization, and a KV-scale fold scales the rows."""
+    import torch
+
+    from tokenspeed_worker.kernels import fp8
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    layer, expected = _block_layer(sizes, k=48)
+    layer.quant_method.process_weights_after_loading(layer, keep_fp8=True)
+    layer = layer.to(device)
+    assert layer.weight.dtype == torch.float8_e4m3fn and layer.weight_block_rows == block_rows
+    torch.manual_seed(4)
+    for rows in (1, 3, 40):
+        x = torch.randn(rows, 48).to(torch.bfloat16)
+        out = layer(x.to(device)).cpu()
+        q, s = fp8.quantize_groups_reference(x, 16)
+        reference = (q.float() * s.repeat_interleave(16, 1)[:, :48]) @ expected.t()
+        torch.testing.assert_close(out.float(), reference, rtol=2e-2, atol=2e-2)
+    before = layer(torch.ones(1, 48).to(torch.bfloat16).to(device)).float().cpu()
+    layer.scale_output_rows(0.25, slice(8, 30))  # inside tiles: the scales become per-row
+    after = layer(torch.ones(1, 48).to(torch.bfloat16).to(device)).float().cpu()
+    factor = torch.ones(sum(sizes))
+    factor[8:30] = 0.25
+    torch.testing.assert_close(after, before * factor, rtol=1e-2, atol=1e-2)
+    assert layer.weight_block_rows == 1
+
+
+def test_a_block_gemm_that_disagrees_with_its_reference_falls_back_to_dequantized(monkeypatch, caplog):
+    import torch
+
+    from tokenspeed_worker.kernels import fp8
+    from tokenspeed_worker.layers.quantization import methods
+
+    layer, expected = _block_layer()
+    layer.quant_method.process_weights_after_loading(layer, keep_fp8=True)
+    methods._check_block_gemm([layer])  # agrees: kept
+    assert layer.weight.dtype == torch.float8_e4m3fn
+    monkeypatch.setattr(fp8, "block_scaled_mm", lambda *a, **k: fp8.block_scaled_mm_reference(*a, **k) * 1.5)
+    methods._check_block_gemm([layer])
+    assert "disagrees with its reference" in caplog.text
+    assert layer.weight.dtype == torch.get_default_dtype() and getattr(layer, "weight_scale_blocks", None) is None
+    torch.testing.assert_close(layer.weight.data, expected)
+    x = torch.randn(2, 40)
+    torch.testing.assert_close(layer(x), x @ expected.t())
+
+
+@pytest.mark.parametrize("m,n,k,block_rows", [(3, 200, 300, 128), (40, 64, 128, 1), (1, 256, 256, 128),
+                                               (70, 130, 200, 1)])
+def test_block_scaled_gemm_kernel_equals_torch(m, n, k, block_rows):
+    """The Triton kernels (the interpreter on CPU): group quantization bit for bit, the block-scaled
+    GEMM within the bf16 output's rounding; partial groups, tiles and M/N tiles at the edges."""
+    import torch
+
+    from tokenspeed_worker.kernels import fp8
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(m + n)
+    x = (torch.randn(m, k) * torch.logspace(-2, 1, k)).to(torch.bfloat16).to(device)
+    q, s = fp8.quantize_groups(x, 128, use_kernel=True)
+    q_ref, s_ref = fp8.quantize_groups_reference(x, 128)
+    assert torch.equal(s, s_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    w = torch.randn(n, k).to(torch.float8_e4m3fn).to(device)
+    s_w = (torch.rand(-(-n // block_rows), -(-k // 128)) + 0.5).to(device)
+    bias = torch.randn(n).to(torch.bfloat16).to(device)
+    out = fp8.block_scaled_mm(q, s, w, s_w, block_rows, 128, bias, torch.bfloat16, use_kernel=True)
+    ref = fp8.block_scaled_mm_reference(q, s, w, s_w, block_rows, 128, bias, torch.float64)
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
 
 
 def _cli(model_dir, *flags):

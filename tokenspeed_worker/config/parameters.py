@@ -195,8 +195,9 @@ class ServerArgs:
         "'modelopt' (ModelOpt FP8); 'fp8' on an unquantized (bf16/fp16) checkpoint quantizes every "
         "linear layer at load (online FP8: one scale per output channel). On a GPU of compute "
         "capability 9.0+ the weights stay FP8 (FP8 GEMMs with per-token activation scales; the "
-        "small-batch GEMV reads FP8 weights); block-wise checkpoints, and every FP8 model on other "
-        "devices, are dequantized to --dtype at load. Embeddings and the LM head stay in --dtype.",
+        "small-batch GEMV reads FP8 weights; block-wise checkpoints run a block-scaled FP8 GEMM with "
+        "per-token, per-128-column activation scales); on other devices FP8 models are dequantized to "
+        "--dtype at load. Embeddings and the LM head stay in --dtype.",
         choices=QUANTIZATION_CHOICES,
         unsupported_values=tuple(c for c in QUANTIZATION_CHOICES if c not in ("fp8", "compressed-tensors", "modelopt")),
     )

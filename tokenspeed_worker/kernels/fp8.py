@@ -14,6 +14,19 @@
 The small-batch path (a few rows, weight-bound) does not come here: kernels/gemv.py reads the FP8
 weight and applies s_w in-register, with 16-bit activations.
 
+Block-wise checkpoints (`weight_block_size` [128, 128]: one scale per 128 x 128 weight tile, as
+Qwen3-*-FP8 and DeepSeek ship) take the block-scaled product instead, in the same shape as
+DeepSeek-V3's recipe:
+
+- `quantize_groups(x, group)`: each row of x cut into groups of `group` columns (the weight
+  block's width), each group with its own scale max(|group|) / 448.
+- `block_scaled_mm(q_x, s_x, weight, s_w, block_rows, ...)`: a Triton GEMM stepping K one group
+  at a time: the FP8 tensor-core dot of the group, scaled by the rows' group scales times the
+  weight's tile scales, accumulated in float32. cuBLASLt's FP8 GEMM takes one scale per row and
+  column, not per K group, hence a kernel of our own (vLLM and SGLang write one in Triton too).
+  s_w is one row per `block_rows` weight rows: the checkpoint's tiles (128) where every stacked
+  shard starts on a tile, else one row per weight row (block_rows 1).
+
 Importable without triton: AVAILABLE says whether the Triton kernel can be used.
 """
 
@@ -67,6 +80,56 @@ if AVAILABLE:
                 q = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX)
                 tl.store(q_row + k0 + offs, q.to(q_ptr.dtype.element_ty), mask=ok)
         tl.store(scale_ptr + row, scale)
+
+
+    @triton.jit
+    def _quantize_groups_kernel(x_ptr, q_ptr, scale_ptr, K, stride_x, stride_q, stride_s,
+                                FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, GROUP: tl.constexpr,
+                                BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        group = tl.program_id(1)
+        offs = group * GROUP + tl.arange(0, BLOCK)
+        ok = (tl.arange(0, BLOCK) < GROUP) & (offs < K)
+        x = tl.load(x_ptr + row * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(x), axis=0) / FP8_MAX, MIN_SCALE)
+        q = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX)
+        tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=ok)
+        tl.store(scale_ptr + row * stride_s + group, scale)
+
+    @triton.jit
+    def _block_scaled_mm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, M, N, K,
+                                stride_am, stride_as, stride_bn, stride_bs, stride_cm,
+                                BLOCK_ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+        # Tiles in groups of GROUP_M rows of tiles, so neighbouring programs share weight tiles in L2.
+        pid = tl.program_id(0)
+        tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+        per_group = GROUP_M * tiles_n
+        first_m = (pid // per_group) * GROUP_M
+        group_m = tl.minimum(tiles_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % per_group) % group_m
+        pid_n = (pid % per_group) // group_m
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        m_ok, n_ok = offs_m < M, offs_n < N
+        a_rows = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am
+        b_rows = b_ptr + offs_n.to(tl.int64)[:, None] * stride_bn
+        a_scales = as_ptr + offs_m.to(tl.int64) * stride_as
+        b_scales = bs_ptr + (offs_n // BLOCK_ROWS).to(tl.int64) * stride_bs
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for kb in range(0, tl.cdiv(K, BLOCK_K)):  # one K group (the weight block's width) per step
+            kk = kb * BLOCK_K + offs_k
+            k_ok = kk < K
+            a = tl.load(a_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            s_a = tl.load(a_scales + kb, mask=m_ok, other=0.0)
+            s_b = tl.load(b_scales + kb, mask=n_ok, other=0.0)
+            acc += tl.dot(a, tl.trans(b)) * s_a[:, None] * s_b[None, :]
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        c = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+        tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,5 +189,82 @@ def scaled_mm(q_x: torch.Tensor, s_x: torch.Tensor, weight: torch.Tensor, s_w: t
     return out.to(out_dtype)
 
 
+def quantize_groups_reference(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q [M, K] float8 e4m3, s [M, ceil(K / group)] float32) of x [..., K] flattened to rows, in torch."""
+    rows = x.reshape(-1, x.shape[-1]).to(torch.float32)
+    m, k = rows.shape
+    groups = -(-k // group)
+    padded = torch.nn.functional.pad(rows, (0, groups * group - k)).view(m, groups, group)
+    scale = (padded.abs().amax(dim=2) / FP8_MAX).clamp(min=MIN_SCALE)
+    q = (padded / scale[:, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q.view(m, groups * group)[:, :k], scale
+
+
+def quantize_groups(x: torch.Tensor, group: int, *, use_kernel: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q [M, K] float8 e4m3, s [M, ceil(K / group)] float32): x [..., K] flattened to rows, each
+    row's groups of `group` columns quantized with their own scale (module docstring). use_kernel
+    as quantize_rows'."""
+    if use_kernel is None:
+        use_kernel = AVAILABLE and x.is_cuda
+    if not use_kernel:
+        q, scale = quantize_groups_reference(x, group)
+        return q.contiguous(), scale
+    k = x.shape[-1]
+    rows = x.reshape(-1, k)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    m, groups = rows.shape[0], triton.cdiv(k, group)
+    q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty((m, groups), dtype=torch.float32, device=x.device)
+    if m:
+        _quantize_groups_kernel[(m, groups)](rows, q, scale, k, rows.stride(0), q.stride(0), scale.stride(0),
+                                             FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, GROUP=group,
+                                             BLOCK=triton.next_power_of_2(group), num_warps=1)
+    return q, scale
+
+
+def block_scaled_mm_reference(q_x: torch.Tensor, s_x: torch.Tensor, weight: torch.Tensor, s_w: torch.Tensor,
+                              block_rows: int, group: int, bias: torch.Tensor | None = None,
+                              out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """block_scaled_mm in float32 torch: both operands widened with their group and tile scales."""
+    x = q_x.to(torch.float32) * s_x.repeat_interleave(group, 1)[:, :q_x.shape[1]]
+    w_scale = s_w.repeat_interleave(block_rows, 0)[:weight.shape[0]].repeat_interleave(group, 1)[:, :weight.shape[1]]
+    out = x @ (weight.to(torch.float32) * w_scale).t()
+    if bias is not None:
+        out += bias.to(torch.float32)
+    return out.to(out_dtype)
+
+
+def block_scaled_mm(q_x: torch.Tensor, s_x: torch.Tensor, weight: torch.Tensor, s_w: torch.Tensor,
+                    block_rows: int, group: int, bias: torch.Tensor | None = None,
+                    out_dtype: torch.dtype = torch.bfloat16, *, use_kernel: bool | None = None) -> torch.Tensor:
+    """sum over K groups g of `group` columns of (q_x[:, g] * s_x[:, g]) @ (weight[:, g] *
+    s_w[n // block_rows, g])^T (+ bias) in out_dtype: q_x [M, K] and weight [N, K] float8 e4m3
+    contiguous along K, s_x [M, G] (quantize_groups with the weight block's width `group`), s_w
+    [ceil(N / block_rows), G] float32, G = ceil(K / group).
+    use_kernel: None takes the Triton kernel on CUDA; True forces it (the interpreter, in tests)."""
+    if use_kernel is None:
+        use_kernel = AVAILABLE and q_x.is_cuda
+    if not use_kernel:
+        return block_scaled_mm_reference(q_x, s_x, weight, s_w, block_rows, group, bias, out_dtype)
+    m, k = q_x.shape
+    n = weight.shape[0]
+    if group & (group - 1) or group < 16:
+        raise ValueError(f"block_scaled_mm: a K group of {group} columns (a power of two >= 16 is needed)")
+    out = torch.empty((m, n), dtype=out_dtype, device=q_x.device)
+    if m == 0:
+        return out
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
+    block_n = 32 if m <= 16 else 64 if m <= 64 else 128  # few rows: more, narrower tiles keep the SMs busy
+    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
+    _block_scaled_mm_kernel[grid](
+        q_x, s_x, weight, s_w, bias if bias is not None else s_w, out, m, n, k,
+        q_x.stride(0), s_x.stride(0), weight.stride(0), s_w.stride(0), out.stride(0),
+        BLOCK_ROWS=block_rows, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=group,
+        GROUP_M=8, num_warps=4 if block_m <= 64 else 8, num_stages=3)
+    return out
+
+
 __all__ = ["AVAILABLE", "FP8_DTYPE", "FP8_MAX", "MIN_SCALE", "quantize_rows", "quantize_rows_reference",
-           "quantize_weight_rows", "scaled_mm"]
+           "quantize_weight_rows", "scaled_mm", "quantize_groups", "quantize_groups_reference", "block_scaled_mm",
+           "block_scaled_mm_reference"]

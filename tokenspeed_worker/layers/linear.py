@@ -123,8 +123,8 @@ class Linear(nn.Module):
         """Make output rows `rows` (this rank's) `factor` times what they were: W[rows], and b[rows]
         when `bias`. A weight kept in FP8 takes it in its row scales (exact); a 16-bit one is
         rounded to its dtype once. Called once after loading (kv_scales' fold), never while serving."""
-        if self.weight_scale_rows is not None:
-            self.weight_scale_rows[rows] *= factor
+        if self.weight.dtype == torch.float8_e4m3fn:  # kept FP8: its scales take the factor
+            self.quant_method.scale_output_rows(self, factor, rows)
         else:
             self.weight.data[rows] = (self.weight.data[rows].float() * factor).to(self.weight.dtype)
         if bias and self.bias is not None:

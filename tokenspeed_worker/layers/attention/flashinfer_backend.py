@@ -18,7 +18,8 @@ which its `plan` chooses the work split on the host; every layer's `run` then re
   plan, so that buffer is never overwritten before its copy ran (overlap scheduling plans step N+1
   while step N may not have started).
 - K/V of the step are written by the fused rotary + KV-write kernel or by `write_kv_cache`, as for
-  the triton backend; an fp8 cache is passed with kv_data_type float8_e4m3fn (unscaled).
+  the triton backend; an fp8 cache is passed with kv_data_type float8_e4m3fn (its
+  per-layer scales are folded into the weights: layers/quantization/kv_scales.py).
 
 Without flashinfer (or without CUDA) construction raises ValueError with the reason; the CLI
 refuses the option before that (config.py).

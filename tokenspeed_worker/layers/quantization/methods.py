@@ -13,15 +13,17 @@ per-channel scheme fed by `quantize_online`, which turns each 16-bit checkpoint 
 quantized layer into its FP8 values and per-row scales as it streams in (on the model's device),
 so the 16-bit model never sits whole in memory. After loading, each weight becomes one of two forms:
 
-- FP8 kept (CUDA, compute capability 9.0+; every scheme but block-wise): the FP8 weight with one
-  float32 scale per row (`Linear.weight_scale_rows`): a per-tensor scale repeated over its shard's
-  rows, a per-channel scale as it is (an online weight's: max |row| / 448). The
-  product quantizes the activations per token and runs kernels/fp8.scaled_mm (cuBLASLt FP8 GEMM,
-  both scales in its epilogue); for a few rows the small-batch GEMV kernel reads the FP8 weight
-  instead, with 16-bit activations. A checkpoint's static input scales are not used: per-token
-  scales cost the same pass and lose less.
-- Dequantized (elsewhere, and block-wise scales for now): weight x scale in the model's dtype,
-  and the product is the layer's unquantized one. Correct results at the unquantized speed.
+- FP8 kept (CUDA, compute capability 9.0+): the FP8 weight with one float32 scale per row
+  (`Linear.weight_scale_rows`): a per-tensor scale repeated over its shard's rows, a per-channel
+  scale as it is (an online weight's: max |row| / 448). The product quantizes the activations per
+  token and runs kernels/fp8.scaled_mm (cuBLASLt FP8 GEMM, both scales in its epilogue); for a
+  few rows the small-batch GEMV kernel reads the FP8 weight instead, with 16-bit activations. A
+  checkpoint's static input scales are not used: per-token scales cost the same pass and lose less.
+- FP8 kept, block-wise (the same devices, with triton): the FP8 weight with its tile scales
+  (`weight_scale_blocks`, `weight_block_rows`); the product quantizes the activations per token
+  and K group and runs kernels/fp8.block_scaled_mm at every row count.
+- Dequantized (elsewhere): weight x scale in the model's dtype, and the product is the layer's
+  unquantized one. Correct results at the unquantized speed.
 """
 
 from __future__ import annotations
@@ -193,6 +195,12 @@ class Fp8LinearMethod:
             layer.weight = nn.Parameter(weight, requires_grad=False)
             layer.weight_scale_rows = rows.contiguous()  # a buffer (Linear): moves with .to()
             return
+        if keep_fp8 and fp8_kernels.AVAILABLE:  # block-wise: the block-scaled GEMM
+            layer.weight = nn.Parameter(weight, requires_grad=False)
+            blocks, block_rows = self._tile_scales(layer, scale)
+            layer.register_buffer("weight_scale_blocks", blocks, persistent=False)
+            layer.weight_block_rows = block_rows
+            return
         if rows is not None:
             dense = weight.to(torch.float32) * rows.unsqueeze(1)
         else:
@@ -207,6 +215,33 @@ class Fp8LinearMethod:
             sizes = getattr(layer, "output_sizes", None) or [layer.weight.shape[0]]
             return torch.repeat_interleave(scale.to(torch.float32), torch.tensor(sizes, device=scale.device))
         return None
+
+    def _tile_scales(self, layer: nn.Module, scale: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """(the block scales as kernels/fp8.block_scaled_mm reads them, its block_rows): the
+        checkpoint's tiles when every stacked shard is whole tiles, else one row per weight row."""
+        rows = self.scheme.block[0]
+        sizes = getattr(layer, "output_sizes", None) or [layer.weight.shape[0]]
+        if all(size % rows == 0 for size in sizes):
+            return scale.contiguous(), rows
+        parts, offset = [], 0
+        for size in sizes:
+            count = math.ceil(size / rows)
+            parts.append(scale[offset:offset + count].repeat_interleave(rows, 0)[:size])
+            offset += count
+        return torch.cat(parts).contiguous(), 1
+
+    @torch.no_grad()
+    def scale_output_rows(self, layer: nn.Module, factor: float, rows: slice) -> None:
+        """Multiply the kept-FP8 weight's output rows `rows` by `factor` through its scales (exact)."""
+        if layer.weight_scale_rows is not None:
+            layer.weight_scale_rows[rows] *= factor
+            return
+        start, stop, _ = rows.indices(layer.weight.shape[0])
+        tile = layer.weight_block_rows
+        if start % tile or (stop % tile and stop != layer.weight.shape[0]):  # not whole tiles: per-row scales
+            blocks = layer.weight_scale_blocks.repeat_interleave(tile, 0)[:layer.weight.shape[0]]
+            layer.weight_scale_blocks, layer.weight_block_rows, tile = blocks.contiguous(), 1, 1
+        layer.weight_scale_blocks[start // tile:-(-stop // tile)] *= factor
 
     def _dequantize_blocks(self, layer: nn.Module, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """weight x its block-wise scales `scale`, float32: each shard's [rows, cols] tiles by their scale."""
@@ -226,6 +261,12 @@ class Fp8LinearMethod:
         """x W^T (+ bias): the FP8 GEMM over per-token quantized x where the weight is FP8, else F.linear."""
         if layer.weight.dtype != FP8_DTYPE:
             return F.linear(x, layer.weight, bias)
+        if getattr(layer, "weight_scale_blocks", None) is not None:
+            group = self.scheme.block[1]
+            q, scale = fp8_kernels.quantize_groups(x, group)
+            out = fp8_kernels.block_scaled_mm(q, scale, layer.weight, layer.weight_scale_blocks,
+                                              layer.weight_block_rows, group, bias, x.dtype)
+            return out.view(*x.shape[:-1], out.shape[-1])
         q, scale = fp8_kernels.quantize_rows(x)
         out = fp8_kernels.scaled_mm(q, scale, layer.weight, layer.weight_scale_rows, bias, x.dtype)
         return out.view(*x.shape[:-1], out.shape[-1])
@@ -260,6 +301,34 @@ def keeps_fp8(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
+@torch.no_grad()
+def _check_block_gemm(layers: list[nn.Module]) -> None:
+    """Run the first block-wise layer's GEMM once on a few random rows against its torch reference;
+    should the two disagree (a kernel this GPU, driver or Triton miscompiles), log it and run every
+    block-wise layer dequantized instead: slower, never wrong."""
+    if not layers:
+        return
+    layer = layers[0]
+    group = layer.quant_method.scheme.block[1]
+    x = torch.randn(5, layer.weight.shape[1], device=layer.weight.device, dtype=layer.params_dtype)
+    q, scale = fp8_kernels.quantize_groups(x, group)
+    args = (q, scale, layer.weight, layer.weight_scale_blocks, layer.weight_block_rows, group)
+    got = fp8_kernels.block_scaled_mm(*args, out_dtype=torch.float32)
+    expected = fp8_kernels.block_scaled_mm_reference(*args, out_dtype=torch.float32)
+    error = ((got - expected).norm() / expected.norm().clamp(min=1e-30)).item()
+    if error < 1e-3:  # float32 output: only the order of the sums differs
+        return
+    logger.error("FP8: the block-scaled GEMM disagrees with its reference on this device (relative error %.3g); "
+                 "the %d block-wise layers run dequantized to %s instead", error, len(layers), layer.params_dtype)
+    for layer in layers:
+        tile = layer.weight_block_rows
+        scales = layer.weight_scale_blocks.repeat_interleave(tile, 0)[:layer.weight.shape[0]]
+        scales = scales.repeat_interleave(layer.quant_method.scheme.block[1], 1)[:, :layer.weight.shape[1]]
+        dense = (layer.weight.to(torch.float32) * scales).to(layer.params_dtype)
+        del layer.weight_scale_blocks
+        layer.weight = nn.Parameter(dense, requires_grad=False)
+
+
 def process_weights_after_loading(model: nn.Module) -> int:
     """Run every quantized layer's `process_weights_after_loading`; returns how many there were,
     logging which form the weights took."""
@@ -269,11 +338,12 @@ def process_weights_after_loading(model: nn.Module) -> int:
     keep = keeps_fp8(layers[0].weight.device)
     for layer in layers:
         layer.quant_method.process_weights_after_loading(layer, keep)
+    _check_block_gemm([layer for layer in layers if getattr(layer, "weight_scale_blocks", None) is not None])
     kept = sum(1 for layer in layers if layer.weight.dtype == FP8_DTYPE)
     if kept:
         logger.info("FP8: %d of %d quantized linear layers run FP8 GEMMs", kept, len(layers))
     if kept < len(layers):
         log = logger.info if layers[0].weight.is_cuda else logger.debug
         log("FP8: %d quantized linear layers dequantized to %s at load (%s)", len(layers) - kept,
-            layers[0].params_dtype, "block-wise scales" if keep else "no FP8 GEMMs on this device")
+            layers[0].params_dtype, "block-wise scales need triton" if keep else "no FP8 GEMMs on this device")
     return len(layers)
