@@ -69,8 +69,17 @@ SPECS: dict[str, tuple[str, dict, dict]] = {
     "qwen3-qknorm": ("Qwen3ForCausalLM", dict(tie_word_embeddings=False, head_dim=32), {}),
     # Same architecture as qwen3-qknorm, saved in many shards with an index file.
     "qwen3-sharded": ("Qwen3ForCausalLM", dict(tie_word_embeddings=False, head_dim=32), dict(max_shard_size="100KB")),
+    # Mixtures of experts: a dense layer (1) among sparse ones; top-2 of 8 renormalized (Qwen3-MoE),
+    # top-2 of 4 (Mixtral).
+    "qwen3-moe": ("Qwen3MoeForCausalLM", dict(tie_word_embeddings=False, head_dim=32, num_experts=8,
+                                              num_experts_per_tok=2, moe_intermediate_size=32,
+                                              decoder_sparse_step=1, mlp_only_layers=[1], norm_topk_prob=True), {}),
+    "mixtral": ("MixtralForCausalLM", dict(tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2,
+                                           intermediate_size=48), {}),
 }
-SEEDS = {"llama-gqa-tied": 1, "qwen2-bias": 2, "qwen3-qknorm": 3, "qwen3-sharded": 3}
+SEEDS = {"llama-gqa-tied": 1, "qwen2-bias": 2, "qwen3-qknorm": 3, "qwen3-sharded": 3, "qwen3-moe": 4, "mixtral": 5}
+# Routers scaled up from the 0.02 init: decisive top-k choices, not near-ties that rounding could flip.
+ROUTER_SCALE = 50.0
 
 
 def _training_text(max_bytes: int = 2_000_000) -> list[str]:
@@ -122,8 +131,10 @@ def make_model(name: str, out: Path, tokenizer) -> None:
         "LlamaForCausalLM": transformers.LlamaConfig,
         "Qwen2ForCausalLM": transformers.Qwen2Config,
         "Qwen3ForCausalLM": transformers.Qwen3Config,
+        "Qwen3MoeForCausalLM": transformers.Qwen3MoeConfig,
+        "MixtralForCausalLM": transformers.MixtralConfig,
     }[arch]
-    config = config_cls(**COMMON, **extra)
+    config = config_cls(**{**COMMON, **extra})
     config.architectures = [arch]
     torch.manual_seed(SEEDS[name])
     model = getattr(transformers, arch)(config).to(torch.float32)
@@ -132,6 +143,8 @@ def make_model(name: str, out: Path, tokenizer) -> None:
         for pname, param in model.named_parameters():
             if pname.endswith(".bias") or "norm" in pname:
                 param.add_(torch.randn_like(param) * 0.1)
+            elif pname.endswith((".mlp.gate.weight", ".block_sparse_moe.gate.weight")):
+                param.mul_(ROUTER_SCALE)
     model.config.dtype = "float32"
     model.save_pretrained(out, safe_serialization=True, **save_kwargs)
     GenerationConfig(bos_token_id=0, eos_token_id=1, pad_token_id=2, do_sample=False).save_pretrained(out)

@@ -25,6 +25,7 @@ import torch
 from tokenspeed_worker import distributed
 from tokenspeed_worker.config import EngineConfig, resolve_dtype
 from tokenspeed_worker.layers import small_batch_gemv
+from tokenspeed_worker.layers.moe import FusedMoE
 from tokenspeed_worker.layers.attention import Attention, AttentionBackend, AttentionInputs, get_attention_backend
 from tokenspeed_worker.model_executor.cuda_graph import (
     CudaGraph,
@@ -163,6 +164,8 @@ class ModelRunner:
             return "--enforce-eager"
         if self.device.type != "cuda" and self.graph_class in (None, CudaGraph):
             return f"device is {self.device.type}"
+        if any(isinstance(m, FusedMoE) and not m.supports_cuda_graphs for m in self.model.modules()):
+            return "the model's experts run the reference loop (layers/moe.py), which syncs with the host"
         if not self.attention_backend.supports_cuda_graphs:
             return f"attention backend {self.attention_backend.name!r} cannot be captured (triton can)"
         if not self.cudagraph_sizes:
@@ -172,9 +175,10 @@ class ModelRunner:
     # -- memory ---------------------------------------------------------------------------
 
     def weight_bytes(self) -> int:
-        """Device bytes of the weights: the parameters, and the FP8 layers' per-row scales."""
-        scales = [m.weight_scale_rows for m in self.model.modules() if getattr(m, "weight_scale_rows", None) is not None]
-        return sum(t.numel() * t.element_size() for t in (*self.model.parameters(), *scales))
+        """Device bytes of the weights: the parameters and the buffers (the FP8 layers' scales, the
+        rotary tables)."""
+        tensors = {id(t): t for t in (*self.model.parameters(), *self.model.buffers())}
+        return sum(t.numel() * t.element_size() for t in tensors.values())
 
     def kv_bytes_per_token(self) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_dtype.itemsize

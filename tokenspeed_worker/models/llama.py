@@ -10,11 +10,12 @@ may fold it into its own kernel (layers/linear.py); the residual add is fused in
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
 
+from tokenspeed_worker.layers import moe
 from tokenspeed_worker.layers.activation import SiluAndMul
 from tokenspeed_worker.layers.attention import Attention
 from tokenspeed_worker.layers.layernorm import PendingNorm, RMSNorm
@@ -109,12 +110,13 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, rotary_emb: RotaryEmbedding, qkv_bias: bool, o_bias: bool, mlp_bias: bool, qk_norm: bool,
-                 prefix: str = ""):
+    def __init__(self, config, rotary_emb: RotaryEmbedding, qkv_bias: bool, o_bias: bool, qk_norm: bool,
+                 mlp: nn.Module, mlp_name: str = "mlp", prefix: str = ""):
         super().__init__()
         self.self_attn = LlamaAttention(config, rotary_emb, qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=qk_norm,
                                         prefix=f"{prefix}.self_attn")
-        self.mlp = LlamaMLP(config, bias=mlp_bias, prefix=f"{prefix}.mlp")
+        self.mlp_name = mlp_name  # the checkpoint's name of the MLP ("block_sparse_moe" in Mixtral)
+        setattr(self, mlp_name, mlp)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -124,19 +126,23 @@ class LlamaDecoderLayer(nn.Module):
         x = self.input_layernorm.defer(hidden_states, residual)
         hidden_states = self.self_attn(positions, x, attn_metadata)
         x = self.post_attention_layernorm.defer(hidden_states, x.residual)
-        hidden_states = self.mlp(x)
+        hidden_states = getattr(self, self.mlp_name)(x)
         return hidden_states, x.residual
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config, qkv_bias: bool, o_bias: bool, mlp_bias: bool, qk_norm: bool) -> None:
+    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool,
+                 make_mlp: Callable[[int, str], tuple[str, nn.Module]]) -> None:
+        """make_mlp(layer index, layer prefix) -> (the MLP's checkpoint name, the MLP)."""
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         rotary_emb = get_rope(config, head_dim_of(config))  # one cos/sin table shared by all layers
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, rotary_emb, qkv_bias, o_bias, mlp_bias, qk_norm, prefix=f"model.layers.{i}")
-            for i in range(config.num_hidden_layers)
-        )
+        layers = []
+        for i in range(config.num_hidden_layers):
+            prefix = f"model.layers.{i}"
+            mlp_name, mlp = make_mlp(i, prefix)
+            layers.append(LlamaDecoderLayer(config, rotary_emb, qkv_bias, o_bias, qk_norm, mlp, mlp_name, prefix))
+        self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: object) -> torch.Tensor:
@@ -163,7 +169,9 @@ class LlamaForCausalLM(nn.Module):
         # The checkpoint's FP8 KV-cache scales, layer -> {"k"/"v"/"kv": scale} (load_weights); the
         # runner folds them in with an FP8 cache (fold_kv_cache_scales).
         self.checkpoint_kv_scales: dict[int, dict[str, float]] = {}
-        self.model = LlamaModel(config, **self.layer_options(config))
+        options = self.layer_options(config)
+        mlp_bias = options.pop("mlp_bias")
+        self.model = LlamaModel(config, **options, make_mlp=lambda i, prefix: self.make_mlp(config, i, prefix, mlp_bias))
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size,
                                       embedding=self.model.embed_tokens if self.tie_word_embeddings else None)
@@ -172,6 +180,11 @@ class LlamaForCausalLM(nn.Module):
     def layer_options(config) -> dict:
         bias = bool(getattr(config, "attention_bias", False))
         return dict(qkv_bias=bias, o_bias=bias, mlp_bias=bool(getattr(config, "mlp_bias", False)), qk_norm=False)
+
+    @staticmethod
+    def make_mlp(config, index: int, prefix: str, bias: bool) -> tuple[str, nn.Module]:
+        """Layer `index`'s MLP and its checkpoint name (models with experts override this)."""
+        return "mlp", LlamaMLP(config, bias=bias, prefix=f"{prefix}.mlp")
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: object) -> torch.Tensor:
         """Final hidden states [T, hidden]; the LM head runs only on the rows that sample (compute_logits)."""
@@ -200,6 +213,16 @@ class LlamaForCausalLM(nn.Module):
                     raise ValueError(f"checkpoint weight {name!r}: per-head KV-cache scales are not supported "
                                      f"(one scale per layer; shape {tuple(tensor.shape)})")
                 self.checkpoint_kv_scales.setdefault(kv_scale[0], {})[kv_scale[1]] = float(tensor.float().item())
+                continue
+            expert = moe.EXPERT_WEIGHT.match(name)
+            if expert is not None and expert["name"] in moe.PARTS:
+                param_name = f"{expert['prefix']}.experts." + ("w2_weight" if moe.PARTS[expert["name"]] == "down"
+                                                                else "w13_weight")
+                if param_name not in params:
+                    raise ValueError(f"checkpoint weight {name!r} has no parameter in {type(self).__name__}")
+                param = params[param_name]
+                loaded_numel[param_name] += param.expert_loader(param, tensor, int(expert["expert"]),
+                                                                moe.PARTS[expert["name"]])
                 continue
             for fused, shard_name, shard_id in self.stacked_params_mapping:
                 if f".{shard_name}." in name:

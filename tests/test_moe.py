@@ -1,0 +1,102 @@
+"""Mixtures of experts (layers/moe.py; models/qwen3_moe.py, models/mixtral.py) against transformers:
+the router's choice, greedy tokens with prefix hits and forced preemption, tensor parallelism
+through the CLI, and what is refused. (Staggered mixed batches with chunked prefill:
+tests/test_engine_vs_hf.py, which runs the MoE tiny models beside the dense ones.)"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from test_engine_scheduling import random_tokens, request, run
+from tokenspeed_worker.config import EngineConfig
+from tokenspeed_worker.engine.engine_core import EngineCore
+from tokenspeed_worker.layers.moe import select_experts
+from worker_harness import Worker, hf_greedy, needs_devices, tiny_models
+
+MOE_MODELS = ["qwen3-moe", "mixtral"]
+
+
+def test_routing_equals_transformers_routers():
+    from transformers import MixtralConfig, Qwen3MoeConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+    torch.manual_seed(0)
+    x = torch.randn(11, 16)
+    for router, renormalize in ((Qwen3MoeTopKRouter(Qwen3MoeConfig(hidden_size=16, num_experts=8, num_experts_per_tok=3,
+                                                                   norm_topk_prob=False)), False),
+                                (MixtralTopKRouter(MixtralConfig(hidden_size=16, num_local_experts=8,
+                                                                 num_experts_per_tok=2)), True)):
+        torch.nn.init.normal_(router.weight)
+        logits, expected_weights, expected_ids = router(x)
+        weights, ids = select_experts(logits, router.top_k, renormalize)
+        assert torch.equal(ids, expected_ids)
+        torch.testing.assert_close(weights, expected_weights.float())
+
+
+@pytest.mark.parametrize("name", MOE_MODELS)
+def test_prefix_hits_and_forced_preemption_equal_transformers(name, monkeypatch):
+    monkeypatch.setenv("TOKENSPEED_OVERLAP_SCHEDULE", "1")
+    model = tiny_models()[name]
+    core = EngineCore(EngineConfig.build(str(model), dtype="float32", device="cpu", block_size=4, max_model_len=256,
+                                         max_num_seqs=16, max_total_tokens=96, chunked_prefill_size=33,
+                                         schedule_conservativeness=0.0))
+    rng = np.random.default_rng(4)
+    system = random_tokens(rng, 12)  # a shared prefix: later requests hit the cache
+    prompts = [system + random_tokens(rng, 3 + 3 * i) for i in range(6)]
+    outs, cached, _ = run(core, [request(i + 1, p, 20) for i, p in enumerate(prompts)], arrive_at=[0, 0, 1, 1, 2, 2])
+    assert core.scheduler.num_preemptions > 0 and any(cached.values())
+    for i, p in enumerate(prompts):
+        assert outs[i + 1] == hf_greedy(model, p, 20), f"request {i + 1}"
+    assert core.scheduler.num_used_tokens == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", MOE_MODELS)
+def test_tp2_through_the_cli_equals_transformers(name):
+    """Each rank holds half of every expert's intermediate rows; the outputs sum over the ranks."""
+    from test_tensor_parallel import FLAGS, check_against_transformers
+
+    needs_devices(2)
+    model_dir = tiny_models()[name]
+    worker = Worker(model_dir, *FLAGS, "--tensor-parallel-size", "2")
+    try:
+        assert "tensor-parallel rank 1 of 2 ready" in worker.log()
+        check_against_transformers(worker, model_dir)
+    finally:
+        assert worker.stop() == 0, worker.log()
+
+
+def test_quantized_experts_are_refused_at_startup(tmp_path):
+    model = tmp_path / "fp8-moe"
+    shutil.copytree(tiny_models()["qwen3-moe"], model)
+    config = json.loads((model / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    (model / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="quantized \\(FP8\\) experts are not supported yet"):
+        EngineCore(EngineConfig.build(str(model), dtype="float32", device="cpu", max_model_len=64,
+                                      max_total_tokens=256))
+
+
+def test_a_sliding_window_mixtral_is_refused(tmp_path):
+    model = tmp_path / "swa"
+    shutil.copytree(tiny_models()["mixtral"], model)
+    config = json.loads((model / "config.json").read_text())
+    config["sliding_window"] = 32
+    (model / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="sliding_window 32 is not supported"):
+        EngineCore(EngineConfig.build(str(model), dtype="float32", device="cpu", max_model_len=64,
+                                      max_total_tokens=256))
+
+
+def test_cuda_graphs_are_off_for_experts_with_the_reason():
+    from worker_harness import make_runner
+
+    runner = make_runner(tiny_models()["qwen3-moe"], dtype="float32", device="cpu", emulate_cuda_graphs=True,
+                         max_model_len=64)
+    assert not runner.use_cuda_graphs and "experts" in runner.cuda_graphs_off_reason

@@ -1,0 +1,110 @@
+"""Mixture of experts: a router picks `top_k` of `num_experts` SiLU-gated MLPs per token, and the
+token's output is their sum weighted by the router's probabilities.
+
+    SparseMoeBlock(x) = sum over the chosen e of w_e * down_e(silu(gate_e x) * up_e x)
+
+- `select_experts(router_logits, top_k, renormalize)`: softmax over all experts in float32, the
+  top_k of it, renormalized to sum to 1 where the model says so (Qwen3-MoE's `norm_topk_prob`,
+  always for Mixtral). Shaped so grouped top-k and shared experts (DeepSeek, Qwen2-MoE) can add
+  their own selection and a dense branch beside it.
+- `FusedMoE`: every expert's weights stacked, `w13_weight` [E, 2 I, H] (gate rows, then up rows)
+  and `w2_weight` [E, H, I], loaded from the checkpoint's per-expert matrices (Qwen3-MoE's
+  `experts.<e>.gate_proj/up_proj/down_proj`, Mixtral's `experts.<e>.w1/w3/w2`). Tensor parallel:
+  each rank holds I / tp of every expert's intermediate rows (gate and up split by rows, down by
+  columns) and the outputs are summed over ranks, as the dense MLP does.
+
+The experts run here as a loop over the experts chosen in the step (each expert's tokens
+gathered, its MLP, the weighted rows added back): the reference, exact against transformers,
+which syncs with the host once per step, so models with experts run without CUDA graphs
+(`FusedMoE.supports_cuda_graphs`) until the grouped-GEMM kernels replace the loop.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenspeed_worker import distributed
+from tokenspeed_worker.layers.layernorm import PendingNorm
+from tokenspeed_worker.layers.linear import Linear, _divide
+
+# A checkpoint expert matrix: "<prefix>.experts.<e>.<name>.weight"; name -> which part of FusedMoE.
+EXPERT_WEIGHT = re.compile(r"^(?P<prefix>.+)\.experts\.(?P<expert>\d+)\.(?P<name>\w+)\.weight$")
+PARTS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
+
+
+def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights float32 [T, top_k], expert ids int64 [T, top_k]) of router_logits [T, E]."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+class FusedMoE(nn.Module):
+    """The experts of one layer, stacked (module docstring); forward(x, weights, ids) -> [T, H]."""
+
+    supports_cuda_graphs = False  # the reference loop syncs with the host (module docstring)
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.full_intermediate = intermediate_size
+        self.intermediate = _divide(intermediate_size, distributed.size(), "the experts' intermediate size")
+        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * self.intermediate, hidden_size))
+        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, self.intermediate))
+        for param in (self.w13_weight, self.w2_weight):
+            param.expert_loader = self.load_expert
+
+    def load_expert(self, param: nn.Parameter, loaded: torch.Tensor, expert: int, part: str) -> int:
+        """Copy this rank's share of expert `expert`'s checkpoint matrix `part` ("gate", "up",
+        "down") into `param`; returns the elements filled."""
+        if not 0 <= expert < self.num_experts:
+            raise ValueError(f"expert {expert} is out of range (the model has {self.num_experts})")
+        n, rank = self.intermediate, distributed.rank()
+        hidden = self.w13_weight.shape[2]
+        if part == "down":
+            if tuple(loaded.shape) != (hidden, self.full_intermediate):
+                raise ValueError(f"expert down matrix: expected {(hidden, self.full_intermediate)}, "
+                                 f"checkpoint has {tuple(loaded.shape)}")
+            target, source = param.data[expert], loaded.narrow(1, rank * n, n)
+        else:
+            if tuple(loaded.shape) != (self.full_intermediate, hidden):
+                raise ValueError(f"expert {part} matrix: expected {(self.full_intermediate, hidden)}, "
+                                 f"checkpoint has {tuple(loaded.shape)}")
+            target = param.data[expert].narrow(0, 0 if part == "gate" else n, n)
+            source = loaded.narrow(0, rank * n, n)
+        target.copy_(source)
+        return target.numel()
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for expert in torch.unique(ids).tolist():
+            tokens, slots = torch.nonzero(ids == expert, as_tuple=True)
+            gate, up = F.linear(x[tokens], self.w13_weight[expert]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.w2_weight[expert])
+            out.index_add_(0, tokens, y * weights[tokens, slots, None].to(y.dtype))
+        return distributed.all_reduce(out) if distributed.size() > 1 else out
+
+
+class SparseMoeBlock(nn.Module):
+    """The MLP of a layer with experts: the router (`gate`, replicated on every rank) and the experts."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, renormalize: bool,
+                 prefix: str = "", router_name: str = "gate") -> None:
+        super().__init__()
+        self.top_k, self.renormalize, self.router_name = top_k, renormalize, router_name
+        setattr(self, router_name, Linear(hidden_size, num_experts, prefix=f"{prefix}.{router_name}"))
+        self.experts = FusedMoE(num_experts, hidden_size, intermediate_size)
+
+    def forward(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:
+        if isinstance(x, PendingNorm):
+            x = x.apply()
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        weights, ids = select_experts(getattr(self, self.router_name)(x), self.top_k, self.renormalize)
+        return self.experts(x, weights, ids).view(shape)

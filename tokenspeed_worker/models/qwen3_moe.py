@@ -1,0 +1,32 @@
+"""Qwen3-MoE: the Qwen3 decoder (q/k norm) whose MLPs are mixtures of experts (layers/moe.py): top-k
+of `num_experts` routed experts per token, renormalized where `norm_topk_prob` says so; a layer
+listed in `mlp_only_layers`, or off the `decoder_sparse_step` stride, keeps a dense MLP."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from tokenspeed_worker.layers.moe import SparseMoeBlock
+from tokenspeed_worker.layers.quantization import methods as quant_methods
+from tokenspeed_worker.models.llama import LlamaMLP
+from tokenspeed_worker.models.qwen3 import Qwen3ForCausalLM
+
+
+def refuse_quantized_experts(name: str) -> None:
+    if quant_methods.current_config() is not None:
+        raise ValueError(f"{name}: quantized (FP8) experts are not supported yet; serve the bf16 checkpoint")
+
+
+class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
+    def __init__(self, config) -> None:
+        refuse_quantized_experts("Qwen3MoeForCausalLM")
+        super().__init__(config)
+
+    @staticmethod
+    def make_mlp(config, index: int, prefix: str, bias: bool) -> tuple[str, nn.Module]:
+        sparse = (index not in (getattr(config, "mlp_only_layers", None) or [])
+                  and config.num_experts > 0 and (index + 1) % config.decoder_sparse_step == 0)
+        if not sparse:
+            return "mlp", LlamaMLP(config, bias=bias, prefix=f"{prefix}.mlp")
+        return "mlp", SparseMoeBlock(config.hidden_size, config.moe_intermediate_size, config.num_experts,
+                                     config.num_experts_per_tok, bool(config.norm_topk_prob), prefix=f"{prefix}.mlp")
