@@ -203,3 +203,31 @@ def test_max_tokens_and_ignore_eos(stack):
              {"model": "smollm2", "messages": QUESTION, "max_tokens": 40, "temperature": 0, "ignore_eos": True})
     assert r["usage"]["completion_tokens"] == 40
     assert r["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("name", ["qwen3-moe", "mixtral"])
+def test_a_mixture_of_experts_model_serves_through_the_gateway(name):
+    """The tiny random Qwen3-MoE and Mixtral behind the real gateway: its chat completion, greedy,
+    is transformers' greedy continuation of the same templated prompt."""
+    from transformers import AutoTokenizer
+
+    from worker_harness import tiny_models
+
+    model_dir = tiny_models()[name]
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    ids = tok.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    expected = tok.decode(hf_greedy(model_dir, list(ids), 12), skip_special_tokens=True)
+    worker = Worker(model_dir, "--served-model-name", name, "--max-model-len", "256")
+    try:
+        gateway = Gateway(model_dir, [worker.address])
+        try:
+            r = post(gateway, "/v1/chat/completions", {"model": name, "messages": QUESTION, "max_tokens": 12,
+                                                       "temperature": 0, "ignore_eos": True})
+            assert r["choices"][0]["message"]["content"] == expected
+            assert r["usage"]["completion_tokens"] == 12
+        finally:
+            gateway.stop()
+    finally:
+        assert worker.stop() == 0, worker.log()
