@@ -298,7 +298,7 @@ def test_clear_errors(tiny_model_paths, tmp_path):
         make_runner(path, load_format="pt")
     config = (tiny_model_paths["llama-gqa-tied"] / "config.json").read_text()
     (tmp_path / "config.json").write_text(config.replace("LlamaForCausalLM", "GPT2LMHeadModel"))
-    with pytest.raises(ValueError, match="LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"):
+    with pytest.raises(ValueError, match="LlamaForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM"):
         make_runner(str(tmp_path), load_format="dummy")
     runner = make_runner(path)
     with pytest.raises(RuntimeError, match="allocate_kv_cache"):

@@ -100,3 +100,94 @@ def test_cuda_graphs_are_off_for_experts_with_the_reason():
     runner = make_runner(tiny_models()["qwen3-moe"], dtype="float32", device="cpu", emulate_cuda_graphs=True,
                          max_model_len=64)
     assert not runner.use_cuda_graphs and "experts" in runner.cuda_graphs_off_reason
+
+
+def _loop(x, w13, w2, weights, ids):
+    """The experts as the reference loop computes them (FusedMoE without kernels)."""
+    from tokenspeed_worker.layers.moe import FusedMoE
+
+    layer = FusedMoE(w13.shape[0], w13.shape[2], w2.shape[2]).to(x.device, x.dtype)
+    layer.w13_weight.data.copy_(w13)
+    layer.w2_weight.data.copy_(w2)
+    layer.use_kernels = False
+    return layer._experts(x, weights, ids)
+
+
+@pytest.mark.parametrize("tokens,experts,top_k", [(1, 8, 2), (5, 8, 2), (40, 4, 2), (70, 16, 3)])
+def test_align_by_expert_sorts_and_pads_each_experts_pairs(tokens, experts, top_k):
+    from tokenspeed_worker.kernels.moe import align_by_expert
+
+    torch.manual_seed(tokens)
+    ids = torch.stack([torch.randperm(experts)[:top_k] for _ in range(tokens)])
+    block = 16
+    sorted_ids, block_experts = align_by_expert(ids, experts, block)
+    pairs = tokens * top_k
+    assert sorted_ids.numel() % block == 0 and sorted_ids.numel() >= pairs + experts * (block - 1)
+    assert block_experts.numel() == sorted_ids.numel() // block
+    real = sorted_ids[sorted_ids < pairs]
+    assert sorted(real.tolist()) == list(range(pairs))  # every pair once
+    flat = ids.reshape(-1)
+    for b, expert in enumerate(block_experts.tolist()):
+        slots = sorted_ids[b * block:(b + 1) * block]
+        mine = slots[slots < pairs]
+        if expert < 0:
+            assert mine.numel() == 0
+        else:
+            assert mine.numel() > 0 and (flat[mine.long()] == expert).all()
+    used = (block_experts >= 0).sum().item()
+    assert used == sum(-(-int((flat == e).sum()) // block) for e in range(experts))
+
+
+@pytest.mark.parametrize("tokens,experts,top_k,hidden,inter", [(1, 8, 2, 64, 32), (5, 8, 2, 64, 32),
+                                                                (40, 4, 2, 48, 24), (70, 16, 3, 64, 40)])
+def test_grouped_gemm_experts_equal_the_loop(tokens, experts, top_k, hidden, inter):
+    """The kernels (Triton's interpreter on CPU) against the loop, in float32 (and bfloat16 on CUDA)."""
+    from tokenspeed_worker.kernels.moe import fused_experts
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    for dtype in (torch.float32, torch.bfloat16) if device == "cuda" else (torch.float32,):
+        torch.manual_seed(tokens + experts)
+        x = torch.randn(tokens, hidden).to(device, dtype)
+        w13 = (0.1 * torch.randn(experts, 2 * inter, hidden)).to(device, dtype)
+        w2 = (0.1 * torch.randn(experts, hidden, inter)).to(device, dtype)
+        weights, ids = select_experts(torch.randn(tokens, experts, device=device), top_k, True)
+        got, expected = fused_experts(x, w13, w2, weights, ids), _loop(x, w13, w2, weights, ids)
+        tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got.float(), expected.float(), rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("name", MOE_MODELS)
+def test_a_model_on_the_kernels_equals_the_loop(name):
+    """The whole model with the experts' kernels forced (the interpreter on CPU) gives the loop's
+    logits; the runner's startup check takes them, and a step with them can be captured."""
+    from test_fp8_kv_scales import _steps
+
+    from tokenspeed_worker.layers.fused_kernels import fused_kernels
+    from tokenspeed_worker.layers.moe import FusedMoE
+    from worker_harness import make_runner
+
+    model = tiny_models()[name]
+    expected = _steps(make_runner(model, dtype="float32", device="cpu", block_size=4, max_model_len=64))
+    with fused_kernels("force"):
+        runner = make_runner(model, dtype="float32", device="cpu", block_size=4, max_model_len=64)
+        layers = [m for m in runner.model.modules() if isinstance(m, FusedMoE)]
+        assert layers and all(m.use_kernels and m.supports_cuda_graphs for m in layers)
+        got = _steps(runner)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_kernels_that_disagree_with_the_loop_are_refused(monkeypatch, caplog):
+    from tokenspeed_worker.kernels import moe as moe_kernels
+    from tokenspeed_worker.layers.fused_kernels import fused_kernels
+    from tokenspeed_worker.layers.moe import FusedMoE
+
+    layer = FusedMoE(4, 32, 16)
+    torch.nn.init.normal_(layer.w13_weight)
+    torch.nn.init.normal_(layer.w2_weight)
+    real = moe_kernels.fused_experts
+    monkeypatch.setattr(moe_kernels, "fused_experts", lambda *args: real(*args) * 1.5)
+    with fused_kernels("force"):
+        assert layer.supports_cuda_graphs
+        assert not layer.kernels_agree(top_k=2)
+        assert not layer.supports_cuda_graphs
+    assert "disagree with the reference loop" in caplog.text

@@ -13,14 +13,17 @@ token's output is their sum weighted by the router's probabilities.
   each rank holds I / tp of every expert's intermediate rows (gate and up split by rows, down by
   columns) and the outputs are summed over ranks, as the dense MLP does.
 
-The experts run here as a loop over the experts chosen in the step (each expert's tokens
-gathered, its MLP, the weighted rows added back): the reference, exact against transformers,
-which syncs with the host once per step, so models with experts run without CUDA graphs
-(`FusedMoE.supports_cuda_graphs`) until the grouped-GEMM kernels replace the loop.
+The experts run as grouped GEMMs (kernels/moe.py: pairs sorted by expert on the device, one
+Triton kernel per projection, no host sync, so CUDA graphs capture them) where the fused kernels
+run (layers/fused_kernels.py: CUDA with triton), checked once after loading against the
+reference (`kernels_agree`). Elsewhere, the reference: a loop over the experts chosen in the step
+(each expert's tokens gathered, its MLP, the weighted rows added back), exact against
+transformers, which syncs with the host once per step, so no CUDA graphs there.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 
 import torch
@@ -28,8 +31,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenspeed_worker import distributed
+from tokenspeed_worker.layers.fused_kernels import use_fused
 from tokenspeed_worker.layers.layernorm import PendingNorm
 from tokenspeed_worker.layers.linear import Linear, _divide
+
+logger = logging.getLogger(__name__)
 
 # A checkpoint expert matrix: "<prefix>.experts.<e>.<name>.weight"; name -> which part of FusedMoE.
 EXPERT_WEIGHT = re.compile(r"^(?P<prefix>.+)\.experts\.(?P<expert>\d+)\.(?P<name>\w+)\.weight$")
@@ -48,10 +54,9 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -
 class FusedMoE(nn.Module):
     """The experts of one layer, stacked (module docstring); forward(x, weights, ids) -> [T, H]."""
 
-    supports_cuda_graphs = False  # the reference loop syncs with the host (module docstring)
-
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
+        self.use_kernels = True  # False after kernels_agree() found the kernels wrong on this device
         self.num_experts = num_experts
         self.full_intermediate = intermediate_size
         self.intermediate = _divide(intermediate_size, distributed.size(), "the experts' intermediate size")
@@ -81,14 +86,48 @@ class FusedMoE(nn.Module):
         target.copy_(source)
         return target.numel()
 
+    def _kernels(self, x: torch.Tensor):
+        return use_fused(x, "moe") if self.use_kernels else None
+
+    @property
+    def supports_cuda_graphs(self) -> bool:
+        """Whether a step can be captured: the grouped-GEMM kernels run, not the loop (a host sync)."""
+        return self._kernels(self.w13_weight) is not None
+
+    @torch.no_grad()
+    def kernels_agree(self, top_k: int, tokens: int = 37) -> bool:
+        """Run the kernels once on random tokens against the loop; False (and the loop from then on)
+        where they disagree beyond rounding: a kernel this GPU, driver or Triton miscompiles."""
+        if self._kernels(self.w13_weight) is None:
+            return True
+        x = torch.randn(tokens, self.w13_weight.shape[2], device=self.w13_weight.device, dtype=self.w13_weight.dtype)
+        weights, ids = select_experts(torch.randn(tokens, self.num_experts, device=x.device), top_k, True)
+        got = self._experts(x, weights, ids).float()
+        self.use_kernels = False
+        expected = self._experts(x, weights, ids).float()
+        error = ((got - expected).norm() / expected.norm().clamp(min=1e-30)).item()
+        self.use_kernels = error < 2e-2  # the model dtype's rounding of the intermediate rows
+        if not self.use_kernels:
+            logger.error("MoE: the grouped-GEMM kernels disagree with the reference loop on this device (relative "
+                         "error %.3g); the experts run the loop, without CUDA graphs", error)
+        return self.use_kernels
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        out = self._experts(x, weights, ids)
+        return distributed.all_reduce(out) if distributed.size() > 1 else out
+
+    def _experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """This rank's sum over the chosen experts: the grouped-GEMM kernels where they run, else the loop."""
+        kernels = self._kernels(x)
+        if kernels is not None:
+            return kernels.fused_experts(x, self.w13_weight, self.w2_weight, weights, ids)
         out = torch.zeros_like(x)
         for expert in torch.unique(ids).tolist():
             tokens, slots = torch.nonzero(ids == expert, as_tuple=True)
             gate, up = F.linear(x[tokens], self.w13_weight[expert]).chunk(2, dim=-1)
             y = F.linear(F.silu(gate) * up, self.w2_weight[expert])
             out.index_add_(0, tokens, y * weights[tokens, slots, None].to(y.dtype))
-        return distributed.all_reduce(out) if distributed.size() > 1 else out
+        return out
 
 
 class SparseMoeBlock(nn.Module):

@@ -103,6 +103,10 @@ class ModelRunner:
             self.model = model_class(self.hf_config)
         self.load_format = load_model_weights(self.model, config.model)
         self.kv_scales_source = self._fold_kv_cache_scales(config)
+        experts = [m for m in self.model.modules() if isinstance(m, FusedMoE)]
+        if experts and not experts[0].kernels_agree(getattr(self.hf_config, "num_experts_per_tok", 2)):
+            for m in experts:
+                m.use_kernels = False
         self.model.eval()
 
         self.vocab_size: int = self.hf_config.vocab_size
@@ -165,7 +169,7 @@ class ModelRunner:
         if self.device.type != "cuda" and self.graph_class in (None, CudaGraph):
             return f"device is {self.device.type}"
         if any(isinstance(m, FusedMoE) and not m.supports_cuda_graphs for m in self.model.modules()):
-            return "the model's experts run the reference loop (layers/moe.py), which syncs with the host"
+            return "the model's experts run the reference loop (layers/moe.py: no grouped-GEMM kernels here), which syncs with the host"
         if not self.attention_backend.supports_cuda_graphs:
             return f"attention backend {self.attention_backend.name!r} cannot be captured (triton can)"
         if not self.cudagraph_sizes:
@@ -175,10 +179,9 @@ class ModelRunner:
     # -- memory ---------------------------------------------------------------------------
 
     def weight_bytes(self) -> int:
-        """Device bytes of the weights: the parameters and the buffers (the FP8 layers' scales, the
-        rotary tables)."""
-        tensors = {id(t): t for t in (*self.model.parameters(), *self.model.buffers())}
-        return sum(t.numel() * t.element_size() for t in tensors.values())
+        """Device bytes of the weights: the parameters, and the FP8 layers' scales (buffers)."""
+        scales = [t for name, t in self.model.named_buffers() if "weight_scale" in name]
+        return sum(t.numel() * t.element_size() for t in (*self.model.parameters(), *scales))
 
     def kv_bytes_per_token(self) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_dtype.itemsize
