@@ -26,7 +26,8 @@ from tokenspeed_worker.sampling.params import SamplingParams  # noqa: E402
 
 MODEL_SHAPES = {"llama-3.2-1b": REPO / "scripts/model_configs/llama-3.2-1b",
                 "llama-3.1-8b": REPO / "scripts/model_configs/llama-3.1-8b",
-                "llama-3.1-70b": REPO / "scripts/model_configs/llama-3.1-70b"}
+                "llama-3.1-70b": REPO / "scripts/model_configs/llama-3.1-70b",
+                "llama-3.1-8b-fp8-block": REPO / "scripts/model_configs/llama-3.1-8b-fp8-block"}
 
 
 def add_engine_args(ap: argparse.ArgumentParser) -> None:

@@ -117,7 +117,7 @@ def test_block_scales_dequantize_by_block():
     assert torch.equal(layer.weight.data, expected) and layer.weight_scale_rows is None
 
 
-@pytest.mark.parametrize("sizes,block_rows", [((24, 37), 1), ((32, 48), 16)], ids=["partial-tiles", "whole-tiles"])
+@pytest.mark.parametrize("sizes,block_rows", [((48, 74), 1), ((64, 96), 32)], ids=["partial-tiles", "whole-tiles"])
 def test_kept_block_fp8_runs_the_block_scaled_gemm(sizes, block_rows):
     """Kept FP8 with tile scales (the checkpoint's where every shard is whole tiles, else one per
     row): the product (the Triton kernel on CUDA, its torch reference on CPU) equals the float
@@ -127,24 +127,38 @@ def test_kept_block_fp8_runs_the_block_scaled_gemm(sizes, block_rows):
     from tokenspeed_worker.kernels import fp8
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    layer, expected = _block_layer(sizes, k=48)
+    k = 80  # two whole K groups of 32 and a partial one
+    layer, expected = _block_layer(sizes, k=k, block=32)
     layer.quant_method.process_weights_after_loading(layer, keep_fp8=True)
     layer = layer.to(device)
     assert layer.weight.dtype == torch.float8_e4m3fn and layer.weight_block_rows == block_rows
     torch.manual_seed(4)
-    for rows in (1, 3, 40):
-        x = torch.randn(rows, 48).to(torch.bfloat16)
+    for rows in (1, 3, 40, 130):
+        x = torch.randn(rows, k).to(torch.bfloat16)
         out = layer(x.to(device)).cpu()
-        q, s = fp8.quantize_groups_reference(x, 16)
-        reference = (q.float() * s.repeat_interleave(16, 1)[:, :48]) @ expected.t()
+        q, s = fp8.quantize_groups_reference(x, 32)
+        reference = (q.float() * fp8.expand_scales(s, 1, 32, q.shape)) @ expected.t()
         torch.testing.assert_close(out.float(), reference, rtol=2e-2, atol=2e-2)
-    before = layer(torch.ones(1, 48).to(torch.bfloat16).to(device)).float().cpu()
+    before = layer(torch.ones(1, k).to(torch.bfloat16).to(device)).float().cpu()
     layer.scale_output_rows(0.25, slice(8, 30))  # inside tiles: the scales become per-row
-    after = layer(torch.ones(1, 48).to(torch.bfloat16).to(device)).float().cpu()
+    after = layer(torch.ones(1, k).to(torch.bfloat16).to(device)).float().cpu()
     factor = torch.ones(sum(sizes))
     factor[8:30] = 0.25
     torch.testing.assert_close(after, before * factor, rtol=1e-2, atol=1e-2)
     assert layer.weight_block_rows == 1
+
+
+def test_k_groups_the_block_gemm_cannot_take_are_dequantized():
+    """An FP8 dot needs K steps of 32+ columns: 16-wide blocks run dequantized, even where FP8 is kept."""
+    import torch
+
+    from tokenspeed_worker.kernels import fp8
+
+    layer, expected = _block_layer(block=16)
+    layer.quant_method.process_weights_after_loading(layer, keep_fp8=True)
+    assert layer.weight.dtype == torch.get_default_dtype() and getattr(layer, "weight_scale_blocks", None) is None
+    torch.testing.assert_close(layer.weight.data, expected)
+    assert not fp8.block_gemm_supports(16) and not fp8.block_gemm_supports(96) and fp8.block_gemm_supports(128)
 
 
 def test_a_block_gemm_that_disagrees_with_its_reference_falls_back_to_dequantized(monkeypatch, caplog):
@@ -153,7 +167,7 @@ def test_a_block_gemm_that_disagrees_with_its_reference_falls_back_to_dequantize
     from tokenspeed_worker.kernels import fp8
     from tokenspeed_worker.layers.quantization import methods
 
-    layer, expected = _block_layer()
+    layer, expected = _block_layer(block=32, k=80)
     layer.quant_method.process_weights_after_loading(layer, keep_fp8=True)
     methods._check_block_gemm([layer])  # agrees: kept
     assert layer.weight.dtype == torch.float8_e4m3fn
@@ -162,7 +176,7 @@ def test_a_block_gemm_that_disagrees_with_its_reference_falls_back_to_dequantize
     assert "disagrees with its reference" in caplog.text
     assert layer.weight.dtype == torch.get_default_dtype() and getattr(layer, "weight_scale_blocks", None) is None
     torch.testing.assert_close(layer.weight.data, expected)
-    x = torch.randn(2, 40)
+    x = torch.randn(2, 80)
     torch.testing.assert_close(layer(x), x @ expected.t())
 
 
@@ -380,3 +394,22 @@ def test_online_fp8_quantizes_each_linear_weight_as_it_streams_in(fp8_models):
             assert out[name].float().abs().amax(dim=1).eq(448).all()  # each row's largest maps to 448
         else:
             assert out[name] is tensor
+
+
+def test_online_fp8_of_a_dummy_model_is_the_same_model_rounded(fp8_models):
+    """`--load-format dummy --quantization fp8` draws the unquantized dummy model's weights and
+    quantizes them (what scripts/fp8_accuracy.py compares): each weight, dequantized, is the bf16
+    one to FP8's rounding, never its unscaled FP8 values."""
+    import torch
+
+    from worker_harness import make_runner
+
+    _, ref_dir = fp8_models["online"]
+    settings = dict(dtype="bfloat16", device="cpu", block_size=4, max_model_len=64, max_total_tokens=256,
+                    load_format="dummy")
+    plain = dict(make_runner(ref_dir, **settings).model.named_parameters())
+    online = dict(make_runner(ref_dir, quantization="fp8", **settings).model.named_parameters())
+    assert plain.keys() == online.keys()
+    for name, weight in plain.items():
+        error = (online[name].float() - weight.float()).abs().max().item()
+        assert error <= weight.float().abs().max().item() / 16, name  # e4m3: 3 mantissa bits

@@ -159,7 +159,7 @@ def test_grouped_gemm_experts_equal_the_loop(tokens, experts, top_k, hidden, int
 @pytest.mark.parametrize("name", MOE_MODELS)
 def test_a_model_on_the_kernels_equals_the_loop(name):
     """The whole model with the experts' kernels forced (the interpreter on CPU) gives the loop's
-    logits; the runner's startup check takes them, and a step with them can be captured."""
+    logits, on CUDA too; the runner's startup check takes them, and a step with them can be captured."""
     from test_fp8_kv_scales import _steps
 
     from tokenspeed_worker.layers.fused_kernels import fused_kernels
@@ -167,9 +167,10 @@ def test_a_model_on_the_kernels_equals_the_loop(name):
     from worker_harness import make_runner
 
     model = tiny_models()[name]
-    expected = _steps(make_runner(model, dtype="float32", device="cpu", block_size=4, max_model_len=64))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    expected = _steps(make_runner(model, dtype="float32", device=device, block_size=4, max_model_len=64))
     with fused_kernels("force"):
-        runner = make_runner(model, dtype="float32", device="cpu", block_size=4, max_model_len=64)
+        runner = make_runner(model, dtype="float32", device=device, block_size=4, max_model_len=64)
         layers = [m for m in runner.model.modules() if isinstance(m, FusedMoE)]
         assert layers and all(m.use_kernels and m.supports_cuda_graphs for m in layers)
         got = _steps(runner)

@@ -223,13 +223,24 @@ def quantize_groups(x: torch.Tensor, group: int, *, use_kernel: bool | None = No
     return q, scale
 
 
+def expand_scales(scales: torch.Tensor, rows: int, cols: int, shape: tuple[int, int]) -> torch.Tensor:
+    """Tile scales [ceil(N / rows), ceil(K / cols)] spread to one per element of a [N, K] = `shape`
+    matrix (the edge tiles cut): the scale each element is multiplied by."""
+    return scales.repeat_interleave(rows, 0)[:shape[0]].repeat_interleave(cols, 1)[:, :shape[1]]
+
+
+def block_gemm_supports(group: int) -> bool:
+    """Whether block_scaled_mm's kernel takes K groups of `group` columns: one group is one
+    tl.dot step, and an FP8 dot needs a power of two of at least 32 along K."""
+    return group >= 32 and not group & (group - 1)
+
+
 def block_scaled_mm_reference(q_x: torch.Tensor, s_x: torch.Tensor, weight: torch.Tensor, s_w: torch.Tensor,
                               block_rows: int, group: int, bias: torch.Tensor | None = None,
                               out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """block_scaled_mm in float32 torch: both operands widened with their group and tile scales."""
-    x = q_x.to(torch.float32) * s_x.repeat_interleave(group, 1)[:, :q_x.shape[1]]
-    w_scale = s_w.repeat_interleave(block_rows, 0)[:weight.shape[0]].repeat_interleave(group, 1)[:, :weight.shape[1]]
-    out = x @ (weight.to(torch.float32) * w_scale).t()
+    x = q_x.to(torch.float32) * expand_scales(s_x, 1, group, q_x.shape)
+    out = x @ (weight.to(torch.float32) * expand_scales(s_w, block_rows, group, weight.shape)).t()
     if bias is not None:
         out += bias.to(torch.float32)
     return out.to(out_dtype)
@@ -249,8 +260,8 @@ def block_scaled_mm(q_x: torch.Tensor, s_x: torch.Tensor, weight: torch.Tensor, 
         return block_scaled_mm_reference(q_x, s_x, weight, s_w, block_rows, group, bias, out_dtype)
     m, k = q_x.shape
     n = weight.shape[0]
-    if group & (group - 1) or group < 16:
-        raise ValueError(f"block_scaled_mm: a K group of {group} columns (a power of two >= 16 is needed)")
+    if not block_gemm_supports(group):
+        raise ValueError(f"block_scaled_mm: a K group of {group} columns (a power of two >= 32 is needed)")
     out = torch.empty((m, n), dtype=out_dtype, device=q_x.device)
     if m == 0:
         return out

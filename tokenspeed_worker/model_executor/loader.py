@@ -60,10 +60,12 @@ def init_dummy_weights(model: nn.Module, seed: int, online_fp8: bool = False) ->
     FP8 scales are 1 (an FP8 checkpoint's weights are drawn in FP8 directly). online_fp8: each
     quantized layer's FP8 weight and per-row scales are those of the 16-bit weight the unquantized
     model draws for the same seed (online FP8 of the same dummy model)."""
+    scales = [(name, param) for name, param in model.named_parameters() if name.endswith(("_scale", "_scale_inv"))]
+    for _, param in scales:  # first: online FP8 below overwrites a weight's scales after this
+        param.fill_(1.0)
     index = 0  # a weight's seed is seed + its index among the non-scale parameters, the same with or without FP8
     for name, param in model.named_parameters():
         if name.endswith(("_scale", "_scale_inv")):
-            param.fill_(1.0)
             continue
         if "norm" in name:
             param.fill_(1.0)

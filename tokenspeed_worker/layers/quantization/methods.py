@@ -19,7 +19,8 @@ so the 16-bit model never sits whole in memory. After loading, each weight becom
   token and runs kernels/fp8.scaled_mm (cuBLASLt FP8 GEMM, both scales in its epilogue); for a
   few rows the small-batch GEMV kernel reads the FP8 weight instead, with 16-bit activations. A
   checkpoint's static input scales are not used: per-token scales cost the same pass and lose less.
-- FP8 kept, block-wise (the same devices, with triton): the FP8 weight with its tile scales
+- FP8 kept, block-wise (the same devices, with triton, K groups of a power of two >= 32 columns,
+  e.g. the usual 128 x 128 tiles): the FP8 weight with its tile scales
   (`weight_scale_blocks`, `weight_block_rows`); the product quantizes the activations per token
   and K group and runs kernels/fp8.block_scaled_mm at every row count.
 - Dequantized (elsewhere): weight x scale in the model's dtype, and the product is the layer's
@@ -195,7 +196,8 @@ class Fp8LinearMethod:
             layer.weight = nn.Parameter(weight, requires_grad=False)
             layer.weight_scale_rows = rows.contiguous()  # a buffer (Linear): moves with .to()
             return
-        if keep_fp8 and fp8_kernels.AVAILABLE:  # block-wise: the block-scaled GEMM
+        if keep_fp8 and fp8_kernels.AVAILABLE and fp8_kernels.block_gemm_supports(scheme.block[1]):
+            # block-wise: the block-scaled GEMM (K groups it cannot take are dequantized below)
             layer.weight = nn.Parameter(weight, requires_grad=False)
             blocks, block_rows = self._tile_scales(layer, scale)
             layer.register_buffer("weight_scale_blocks", blocks, persistent=False)
@@ -226,7 +228,8 @@ class Fp8LinearMethod:
         parts, offset = [], 0
         for size in sizes:
             count = math.ceil(size / rows)
-            parts.append(scale[offset:offset + count].repeat_interleave(rows, 0)[:size])
+            tiles = scale[offset:offset + count]
+            parts.append(fp8_kernels.expand_scales(tiles, rows, 1, (size, tiles.shape[1])))
             offset += count
         return torch.cat(parts).contiguous(), 1
 
@@ -239,7 +242,8 @@ class Fp8LinearMethod:
         start, stop, _ = rows.indices(layer.weight.shape[0])
         tile = layer.weight_block_rows
         if start % tile or (stop % tile and stop != layer.weight.shape[0]):  # not whole tiles: per-row scales
-            blocks = layer.weight_scale_blocks.repeat_interleave(tile, 0)[:layer.weight.shape[0]]
+            blocks = layer.weight_scale_blocks
+            blocks = fp8_kernels.expand_scales(blocks, tile, 1, (layer.weight.shape[0], blocks.shape[1]))
             layer.weight_scale_blocks, layer.weight_block_rows, tile = blocks.contiguous(), 1, 1
         layer.weight_scale_blocks[start // tile:-(-stop // tile)] *= factor
 
@@ -251,9 +255,8 @@ class Fp8LinearMethod:
         offset, block_offset = 0, 0
         for size in sizes:
             count = math.ceil(size / rows)
-            tile = scale[block_offset:block_offset + count]
-            tile = tile.repeat_interleave(rows, 0)[:size].repeat_interleave(cols, 1)[:, :weight.shape[1]]
-            weight[offset:offset + size] *= tile
+            tiles = scale[block_offset:block_offset + count]
+            weight[offset:offset + size] *= fp8_kernels.expand_scales(tiles, rows, cols, (size, weight.shape[1]))
             offset, block_offset = offset + size, block_offset + count
         return weight
 
@@ -321,9 +324,8 @@ def _check_block_gemm(layers: list[nn.Module]) -> None:
     logger.error("FP8: the block-scaled GEMM disagrees with its reference on this device (relative error %.3g); "
                  "the %d block-wise layers run dequantized to %s instead", error, len(layers), layer.params_dtype)
     for layer in layers:
-        tile = layer.weight_block_rows
-        scales = layer.weight_scale_blocks.repeat_interleave(tile, 0)[:layer.weight.shape[0]]
-        scales = scales.repeat_interleave(layer.quant_method.scheme.block[1], 1)[:, :layer.weight.shape[1]]
+        scales = fp8_kernels.expand_scales(layer.weight_scale_blocks, layer.weight_block_rows,
+                                           layer.quant_method.scheme.block[1], layer.weight.shape)
         dense = (layer.weight.to(torch.float32) * scales).to(layer.params_dtype)
         del layer.weight_scale_blocks
         layer.weight = nn.Parameter(dense, requires_grad=False)
@@ -345,5 +347,6 @@ def process_weights_after_loading(model: nn.Module) -> int:
     if kept < len(layers):
         log = logger.info if layers[0].weight.is_cuda else logger.debug
         log("FP8: %d quantized linear layers dequantized to %s at load (%s)", len(layers) - kept,
-            layers[0].params_dtype, "block-wise scales need triton" if keep else "no FP8 GEMMs on this device")
+            layers[0].params_dtype, "the block-scaled GEMM needs triton and K groups of a power of two >= 32 "
+            "columns" if keep else "no FP8 GEMMs on this device")
     return len(layers)
