@@ -182,7 +182,7 @@ def test_kernels_that_disagree_with_the_loop_are_refused(monkeypatch, caplog):
     from tokenspeed_worker.layers.fused_kernels import fused_kernels
     from tokenspeed_worker.layers.moe import FusedMoE
 
-    layer = FusedMoE(4, 32, 16)
+    layer = FusedMoE(4, 32, 16).to("cuda" if torch.cuda.is_available() else "cpu")
     torch.nn.init.normal_(layer.w13_weight)
     torch.nn.init.normal_(layer.w2_weight)
     real = moe_kernels.fused_experts
