@@ -64,7 +64,7 @@ if AVAILABLE:
         if ONE_PASS:  # BLOCK_K >= K: the row is read once and held
             ok = offs < K
             x = tl.load(x_row + offs, mask=ok, other=0.0).to(tl.float32)
-            scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=0), FP8_MAX), MIN_SCALE)
+            scale = tl.maximum(tl.max(tl.abs(x), axis=0) / FP8_MAX, MIN_SCALE)
             q = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX)
             tl.store(q_row + offs, q.to(q_ptr.dtype.element_ty), mask=ok)
         else:
@@ -73,7 +73,7 @@ if AVAILABLE:
                 ok = k0 + offs < K
                 x = tl.load(x_row + k0 + offs, mask=ok, other=0.0).to(tl.float32)
                 amax = tl.maximum(amax, tl.abs(x))
-            scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), FP8_MAX), MIN_SCALE)
+            scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX, MIN_SCALE)
             for k0 in range(0, K, BLOCK_K):
                 ok = k0 + offs < K
                 x = tl.load(x_row + k0 + offs, mask=ok, other=0.0).to(tl.float32)
@@ -91,7 +91,7 @@ if AVAILABLE:
         offs = group * GROUP + tl.arange(0, BLOCK)
         ok = (tl.arange(0, BLOCK) < GROUP) & (offs < K)
         x = tl.load(x_ptr + row * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
-        scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=0), FP8_MAX), MIN_SCALE)
+        scale = tl.maximum(tl.max(tl.abs(x), axis=0) / FP8_MAX, MIN_SCALE)
         q = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX)
         tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=ok)
         tl.store(scale_ptr + row * stride_s + group, scale)
