@@ -119,7 +119,9 @@ class ModelArithmetic:
         return cls(weight_bytes=runner.weight_bytes() - lookup_only, kv_bytes_per_token=runner.kv_bytes_per_token(),
                    linear_params=params - embed if tied else params - 2 * embed, lm_head_params=embed,
                    num_layers=cfg.num_hidden_layers, q_dim=cfg.num_attention_heads * runner.head_dim,
-                   fp8_linear=any(getattr(m, "weight_scale_rows", None) is not None for m in runner.model.modules()))
+                   fp8_linear=any(getattr(m, "weight_scale_rows", None) is not None
+                                      or getattr(m, "weight_scale_blocks", None) is not None
+                                      for m in runner.model.modules()))
 
     def step_flops(self, num_tokens: int, num_sampled: int, attended: int) -> float:
         """GEMM FLOPs: every token through the layers, sampled rows through the LM head, plus

@@ -370,6 +370,46 @@ def test_kept_fp8_layer_takes_the_small_batch_kernel_for_few_rows():
         assert len(calls) == 1
 
 
+@pytest.mark.parametrize("sizes,gemv_rows", [((64, 96), True), ((48, 74), False)], ids=["whole-tiles", "partial"])
+def test_kept_block_fp8_layer_takes_the_small_batch_kernel_for_few_rows(sizes, gemv_rows):
+    """A kept block-FP8 layer whose shards are whole tile rows hands few rows to the small-batch
+    GEMV kernel with its tile scales (the interpreter here); expanded per-row scales (shards cut
+    inside a tile) and more rows take the block-scaled GEMM."""
+    import torch
+
+    from tokenspeed_worker.kernels import fp8, gemv
+    from tokenspeed_worker.layers.fused_kernels import fused_kernels
+    from tokenspeed_worker.layers.small_batch_gemv import SmallBatchGemv
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    layer, expected = _block_layer(sizes, k=80, block=32)
+    layer.quant_method.process_weights_after_loading(layer, keep_fp8=True)
+    layer = layer.to(device)
+    layer.gemv = SmallBatchGemv()
+    calls = []
+    real = gemv.small_batch_linear
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    torch.manual_seed(5)
+    with fused_kernels("force"), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gemv, "small_batch_linear", spy)
+        x = torch.randn(3, 80).to(torch.bfloat16)
+        out = layer(x.to(device)).cpu()
+        if gemv_rows:
+            (kwargs,) = calls
+            assert kwargs["config"] == gemv.configs_for(fp8.FP8_DTYPE, block_rows=32)[0]
+            assert kwargs["weight_block_scales"].rows == 32 and kwargs["weight_block_scales"].cols == 32
+            reference = x.double() @ expected.double().t()  # 16-bit rows, FP8 weights: no activation rounding
+            torch.testing.assert_close(out.double(), reference, rtol=2e-2, atol=2e-2)
+        else:
+            assert calls == []
+        layer(torch.randn(9, 80).to(torch.bfloat16).to(device))  # past MAX_ROWS: the block-scaled GEMM
+        assert len(calls) == (1 if gemv_rows else 0)
+
+
 def test_online_fp8_quantizes_each_linear_weight_as_it_streams_in(fp8_models):
     """`--quantization fp8`: the runner's layers hold FP8 weights and per-row scales from the first
     tensor on (no 16-bit copy of a quantized layer is ever made whole); embeddings, norms and the

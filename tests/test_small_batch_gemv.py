@@ -426,9 +426,10 @@ def test_rotary_epilogue_writes_q_and_the_caches_like_the_unfused_path(rows, cac
     _check_rotary_epilogue(rows, cache_dtype, config, fp8_weight=False)
 
 
-def _check_rotary_epilogue(rows, cache_dtype, config, fp8_weight: bool) -> None:
+def _check_rotary_epilogue(rows, cache_dtype, config, fp8_weight: bool, block: tuple[int, int] | None = None) -> None:
     """The rotary epilogue against norm -> qkv_proj (one rounding of the float64 product) ->
-    rope_and_write_kv; with fp8_weight, the q/k/v weight is fp8 with per-row scales."""
+    rope_and_write_kv; with fp8_weight, the q/k/v weight is fp8 with per-row scales, or with
+    block scales of `block` (rows, cols) tiles."""
     from tokenspeed_worker.layers.kv_cache import to_cache_dtype, write_kv_cache
     from tokenspeed_worker.layers.rotary import RotaryEmbedding
 
@@ -436,8 +437,13 @@ def _check_rotary_epilogue(rows, cache_dtype, config, fp8_weight: bool) -> None:
     rope = RotaryEmbedding(head_dim, 64, {"rope_type": "default", "rope_theta": 10000.0}).to(DEVICE)
     norm = _norm(hidden, seed=40)
     x, residual = _randn(rows, hidden, seed=41), _randn(rows, hidden, seed=42)
-    if fp8_weight:
+    scales = {}
+    if block is not None:
+        w, blocks, w_ref = _fp8_block_weight((heads + 2 * kv_heads) * head_dim, hidden, *block, seed=43)
+        scales = {"weight_block_scales": blocks}
+    elif fp8_weight:
         w, w_scale, w_ref = _fp8_weight((heads + 2 * kv_heads) * head_dim, hidden, seed=43, scale=0.05)
+        scales = {"weight_scale": w_scale}
     else:
         w = w_ref = _randn((heads + 2 * kv_heads) * head_dim, hidden, seed=43, scale=0.1)
         w_scale = None
@@ -448,7 +454,7 @@ def _check_rotary_epilogue(rows, cache_dtype, config, fp8_weight: bool) -> None:
     rotary = gemv.RotaryKV(heads, kv_heads, head_dim, positions, rope.cos_cache, rope.sin_cache, caches[0], caches[1],
                            slots)
     q, new_residual = gemv.small_batch_linear(x, w, bias, norm_weight=norm.weight, residual=residual, eps=norm.eps,
-                                              rotary=rotary, weight_scale=w_scale, config=config)
+                                              rotary=rotary, config=config, **scales)
     with fused_mode("off"):
         normed, expected_residual = norm(x, residual)
         qkv = _matmul_reference(normed, w_ref, bias).to(DTYPE)  # one rounding of the product, as cuBLAS
@@ -497,6 +503,24 @@ def _fp8_weight(n: int, k: int, seed: int, scale: float = 0.05) -> tuple[torch.T
     w_scale = w.abs().amax(dim=1) / 448
     q, w_scale = (w / w_scale[:, None]).to(FP8).to(DEVICE), w_scale.to(DEVICE)
     return q, w_scale, q.double() * w_scale.double()[:, None]
+
+
+def _fp8_block_weight(n: int, k: int, rows: int, cols: int, seed: int, scale: float = 0.05):
+    """(weight, BlockScales, the dequantized weight in float64) as a block-wise FP8 checkpoint ships
+    them: tiles of rows x cols with magnitudes spread over 16x (a tile's scale applied to another's
+    columns or rows shows), each quantized with its own amax / 448; the edge tiles cut."""
+    from tokenspeed_worker.kernels.fp8 import expand_scales
+
+    g = torch.Generator().manual_seed(seed)
+    tiles = (-(-n // rows), -(-k // cols))
+    spread = 2.0 ** (4 * torch.rand(*tiles, generator=g) - 2)
+    w = scale * torch.randn(n, k, generator=g) * expand_scales(spread, rows, cols, (n, k))
+    padded = torch.zeros(tiles[0] * rows, tiles[1] * cols)
+    padded[:n, :k] = w
+    tile_scales = padded.view(tiles[0], rows, tiles[1], cols).abs().amax(dim=(1, 3)) / 448
+    full = expand_scales(tile_scales, rows, cols, (n, k))
+    q = (w / full).to(FP8)
+    return q.to(DEVICE), gemv.BlockScales(tile_scales.to(DEVICE), rows, cols), q.double() * full.double()
 
 
 def test_every_finite_fp8_value_widens_exactly():
@@ -591,6 +615,60 @@ def test_fp8_weight_refusals():
     assert gemv.supports_rotary((16, 128, 4)) and set(gemv.MMA_CONFIGS) <= set(gemv.FP8_CONFIGS)
 
 
+# Block-wise FP8 weights (weight_block_scales: a scale per rows x cols tile, as Qwen3-*-FP8 and
+# DeepSeek ship 128 x 128): each strip of weight rows lies in one tile row, so the kernel scales the
+# input slice of each K step by its columns' tile scales; the references are the dequantized weights.
+@pytest.mark.parametrize("rows", [1, 4])
+@pytest.mark.parametrize("config", [(16, 128, 4), (32, 64, 4), (8, 256, 4)])
+def test_block_fp8_weight_plain_product_with_ragged_shapes_and_bias(rows, config):
+    k, n = 300, 90  # K over three 128-column groups (the last partial), N over 32-row tiles (partial)
+    x, b = _randn(rows, k, seed=160), _randn(n, seed=161)
+    w, blocks, w_ref = _fp8_block_weight(n, k, 32, 128, seed=162)
+    out = gemv.small_batch_linear(x, w, b, weight_block_scales=blocks, config=config)[0]
+    _close(out, _matmul_reference(x, w_ref, b))
+
+
+@pytest.mark.parametrize("config", [(16, 64, 4), (16, 64, 4, True)])
+def test_block_fp8_weight_under_the_norm_prologue_and_silu(config):
+    # Gate and up strips each take their own tile rows' scales (I a multiple of the tile height).
+    # The one-pass prologue (1 / RMS after the sum) rounds its input a bfloat16 step apart from the
+    # norm layer, which SiLU·mul can carry past the tolerance: it is checked without the epilogue.
+    rows, k, inter = 3, 192, 64
+    norm = _norm(k, seed=163)
+    x, residual = _randn(rows, k, seed=164), _randn(rows, k, seed=165)
+    w, blocks, w_ref = _fp8_block_weight(2 * inter, k, 32, 64, seed=166, scale=0.1)
+    if len(config) == 3:
+        out, residual_out = gemv.small_batch_linear(x, w, norm_weight=norm.weight, residual=residual, eps=norm.eps,
+                                                    silu=True, weight_block_scales=blocks, config=config)
+        with fused_mode("off"):
+            normed, expected_residual = norm(x, residual)
+            expected = SiluAndMul()(F.linear(normed.double(), w_ref).to(DTYPE))
+        assert torch.equal(residual_out, expected_residual)
+        torch.testing.assert_close(out.double(), expected.double(), atol=2e-2, rtol=2e-2)
+    plain = gemv.small_batch_linear(x, w[:inter], norm_weight=norm.weight, eps=norm.eps, config=config,
+                                    weight_block_scales=gemv.BlockScales(blocks.scales[:2].contiguous(), 32, 64))[0]
+    _close(plain, _matmul_reference(norm(x), w_ref[:inter]))
+
+
+def test_block_fp8_weight_under_the_rotary_epilogue():
+    _check_rotary_epilogue(3, DTYPE, (16, 64, 4), fp8_weight=True, block=(32, 32))
+
+
+def test_block_fp8_weight_refusals():
+    x = _randn(2, 64, seed=167)
+    w, blocks, _ = _fp8_block_weight(64, 64, 32, 32, seed=168)
+    for config in (gemv.Persistent(2, 4, 4), gemv.Mma(16, 64, 4, 2), (64, 64, 4)):  # 64-row strips: two tiles
+        with pytest.raises(ValueError, match="cannot read block scales"):
+            gemv.small_batch_linear(x, w, weight_block_scales=blocks, config=config)
+    with pytest.raises(ValueError, match="weight_block_scales must be"):
+        gemv.small_batch_linear(x, w, weight_block_scales=gemv.BlockScales(blocks.scales[:1], 32, 32), config=(16, 64, 4))
+    with pytest.raises(ValueError, match="no weight_scale"):
+        gemv.small_batch_linear(x, w, weight_scale=torch.ones(64, device=DEVICE), weight_block_scales=blocks,
+                                config=(16, 64, 4))
+    assert all(gemv.takes_block_scales(c, 128) for c in gemv.configs_for(FP8, norm=True, block_rows=128))
+    assert not gemv.configs_for(FP8, block_rows=1)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
@@ -639,3 +717,33 @@ def test_fp8_weights_at_llama_8b_shapes(rows):
             _close(got[0], expected_down)
     print(f"fp8 rows {rows}: {ran} ran, refused: {refused}")
     assert ran >= 2 * len(gemv.NORM_CONFIGS)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("rows", [1, 4])
+def test_block_fp8_weights_at_llama_8b_shapes(rows):
+    # The same three sites with 128 x 128 block scales (Qwen3-*-FP8's and DeepSeek's tiles), every
+    # configuration that takes them, against float64.
+    hidden, qkv_out, inter = 4096, 6144, 14336
+    norm = _norm(hidden, seed=90)
+    x, residual, h = _randn(rows, hidden, seed=91), _randn(rows, hidden, seed=92), _randn(rows, inter, seed=93)
+    w_qkv, s_qkv, ref_qkv = _fp8_block_weight(qkv_out, hidden, 128, 128, seed=94, scale=0.005)
+    w_gate_up, s_gate_up, ref_gate_up = _fp8_block_weight(2 * inter, hidden, 128, 128, seed=95, scale=0.005)
+    w_down, s_down, ref_down = _fp8_block_weight(hidden, inter, 128, 128, seed=96, scale=0.005)
+    normed, expected_residual = norm(x, residual)
+    expected_qkv, expected_down = _matmul_reference(normed, ref_qkv), _matmul_reference(h, ref_down)
+    expected_act = SiluAndMul()(F.linear(normed.double(), ref_gate_up).to(DTYPE))
+    del ref_gate_up
+    norm_configs = gemv.configs_for(FP8, norm=True, block_rows=128)
+    assert norm_configs and not any(isinstance(c, (gemv.Persistent, gemv.Mma)) for c in norm_configs)
+    for config in norm_configs:
+        out, new_residual = gemv.small_batch_linear(x, w_qkv, norm_weight=norm.weight, residual=residual,
+                                                    eps=norm.eps, weight_block_scales=s_qkv, config=config)
+        assert torch.equal(new_residual, expected_residual)
+        _close(out, expected_qkv)
+        out = gemv.small_batch_linear(x, w_gate_up, norm_weight=norm.weight, residual=residual, eps=norm.eps,
+                                      silu=True, weight_block_scales=s_gate_up, config=config)[0]
+        torch.testing.assert_close(out, expected_act, atol=3e-2, rtol=3e-2)
+    for config in gemv.configs_for(FP8, block_rows=128):
+        _close(gemv.small_batch_linear(h, w_down, weight_block_scales=s_down, config=config)[0], expected_down)

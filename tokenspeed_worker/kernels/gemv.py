@@ -81,6 +81,36 @@ class Mma(NamedTuple):
     num_stages: int
 
 
+class BlockScales(NamedTuple):
+    """Block-wise FP8 weight scales: scales[i, j] (float32, contiguous) multiplies the weight's rows
+    [i * rows, (i + 1) * rows) and columns [j * cols, (j + 1) * cols) (the edge tiles cut)."""
+
+    scales: torch.Tensor
+    rows: int
+    cols: int
+
+
+def takes_block_scales(config: tuple, block_rows: int) -> bool:
+    """Whether a configuration can read weights with block scales of `block_rows`-row tiles: a
+    one-shot one whose strips of BLOCK_N rows never straddle two tile rows."""
+    return not isinstance(config, (Persistent, Mma)) and block_rows % config[0] == 0
+
+
+def _check_block_scales(blocks: BlockScales, weight: torch.Tensor, weight_scale, config: tuple) -> None:
+    n, k = weight.shape
+    expected = (-(-n // blocks.rows), -(-k // blocks.cols))
+    if weight_scale is not None or weight.dtype != torch.float8_e4m3fn:
+        raise ValueError("weight_block_scales go with an fp8 weight and no weight_scale")
+    if blocks.scales.dtype != torch.float32 or tuple(blocks.scales.shape) != expected or not blocks.scales.is_contiguous():
+        raise ValueError(f"weight_block_scales must be contiguous float32 of shape {expected} ({blocks.rows} x "
+                         f"{blocks.cols} tiles); got {blocks.scales.dtype} {tuple(blocks.scales.shape)}")
+    if blocks.scales.device != weight.device:
+        raise ValueError(f"weight_block_scales must be on the weight's device ({weight.device})")
+    if not takes_block_scales(config, blocks.rows):
+        raise ValueError(f"{config} cannot read block scales of {blocks.rows}-row tiles (one-shot configurations "
+                         f"whose BLOCK_N divides the tile's rows)")
+
+
 PERSISTENT_MAX_ELEMENTS = 32768  # rows x next_power_of_2(K): the input rows held as float32 across the program
 # Tried per shape by layers/small_batch_gemv.py: one-shot (BLOCK_N, BLOCK_K, num_warps) (one program per
 # BLOCK_N weight rows, looping over K), then Persistent ones. The first is the default where nothing
@@ -117,11 +147,15 @@ def supports_rotary(config: tuple) -> bool:
     return not isinstance(config, (Persistent, Mma))
 
 
-def configs_for(weight_dtype: torch.dtype, norm: bool = False) -> tuple:
+def configs_for(weight_dtype: torch.dtype, norm: bool = False, block_rows: int | None = None) -> tuple:
     """The configurations to time for a weight of this dtype: NORM_CONFIGS / CONFIGS, or their FP8
-    forms for float8 e4m3 weights; norm: the site has the RMSNorm prologue (adds the one-pass ones)."""
+    forms for float8 e4m3 weights; norm: the site has the RMSNorm prologue (adds the one-pass ones);
+    block_rows: the weight has block scales of tiles this many rows high (those that take them)."""
     if weight_dtype == torch.float8_e4m3fn:
-        return FP8_NORM_CONFIGS if norm else FP8_CONFIGS
+        configs = FP8_NORM_CONFIGS if norm else FP8_CONFIGS
+        if block_rows is not None:
+            configs = tuple(c for c in configs if takes_block_scales(c, block_rows))
+        return configs
     return NORM_CONFIGS if norm else CONFIGS
 
 
@@ -245,11 +279,17 @@ if AVAILABLE:
             tl.store(dst + HALF + d, out2.to(k_cache_ptr.dtype.element_ty))
 
     @triton.jit
+    def _block_scaled(x, scale, ON: tl.constexpr):
+        if ON:
+            return x * scale
+        return x
+
+    @triton.jit
     def _gemv_kernel(
         x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr,
         positions_ptr, slots_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr,
         N, K, up_offset,
-        stride_x, stride_residual, stride_residual_out, stride_w, stride_out,
+        stride_x, stride_residual, stride_residual_out, stride_w, stride_out, stride_w_blocks,
         stride_cos, stride_sin, stride_kc_slot, stride_kc_h, stride_vc_slot, stride_vc_h,
         num_heads, num_kv_heads,
         eps,
@@ -267,6 +307,8 @@ if AVAILABLE:
         HEAD_DIM: tl.constexpr,
         KV_SATURATE: tl.constexpr,
         W_SCALE: tl.constexpr,
+        W_BLOCK_ROWS: tl.constexpr = 1,
+        W_BLOCK_COLS: tl.constexpr = 0,
     ):
         # One program: BLOCK_N output columns (weight rows) over the whole of K, for every input
         # row. Each step loads a [BLOCK_N, BLOCK_K] weight tile with 16-byte vector loads and
@@ -301,6 +343,14 @@ if AVAILABLE:
             scale = tl.load(w_scale_ptr + offs_n, mask=n_ok, other=0.0)
             if SILU or ROPE:
                 up_scale = tl.load(w_scale_ptr + up_offset + offs_n, mask=n_ok, other=0.0)
+        # Block scales (W_BLOCK_ROWS x W_BLOCK_COLS tiles): the strip's rows lie in one tile row (the
+        # host checks it), so a K step's scales depend on the column alone: they scale the input
+        # slice (ROWS x BLOCK_K multiplies) instead of the weight tile (BLOCK_N x BLOCK_K).
+        first = pid_n * BLOCK_N
+        if ROPE:
+            first = head * HEAD_DIM + (pid_n % (HEAD_DIM // 2 // BLOCK_N)) * BLOCK_N
+        gate_blocks = w_scale_ptr + (first // W_BLOCK_ROWS).to(tl.int64) * stride_w_blocks
+        up_blocks = w_scale_ptr + ((up_offset + first) // W_BLOCK_ROWS).to(tl.int64) * stride_w_blocks
         if PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
@@ -341,6 +391,13 @@ if AVAILABLE:
             w_next = tl.load(w_rows + k_next[None, :], mask=next_mask, other=0.0)
             if SILU or ROPE:
                 wu_next = tl.load(up_rows + k_next[None, :], mask=next_mask, other=0.0)
+            g_scale = 1.0
+            u_scale = 1.0
+            if W_BLOCK_COLS:
+                g_scale = tl.load(gate_blocks + kk // W_BLOCK_COLS, mask=k_ok, other=0.0)
+                u_scale = g_scale
+                if SILU or ROPE:
+                    u_scale = tl.load(up_blocks + kk // W_BLOCK_COLS, mask=k_ok, other=0.0)
             if ONE_PASS:
                 x0, s0 = _row_in_one_pass(x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, 0, kk, k_ok, pid_n,
                                             stride_x, stride_residual, stride_residual_out, ADD_RESIDUAL)
@@ -348,9 +405,9 @@ if AVAILABLE:
             else:
                 x0 = _row_in(x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, 0, kk, k_ok, rstd0, pid_n,
                                stride_x, stride_residual, stride_residual_out, NORM, ADD_RESIDUAL)
-            acc0 += tl.sum(w * x0[None, :], axis=1)
+            acc0 += tl.sum(w * _block_scaled(x0, g_scale, W_BLOCK_COLS)[None, :], axis=1)
             if SILU or ROPE:
-                up0 += tl.sum(wu * x0[None, :], axis=1)
+                up0 += tl.sum(wu * _block_scaled(x0, u_scale, W_BLOCK_COLS)[None, :], axis=1)
             if ROWS > 1:
                 if ONE_PASS:
                     x1, s1 = _row_in_one_pass(x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, 1, kk, k_ok, pid_n,
@@ -359,9 +416,9 @@ if AVAILABLE:
                 else:
                     x1 = _row_in(x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, 1, kk, k_ok, rstd1, pid_n,
                                    stride_x, stride_residual, stride_residual_out, NORM, ADD_RESIDUAL)
-                acc1 += tl.sum(w * x1[None, :], axis=1)
+                acc1 += tl.sum(w * _block_scaled(x1, g_scale, W_BLOCK_COLS)[None, :], axis=1)
                 if SILU or ROPE:
-                    up1 += tl.sum(wu * x1[None, :], axis=1)
+                    up1 += tl.sum(wu * _block_scaled(x1, u_scale, W_BLOCK_COLS)[None, :], axis=1)
             if ROWS > 2:
                 if ONE_PASS:
                     x2, s2 = _row_in_one_pass(x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, 2, kk, k_ok, pid_n,
@@ -370,9 +427,9 @@ if AVAILABLE:
                 else:
                     x2 = _row_in(x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, 2, kk, k_ok, rstd2, pid_n,
                                    stride_x, stride_residual, stride_residual_out, NORM, ADD_RESIDUAL)
-                acc2 += tl.sum(w * x2[None, :], axis=1)
+                acc2 += tl.sum(w * _block_scaled(x2, g_scale, W_BLOCK_COLS)[None, :], axis=1)
                 if SILU or ROPE:
-                    up2 += tl.sum(wu * x2[None, :], axis=1)
+                    up2 += tl.sum(wu * _block_scaled(x2, u_scale, W_BLOCK_COLS)[None, :], axis=1)
             if ROWS > 3:
                 if ONE_PASS:
                     x3, s3 = _row_in_one_pass(x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, 3, kk, k_ok, pid_n,
@@ -381,9 +438,9 @@ if AVAILABLE:
                 else:
                     x3 = _row_in(x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, 3, kk, k_ok, rstd3, pid_n,
                                    stride_x, stride_residual, stride_residual_out, NORM, ADD_RESIDUAL)
-                acc3 += tl.sum(w * x3[None, :], axis=1)
+                acc3 += tl.sum(w * _block_scaled(x3, g_scale, W_BLOCK_COLS)[None, :], axis=1)
                 if SILU or ROPE:
-                    up3 += tl.sum(wu * x3[None, :], axis=1)
+                    up3 += tl.sum(wu * _block_scaled(x3, u_scale, W_BLOCK_COLS)[None, :], axis=1)
         if ONE_PASS:
             rstd0 = _rstd_of(sq0, K, eps, LIBDEVICE)
             acc0 *= rstd0
@@ -720,6 +777,7 @@ def small_batch_linear(
     silu: bool = False,
     rotary: RotaryKV | None = None,
     weight_scale: torch.Tensor | None = None,
+    weight_block_scales: BlockScales | None = None,
     config: tuple = CONFIGS[0],
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(out, residual_out) for x of at most MAX_ROWS rows.
@@ -734,8 +792,11 @@ def small_batch_linear(
     weight is x's dtype or torch.float8_e4m3fn. With weight_scale (float32, contiguous, on weight's
     device, one per weight row: all 2I of [gate | up] under silu, all (H + 2 Hkv) * D under rotary)
     the weight is weight.float() * weight_scale[:, None]: each row's float32 sum is multiplied by its
-    scale once, before the bias and the epilogue. An fp8 weight needs it; a weight of x's dtype
-    without it is taken as it is.
+    scale once, before the bias and the epilogue. An fp8 weight needs it or weight_block_scales
+    (BlockScales: one float32 scale per rows x cols tile, as block-wise FP8 checkpoints ship them;
+    one-shot configurations only, whose BLOCK_N divides the tile's rows and the up/rotary offset,
+    so each strip of weight rows lies in one tile row). A weight of x's dtype without either is
+    taken as it is.
     """
     if not AVAILABLE:
         raise RuntimeError("triton is not installed")
@@ -748,9 +809,11 @@ def small_batch_linear(
         raise ValueError(f"weight {tuple(weight.shape)} does not fit x {tuple(x.shape)} (or is not contiguous along K)")
     if weight.dtype not in (x.dtype, torch.float8_e4m3fn):
         raise ValueError(f"weight dtype {weight.dtype} must be x's ({x.dtype}) or torch.float8_e4m3fn")
-    if weight_scale is None:
+    if weight_block_scales is not None:
+        _check_block_scales(weight_block_scales, weight, weight_scale, config)
+    elif weight_scale is None:
         if weight.dtype == torch.float8_e4m3fn:
-            raise ValueError("an fp8 weight needs weight_scale: float32, one per weight row")
+            raise ValueError("an fp8 weight needs weight_scale (float32, one per weight row) or weight_block_scales")
     elif weight_scale.dtype != torch.float32 or weight_scale.shape != (weight.shape[0],):
         raise ValueError(f"weight_scale must be float32 of shape ({weight.shape[0]},), one per weight row; got "
                          f"{weight_scale.dtype} {tuple(weight_scale.shape)}")
@@ -793,6 +856,9 @@ def small_batch_linear(
             raise ValueError("the K and V caches must be contiguous along head_dim and share a dtype")
         positions, slots = r.positions.contiguous(), r.slot_mapping.contiguous()
         cos_cache, sin_cache = r.cos_cache.contiguous(), r.sin_cache.contiguous()
+    if weight_block_scales is not None and silu and n % block_n:
+        raise ValueError(f"block scales under silu need I ({n}) a multiple of BLOCK_N {block_n}: an up strip "
+                         f"would straddle two tile rows")
     residual_out = None
     residual_rows = residual_out_rows = rows
     if norm_weight is not None:
@@ -839,6 +905,8 @@ def small_batch_linear(
                              f"makes the driver reserve local memory for every resident thread)")
         _gemv_persistent_kernel[(programs,)](*args, **meta)
         return out, residual_out
+    scales = weight if weight_scale is None and weight_block_scales is None else (
+        weight_scale if weight_block_scales is None else weight_block_scales.scales)
     if rotary is None:
         out_rows = out.view(-1, n)
         grid = triton.cdiv(n, block_n)
@@ -857,10 +925,11 @@ def small_batch_linear(
     _gemv_kernel[(grid,)](
         rows, residual_rows, residual_out_rows,
         norm_weight if norm_weight is not None else weight, weight,
-        weight_scale if weight_scale is not None else weight, bias if bias is not None else weight, out_rows,
+        scales, bias if bias is not None else weight, out_rows,
         positions, slots, cos_cache, sin_cache, k_slots, v_slots,
         n, k, up_offset,
         rows.stride(0), residual_rows.stride(0), residual_out_rows.stride(0), weight.stride(0), out_rows.stride(0),
+        scales.stride(0),
         stride_cos, stride_sin, stride_kc_slot, stride_kc_h, stride_vc_slot, stride_vc_h,
         heads[0], heads[1],
         float(eps),
@@ -878,11 +947,13 @@ def small_batch_linear(
         HEAD_DIM=max(2, heads[2]),
         KV_SATURATE=saturation_limit(k_slots.dtype) if rotary is not None else 0.0,
         W_SCALE=weight_scale is not None,
+        W_BLOCK_ROWS=weight_block_scales.rows if weight_block_scales is not None else 1,
+        W_BLOCK_COLS=weight_block_scales.cols if weight_block_scales is not None else 0,
         num_warps=num_warps,
         **pdl.launch_options(pdl_on),
     )
     return out, residual_out
 
 
-__all__ = ["AVAILABLE", "CONFIGS", "FP8_CONFIGS", "MMA_CONFIGS", "Mma", "supports_rotary", "FP8_NORM_CONFIGS", "MAX_ROWS", "NORM_CONFIGS", "configs_for", "PERSISTENT_MAX_ELEMENTS", "Persistent", "RotaryKV",
+__all__ = ["AVAILABLE", "BlockScales", "takes_block_scales", "CONFIGS", "FP8_CONFIGS", "MMA_CONFIGS", "Mma", "supports_rotary", "FP8_NORM_CONFIGS", "MAX_ROWS", "NORM_CONFIGS", "configs_for", "PERSISTENT_MAX_ELEMENTS", "Persistent", "RotaryKV",
            "small_batch_linear"]

@@ -86,13 +86,19 @@ class Linear(nn.Module):
         # scale per weight row; None while the weight holds the values themselves.
         self.weight_scale_rows: torch.Tensor | None
         self.register_buffer("weight_scale_rows", None, persistent=False)
+        # Or, for block-wise FP8 kept as it is: float32 [ceil(N / rows), ceil(K / cols)], one scale
+        # per weight_block_rows x weight_block_cols tile.
+        self.weight_scale_blocks: torch.Tensor | None
+        self.register_buffer("weight_scale_blocks", None, persistent=False)
+        self.weight_block_rows = 1
+        self.weight_block_cols = 0
         if self.quant_method is None:
             self.weight = nn.Parameter(torch.empty(out_features, in_features))
         else:
             self.quant_method.create_weights(self, in_features, output_sizes or [out_features])
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         # A plain attribute (not a submodule): None runs every product with dense_product. The
-        # small-batch GEMV kernels read 16-bit weights, or FP8 ones with weight_scale_rows.
+        # small-batch GEMV kernels read 16-bit weights, or FP8 ones with their row or block scales.
         self.gemv: small_batch_gemv.SmallBatchGemv | None = small_batch_gemv.current()
 
     def forward(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:

@@ -7,8 +7,10 @@ A decode step of at most kernels.gemv.MAX_ROWS rows asks, at each projection (a 
 - `norm_qkv_rope`: (add +) RMSNorm, q/k/v, rotary and the KV-cache write, for backends that attend
   over K/V written beforehand and do not rotate in their attention kernel.
 
-The weight is x's dtype, or FP8 e4m3 with one float32 scale per row (`Linear.weight_scale_rows`; the
-kernel reads half the bytes and applies the scales in-register, activations stay 16-bit).
+The weight is x's dtype, or FP8 e4m3 with one float32 scale per row (`Linear.weight_scale_rows`) or
+per tile (`Linear.weight_scale_blocks`, block-wise checkpoints: the one-shot configurations whose
+strips fit the tile rows); the kernel reads half the bytes and applies the scales in-register,
+activations stay 16-bit.
 
 A `SmallBatchGemv` holds the choices of one model runner: the first time a (site, rows, weight
 shape, dtype, device) is seen outside a CUDA-graph capture, the unfused path and each kernel
@@ -104,11 +106,10 @@ class SmallBatchGemv:
         kernels = self._kernels(x, proj)
         if kernels is None:  # the common case (many rows): no closures on the eager path
             return proj.dense_product(x, bias)
-        scale = proj.weight_scale_rows
+        scales = _scale_args(kernels, proj)
         return self._run("linear", x, proj.weight, kernels,
-                         lambda config: kernels.small_batch_linear(x, proj.weight, bias, weight_scale=scale,
-                                                                   config=config)[0],
-                         lambda: proj.dense_product(x, bias), kernels.configs_for(proj.weight.dtype))
+                         lambda config: kernels.small_batch_linear(x, proj.weight, bias, config=config, **scales)[0],
+                         lambda: proj.dense_product(x, bias), _configs(kernels, proj))
 
     def norm_linear(self, pending: PendingNorm, proj: Linear) -> tuple[torch.Tensor, torch.Tensor]:
         """(proj(norm(x + residual)), x + residual) of a pending norm; without a residual (proj(norm(x)), x).
@@ -125,11 +126,11 @@ class SmallBatchGemv:
             return plain()
 
         def fused(config):
-            return kernels.small_batch_linear(x, proj.weight, proj.bias, weight_scale=proj.weight_scale_rows,
-                                              norm_weight=norm.weight, residual=residual, eps=norm.eps, config=config)
+            return kernels.small_batch_linear(x, proj.weight, proj.bias, norm_weight=norm.weight, residual=residual,
+                                              eps=norm.eps, config=config, **_scale_args(kernels, proj))
 
         return self._run("norm_linear" if residual is None else "add_norm_linear", x, proj.weight, kernels, fused,
-                         plain, kernels.configs_for(proj.weight.dtype, norm=True), FOLD_MARGIN)
+                         plain, _configs(kernels, proj, norm=True), FOLD_MARGIN)
 
     def norm_gate_up_silu(self, pending: PendingNorm, gate_up: Linear,
                           act: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,12 +146,11 @@ class SmallBatchGemv:
             return plain()
 
         def fused(config):
-            return kernels.small_batch_linear(x, gate_up.weight, weight_scale=gate_up.weight_scale_rows,
-                                              norm_weight=norm.weight, residual=residual, eps=norm.eps, silu=True,
-                                              config=config)
+            return kernels.small_batch_linear(x, gate_up.weight, norm_weight=norm.weight, residual=residual,
+                                              eps=norm.eps, silu=True, config=config, **_scale_args(kernels, gate_up))
 
         return self._run("norm_gate_up_silu", x, gate_up.weight, kernels, fused, plain,
-                         kernels.configs_for(gate_up.weight.dtype, norm=True), FOLD_MARGIN)
+                         _configs(kernels, gate_up, norm=True), FOLD_MARGIN)
 
     def norm_qkv_rope(self, pending: PendingNorm, proj: QKVLinear, rope: RotaryEmbedding, attn: Attention,
                       positions: torch.Tensor, attn_metadata) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -167,8 +167,7 @@ class SmallBatchGemv:
                 or attn.fuses_rope(rope, x, attn_metadata)):  # the attention kernel rotates: nothing to fold
             return None
         half = attn.head_dim // 2
-        configs = tuple(c for c in kernels.configs_for(proj.weight.dtype, norm=True)
-                        if kernels.supports_rotary(c) and half % c[0] == 0)
+        configs = tuple(c for c in _configs(kernels, proj, norm=True) if kernels.supports_rotary(c) and half % c[0] == 0)
         if not configs:
             return None
         heads, kv_heads, head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
@@ -187,9 +186,8 @@ class SmallBatchGemv:
             return q, new_residual
 
         def fused(config):
-            return kernels.small_batch_linear(x, proj.weight, proj.bias, weight_scale=proj.weight_scale_rows,
-                                              norm_weight=norm.weight, residual=residual, eps=norm.eps, rotary=rotary,
-                                              config=config)
+            return kernels.small_batch_linear(x, proj.weight, proj.bias, norm_weight=norm.weight, residual=residual,
+                                              eps=norm.eps, rotary=rotary, config=config, **_scale_args(kernels, proj))
 
         site = "norm_qkv_rope" if residual is None else "add_norm_qkv_rope"
         if (x.is_cuda and fused_kernels_mode() != "force" and _key(site, x, proj.weight) not in self.decisions
@@ -258,7 +256,7 @@ class SmallBatchGemv:
 
     def _kernels(self, x: torch.Tensor, proj: Linear):
         """kernels.gemv when the kernel may run x through proj (few 16-bit rows, a weight of x's dtype
-        or FP8 with its per-row scales, not timing), else None."""
+        or FP8 with its per-row scales or block scales some configuration takes, not timing), else None."""
         if self._choosing or x.dim() == 0 or x.dtype not in (torch.bfloat16, torch.float16):
             return None
         kernels = use_fused(x, "gemv")
@@ -266,7 +264,7 @@ class SmallBatchGemv:
             return None
         weight = proj.weight
         if weight.dtype != x.dtype and not (weight.dtype == torch.float8_e4m3fn
-                                            and proj.weight_scale_rows is not None):
+                                            and (proj.weight_scale_rows is not None or _configs(kernels, proj))):
             return None
         return kernels
 
@@ -318,6 +316,20 @@ class SmallBatchGemv:
         self.timings[key] = timings
         logger.debug("small-batch GEMV %s: chose %s from %s", key, best, timings)
         return best
+
+
+def _scale_args(kernels, proj: Linear) -> dict[str, Any]:
+    """small_batch_linear's scale arguments for proj's weight: its block scales or its row scales."""
+    if proj.weight_scale_blocks is not None:
+        return {"weight_block_scales": kernels.BlockScales(proj.weight_scale_blocks, proj.weight_block_rows,
+                                                           proj.weight_block_cols)}
+    return {"weight_scale": proj.weight_scale_rows}
+
+
+def _configs(kernels, proj: Linear, norm: bool = False) -> tuple:
+    """The configurations to time for proj's weight (those that read its block scales, if it has them)."""
+    block_rows = proj.weight_block_rows if proj.weight_scale_blocks is not None else None
+    return kernels.configs_for(proj.weight.dtype, norm=norm, block_rows=block_rows)
 
 
 def _agrees(got: Any, reference: Any, tolerance: float = AGREEMENT) -> bool:

@@ -199,9 +199,8 @@ class Fp8LinearMethod:
         if keep_fp8 and fp8_kernels.AVAILABLE and fp8_kernels.block_gemm_supports(scheme.block[1]):
             # block-wise: the block-scaled GEMM (K groups it cannot take are dequantized below)
             layer.weight = nn.Parameter(weight, requires_grad=False)
-            blocks, block_rows = self._tile_scales(layer, scale)
-            layer.register_buffer("weight_scale_blocks", blocks, persistent=False)
-            layer.weight_block_rows = block_rows
+            layer.weight_scale_blocks, layer.weight_block_rows = self._tile_scales(layer, scale)
+            layer.weight_block_cols = scheme.block[1]
             return
         if rows is not None:
             dense = weight.to(torch.float32) * rows.unsqueeze(1)
@@ -264,7 +263,7 @@ class Fp8LinearMethod:
         """x W^T (+ bias): the FP8 GEMM over per-token quantized x where the weight is FP8, else F.linear."""
         if layer.weight.dtype != FP8_DTYPE:
             return F.linear(x, layer.weight, bias)
-        if getattr(layer, "weight_scale_blocks", None) is not None:
+        if layer.weight_scale_blocks is not None:
             group = self.scheme.block[1]
             q, scale = fp8_kernels.quantize_groups(x, group)
             out = fp8_kernels.block_scaled_mm(q, scale, layer.weight, layer.weight_scale_blocks,
@@ -327,7 +326,7 @@ def _check_block_gemm(layers: list[nn.Module]) -> None:
         scales = fp8_kernels.expand_scales(layer.weight_scale_blocks, layer.weight_block_rows,
                                            layer.quant_method.scheme.block[1], layer.weight.shape)
         dense = (layer.weight.to(torch.float32) * scales).to(layer.params_dtype)
-        del layer.weight_scale_blocks
+        layer.weight_scale_blocks = None
         layer.weight = nn.Parameter(dense, requires_grad=False)
 
 
@@ -340,7 +339,7 @@ def process_weights_after_loading(model: nn.Module) -> int:
     keep = keeps_fp8(layers[0].weight.device)
     for layer in layers:
         layer.quant_method.process_weights_after_loading(layer, keep)
-    _check_block_gemm([layer for layer in layers if getattr(layer, "weight_scale_blocks", None) is not None])
+    _check_block_gemm([layer for layer in layers if layer.weight_scale_blocks is not None])
     kept = sum(1 for layer in layers if layer.weight.dtype == FP8_DTYPE)
     if kept:
         logger.info("FP8: %d of %d quantized linear layers run FP8 GEMMs", kept, len(layers))
