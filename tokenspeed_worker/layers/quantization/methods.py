@@ -22,7 +22,8 @@ so the 16-bit model never sits whole in memory. After loading, each weight becom
 - FP8 kept, block-wise (the same devices, with triton, K groups of a power of two >= 32 columns,
   e.g. the usual 128 x 128 tiles): the FP8 weight with its tile scales
   (`weight_scale_blocks`, `weight_block_rows`); the product quantizes the activations per token
-  and K group and runs kernels/fp8.block_scaled_mm at every row count.
+  and K group and runs kernels/fp8.block_scaled_mm; for a few rows the small-batch GEMV reads the
+  FP8 weight with its tile scales instead, where the tiles are whole rows of tiles.
 - Dequantized (elsewhere): weight x scale in the model's dtype, and the product is the layer's
   unquantized one. Correct results at the unquantized speed.
 """
