@@ -64,7 +64,7 @@ def test_detected_schemes(fp8_models):
     block = resolve_quantization(str(fp8_models["fp8-block"][0]), "fp8")
     assert (block.scheme.weight, block.scheme.block, block.scheme.scale_name) == ("block", (128, 128), "weight_scale_inv")
     mo = resolve_quantization(str(fp8_models["modelopt"][0]), "modelopt")
-    assert (mo.method, mo.scheme.activation, mo.kv_cache_scales) == ("modelopt", "static", True)
+    assert (mo.method, mo.scheme.activation) == ("modelopt", "static")
     assert mo.is_ignored("lm_head")
     assert resolve_quantization(str(tiny_models()["qwen2-bias"]), None) is None
     online = resolve_quantization(str(fp8_models["online"][0]), "fp8")

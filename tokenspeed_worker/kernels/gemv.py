@@ -193,8 +193,9 @@ if AVAILABLE:
         return x32 * nw.to(tl.float32), x32 * x32
 
     @triton.jit
-    def _rstd_of(sum_sq, K, eps, LIBDEVICE: tl.constexpr):
-        mean_sq = tl.sum(sum_sq, axis=0) / K + eps
+    def _rstd_of(sum_sq, K, eps, LIBDEVICE: tl.constexpr, AXIS: tl.constexpr = 0):
+        """1 / sqrt(mean + eps) of the squares summed along AXIS of sum_sq (K of them in all)."""
+        mean_sq = tl.sum(sum_sq, axis=AXIS) / K + eps
         if LIBDEVICE:
             return libdevice.rsqrt(mean_sq)
         return 1.0 / tl.sqrt_rn(mean_sq)
@@ -214,10 +215,7 @@ if AVAILABLE:
                 xt = (xt.to(tl.float32) + rt.to(tl.float32)).to(x_ptr.dtype.element_ty)
             x32 = xt.to(tl.float32)
             sum_sq += x32 * x32
-        mean_sq = tl.sum(sum_sq, axis=0) / K + eps
-        if LIBDEVICE:
-            return libdevice.rsqrt(mean_sq)
-        return 1.0 / tl.sqrt_rn(mean_sq)
+        return _rstd_of(sum_sq, K, eps, LIBDEVICE)
 
     @triton.jit
     def _epilogue(acc, acc_up, bias_ptr, out_ptr, row, offs_n, n_ok, stride_out,
@@ -633,10 +631,7 @@ if AVAILABLE:
                 xt = (xt.to(tl.float32) + rt.to(tl.float32)).to(x_ptr.dtype.element_ty)
             x32 = xt.to(tl.float32)
             sum_sq += x32 * x32
-        mean_sq = tl.sum(sum_sq, axis=1) / K + eps
-        if LIBDEVICE:
-            return libdevice.rsqrt(mean_sq)
-        return 1.0 / tl.sqrt_rn(mean_sq)
+        return _rstd_of(sum_sq, K, eps, LIBDEVICE, 1)
 
     @triton.jit
     def _gemv_mma_kernel(

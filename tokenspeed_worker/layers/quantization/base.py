@@ -54,9 +54,6 @@ class QuantConfig:
     method: str  # one of SUPPORTED_METHODS
     scheme: Fp8LinearScheme
     ignore: tuple[str, ...] = ()
-    # ModelOpt / compressed-tensors checkpoints may carry per-layer k/v cache scales: noted, not
-    # used yet (the FP8 KV cache is unscaled); the loader skips them.
-    kv_cache_scales: bool = False
     # Online FP8 (`--quantization fp8` on a 16-bit checkpoint): the checkpoint's linear weights are
     # quantized per output channel as they load (scheme "channel", dynamic per-token activations;
     # methods.quantize_online).

@@ -58,4 +58,4 @@ def parse(qc: dict[str, Any]) -> QuantConfig:
             activation, granularity = "static", "tensor"
     scheme = Fp8LinearScheme(strategy, activation, granularity)
     return QuantConfig("compressed-tensors", scheme, ignore=tuple(qc.get("ignore") or ()),
-                       kv_cache_scales=qc.get("kv_cache_scheme") is not None, source=SOURCE, raw=qc)
+                       source=SOURCE, raw=qc)

@@ -23,4 +23,4 @@ def parse(qc: dict[str, Any], source: str) -> QuantConfig:
         raise field_error(source, "kv_cache_quant_algo", kv_algo, "FP8 or none")
     patterns = tuple(f"glob:{p}" for p in qc.get("exclude_modules") or qc.get("ignore") or ())
     return QuantConfig("modelopt", Fp8LinearScheme("tensor", "static", "tensor"), ignore=patterns,
-                       kv_cache_scales=kv_algo is not None, source=source, raw=qc)
+                       source=source, raw=qc)
