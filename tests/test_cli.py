@@ -302,9 +302,9 @@ def test_missing_config_file_is_an_error(capsys: pytest.CaptureFixture[str], tmp
 
 
 def test_unsupported_value_from_config_is_rejected(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    path = write_yaml(tmp_path, "model: /m\nexpert-parallel-size: 2\n")
+    path = write_yaml(tmp_path, "model: /m\nworld-size: 2\n")
     stderr = run_main_expecting_exit(capsys, "--config", path)
-    assert stderr == ["tokenspeed-worker: error: --expert-parallel-size is not supported yet"]
+    assert stderr == ["tokenspeed-worker: error: --world-size is not supported yet"]
 
 
 # --------------------------------------------------------------------------- the not-supported table
@@ -349,7 +349,7 @@ NOT_SUPPORTED = [o for o in OPTIONS if o.spec.status is not Status.SUPPORTED]
 
 
 def test_table_has_the_reference_parameters() -> None:
-    for dest in ("expert_parallel_size", "speculative_config"):
+    for dest in ("world_size", "speculative_config"):
         assert OPTIONS_BY_DEST[dest].spec.status is Status.NOT_YET
     for dest in ("chat_template", "reasoning_parser", "tool_call_parser"):
         assert OPTIONS_BY_DEST[dest].spec.status is Status.GATEWAY
@@ -397,9 +397,9 @@ def test_turning_off_prefix_caching_is_accepted() -> None:
 
 
 def test_several_unsupported_flags_are_reported_on_one_line(capsys: pytest.CaptureFixture[str]) -> None:
-    stderr = run_main_expecting_exit(capsys, "/m", "--decode-log-interval", "7", "--expert-parallel-size", "2")
+    stderr = run_main_expecting_exit(capsys, "/m", "--decode-log-interval", "7", "--world-size", "2")
     assert stderr == [
-        "tokenspeed-worker: error: --expert-parallel-size is not supported yet; "
+        "tokenspeed-worker: error: --world-size is not supported yet; "
         "--decode-log-interval is not supported yet"
     ]
 

@@ -72,6 +72,70 @@ def test_tp2_through_the_cli_equals_transformers(name):
         assert worker.stop() == 0, worker.log()
 
 
+@pytest.mark.parametrize("ep,world", [(2, 2), (4, 4), (2, 4)], ids=["ep2", "ep4", "ep2-moe_tp2"])
+@pytest.mark.parametrize("kernels", ["loop", "force"])
+def test_expert_parallel_ranks_sum_to_the_whole_layer(monkeypatch, ep, world, kernels):
+    """Each rank of `world` built under expert_parallel(ep) holds E / ep whole experts (split over
+    world / ep ranks by intermediate rows) and computes only the pairs routed to them; the ranks'
+    partial outputs sum to the one-rank layer's (the all-reduce FusedMoE.forward does)."""
+    from tokenspeed_worker import distributed
+    from tokenspeed_worker.layers.fused_kernels import fused_kernels
+    from tokenspeed_worker.layers.moe import FusedMoE, expert_parallel
+
+    experts, hidden, inter, top_k = 8, 32, 48, 3
+    torch.manual_seed(0)
+    whole = FusedMoE(experts, hidden, inter)
+    checkpoint = {(e, part): torch.randn(*((hidden, inter) if part == "down" else (inter, hidden))) * 0.2
+                  for e in range(experts) for part in ("gate", "up", "down")}
+    for (e, part), matrix in checkpoint.items():
+        whole.load_expert(whole.w2_weight if part == "down" else whole.w13_weight, matrix, e, part)
+    x = torch.randn(13, hidden)
+    weights, ids = select_experts(torch.randn(13, experts), top_k, True)
+    mode = "force" if kernels == "force" else "off"
+    with fused_kernels(mode):
+        expected = whole._experts(x, weights, ids)
+        total, held = torch.zeros_like(expected), []
+        for rank in range(world):
+            monkeypatch.setattr(distributed, "rank", lambda rank=rank: rank)
+            monkeypatch.setattr(distributed, "size", lambda: world)
+            with expert_parallel(ep):
+                layer = FusedMoE(experts, hidden, inter)
+            filled = sum(layer.load_expert(layer.w2_weight if part == "down" else layer.w13_weight, matrix, e, part)
+                         for (e, part), matrix in checkpoint.items())
+            assert filled == layer.w13_weight.numel() + layer.w2_weight.numel()
+            assert layer.w13_weight.shape == (experts // ep, 2 * inter * ep // world, hidden)
+            held.append((layer.first_expert, layer.moe_tp_rank))
+            total += layer._experts(x, weights, ids)
+    torch.testing.assert_close(total, expected, rtol=1e-4, atol=1e-5)
+    moe_tp = world // ep
+    assert held == [((r // moe_tp) * (experts // ep), r % moe_tp) for r in range(world)]
+
+
+def test_experts_that_cannot_be_dealt_evenly_are_refused(monkeypatch):
+    from tokenspeed_worker import distributed
+    from tokenspeed_worker.layers.moe import FusedMoE, expert_parallel
+
+    monkeypatch.setattr(distributed, "size", lambda: 3)
+    with expert_parallel(3), pytest.raises(ValueError, match="8 experts cannot be dealt evenly to 3"):
+        FusedMoE(8, 16, 24)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags", [("--enable-expert-parallel",), ("--ep-size", "2")], ids=["enable", "ep-size"])
+def test_expert_parallel_through_the_cli_equals_transformers(flags):
+    """Two ranks, each with half of the experts whole (Qwen3-MoE's dense layer tensor parallel)."""
+    from test_tensor_parallel import FLAGS, check_against_transformers
+
+    needs_devices(2)
+    model_dir = tiny_models()["qwen3-moe"]
+    worker = Worker(model_dir, *FLAGS, "--tensor-parallel-size", "2", *flags)
+    try:
+        assert "expert parallel: 2 groups of 1 rank(s), 4 of the 8 experts each" in worker.log()
+        check_against_transformers(worker, model_dir)
+    finally:
+        assert worker.stop() == 0, worker.log()
+
+
 def test_quantized_experts_are_refused_at_startup(tmp_path):
     model = tmp_path / "fp8-moe"
     shutil.copytree(tiny_models()["qwen3-moe"], model)
@@ -186,7 +250,7 @@ def test_kernels_that_disagree_with_the_loop_are_refused(monkeypatch, caplog):
     torch.nn.init.normal_(layer.w13_weight)
     torch.nn.init.normal_(layer.w2_weight)
     real = moe_kernels.fused_experts
-    monkeypatch.setattr(moe_kernels, "fused_experts", lambda *args: real(*args) * 1.5)
+    monkeypatch.setattr(moe_kernels, "fused_experts", lambda *args, **kwargs: real(*args, **kwargs) * 1.5)
     with fused_kernels("force"):
         assert layer.supports_cuda_graphs
         assert not layer.kernels_agree(top_k=2)

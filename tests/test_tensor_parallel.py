@@ -113,6 +113,32 @@ def test_killing_a_rank_ends_every_request_and_the_worker_exits_non_zero():
             w.stop()
 
 
+def test_expert_parallel_flags_are_checked_against_the_tp_size():
+    from tokenspeed_worker.config import WorkerConfig
+
+    def engine_parallel(*flags):
+        args = parse_args(["m", "--device", "cpu", *flags])
+        check_supported(args)
+        return WorkerConfig.from_args(args).engine.parallel
+
+    parallel = engine_parallel("--tp", "4", "--enable-expert-parallel")
+    assert (parallel.expert_parallel_size, parallel.moe_tp_size) == (4, 1)
+    parallel = engine_parallel("--tp", "4", "--ep-size", "2", "--moe-tp-size", "2")
+    assert (parallel.expert_parallel_size, parallel.moe_tp_size) == (2, 2)
+    assert engine_parallel("--tp", "2", "--expert-parallel-size", "2", "--enable-expert-parallel").moe_tp_size == 1
+    assert engine_parallel("--tp", "2").expert_parallel_size == 1
+    for flags, message in ((("--tp", "4", "--ep-size", "3"), "--ep-size 3 must divide --tensor-parallel-size 4"),
+                           (("--ep-size", "2"), "--ep-size 2 must divide --tensor-parallel-size 1"),
+                           (("--tp", "4", "--enable-expert-parallel", "--ep-size", "2"),
+                            "--enable-expert-parallel deals the experts over all 4"),
+                           (("--tp", "4", "--ep-size", "2", "--moe-tp-size", "4"),
+                            "--moe-tp-size 4 times the expert parallel size 2 must equal --tensor-parallel-size 4 "
+                            "\\(try --moe-tp-size 2\\)"),
+                           (("--tp", "2", "--enable-expert-parallel", "--moe-tp-size", "2"), "--moe-tp-size 2 times")):
+        with pytest.raises(UnsupportedOptionError, match=message):
+            check_supported(parse_args(["m", "--device", "cpu", *flags]))
+
+
 def test_per_layer_tp_sizes_are_accepted_only_at_the_tp_size():
     # --device cpu: the checks are of the flags, whatever GPUs this machine has.
     args = parse_args(["m", "--device", "cpu", "--tp", "2", "--attn-tp-size", "2", "--dense-tp-size", "2",

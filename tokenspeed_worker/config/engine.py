@@ -161,6 +161,21 @@ class ParallelConfig:
     nnodes: int = 1  # the ranks span this many nodes, tensor_parallel_size / nnodes on each
     # The rendezvous (tcp://host:port); None: a free loopback port (tp_worker.start_followers).
     dist_init_method: str | None = None
+    # Expert parallelism inside the tensor-parallel ranks (layers/moe.py): the experts are dealt to
+    # this many groups of tensor_parallel_size / expert_parallel_size ranks, which split each of
+    # their experts' intermediate rows; attention and dense layers stay tensor parallel.
+    expert_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        ep, tp = self.expert_parallel_size, self.tensor_parallel_size
+        if ep < 1 or tp % ep:
+            raise ValueError(f"expert_parallel_size {ep} must divide tensor_parallel_size {tp} (the experts are "
+                             f"dealt to groups of the tensor-parallel ranks)")
+
+    @property
+    def moe_tp_size(self) -> int:
+        """The ranks that split each expert's intermediate rows."""
+        return self.tensor_parallel_size // self.expert_parallel_size
 
     @property
     def ranks_per_node(self) -> int:

@@ -335,17 +335,23 @@ class ServerArgs:
         parse=values.positive_int, default_doc="the tensor parallel size",
     )
     moe_tp_size: int | None = _option(
-        None, PARALLELISM, "Tensor parallel size for MoE layers; only the tensor parallel size is supported.",
-        parse=values.positive_int, default_doc="the tensor parallel size",
+        None, PARALLELISM, "Tensor parallel size for MoE layers: the ranks that split each expert's intermediate "
+        "rows; must be the tensor parallel size divided by the expert parallel size.",
+        parse=values.positive_int, default_doc="the tensor parallel size / the expert parallel size",
     )
     data_parallel_size: int = _option(
         1, PARALLELISM, "Number of data-parallel replicas: independent engines (each its own scheduler, KV "
         "cache and tensor-parallel-size GPUs) behind the one gRPC port; a new request goes to the least "
         "loaded replica unless data_parallel_rank pins one.", aliases=("--dp-size", "--dp"), parse=values.positive_int,
     )
-    enable_expert_parallel: bool = _not_yet(False, PARALLELISM, "Expert parallelism across the world size.")
-    expert_parallel_size: int = _not_yet(
-        1, PARALLELISM, "Explicit expert parallel size.", aliases=("--ep-size",), parse=values.positive_int
+    enable_expert_parallel: bool = _option(
+        False, PARALLELISM, "Expert parallelism across the tensor-parallel ranks: each MoE layer's experts are "
+        "dealt whole to the ranks (expert parallel size = tensor parallel size) instead of every rank holding a "
+        "slice of every expert; attention and dense layers stay tensor parallel. No effect on dense models.")
+    expert_parallel_size: int = _option(
+        1, PARALLELISM, "Explicit expert parallel size: the experts are dealt to this many groups of "
+        "tensor-parallel-size / ep-size ranks, which split each expert's intermediate rows; must divide "
+        "the tensor parallel size (and the number of experts).", aliases=("--ep-size",), parse=values.positive_int
     )
     world_size: int | None = _not_yet(None, PARALLELISM, "Total worker process count across all nodes.", parse=values.positive_int)
     nprocs_per_node: int | None = _not_yet(None, PARALLELISM, "Worker process count per node.", parse=values.positive_int)

@@ -267,13 +267,29 @@ def unsupported_settings(args: ServerArgs) -> list[str]:
     if args.data_parallel_size > 1 and args.nnodes > 1:
         messages.append("--data-parallel-size > 1 with --nnodes > 1 is not supported yet")
     tp = args.tensor_parallel_size
-    for dest, value in (("attn_tp_size", args.attn_tp_size), ("dense_tp_size", args.dense_tp_size),
-                        ("moe_tp_size", args.moe_tp_size)):
+    for dest, value in (("attn_tp_size", args.attn_tp_size), ("dense_tp_size", args.dense_tp_size)):
         if value is not None and value != tp:
             flag = "--" + dest.replace("_", "-")
             messages.append(f"{flag} {value} differs from --tensor-parallel-size {tp}: not supported yet "
-                            "(only one tensor-parallel size for every layer)")
+                            "(only one tensor-parallel size for attention and dense layers)")
+    messages.extend(_expert_parallel_messages(args))
     return messages
+
+
+def _expert_parallel_messages(args: ServerArgs) -> list[str]:
+    """What is wrong with --enable-expert-parallel, --ep-size and --moe-tp-size against --tp."""
+    tp, ep = args.tensor_parallel_size, args.expert_parallel_size
+    if args.enable_expert_parallel and ep not in (1, tp):
+        return [f"--enable-expert-parallel deals the experts over all {tp} tensor-parallel ranks, but --ep-size "
+                f"is {ep}: give one of them (or --ep-size {tp})"]
+    if ep > 1 and tp % ep:
+        return [f"--ep-size {ep} must divide --tensor-parallel-size {tp} (the experts are dealt to groups of the "
+                f"tensor-parallel ranks)"]
+    ep = tp if args.enable_expert_parallel else ep
+    if args.moe_tp_size is not None and args.moe_tp_size * ep != tp:
+        return [f"--moe-tp-size {args.moe_tp_size} times the expert parallel size {ep} must equal "
+                f"--tensor-parallel-size {tp} (try --moe-tp-size {tp // ep})"]
+    return []
 
 
 def check_supported(args: ServerArgs) -> None:

@@ -96,6 +96,7 @@ class WorkerConfig:
         )
         parallel = ParallelConfig(
             tensor_parallel_size=args.tensor_parallel_size,
+            expert_parallel_size=expert_parallel_size(args),
             nnodes=args.nnodes,
             dist_init_method=f"tcp://{args.dist_init_addr}" if args.dist_init_addr else None,
         )
@@ -110,6 +111,14 @@ class WorkerConfig:
             node_rank=args.node_rank,
         )
         return cls(server=server, engine=EngineConfig(model, cache, scheduler, parallel))
+
+
+def expert_parallel_size(args: ServerArgs) -> int:
+    """--ep-size, or the tensor-parallel size under --enable-expert-parallel (checked by
+    config/parsing.unsupported_settings against --tp and --moe-tp-size)."""
+    if args.expert_parallel_size > 1:
+        return args.expert_parallel_size
+    return args.tensor_parallel_size if args.enable_expert_parallel else 1
 
 
 def _kv_scales_file(args: ServerArgs) -> str | None:

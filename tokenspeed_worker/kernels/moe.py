@@ -96,12 +96,13 @@ def _block_m(pairs: int) -> int:
 
 
 def grouped_gemm(x: torch.Tensor, w: torch.Tensor, sorted_ids: torch.Tensor, block_experts: torch.Tensor,
-                 top_k: int, block_m: int, weights: torch.Tensor | None = None) -> torch.Tensor:
+                 top_k: int, block_m: int, weights: torch.Tensor | None = None, zero: bool = False) -> torch.Tensor:
     """out [T * top_k, N]: row p = x[p // top_k] @ w[expert of p]^T (times weights.flatten()[p]
-    when given); x [T, K] and w [E, N, K] contiguous along K."""
+    when given); x [T, K] and w [E, N, K] contiguous along K. Rows of pairs in no computed block
+    are left unwritten, or zero with `zero`."""
     pairs = x.shape[0] * top_k
     n, k = w.shape[1], w.shape[2]
-    out = torch.empty((pairs, n), dtype=x.dtype, device=x.device)
+    out = (torch.zeros if zero else torch.empty)((pairs, n), dtype=x.dtype, device=x.device)
     if pairs == 0:
         return out
     block_n = 64 if n >= 64 else max(16, triton.next_power_of_2(n))
@@ -117,16 +118,22 @@ def grouped_gemm(x: torch.Tensor, w: torch.Tensor, sorted_ids: torch.Tensor, blo
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                  ids: torch.Tensor) -> torch.Tensor:
+                  ids: torch.Tensor, foreign: bool = False) -> torch.Tensor:
     """sum over the top_k choices of weight * down_e(silu(gate_e x) * up_e x), [T, H]: x [T, H],
-    w13 [E, 2 I, H] (gate rows, then up rows), w2 [E, H, I], weights float32 and ids [T, top_k]."""
+    w13 [E, 2 I, H] (gate rows, then up rows), w2 [E, H, I], weights float32 and ids [T, top_k].
+    foreign: ids may also hold E, a choice of an expert another rank holds (expert parallelism),
+    which adds nothing here: its pairs are sorted into blocks no program computes."""
     tokens, top_k = ids.shape
+    experts = w13.shape[0]
     block_m = _block_m(tokens * top_k)
-    sorted_ids, block_experts = align_by_expert(ids, w13.shape[0], block_m)
+    sorted_ids, block_experts = align_by_expert(ids, experts + 1 if foreign else experts, block_m)
+    if foreign:
+        block_experts = torch.where(block_experts == experts, -1, block_experts)
     gate_up = grouped_gemm(x, w13, sorted_ids, block_experts, top_k, block_m)
     gate, up = gate_up.chunk(2, dim=-1)
     hidden = F.silu(gate) * up  # [T * top_k, I], one row per (token, choice)
-    down = grouped_gemm(hidden, w2, sorted_ids, block_experts, 1, block_m, weights.reshape(-1).contiguous())
+    down = grouped_gemm(hidden, w2, sorted_ids, block_experts, 1, block_m, weights.reshape(-1).contiguous(),
+                        zero=foreign)
     return down.view(tokens, top_k, -1).sum(dim=1)
 
 

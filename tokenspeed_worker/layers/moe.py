@@ -11,7 +11,12 @@ token's output is their sum weighted by the router's probabilities.
   and `w2_weight` [E, H, I], loaded from the checkpoint's per-expert matrices (Qwen3-MoE's
   `experts.<e>.gate_proj/up_proj/down_proj`, Mixtral's `experts.<e>.w1/w3/w2`). Tensor parallel:
   each rank holds I / tp of every expert's intermediate rows (gate and up split by rows, down by
-  columns) and the outputs are summed over ranks, as the dense MLP does.
+  columns) and the outputs are summed over ranks, as the dense MLP does. Expert parallel
+  (`expert_parallel(ep)` while building; --ep-size, --enable-expert-parallel): the experts are
+  dealt in E / ep contiguous ranges to ep groups of tp / ep consecutive ranks, each group's ranks
+  splitting their experts' intermediate rows; every rank sees every token (attention is tensor
+  parallel, its output replicated), runs the pairs routed to its own experts, and the same
+  all-reduce sums the partial outputs. No all-to-all: the tokens are already everywhere.
 
 The experts run as grouped GEMMs (kernels/moe.py: pairs sorted by expert on the device, one
 Triton kernel per projection, no host sync, so CUDA graphs capture them) where the fused kernels
@@ -25,6 +30,8 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +49,20 @@ EXPERT_WEIGHT = re.compile(r"^(?P<prefix>.+)\.experts\.(?P<expert>\d+)\.(?P<name
 PARTS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
 
 
+_EP_SIZE = 1  # the expert parallel size FusedMoE layers are built with (expert_parallel)
+
+
+@contextmanager
+def expert_parallel(size: int) -> Iterator[None]:
+    """Within the block, FusedMoE layers deal their experts to `size` groups of the ranks."""
+    global _EP_SIZE
+    previous, _EP_SIZE = _EP_SIZE, size
+    try:
+        yield
+    finally:
+        _EP_SIZE = previous
+
+
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights float32 [T, top_k], expert ids int64 [T, top_k]) of router_logits [T, E]."""
     probs = torch.softmax(router_logits.float(), dim=-1)
@@ -57,31 +78,42 @@ class FusedMoE(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
         self.use_kernels = True  # False after kernels_agree() found the kernels wrong on this device
-        self.num_experts = num_experts
+        self.num_experts = num_experts  # the model's, all ranks together; expert ids are global
+        ep = _EP_SIZE
+        moe_tp = distributed.size() // ep
+        if num_experts % ep:
+            raise ValueError(f"{num_experts} experts cannot be dealt evenly to {ep} expert-parallel groups "
+                             f"(--ep-size must divide the number of experts)")
+        self.num_local_experts = num_experts // ep
+        self.first_expert = (distributed.rank() // moe_tp) * self.num_local_experts  # this rank's: [first, first + local)
+        self.moe_tp_rank = distributed.rank() % moe_tp
         self.full_intermediate = intermediate_size
-        self.intermediate = _divide(intermediate_size, distributed.size(), "the experts' intermediate size")
-        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * self.intermediate, hidden_size))
-        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, self.intermediate))
+        self.intermediate = _divide(intermediate_size, moe_tp, "the experts' intermediate size")
+        self.w13_weight = nn.Parameter(torch.empty(self.num_local_experts, 2 * self.intermediate, hidden_size))
+        self.w2_weight = nn.Parameter(torch.empty(self.num_local_experts, hidden_size, self.intermediate))
         for param in (self.w13_weight, self.w2_weight):
             param.expert_loader = self.load_expert
 
     def load_expert(self, param: nn.Parameter, loaded: torch.Tensor, expert: int, part: str) -> int:
         """Copy this rank's share of expert `expert`'s checkpoint matrix `part` ("gate", "up",
-        "down") into `param`; returns the elements filled."""
+        "down") into `param`; returns the elements filled (0 for another rank's expert)."""
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"expert {expert} is out of range (the model has {self.num_experts})")
-        n, rank = self.intermediate, distributed.rank()
+        local = expert - self.first_expert
+        if not 0 <= local < self.num_local_experts:
+            return 0
+        n, rank = self.intermediate, self.moe_tp_rank
         hidden = self.w13_weight.shape[2]
         if part == "down":
             if tuple(loaded.shape) != (hidden, self.full_intermediate):
                 raise ValueError(f"expert down matrix: expected {(hidden, self.full_intermediate)}, "
                                  f"checkpoint has {tuple(loaded.shape)}")
-            target, source = param.data[expert], loaded.narrow(1, rank * n, n)
+            target, source = param.data[local], loaded.narrow(1, rank * n, n)
         else:
             if tuple(loaded.shape) != (self.full_intermediate, hidden):
                 raise ValueError(f"expert {part} matrix: expected {(self.full_intermediate, hidden)}, "
                                  f"checkpoint has {tuple(loaded.shape)}")
-            target = param.data[expert].narrow(0, 0 if part == "gate" else n, n)
+            target = param.data[local].narrow(0, 0 if part == "gate" else n, n)
             source = loaded.narrow(0, rank * n, n)
         target.copy_(source)
         return target.numel()
@@ -117,12 +149,20 @@ class FusedMoE(nn.Module):
         return distributed.all_reduce(out) if distributed.size() > 1 else out
 
     def _experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """This rank's sum over the chosen experts: the grouped-GEMM kernels where they run, else the loop."""
+        """This rank's sum over the chosen experts it holds: the grouped-GEMM kernels where they
+        run, else the loop. ids are global; with expert parallelism another rank's expert becomes
+        num_local_experts, which neither path computes (its pairs add nothing here)."""
+        if self.num_local_experts != self.num_experts:
+            ids = ids - self.first_expert
+            ids = torch.where((ids >= 0) & (ids < self.num_local_experts), ids, self.num_local_experts)
         kernels = self._kernels(x)
         if kernels is not None:
-            return kernels.fused_experts(x, self.w13_weight, self.w2_weight, weights, ids)
+            return kernels.fused_experts(x, self.w13_weight, self.w2_weight, weights, ids,
+                                         foreign=self.num_local_experts != self.num_experts)
         out = torch.zeros_like(x)
         for expert in torch.unique(ids).tolist():
+            if expert == self.num_local_experts:
+                continue
             tokens, slots = torch.nonzero(ids == expert, as_tuple=True)
             gate, up = F.linear(x[tokens], self.w13_weight[expert]).chunk(2, dim=-1)
             y = F.linear(F.silu(gate) * up, self.w2_weight[expert])

@@ -25,7 +25,7 @@ import torch
 from tokenspeed_worker import distributed
 from tokenspeed_worker.config import EngineConfig, resolve_dtype
 from tokenspeed_worker.layers import small_batch_gemv
-from tokenspeed_worker.layers.moe import FusedMoE
+from tokenspeed_worker.layers.moe import FusedMoE, expert_parallel
 from tokenspeed_worker.layers.attention import Attention, AttentionBackend, AttentionInputs, get_attention_backend
 from tokenspeed_worker.model_executor.cuda_graph import (
     CudaGraph,
@@ -99,11 +99,19 @@ class ModelRunner:
         # This runner's small-batch GEMV choices: its layers consult it (layers/small_batch_gemv.py).
         self.small_batch_gemv = small_batch_gemv.SmallBatchGemv()
         with (torch.device(self.device), _default_dtype(self.dtype), small_batch_gemv.building(self.small_batch_gemv),
-              quant_methods.building(config.model.quant_config)):
+              quant_methods.building(config.model.quant_config), expert_parallel(config.parallel.expert_parallel_size)):
             self.model = model_class(self.hf_config)
         self.load_format = load_model_weights(self.model, config.model)
         self.kv_scales_source = self._fold_kv_cache_scales(config)
         experts = [m for m in self.model.modules() if isinstance(m, FusedMoE)]
+        if config.parallel.expert_parallel_size > 1 and distributed.rank() == 0:
+            if experts:
+                logger.info("expert parallel: %d groups of %d rank(s), %d of the %d experts each (per MoE layer)",
+                            config.parallel.expert_parallel_size, config.parallel.moe_tp_size,
+                            experts[0].num_local_experts, experts[0].num_experts)
+            else:
+                logger.warning("expert parallel size %d: the model has no experts; every layer is tensor parallel",
+                               config.parallel.expert_parallel_size)
         if experts and not experts[0].kernels_agree(getattr(self.hf_config, "num_experts_per_tok", 2)):
             for m in experts:
                 m.use_kernels = False
