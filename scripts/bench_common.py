@@ -22,12 +22,15 @@ from tokenspeed_worker.config import EngineConfig  # noqa: E402
 from tokenspeed_worker.config.engine import SECTION_OF  # noqa: E402
 from tokenspeed_worker.engine.engine_core import EngineCore  # noqa: E402
 from tokenspeed_worker.engine.messages import AddRequest  # noqa: E402
+from tokenspeed_worker.layers.moe import FusedMoE  # noqa: E402
 from tokenspeed_worker.sampling.params import SamplingParams  # noqa: E402
 
 MODEL_SHAPES = {"llama-3.2-1b": REPO / "scripts/model_configs/llama-3.2-1b",
                 "llama-3.1-8b": REPO / "scripts/model_configs/llama-3.1-8b",
                 "llama-3.1-70b": REPO / "scripts/model_configs/llama-3.1-70b",
-                "llama-3.1-8b-fp8-block": REPO / "scripts/model_configs/llama-3.1-8b-fp8-block"}
+                "llama-3.1-8b-fp8-block": REPO / "scripts/model_configs/llama-3.1-8b-fp8-block",
+                "qwen3-30b-a3b": REPO / "scripts/model_configs/qwen3-30b-a3b",
+                "mixtral-8x7b": REPO / "scripts/model_configs/mixtral-8x7b"}
 
 
 def add_engine_args(ap: argparse.ArgumentParser) -> None:
@@ -93,7 +96,7 @@ class ModelArithmetic:
     """Bytes and FLOPs of one step, from the model's shape (`from_core`, or the numbers themselves:
     scripts/sim_admission.py prices steps without a model)."""
 
-    weight_bytes: int  # weights read by every step: all of them but an untied embedding table (rows looked up)
+    weight_bytes: int  # weights read by every step: all of them but an untied embedding table (rows looked up) and the experts
     kv_bytes_per_token: int
     linear_params: int  # matmul parameters every token passes through (not the embedding, not the LM head)
     lm_head_params: int
@@ -102,6 +105,13 @@ class ModelArithmetic:
     # The linear layers run FP8 GEMMs (their FLOPs priced at the FP8 matrix rate when one is given);
     # the LM head and attention stay 16-bit.
     fp8_linear: bool = False
+    # Mixtures of experts: the bytes of every expert of every MoE layer, and how many of the
+    # num_experts each token goes to. A step of T tokens reads the experts chosen at least once:
+    # under uniform routing (dummy weights' random routers) 1 - (1 - top_k / E)^T of them.
+    # top_k / E of the experts' parameters are in linear_params (each token passes through those).
+    expert_bytes: int = 0
+    num_experts: int = 0
+    top_k: int = 0
 
     @classmethod
     def from_core(cls, core: EngineCore) -> "ModelArithmetic":
@@ -116,12 +126,27 @@ class ModelArithmetic:
         # head is, tied or not. FP8 layers count their FP8 bytes and scales.
         embedding = runner.model.model.embed_tokens.weight
         lookup_only = 0 if tied else embedding.numel() * embedding.element_size()
-        return cls(weight_bytes=runner.weight_bytes() - lookup_only, kv_bytes_per_token=runner.kv_bytes_per_token(),
+        experts = [m for m in runner.model.modules() if isinstance(m, FusedMoE)]
+        expert_params = sum(m.w13_weight.numel() + m.w2_weight.numel() for m in experts)
+        num_experts = experts[0].num_experts if experts else 0
+        top_k = getattr(cfg, "num_experts_per_tok", 0) if experts else 0
+        params -= expert_params - (expert_params * top_k // num_experts if experts else 0)
+        return cls(weight_bytes=runner.weight_bytes() - lookup_only - runner.expert_bytes(),
+                   kv_bytes_per_token=runner.kv_bytes_per_token(),
                    linear_params=params - embed if tied else params - 2 * embed, lm_head_params=embed,
                    num_layers=cfg.num_hidden_layers, q_dim=cfg.num_attention_heads * runner.head_dim,
                    fp8_linear=any(getattr(m, "weight_scale_rows", None) is not None
                                       or getattr(m, "weight_scale_blocks", None) is not None
-                                      for m in runner.model.modules()))
+                                      for m in runner.model.modules()),
+                   expert_bytes=runner.expert_bytes(), num_experts=num_experts, top_k=top_k)
+
+    def step_weight_bytes(self, num_tokens: int) -> float:
+        """The weights a step of num_tokens tokens reads: the dense ones, and the experts chosen
+        (their expected share under uniform routing)."""
+        if not self.expert_bytes:
+            return float(self.weight_bytes)
+        chosen = 1.0 - (1.0 - self.top_k / self.num_experts) ** max(1, num_tokens)
+        return self.weight_bytes + self.expert_bytes * chosen
 
     def step_flops(self, num_tokens: int, num_sampled: int, attended: int) -> float:
         """GEMM FLOPs: every token through the layers, sampled rows through the LM head, plus
@@ -139,13 +164,13 @@ class ModelArithmetic:
             total += linear / fp8_flops - linear / flops
         return total
 
-    def step_bytes(self, kv_tokens: int) -> float:
-        """Weights once plus the KV of every sequence in the step."""
-        return self.weight_bytes + self.kv_bytes_per_token * kv_tokens
+    def step_bytes(self, kv_tokens: int, num_tokens: int = 1) -> float:
+        """Weights once (step_weight_bytes) plus the KV of every sequence in the step."""
+        return self.step_weight_bytes(num_tokens) + self.kv_bytes_per_token * kv_tokens
 
     def minimum_seconds(self, record: tuple, flops: float, bandwidth: float, fp8_flops: float | None = None) -> float:
         """The step roofline of one `step_record`: its GEMM time (flops_seconds) plus its bytes at `bandwidth`."""
-        return self.flops_seconds(record, flops, fp8_flops) + self.step_bytes(record[2]) / bandwidth
+        return self.flops_seconds(record, flops, fp8_flops) + self.step_bytes(record[2], record[0]) / bandwidth
 
 
 def step_record(plan) -> tuple[int, int, int, int]:

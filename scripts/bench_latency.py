@@ -64,7 +64,7 @@ def main() -> int:
         "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "overlap_schedule": core.overlap_schedule,
         "tensor_parallel_size": core.cfg.parallel.tensor_parallel_size,
         "cuda_graphs": core.runner.cuda_graphs is not None,
-        "copy_bandwidth_tb_s": bandwidth / 1e12, "weight_bytes": arithmetic.weight_bytes,
+        "copy_bandwidth_tb_s": bandwidth / 1e12, "weight_bytes": arithmetic.step_weight_bytes(1),
         "decode_step_ms_median": 1000 * median, "decode_step_ms_p90": 1000 * float(np.percentile(decode, 90)),
         "decode_tok_s": 1 / median, "roofline_tok_s": 1 / roofline_step,
         "fraction_of_bandwidth_roofline": roofline_step / median,

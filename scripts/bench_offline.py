@@ -77,7 +77,7 @@ def breakdown(records: list, shapes: list, busy_ms: list, arithmetic: ModelArith
         row["busy_s"] += busy / 1e3
         row["roofline_s"] += arithmetic.minimum_seconds(record, flops, bandwidth, fp8_flops)
         row["flops_s"] += arithmetic.flops_seconds(record, flops, fp8_flops)
-        row["weights_s"] += arithmetic.weight_bytes / bandwidth
+        row["weights_s"] += arithmetic.step_weight_bytes(num_tokens) / bandwidth
         row["kv_s"] += arithmetic.kv_bytes_per_token * kv_tokens / bandwidth
     for kind, row in kinds.items():
         # A step far above the median is a stall (a kernel compiling on first use, the host late).

@@ -256,12 +256,16 @@ def main() -> int:
         channel.close()
         if worker:
             worker.stop()
-    weight_bytes = float(server.scheduler_info["weight_bytes"])
+    # The weight bytes a batch-1 step reads (not an untied embedding table, only the chosen
+    # experts); an older worker reports only all of its weights.
+    scheduler_info = server.scheduler_info
+    weight_bytes = float(scheduler_info["decode_read_bytes"] if "decode_read_bytes" in scheduler_info
+                         else scheduler_info["weight_bytes"])
     device = server.scheduler_info["device"]
     from roofline import copy_bandwidth
 
     bandwidth = copy_bandwidth("cuda" if device.startswith("cuda") else "cpu")
-    roofline_tok_s = bandwidth / weight_bytes  # batch-1 decode reads every weight once per token
+    roofline_tok_s = bandwidth / weight_bytes  # batch-1 decode reads those bytes once per token
     for lv in levels:
         if lv["concurrency"] == 1 and lv["itl_ms_median"]:
             lv["batch1_decode_tok_s"] = 1000.0 / lv["itl_ms_median"]

@@ -1,7 +1,7 @@
 """What the small-batch GEMV kernel compiles to on Hopper, without a GPU: spills, load widths and
 the instruction mix per weight byte, for each configuration of a site.
 
-    python scripts/sass_gemv.py [--weight fp8|bf16] [--rows 1] [--site linear|norm_linear|gate_up] [--configs all]
+    python scripts/sass_gemv.py [--weight fp8|fp8-block|bf16] [--rows 1] [--site linear|norm_linear|gate_up] [--configs all]
 
 Compiles kernels/gemv.py's one-shot or tensor-core (Mma) kernel for sm_90 with Triton's own ptxas
 (in the triton wheel) and disassembles it with its cuobjdump, integers specialized as a real launch
@@ -34,7 +34,7 @@ TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 POINTERS = {"x_ptr": "bf16", "residual_ptr": "bf16", "residual_out_ptr": "bf16", "norm_weight_ptr": "bf16",
             "w_scale_ptr": "fp32", "bias_ptr": "bf16", "out_ptr": "bf16", "positions_ptr": "i64", "slots_ptr": "i64",
             "cos_ptr": "fp32", "sin_ptr": "fp32", "k_cache_ptr": "bf16", "v_cache_ptr": "bf16"}
-NOT_ALIGNED = ("eps", "num_heads", "num_kv_heads", "up_offset")  # runtime values not divisible by 16
+NOT_ALIGNED = ("eps", "num_heads", "num_kv_heads", "up_offset", "stride_w_blocks")  # runtime values not divisible by 16
 
 
 def sass(config: tuple, weight: str, rows: int, site: str) -> str:
@@ -51,8 +51,10 @@ def sass(config: tuple, weight: str, rows: int, site: str) -> str:
         block_n, block_k, num_warps, *one_pass = config
         consts = dict(common, BLOCK_N=block_n, BLOCK_K=block_k, ONE_PASS=bool(one_pass and one_pass[0]) and norm,
                       ROPE=False, HEAD_DIM=2, KV_SATURATE=0.0, W_SCALE=weight == "fp8")
+        # 128 x 128 tiles, as block-wise checkpoints ship them (constexprs both ways: never runtime ints)
+        consts.update(W_BLOCK_ROWS=128 if weight == "fp8-block" else 1, W_BLOCK_COLS=128 if weight == "fp8-block" else 0)
     names = kernel.arg_names
-    pointers = {**POINTERS, "w_ptr": "fp8e4nv" if weight == "fp8" else "bf16"}
+    pointers = {**POINTERS, "w_ptr": "bf16" if weight == "bf16" else "fp8e4nv"}
     signature = {n: "constexpr" if n in consts else ("*" + pointers[n] if n in pointers else
                                                       "fp32" if n == "eps" else "i32") for n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
@@ -90,7 +92,7 @@ def summary(text: str, config: tuple, weight: str) -> dict:
     """Spills, global load widths, and the K loop's instructions per weight byte a thread loads in one
     iteration (with the most frequent opcodes)."""
     block_n, block_k, num_warps = config[:3]
-    per_thread = block_n * block_k * (1 if weight == "fp8" else 2) / (32 * num_warps)
+    per_thread = block_n * block_k * (2 if weight == "bf16" else 1) / (32 * num_warps)
     body = loop_body(text)
     return {"spill_stores": text.count(" STL"), "spill_loads": text.count(" LDL"),
             "loads": dict(Counter(re.findall(r"(LDG\.[A-Z0-9.]+)", text))), "loop_instructions": len(body),
@@ -100,7 +102,7 @@ def summary(text: str, config: tuple, weight: str) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--weight", choices=("fp8", "bf16"), default="fp8")
+    parser.add_argument("--weight", choices=("fp8", "fp8-block", "bf16"), default="fp8")
     parser.add_argument("--rows", type=int, default=1, choices=range(1, gemv.MAX_ROWS + 1))
     parser.add_argument("--site", choices=("linear", "norm_linear", "gate_up"), default="linear")
     parser.add_argument("--configs", default="all",
@@ -108,8 +110,10 @@ def main(argv: list[str] | None = None) -> int:
                         "(four numbers: an Mma one, block_n,block_k,num_warps,num_stages)")
     args = parser.parse_args(argv)
     if args.configs == "all":
-        configs = [c for c in gemv.configs_for(gemv.torch.float8_e4m3fn if args.weight == "fp8" else gemv.torch.bfloat16,
-                                               norm=args.site != "linear") if not isinstance(c, gemv.Persistent)]
+        configs = [c for c in gemv.configs_for(gemv.torch.bfloat16 if args.weight == "bf16" else gemv.torch.float8_e4m3fn,
+                                               norm=args.site != "linear",
+                                               block_rows=128 if args.weight == "fp8-block" else None)
+                   if not isinstance(c, gemv.Persistent)]
     else:
         values = tuple(int(v) for v in args.configs.split(","))
         configs = [gemv.Mma(*values) if len(values) == 4 else values]

@@ -76,3 +76,28 @@ def test_the_small_batch_gemv_streams_fp8_weights_with_16_byte_loads():
     assert out.returncode == 0, out.stderr
     line = out.stdout.strip().splitlines()[-1]
     assert "spills 0/0" in line and "'LDG.E.128'" in line and "F2FP" in line, line
+
+
+def test_a_moe_step_reads_the_experts_its_tokens_chose():
+    """The tiny Qwen3-MoE's arithmetic: a one-token step reads the dense weights and top_k / E of
+    the experts (what the worker reports as decode_read_bytes), a wide step nearly all of them;
+    each token's FLOPs count only its top_k experts."""
+    from bench_common import ModelArithmetic
+    from worker_harness import make_runner, tiny_models
+
+    runner = make_runner(tiny_models()["qwen3-moe"], dtype="float32", device="cpu", block_size=4, max_model_len=64)
+
+    class Core:
+        pass
+
+    core = Core()
+    core.runner = runner
+    arithmetic = ModelArithmetic.from_core(core)
+    experts, top_k = arithmetic.num_experts, arithmetic.top_k
+    assert (experts, top_k) == (8, 2) and 0 < arithmetic.expert_bytes < runner.weight_bytes()
+    assert arithmetic.step_weight_bytes(1) == pytest.approx(runner.decode_read_bytes(), abs=1)
+    assert arithmetic.step_weight_bytes(1) == pytest.approx(arithmetic.weight_bytes + arithmetic.expert_bytes / 4)
+    assert arithmetic.step_weight_bytes(512) == pytest.approx(arithmetic.weight_bytes + arithmetic.expert_bytes)
+    dense_linear = sum(p.numel() for p in runner.model.parameters()) - arithmetic.expert_bytes // 4 \
+        - 2 * runner.hf_config.vocab_size * runner.hf_config.hidden_size
+    assert arithmetic.linear_params == dense_linear + arithmetic.expert_bytes // 4 * top_k // experts

@@ -202,6 +202,7 @@ class EngineCore:
             device=str(self.device),
             dtype=str(self.runner.dtype).replace("torch.", ""),
             graph_bytes=self.runner.graph_bytes,
+            decode_read_bytes=self.runner.decode_read_bytes(),
         )
 
     def loads(self) -> Loads:

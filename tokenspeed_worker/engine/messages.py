@@ -87,6 +87,7 @@ class EngineReady:
     device: str
     dtype: str
     graph_bytes: int = 0  # device memory the captured CUDA graphs took (0: none captured)
+    decode_read_bytes: int = 0  # weight bytes a one-token step reads (ModelRunner.decode_read_bytes)
 
 
 @dataclass

@@ -389,13 +389,14 @@ if AVAILABLE:
             w_next = tl.load(w_rows + k_next[None, :], mask=next_mask, other=0.0)
             if SILU or ROPE:
                 wu_next = tl.load(up_rows + k_next[None, :], mask=next_mask, other=0.0)
-            g_scale = 1.0
-            u_scale = 1.0
             if W_BLOCK_COLS:
                 g_scale = tl.load(gate_blocks + kk // W_BLOCK_COLS, mask=k_ok, other=0.0)
                 u_scale = g_scale
                 if SILU or ROPE:
                     u_scale = tl.load(up_blocks + kk // W_BLOCK_COLS, mask=k_ok, other=0.0)
+            else:  # unused (_block_scaled passes x through): one type for both branches
+                g_scale = tl.full([BLOCK_K], 1.0, tl.float32)
+                u_scale = g_scale
             if ONE_PASS:
                 x0, s0 = _row_in_one_pass(x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, 0, kk, k_ok, pid_n,
                                             stride_x, stride_residual, stride_residual_out, ADD_RESIDUAL)

@@ -191,6 +191,23 @@ class ModelRunner:
         scales = [t for name, t in self.model.named_buffers() if "weight_scale" in name]
         return sum(t.numel() * t.element_size() for t in (*self.model.parameters(), *scales))
 
+    def expert_bytes(self) -> int:
+        """Device bytes of the MoE layers' experts (this rank's), part of weight_bytes."""
+        return sum(t.numel() * t.element_size() for m in self.model.modules() if isinstance(m, FusedMoE)
+                   for t in (m.w13_weight, m.w2_weight))
+
+    def decode_read_bytes(self) -> int:
+        """Weight bytes a one-token decode step must read: every weight but an untied embedding
+        table (one row is looked up) and the experts not chosen (top_k of each MoE layer's)."""
+        embedding = self.model.model.embed_tokens.weight
+        untied = not getattr(self.hf_config, "tie_word_embeddings", False)
+        skipped = embedding.numel() * embedding.element_size() if untied else 0
+        experts = [m for m in self.model.modules() if isinstance(m, FusedMoE)]
+        if experts:
+            top_k = getattr(self.hf_config, "num_experts_per_tok", 2)
+            skipped += self.expert_bytes() * max(0.0, 1.0 - top_k / experts[0].num_experts)
+        return int(self.weight_bytes() - skipped)
+
     def kv_bytes_per_token(self) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_dtype.itemsize
 

@@ -219,6 +219,7 @@ class TokenSpeedSchedulerServicer(pb_grpc.TokenSpeedSchedulerServicer):
             "dtype": r.dtype,
             "kv_cache_bytes": r.kv_cache_bytes,
             "weight_bytes": r.weight_bytes,
+            "decode_read_bytes": r.decode_read_bytes,
             "engine_pid": self.engine.pid,
         }
 
