@@ -13,6 +13,8 @@ Formats (name: base model, scheme):
     fp8-tensor    qwen2-bias      quant_method fp8, per-tensor weight_scale, static input_scale
     fp8-block     qwen3-qknorm    quant_method fp8, weight_block_size [128, 128] (weight_scale_inv)
                                   on 64/128-wide matrices: partial blocks only
+    fp8-block-moe qwen3-moe       fp8-block with FP8 experts (their routers 16-bit)
+    ct-channel-moe mixtral        compressed-tensors per-channel, FP8 experts (w1/w2/w3)
     fp8-sharded   qwen2-bias      fp8-tensor saved in several shards with an index
     modelopt      llama-gqa-tied  ModelOpt FP8 (hf_quant_config.json), with k/v cache scales
     online        llama-gqa-tied  no quantization: the float checkpoint itself, for `--quantization fp8`
@@ -36,7 +38,9 @@ import tempfile
 from pathlib import Path
 
 FP8_MAX = 448.0
-LINEAR = re.compile(r"\.(q|k|v|o|gate|up|down)_proj\.weight$")
+# Every linear weight, the experts' too (Qwen3-MoE's gate/up/down_proj, Mixtral's w1/w2/w3); not a
+# router (`mlp.gate`, `block_sparse_moe.gate`), which FP8 checkpoints keep 16-bit.
+LINEAR = re.compile(r"\.((q|k|v|o|gate|up|down)_proj|experts\.\d+\.w[123])\.weight$")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja",
                    "special_tokens_map.json")
 
@@ -66,6 +70,10 @@ SPECS: dict[str, tuple[str, str, bool, dict | None, dict]] = {
     "fp8-block": ("qwen3-qknorm", "block", False,
                   {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
                    "weight_block_size": [128, 128]}, {}),
+    "fp8-block-moe": ("qwen3-moe", "block", False,
+                      {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                       "weight_block_size": [128, 128]}, {}),
+    "ct-channel-moe": ("mixtral", "channel", False, _ct_config("channel", DYNAMIC_TOKEN, ["lm_head"]), {}),
     "fp8-sharded": ("qwen2-bias", "tensor", True, {"quant_method": "fp8", "activation_scheme": "static"},
                     {"shards": 4}),
     "modelopt": ("llama-gqa-tied", "tensor", True, None, {"modelopt": True}),

@@ -48,7 +48,7 @@ def engine_greedy(model_dir, **settings) -> dict[int, list[int]]:
 
 
 @pytest.mark.parametrize("name", ["ct-tensor", "ct-channel", "fp8-tensor", "fp8-block", "fp8-sharded", "modelopt",
-                                  "online"])
+                                  "online", "fp8-block-moe", "ct-channel-moe"])
 def test_fp8_checkpoint_greedy_equals_transformers_on_dequantized_weights(fp8_models, name):
     fp8_dir, ref_dir = fp8_models[name]
     outputs = engine_greedy(fp8_dir, **({"quantization": "fp8"} if name == "online" else {}))

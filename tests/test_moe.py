@@ -111,6 +111,47 @@ def test_expert_parallel_ranks_sum_to_the_whole_layer(monkeypatch, ep, world, ke
     assert held == [((r // moe_tp) * (experts // ep), r % moe_tp) for r in range(world)]
 
 
+@pytest.mark.parametrize("ep,world", [(1, 1), (1, 2), (2, 2)], ids=["one-rank", "tp2", "ep2"])
+def test_fp8_experts_dequantize_this_ranks_rows(monkeypatch, ep, world):
+    """Block-wise FP8 experts (16 x 16 tiles, so a rank's rows start inside a tile): each rank keeps
+    the whole scale tensors and dequantizes its own rows; the ranks' outputs sum to the float layer's."""
+    from tokenspeed_worker import distributed
+    from tokenspeed_worker.layers.moe import FusedMoE, expert_parallel
+    from tokenspeed_worker.layers.quantization import Fp8LinearScheme, QuantConfig
+    from tokenspeed_worker.layers.quantization import methods as quant_methods
+    from worker_harness import _load_script
+
+    quantize = _load_script("make_fp8_models").quantize
+    experts, hidden, inter, top_k = 4, 40, 56, 2
+    config = QuantConfig("fp8", Fp8LinearScheme("block", block=(16, 16), scale_name="weight_scale_inv"))
+    torch.manual_seed(1)
+    checkpoint, dequantized = {}, {}
+    for e in range(experts):
+        for part in ("gate", "up", "down"):
+            w = torch.randn(*((hidden, inter) if part == "down" else (inter, hidden))) * 0.2
+            checkpoint[e, part] = quantize(w, "block", block=16)[:2]
+            dequantized[e, part] = quantize(w, "block", block=16)[2]
+    whole = FusedMoE(experts, hidden, inter)
+    for (e, part), matrix in dequantized.items():
+        whole.load_expert(whole.w2_weight if part == "down" else whole.w13_weight, matrix, e, part)
+    x = torch.randn(9, hidden)
+    weights, ids = select_experts(torch.randn(9, experts), top_k, True)
+    expected, total = whole._experts(x, weights, ids), torch.zeros(9, hidden)
+    for rank in range(world):
+        monkeypatch.setattr(distributed, "rank", lambda rank=rank: rank)
+        monkeypatch.setattr(distributed, "size", lambda: world)
+        with expert_parallel(ep), quant_methods.building(config):
+            layer = FusedMoE(experts, hidden, inter, prefix="model.layers.0.mlp")
+        assert layer.w13_weight.dtype == torch.float8_e4m3fn
+        for (e, part), (q, scale) in checkpoint.items():
+            layer.load_expert(layer.w2_weight if part == "down" else layer.w13_weight, q, e, part)
+            layer.load_expert_scale(layer.w2_scale if part == "down" else layer.w13_scale, scale, e, part)
+        layer.process_weights_after_loading()
+        assert layer.w13_weight.dtype == torch.get_default_dtype() and not hasattr(layer, "w13_scale")
+        total += layer._experts(x, weights, ids)
+    torch.testing.assert_close(total, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_experts_that_cannot_be_dealt_evenly_are_refused(monkeypatch):
     from tokenspeed_worker import distributed
     from tokenspeed_worker.layers.moe import FusedMoE, expert_parallel
@@ -134,17 +175,6 @@ def test_expert_parallel_through_the_cli_equals_transformers(flags):
         check_against_transformers(worker, model_dir)
     finally:
         assert worker.stop() == 0, worker.log()
-
-
-def test_quantized_experts_are_refused_at_startup(tmp_path):
-    model = tmp_path / "fp8-moe"
-    shutil.copytree(tiny_models()["qwen3-moe"], model)
-    config = json.loads((model / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
-    (model / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="quantized \\(FP8\\) experts are not supported yet"):
-        EngineCore(EngineConfig.build(str(model), dtype="float32", device="cpu", max_model_len=64,
-                                      max_total_tokens=256))
 
 
 def test_a_sliding_window_mixtral_is_refused(tmp_path):

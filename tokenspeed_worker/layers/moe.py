@@ -38,15 +38,29 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenspeed_worker import distributed
+from tokenspeed_worker.kernels.fp8 import FP8_DTYPE, expand_scales
 from tokenspeed_worker.layers.fused_kernels import use_fused
 from tokenspeed_worker.layers.layernorm import PendingNorm
 from tokenspeed_worker.layers.linear import Linear, _divide
+from tokenspeed_worker.layers.quantization import methods as quant_methods
 
 logger = logging.getLogger(__name__)
 
-# A checkpoint expert matrix: "<prefix>.experts.<e>.<name>.weight"; name -> which part of FusedMoE.
-EXPERT_WEIGHT = re.compile(r"^(?P<prefix>.+)\.experts\.(?P<expert>\d+)\.(?P<name>\w+)\.weight$")
+# A checkpoint expert tensor: "<prefix>.experts.<e>.<name>.<kind>", kind "weight" or, for FP8
+# experts, its scale ("weight_scale", "weight_scale_inv") or a static input scale; name -> which
+# part of FusedMoE.
+EXPERT_WEIGHT = re.compile(r"^(?P<prefix>.+)\.experts\.(?P<expert>\d+)\.(?P<name>\w+)\."
+                           r"(?P<kind>weight|weight_scale|weight_scale_inv|input_scale)$")
 PARTS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
+
+
+def expert_param_name(kind: str, part: str) -> str | None:
+    """FusedMoE's parameter for a checkpoint expert tensor of `kind` and `part`; None for a static
+    input scale (FP8 experts run dequantized: there is nothing to scale)."""
+    if kind == "input_scale":
+        return None
+    stem = "w2" if part == "down" else "w13"
+    return f"{stem}_weight" if kind == "weight" else f"{stem}_scale"
 
 
 _EP_SIZE = 1  # the expert parallel size FusedMoE layers are built with (expert_parallel)
@@ -75,7 +89,7 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -
 class FusedMoE(nn.Module):
     """The experts of one layer, stacked (module docstring); forward(x, weights, ids) -> [T, H]."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, prefix: str = "") -> None:
         super().__init__()
         self.use_kernels = True  # False after kernels_agree() found the kernels wrong on this device
         self.num_experts = num_experts  # the model's, all ranks together; expert ids are global
@@ -89,10 +103,73 @@ class FusedMoE(nn.Module):
         self.moe_tp_rank = distributed.rank() % moe_tp
         self.full_intermediate = intermediate_size
         self.intermediate = _divide(intermediate_size, moe_tp, "the experts' intermediate size")
-        self.w13_weight = nn.Parameter(torch.empty(self.num_local_experts, 2 * self.intermediate, hidden_size))
-        self.w2_weight = nn.Parameter(torch.empty(self.num_local_experts, hidden_size, self.intermediate))
+        local, n = self.num_local_experts, self.intermediate
+        # FP8 experts (the checkpoint's quantization config, unless it ignores the experts): FP8
+        # weights and every expert matrix's whole scale tensor (this rank's rows are picked from
+        # it after loading, whatever the tensor-parallel split), dequantized by
+        # process_weights_after_loading: the grouped GEMM reads 16-bit experts.
+        config = quant_methods.current_config()
+        name = f"{prefix}.experts" if prefix else "experts"
+        quantized = config is not None and not config.online and config.layer_is_quantized(name, [name])
+        self.scheme = config.scheme if quantized else None  # online FP8 (--quantization fp8) leaves experts 16-bit
+        dtype = FP8_DTYPE if self.scheme is not None else None
+        self.params_dtype = torch.get_default_dtype()  # the model's: what FP8 experts are dequantized to
+        self.w13_weight = nn.Parameter(torch.empty(local, 2 * n, hidden_size, dtype=dtype), requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.empty(local, hidden_size, n, dtype=dtype), requires_grad=False)
         for param in (self.w13_weight, self.w2_weight):
             param.expert_loader = self.load_expert
+        if self.scheme is not None:
+            gate_tile, down_tile = self._tile((intermediate_size, hidden_size)), self._tile((hidden_size, intermediate_size))
+            self.w13_scale = nn.Parameter(torch.empty(local, 2, -(-intermediate_size // gate_tile[0]),
+                                                      -(-hidden_size // gate_tile[1]), dtype=torch.float32),
+                                          requires_grad=False)
+            self.w2_scale = nn.Parameter(torch.empty(local, -(-hidden_size // down_tile[0]),
+                                                     -(-intermediate_size // down_tile[1]), dtype=torch.float32),
+                                         requires_grad=False)
+            for param in (self.w13_scale, self.w2_scale):
+                param.expert_loader = self.load_expert_scale
+
+    def _tile(self, shape: tuple[int, int]) -> tuple[int, int]:
+        """The (rows, cols) a scale covers in a checkpoint expert matrix of `shape`."""
+        if self.scheme.weight == "block":
+            return self.scheme.block
+        return (1, shape[1]) if self.scheme.weight == "channel" else shape
+
+    def load_expert_scale(self, param: nn.Parameter, loaded: torch.Tensor, expert: int, part: str) -> int:
+        """Copy expert `expert`'s whole scale tensor of `part` into `param` (FP8 experts); returns
+        the elements filled (0 for another rank's expert)."""
+        local = expert - self.first_expert
+        if not 0 <= local < self.num_local_experts:
+            return 0
+        target = param.data[local] if part == "down" else param.data[local, 0 if part == "gate" else 1]
+        if loaded.numel() != target.numel():
+            raise ValueError(f"expert {expert} {part} scale: expected {tuple(target.shape)} ({self.scheme.weight} "
+                             f"scales), checkpoint has {tuple(loaded.shape)}")
+        target.copy_(loaded.reshape(target.shape))
+        return target.numel()
+
+    @torch.no_grad()
+    def process_weights_after_loading(self) -> None:
+        """FP8 experts: each weight times its scales (this rank's rows of the whole matrices'),
+        in the model's dtype, the scales dropped. Nothing to do for 16-bit experts."""
+        if self.scheme is None:
+            return
+        dtype = self.params_dtype
+        n, offset = self.intermediate, self.moe_tp_rank * self.intermediate
+        full, hidden = self.full_intermediate, self.w13_weight.shape[2]
+        gate_tile, down_tile = self._tile((full, hidden)), self._tile((hidden, full))
+        w13 = torch.empty(self.w13_weight.shape, dtype=dtype, device=self.w13_weight.device)
+        w2 = torch.empty(self.w2_weight.shape, dtype=dtype, device=self.w2_weight.device)
+        for e in range(self.num_local_experts):
+            for half in range(2):  # gate rows, then up rows
+                scales = expand_scales(self.w13_scale[e, half], *gate_tile, (full, hidden))[offset:offset + n]
+                rows = slice(half * n, (half + 1) * n)
+                w13[e, rows] = (self.w13_weight[e, rows].float() * scales).to(dtype)
+            scales = expand_scales(self.w2_scale[e], *down_tile, (hidden, full))[:, offset:offset + n]
+            w2[e] = (self.w2_weight[e].float() * scales).to(dtype)
+        self.w13_weight = nn.Parameter(w13, requires_grad=False)
+        self.w2_weight = nn.Parameter(w2, requires_grad=False)
+        del self.w13_scale, self.w2_scale
 
     def load_expert(self, param: nn.Parameter, loaded: torch.Tensor, expert: int, part: str) -> int:
         """Copy this rank's share of expert `expert`'s checkpoint matrix `part` ("gate", "up",
@@ -177,8 +254,9 @@ class SparseMoeBlock(nn.Module):
                  prefix: str = "", router_name: str = "gate") -> None:
         super().__init__()
         self.top_k, self.renormalize, self.router_name = top_k, renormalize, router_name
-        setattr(self, router_name, Linear(hidden_size, num_experts, prefix=f"{prefix}.{router_name}"))
-        self.experts = FusedMoE(num_experts, hidden_size, intermediate_size)
+        with quant_methods.building(None):  # the router stays 16-bit in FP8 checkpoints (Qwen3-*-FP8, DeepSeek)
+            setattr(self, router_name, Linear(hidden_size, num_experts, prefix=f"{prefix}.{router_name}"))
+        self.experts = FusedMoE(num_experts, hidden_size, intermediate_size, prefix=prefix)
 
     def forward(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:
         if isinstance(x, PendingNorm):

@@ -7,6 +7,7 @@ where values do not matter. It is deterministic for a given seed and device.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,7 +15,10 @@ import torch
 from torch import nn
 
 from tokenspeed_worker.config import ModelConfig
+from tokenspeed_worker.layers.moe import FusedMoE
 from tokenspeed_worker.layers.quantization import methods as quant_methods
+
+logger = logging.getLogger(__name__)
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 DUMMY_STD = 0.02
@@ -102,4 +106,10 @@ def load_model_weights(model: nn.Module, config: ModelConfig) -> str:
             weights = quant_methods.quantize_online(model, weights, next(model.parameters()).device)
         model.load_weights(weights)
     quant_methods.process_weights_after_loading(model)
+    experts = [m for m in model.modules() if isinstance(m, FusedMoE) and m.scheme is not None]
+    for m in experts:
+        m.process_weights_after_loading()
+    if experts:
+        logger.info("FP8: the experts of %d MoE layers dequantized to %s at load (the grouped GEMM reads 16-bit "
+                    "experts)", len(experts), experts[0].params_dtype)
     return load_format

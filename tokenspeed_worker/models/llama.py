@@ -216,8 +216,10 @@ class LlamaForCausalLM(nn.Module):
                 continue
             expert = moe.EXPERT_WEIGHT.match(name)
             if expert is not None and expert["name"] in moe.PARTS:
-                param_name = f"{expert['prefix']}.experts." + ("w2_weight" if moe.PARTS[expert["name"]] == "down"
-                                                                else "w13_weight")
+                stem = moe.expert_param_name(expert["kind"], moe.PARTS[expert["name"]])
+                if stem is None:  # a static input scale of FP8 experts: not used
+                    continue
+                param_name = f"{expert['prefix']}.experts.{stem}"
                 if param_name not in params:
                     raise ValueError(f"checkpoint weight {name!r} has no parameter in {type(self).__name__}")
                 param = params[param_name]

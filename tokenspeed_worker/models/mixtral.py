@@ -8,12 +8,10 @@ from torch import nn
 
 from tokenspeed_worker.layers.moe import SparseMoeBlock
 from tokenspeed_worker.models.llama import LlamaForCausalLM
-from tokenspeed_worker.models.qwen3_moe import refuse_quantized_experts
 
 
 class MixtralForCausalLM(LlamaForCausalLM):
     def __init__(self, config) -> None:
-        refuse_quantized_experts("MixtralForCausalLM")
         if getattr(config, "sliding_window", None):
             raise ValueError(f"MixtralForCausalLM: sliding_window {config.sliding_window} is not supported "
                              "(sliding-window attention is not implemented; a checkpoint with null serves)")

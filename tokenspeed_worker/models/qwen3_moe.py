@@ -7,21 +7,11 @@ from __future__ import annotations
 from torch import nn
 
 from tokenspeed_worker.layers.moe import SparseMoeBlock
-from tokenspeed_worker.layers.quantization import methods as quant_methods
 from tokenspeed_worker.models.llama import LlamaMLP
 from tokenspeed_worker.models.qwen3 import Qwen3ForCausalLM
 
 
-def refuse_quantized_experts(name: str) -> None:
-    if quant_methods.current_config() is not None:
-        raise ValueError(f"{name}: quantized (FP8) experts are not supported yet; serve the bf16 checkpoint")
-
-
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
-    def __init__(self, config) -> None:
-        refuse_quantized_experts("Qwen3MoeForCausalLM")
-        super().__init__(config)
-
     @staticmethod
     def make_mlp(config, index: int, prefix: str, bias: bool) -> tuple[str, nn.Module]:
         sparse = (index not in (getattr(config, "mlp_only_layers", None) or [])
