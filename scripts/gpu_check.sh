@@ -15,6 +15,7 @@
 #              the JSON has the launch-to-healthy startup_s
 #   prefix     bench_prefix.py, 1B shape (SERVING_MODEL), prefix cache on and off
 #   sampler    bench_sampler.py, batch 256 x vocab 128,256
+#   moe        the MoE tests on CUDA, then bench_latency.py at MOE_MODELS (qwen3-30b-a3b; also mixtral-8x7b)
 #   fp8        the FP8 GPU tests (scaled GEMM, activation quantization, GEMV on FP8 weights), the FP8
 #              checkpoint and KV-scale tests on CUDA (block-scaled GEMM, kept-FP8 folds), then
 #              fp8_accuracy.py (FP8 against bf16 on the same weights) for FP8_MODELS (llama-3.1-8b)
@@ -42,7 +43,7 @@ mkdir -p "$OUT/logs" && OUT=$(cd "$OUT" && pwd)
 DRY_RUN=${DRY_RUN:-0}
 SERVING_MODEL=${SERVING_MODEL:-$REPO/scripts/model_configs/llama-3.2-1b}
 BENCH_SUITES=" latency offline serving prefix sampler "
-OTHER_SUITES=" tests kernels selfcheck fp8 "
+OTHER_SUITES=" tests kernels selfcheck fp8 moe "
 suites=()
 while [ $# -gt 0 ] && [[ $1 != -* ]]; do
   case "$OTHER_SUITES$BENCH_SUITES" in
@@ -229,6 +230,17 @@ suite_fp8() {
     dry && continue
     grep -E "^batch|runners built" "$OUT/logs/fp8_accuracy_${m##*/}.log" | cut -c1-200
     [ $status = 0 ] || failed "fp8_accuracy_${m##*/}" $status
+  done
+}
+
+suite_moe() {
+  # The MoE tests on CUDA (grouped-GEMM kernels against the loop, whole models against transformers,
+  # expert parallelism's partial sums), then batch-1 decode at the MoE shapes (MOE_MODELS).
+  pytest_run moe_tests "${MOE_TESTS_TIMEOUT:-300}" tests/test_moe.py tests/test_engine_vs_hf.py -k "moe or mixtral or expert"
+  local m
+  for m in ${MOE_MODELS:-qwen3-30b-a3b}; do
+    bench latency "$m" "${LATENCY_TIMEOUT:-150}" scripts/bench_latency.py --model "$m" --prompt-len 128 --new-tokens 128 \
+      ${BENCH_ARGS:-}
   done
 }
 
