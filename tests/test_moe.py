@@ -112,17 +112,22 @@ def test_expert_parallel_ranks_sum_to_the_whole_layer(monkeypatch, ep, world, ke
 
 
 @pytest.mark.parametrize("ep,world", [(1, 1), (1, 2), (2, 2)], ids=["one-rank", "tp2", "ep2"])
-def test_fp8_experts_dequantize_this_ranks_rows(monkeypatch, ep, world):
-    """Block-wise FP8 experts (16 x 16 tiles, so a rank's rows start inside a tile): each rank keeps
-    the whole scale tensors and dequantizes its own rows; the ranks' outputs sum to the float layer's."""
+@pytest.mark.parametrize("inter", [64, 56], ids=["tile-aligned", "unaligned"])
+@pytest.mark.parametrize("kernels", ["loop", "force"])
+def test_fp8_experts_on_every_rank_split(monkeypatch, ep, world, inter, kernels):
+    """Block-wise FP8 experts (16 x 16 tiles): each rank loads the whole scale tensors, then keeps
+    its FP8 rows with their tiles for the grouped GEMM (the kernels forced: the interpreter) where
+    its down columns start on a column group, else dequantizes its rows; the ranks' outputs sum to
+    the float layer's either way."""
     from tokenspeed_worker import distributed
+    from tokenspeed_worker.layers.fused_kernels import fused_kernels
     from tokenspeed_worker.layers.moe import FusedMoE, expert_parallel
     from tokenspeed_worker.layers.quantization import Fp8LinearScheme, QuantConfig
     from tokenspeed_worker.layers.quantization import methods as quant_methods
     from worker_harness import _load_script
 
     quantize = _load_script("make_fp8_models").quantize
-    experts, hidden, inter, top_k = 4, 40, 56, 2
+    experts, hidden, top_k = 4, 40, 2
     config = QuantConfig("fp8", Fp8LinearScheme("block", block=(16, 16), scale_name="weight_scale_inv"))
     torch.manual_seed(1)
     checkpoint, dequantized = {}, {}
@@ -137,19 +142,26 @@ def test_fp8_experts_dequantize_this_ranks_rows(monkeypatch, ep, world):
     x = torch.randn(9, hidden)
     weights, ids = select_experts(torch.randn(9, experts), top_k, True)
     expected, total = whole._experts(x, weights, ids), torch.zeros(9, hidden)
-    for rank in range(world):
-        monkeypatch.setattr(distributed, "rank", lambda rank=rank: rank)
-        monkeypatch.setattr(distributed, "size", lambda: world)
-        with expert_parallel(ep), quant_methods.building(config):
-            layer = FusedMoE(experts, hidden, inter, prefix="model.layers.0.mlp")
-        assert layer.w13_weight.dtype == torch.float8_e4m3fn
-        for (e, part), (q, scale) in checkpoint.items():
-            layer.load_expert(layer.w2_weight if part == "down" else layer.w13_weight, q, e, part)
-            layer.load_expert_scale(layer.w2_scale if part == "down" else layer.w13_scale, scale, e, part)
-        layer.process_weights_after_loading()
-        assert layer.w13_weight.dtype == torch.get_default_dtype() and not hasattr(layer, "w13_scale")
-        total += layer._experts(x, weights, ids)
-    torch.testing.assert_close(total, expected, rtol=1e-5, atol=1e-5)
+    with fused_kernels("force" if kernels == "force" else "off"):
+        for rank in range(world):
+            monkeypatch.setattr(distributed, "rank", lambda rank=rank: rank)
+            monkeypatch.setattr(distributed, "size", lambda: world)
+            with expert_parallel(ep), quant_methods.building(config):
+                layer = FusedMoE(experts, hidden, inter, prefix="model.layers.0.mlp")
+            assert layer.w13_weight.dtype == torch.float8_e4m3fn
+            for (e, part), (q, scale) in checkpoint.items():
+                layer.load_expert(layer.w2_weight if part == "down" else layer.w13_weight, q, e, part)
+                layer.load_expert_scale(layer.w2_scale if part == "down" else layer.w13_scale, scale, e, part)
+            layer.process_weights_after_loading()
+            n = inter * ep // world  # this rank's rows of each expert; its down columns start at offset
+            kept = kernels == "force" and (rank % (world // ep)) * n % 16 == 0
+            assert (layer.w13_weight.dtype == torch.float8_e4m3fn) == kept and not hasattr(layer, "w13_scale")
+            if kept:
+                rows = 16 if n % 16 == 0 else 1
+                assert (layer.w13_scales.rows, layer.w13_scales.cols) == (rows, 16)
+                assert layer.kernels_agree(top_k)
+            total += layer._experts(x, weights, ids)
+    torch.testing.assert_close(total, expected, rtol=1e-4, atol=1e-4)
 
 
 def test_experts_that_cannot_be_dealt_evenly_are_refused(monkeypatch):
@@ -250,23 +262,28 @@ def test_grouped_gemm_experts_equal_the_loop(tokens, experts, top_k, hidden, int
         torch.testing.assert_close(got.float(), expected.float(), rtol=tolerance, atol=tolerance)
 
 
-@pytest.mark.parametrize("name", MOE_MODELS)
+@pytest.mark.parametrize("name", [*MOE_MODELS, "fp8-block-moe"])
 def test_a_model_on_the_kernels_equals_the_loop(name):
     """The whole model with the experts' kernels forced (the interpreter on CPU) gives the loop's
-    logits, on CUDA too; the runner's startup check takes them, and a step with them can be captured."""
+    logits, on CUDA too; the runner's startup check takes them, and a step with them can be captured.
+    FP8 experts (fp8-block-moe) stay FP8 under the kernels, dequantized under the loop on CPU."""
     from test_fp8_kv_scales import _steps
 
     from tokenspeed_worker.layers.fused_kernels import fused_kernels
     from tokenspeed_worker.layers.moe import FusedMoE
-    from worker_harness import make_runner
+    from worker_harness import CACHE, _load_script, make_runner
 
-    model = tiny_models()[name]
+    if name in MOE_MODELS:
+        model = tiny_models()[name]
+    else:
+        model = _load_script("make_fp8_models").make_all(CACHE / "fp8_models", tiny_models())[name][0]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     expected = _steps(make_runner(model, dtype="float32", device=device, block_size=4, max_model_len=64))
     with fused_kernels("force"):
         runner = make_runner(model, dtype="float32", device=device, block_size=4, max_model_len=64)
         layers = [m for m in runner.model.modules() if isinstance(m, FusedMoE)]
         assert layers and all(m.use_kernels and m.supports_cuda_graphs for m in layers)
+        assert all((m.w13_weight.dtype == torch.float8_e4m3fn) == (name == "fp8-block-moe") for m in layers)
         got = _steps(runner)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 

@@ -39,6 +39,7 @@ from torch import nn
 
 from tokenspeed_worker import distributed
 from tokenspeed_worker.kernels.fp8 import FP8_DTYPE, expand_scales
+from tokenspeed_worker.kernels.moe import ExpertScales
 from tokenspeed_worker.layers.fused_kernels import use_fused
 from tokenspeed_worker.layers.layernorm import PendingNorm
 from tokenspeed_worker.layers.linear import Linear, _divide
@@ -114,6 +115,8 @@ class FusedMoE(nn.Module):
         self.scheme = config.scheme if quantized else None  # online FP8 (--quantization fp8) leaves experts 16-bit
         dtype = FP8_DTYPE if self.scheme is not None else None
         self.params_dtype = torch.get_default_dtype()  # the model's: what FP8 experts are dequantized to
+        self.w13_scales: ExpertScales | None = None  # kept FP8 experts' (process_weights_after_loading)
+        self.w2_scales: ExpertScales | None = None
         self.w13_weight = nn.Parameter(torch.empty(local, 2 * n, hidden_size, dtype=dtype), requires_grad=False)
         self.w2_weight = nn.Parameter(torch.empty(local, hidden_size, n, dtype=dtype), requires_grad=False)
         for param in (self.w13_weight, self.w2_weight):
@@ -150,9 +153,16 @@ class FusedMoE(nn.Module):
 
     @torch.no_grad()
     def process_weights_after_loading(self) -> None:
-        """FP8 experts: each weight times its scales (this rank's rows of the whole matrices'),
-        in the model's dtype, the scales dropped. Nothing to do for 16-bit experts."""
+        """FP8 experts: kept FP8 with this rank's scales (`w13_scales`, `w2_scales`) where the
+        grouped-GEMM kernels run on a GPU that keeps FP8 (compute capability 9.0+; also forced in
+        tests), else each weight times its scales in the model's dtype. The checkpoint's whole
+        scale tensors are dropped. Nothing to do for 16-bit experts."""
         if self.scheme is None:
+            return
+        device = self.w13_weight.device
+        keep = self._kernels(self.w13_weight) is not None and (
+            device.type != "cuda" or quant_methods.keeps_fp8(device))
+        if keep and self._keep_fp8():
             return
         dtype = self.params_dtype
         n, offset = self.intermediate, self.moe_tp_rank * self.intermediate
@@ -170,6 +180,39 @@ class FusedMoE(nn.Module):
         self.w13_weight = nn.Parameter(w13, requires_grad=False)
         self.w2_weight = nn.Parameter(w2, requires_grad=False)
         del self.w13_scale, self.w2_scale
+
+    def _keep_fp8(self) -> bool:
+        """Keep the FP8 weights, with this rank's tiles of the scales as the grouped GEMM reads
+        them (kernels/moe.ExpertScales); False (nothing changed) where this rank's columns of the
+        down projection start inside a column group, which the GEMM cannot scale."""
+        n, offset = self.intermediate, self.moe_tp_rank * self.intermediate
+        full, hidden = self.full_intermediate, self.w13_weight.shape[2]
+        (gate_rows, gate_cols), (down_rows, down_cols) = self._tile((full, hidden)), self._tile((hidden, full))
+        if down_cols < full and (offset % down_cols or down_cols % 16) or gate_cols < hidden and gate_cols % 16:
+            return False
+        if n % gate_rows == 0:  # this rank's gate and up rows are whole tile rows
+            rows = self.w13_scale[:, :, offset // gate_rows:(offset + n) // gate_rows]
+        else:  # one scale row per weight row
+            rows = self.w13_scale.repeat_interleave(gate_rows, 2)[:, :, offset:offset + n]
+            gate_rows = 1
+        w13_scales = rows.reshape(self.num_local_experts, -1, rows.shape[-1]).contiguous()
+        first = offset // down_cols if down_cols < full else 0
+        w2_scales = self.w2_scale[:, :, first:first + -(-n // min(down_cols, full))].contiguous()
+        del self.w13_scale, self.w2_scale
+        self.w13_scales = ExpertScales(w13_scales, gate_rows, min(gate_cols, hidden))
+        self.w2_scales = ExpertScales(w2_scales, down_rows, min(down_cols, n))
+        return True
+
+    def _dense_experts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w13, w2) as the reference loop multiplies them: kept FP8 weights times their scales."""
+        if self.w13_scales is None:
+            return self.w13_weight, self.w2_weight
+        out = []
+        for weight, sc in ((self.w13_weight, self.w13_scales), (self.w2_weight, self.w2_scales)):
+            scales = torch.stack([expand_scales(sc.scales[e], sc.rows, sc.cols, weight.shape[1:])
+                                  for e in range(weight.shape[0])])
+            out.append((weight.float() * scales).to(self.params_dtype))
+        return out[0], out[1]
 
     def load_expert(self, param: nn.Parameter, loaded: torch.Tensor, expert: int, part: str) -> int:
         """Copy this rank's share of expert `expert`'s checkpoint matrix `part` ("gate", "up",
@@ -209,7 +252,7 @@ class FusedMoE(nn.Module):
         where they disagree beyond rounding: a kernel this GPU, driver or Triton miscompiles."""
         if self._kernels(self.w13_weight) is None:
             return True
-        x = torch.randn(tokens, self.w13_weight.shape[2], device=self.w13_weight.device, dtype=self.w13_weight.dtype)
+        x = torch.randn(tokens, self.w13_weight.shape[2], device=self.w13_weight.device, dtype=self.params_dtype)
         weights, ids = select_experts(torch.randn(tokens, self.num_experts, device=x.device), top_k, True)
         got = self._experts(x, weights, ids).float()
         self.use_kernels = False
@@ -235,14 +278,16 @@ class FusedMoE(nn.Module):
         kernels = self._kernels(x)
         if kernels is not None:
             return kernels.fused_experts(x, self.w13_weight, self.w2_weight, weights, ids,
-                                         foreign=self.num_local_experts != self.num_experts)
+                                         foreign=self.num_local_experts != self.num_experts,
+                                         w13_scales=self.w13_scales, w2_scales=self.w2_scales)
+        w13, w2 = self._dense_experts()
         out = torch.zeros_like(x)
         for expert in torch.unique(ids).tolist():
             if expert == self.num_local_experts:
                 continue
             tokens, slots = torch.nonzero(ids == expert, as_tuple=True)
-            gate, up = F.linear(x[tokens], self.w13_weight[expert]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.w2_weight[expert])
+            gate, up = F.linear(x[tokens], w13[expert]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, w2[expert])
             out.index_add_(0, tokens, y * weights[tokens, slots, None].to(y.dtype))
         return out
 

@@ -109,7 +109,10 @@ def load_model_weights(model: nn.Module, config: ModelConfig) -> str:
     experts = [m for m in model.modules() if isinstance(m, FusedMoE) and m.scheme is not None]
     for m in experts:
         m.process_weights_after_loading()
-    if experts:
-        logger.info("FP8: the experts of %d MoE layers dequantized to %s at load (the grouped GEMM reads 16-bit "
-                    "experts)", len(experts), experts[0].params_dtype)
+    kept = sum(1 for m in experts if m.w13_scales is not None)
+    if kept:
+        logger.info("FP8: the experts of %d MoE layers stay FP8 (the grouped GEMM scales them in-register)", kept)
+    if kept < len(experts):
+        logger.info("FP8: the experts of %d MoE layers dequantized to %s at load (no FP8 grouped GEMM here, or a "
+                    "rank's columns start inside a scale group)", len(experts) - kept, experts[0].params_dtype)
     return load_format
