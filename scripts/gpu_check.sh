@@ -21,6 +21,7 @@
 #              fp8_accuracy.py (FP8 against bf16 on the same weights) for FP8_MODELS (llama-3.1-8b)
 # QUANTS (latency, offline): "none" (default), "fp8" (online FP8: --engine-arg quantization=fp8) or both;
 # a case quantized gets the suffix _fp8.
+# SERVING_PYSPY=SECONDS (serving): py-spy stacks of the worker's processes, logs/pyspy_serving_*.txt.gz.
 # BENCH_ARGS: more flags for latency and offline (e.g. "--engine-arg kv_cache_dtype=fp8"); SERVING_ARGS:
 # more worker flags for serving and prefix (e.g. "--dp 2"); *_TIMEOUT: each run's limit in seconds.
 # A/B of two trees: AB_TREE=DIR runs each bench suite (latency offline serving prefix sampler; the others
@@ -247,6 +248,7 @@ suite_moe() {
 suite_serving() {
   local sub=--subscribe case=${SERVING_MODEL##*/}_sub
   [ "${SERVING_SUBSCRIBE:-1}" = 1 ] || { sub=""; case=${SERVING_MODEL##*/}_nosub; }
+  [ -n "${SERVING_PYSPY:-}" ] && ! dry && pyspy_worker "$OUT/logs/pyspy_serving_${case}${tag:+_$tag}.txt"
   bench serving "$case" "${SERVING_TIMEOUT:-300}" scripts/bench_serving.py --model "$SERVING_MODEL" \
     --concurrency ${SERVING_C:-1 64 256} --prompt-len 128 --output-len 128 --rounds "${SERVING_ROUNDS:-2}" \
     --client-procs 8 $sub -- --load-format dummy ${SERVING_ARGS:-}
@@ -254,6 +256,21 @@ suite_serving() {
   dry || grep -hE "CUDA graphs: captured|KV pool sizing|engine ready|warm-up|serving .* on|first seen while" \
     "$(ls -t "$tree"/.cache/logs/worker-*.log 2>/dev/null | head -1)" 2>/dev/null | cut -c1-300 \
     > "$OUT/logs/serving_${case}${tag:+_$tag}_startup.log"
+}
+
+# SERVING_PYSPY=SECONDS: sample the worker's processes (server, engine) with py-spy (carry its wheel in
+# .whl/) for SECONDS from the worker's launch, in the background, as collapsed stacks into FILE (one
+# "process PID:..." root per process; compare the trees' server and engine stacks at the same load).
+pyspy_worker() {
+  command -v py-spy >/dev/null || { echo "SERVING_PYSPY: py-spy is not installed (carry its wheel in .whl/)"; return; }
+  (
+    for _ in $(seq 120); do
+      pid=$(pgrep -n -f -- "-m tokenspeed_worker") && break
+      sleep 0.5
+    done
+    [ -n "${pid:-}" ] && py-spy record --pid "$pid" --subprocesses --nonblocking --rate 100 --format raw \
+      -d "$SERVING_PYSPY" -o "$1" >"$1.log" 2>&1 && gzip -f "$1"  # ~0.15 MB/s of stacks before gzip
+  ) &
 }
 
 suite_prefix() {
