@@ -205,20 +205,24 @@ def test_max_tokens_and_ignore_eos(stack):
     assert r["choices"][0]["finish_reason"] == "length"
 
 
-@pytest.mark.parametrize("name", ["qwen3-moe", "mixtral"])
+@pytest.mark.parametrize("name", ["qwen3-moe", "mixtral", "fp8-block-moe"])
 def test_a_mixture_of_experts_model_serves_through_the_gateway(name):
-    """The tiny random Qwen3-MoE and Mixtral behind the real gateway: its chat completion, greedy,
-    is transformers' greedy continuation of the same templated prompt."""
+    """The tiny random Qwen3-MoE and Mixtral, and the Qwen3-MoE as a block-wise FP8 checkpoint,
+    behind the real gateway: its chat completion, greedy, is transformers' greedy continuation of
+    the same templated prompt (on the FP8 weights dequantized)."""
     from transformers import AutoTokenizer
 
-    from worker_harness import tiny_models
+    from worker_harness import CACHE, _load_script, tiny_models
 
-    model_dir = tiny_models()[name]
+    if name == "fp8-block-moe":
+        model_dir, ref_dir = _load_script("make_fp8_models").make_all(CACHE / "fp8_models", tiny_models())[name]
+    else:
+        model_dir = ref_dir = tiny_models()[name]
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     ids = tok.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=True)
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
         ids = ids["input_ids"]
-    expected = tok.decode(hf_greedy(model_dir, list(ids), 12), skip_special_tokens=True)
+    expected = tok.decode(hf_greedy(ref_dir, list(ids), 12), skip_special_tokens=True)
     worker = Worker(model_dir, "--served-model-name", name, "--max-model-len", "256")
     try:
         gateway = Gateway(model_dir, [worker.address])
