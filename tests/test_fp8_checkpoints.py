@@ -339,6 +339,20 @@ def test_quantize_rows_kernel_equals_torch(monkeypatch, k, one_pass_limit):
     assert s[3].item() == pytest.approx(fp8.MIN_SCALE) and not q[3].float().any()
 
 
+def _spy_small_batch_linear(mp: pytest.MonkeyPatch) -> list[dict]:
+    """The keyword arguments of every kernels.gemv.small_batch_linear call from here on (mp's scope)."""
+    from tokenspeed_worker.kernels import gemv
+
+    calls, real = [], gemv.small_batch_linear
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    mp.setattr(gemv, "small_batch_linear", spy)
+    return calls
+
+
 def test_kept_fp8_layer_takes_the_small_batch_kernel_for_few_rows():
     """A kept-FP8 layer hands few rows to the small-batch GEMV kernel (the interpreter here, in its
     first FP8 configuration) with its per-row scales; more rows take the scaled GEMM."""
@@ -352,19 +366,12 @@ def test_kept_fp8_layer_takes_the_small_batch_kernel_for_few_rows():
     layer, expected = _kept_layer("tensor")
     layer = layer.to(device)
     layer.gemv = SmallBatchGemv()
-    calls = []
-    real = gemv.small_batch_linear
-
-    def spy(*args, **kwargs):
-        calls.append(kwargs["config"])
-        return real(*args, **kwargs)
-
     torch.manual_seed(3)
     with fused_kernels("force"), pytest.MonkeyPatch.context() as mp:
-        mp.setattr(gemv, "small_batch_linear", spy)
+        calls = _spy_small_batch_linear(mp)
         x = torch.randn(3, 48).to(torch.bfloat16)
         out = layer(x.to(device)).cpu()
-        assert calls == [gemv.FP8_CONFIGS[0]]
+        assert [kwargs["config"] for kwargs in calls] == [gemv.FP8_CONFIGS[0]]
         torch.testing.assert_close(out.double(), x.double() @ expected.double().t(), rtol=2e-2, atol=2e-2)
         layer(torch.randn(9, 48).to(torch.bfloat16).to(device))  # past MAX_ROWS: the scaled GEMM
         assert len(calls) == 1
@@ -386,16 +393,9 @@ def test_kept_block_fp8_layer_takes_the_small_batch_kernel_for_few_rows(sizes, g
     layer.quant_method.process_weights_after_loading(layer, keep_fp8=True)
     layer = layer.to(device)
     layer.gemv = SmallBatchGemv()
-    calls = []
-    real = gemv.small_batch_linear
-
-    def spy(*args, **kwargs):
-        calls.append(kwargs)
-        return real(*args, **kwargs)
-
     torch.manual_seed(5)
     with fused_kernels("force"), pytest.MonkeyPatch.context() as mp:
-        mp.setattr(gemv, "small_batch_linear", spy)
+        calls = _spy_small_batch_linear(mp)
         x = torch.randn(3, 80).to(torch.bfloat16)
         out = layer(x.to(device)).cpu()
         if gemv_rows:

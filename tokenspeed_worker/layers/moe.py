@@ -57,7 +57,7 @@ PARTS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate"
 
 def expert_param_name(kind: str, part: str) -> str | None:
     """FusedMoE's parameter for a checkpoint expert tensor of `kind` and `part`; None for a static
-    input scale (FP8 experts run dequantized: there is nothing to scale)."""
+    input scale (FP8 experts multiply 16-bit activations: there is nothing to scale)."""
     if kind == "input_scale":
         return None
     stem = "w2" if part == "down" else "w13"
@@ -107,8 +107,8 @@ class FusedMoE(nn.Module):
         local, n = self.num_local_experts, self.intermediate
         # FP8 experts (the checkpoint's quantization config, unless it ignores the experts): FP8
         # weights and every expert matrix's whole scale tensor (this rank's rows are picked from
-        # it after loading, whatever the tensor-parallel split), dequantized by
-        # process_weights_after_loading: the grouped GEMM reads 16-bit experts.
+        # it after loading, whatever the tensor-parallel split); process_weights_after_loading
+        # keeps them FP8 for the grouped GEMM or dequantizes them.
         config = quant_methods.current_config()
         name = f"{prefix}.experts" if prefix else "experts"
         quantized = config is not None and not config.online and config.layer_is_quantized(name, [name])
