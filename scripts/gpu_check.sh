@@ -15,7 +15,8 @@
 #              the JSON has the launch-to-healthy startup_s
 #   prefix     bench_prefix.py, 1B shape (SERVING_MODEL), prefix cache on and off
 #   sampler    bench_sampler.py, batch 256 x vocab 128,256
-#   moe        the MoE tests on CUDA, then bench_latency.py at MOE_MODELS (qwen3-30b-a3b; also mixtral-8x7b)
+#   moe        the MoE tests on CUDA, bench_moe.py (MOE_BENCH_ARGS), then bench_latency.py at MOE_MODELS
+#              (qwen3-30b-a3b; also mixtral-8x7b)
 #   fp8        the FP8 GPU tests (scaled GEMM, activation quantization, GEMV on FP8 weights), the FP8
 #              checkpoint and KV-scale tests on CUDA (block-scaled GEMM, kept-FP8 folds), then
 #              fp8_accuracy.py (FP8 against bf16 on the same weights) for FP8_MODELS (llama-3.1-8b)
@@ -238,6 +239,12 @@ suite_moe() {
   # The MoE tests on CUDA (grouped-GEMM kernels against the loop, whole models against transformers,
   # expert parallelism's partial sums), then batch-1 decode at the MoE shapes (MOE_MODELS).
   pytest_run moe_tests "${MOE_TESTS_TIMEOUT:-300}" tests/test_moe.py tests/test_engine_vs_hf.py -k "moe or mixtral or expert"
+  # One layer's experts at decode batch sizes: the decode kernels against the grouped GEMMs (MOE_BENCH_ARGS,
+  # e.g. --configs to time every strip configuration).
+  step moe_kernels "${MOE_BENCH_TIMEOUT:-300}" "$REPO" python3 scripts/bench_moe.py --out "$OUT/moe_kernels.json" \
+    ${MOE_BENCH_ARGS:-}
+  local status=$?
+  dry || { grep -E "^(copy|qwen|mixtral)" "$OUT/logs/moe_kernels.log" | cut -c1-300; [ $status = 0 ] || failed moe_kernels $status; }
   local m
   for m in ${MOE_MODELS:-qwen3-30b-a3b}; do
     bench latency "$m" "${LATENCY_TIMEOUT:-150}" scripts/bench_latency.py --model "$m" --prompt-len 128 --new-tokens 128 \

@@ -73,11 +73,13 @@ def test_tp2_through_the_cli_equals_transformers(name):
 
 
 @pytest.mark.parametrize("ep,world", [(2, 2), (4, 4), (2, 4)], ids=["ep2", "ep4", "ep2-moe_tp2"])
-@pytest.mark.parametrize("kernels", ["loop", "force"])
-def test_expert_parallel_ranks_sum_to_the_whole_layer(monkeypatch, ep, world, kernels):
+@pytest.mark.parametrize("kernels,tokens", [("loop", 13), ("force", 2), ("force", 13)],
+                         ids=["loop", "force-decode", "force-grouped"])
+def test_expert_parallel_ranks_sum_to_the_whole_layer(monkeypatch, ep, world, kernels, tokens):
     """Each rank of `world` built under expert_parallel(ep) holds E / ep whole experts (split over
     world / ep ranks by intermediate rows) and computes only the pairs routed to them; the ranks'
-    partial outputs sum to the one-rank layer's (the all-reduce FusedMoE.forward does)."""
+    partial outputs sum to the one-rank layer's (the all-reduce FusedMoE.forward does). The kernels
+    (on CUDA where there is one, else the interpreter) at a decode step's few pairs and a prefill's."""
     from tokenspeed_worker import distributed
     from tokenspeed_worker.layers.fused_kernels import fused_kernels
     from tokenspeed_worker.layers.moe import FusedMoE, expert_parallel
@@ -89,11 +91,14 @@ def test_expert_parallel_ranks_sum_to_the_whole_layer(monkeypatch, ep, world, ke
                   for e in range(experts) for part in ("gate", "up", "down")}
     for (e, part), matrix in checkpoint.items():
         whole.load_expert(whole.w2_weight if part == "down" else whole.w13_weight, matrix, e, part)
-    x = torch.randn(13, hidden)
-    weights, ids = select_experts(torch.randn(13, experts), top_k, True)
+    x = torch.randn(tokens, hidden)
+    weights, ids = select_experts(torch.randn(tokens, experts), top_k, True)
     mode = "force" if kernels == "force" else "off"
-    with fused_kernels(mode):
+    device = "cuda" if torch.cuda.is_available() and kernels == "force" else "cpu"
+    with fused_kernels("off"):
         expected = whole._experts(x, weights, ids)
+    x, weights, ids = x.to(device), weights.to(device), ids.to(device)
+    with fused_kernels(mode):
         total, held = torch.zeros_like(expected), []
         for rank in range(world):
             monkeypatch.setattr(distributed, "rank", lambda rank=rank: rank)
@@ -105,7 +110,7 @@ def test_expert_parallel_ranks_sum_to_the_whole_layer(monkeypatch, ep, world, ke
             assert filled == layer.w13_weight.numel() + layer.w2_weight.numel()
             assert layer.w13_weight.shape == (experts // ep, 2 * inter * ep // world, hidden)
             held.append((layer.first_expert, layer.moe_tp_rank))
-            total += layer._experts(x, weights, ids)
+            total += layer.to(device)._experts(x, weights, ids).cpu()
     torch.testing.assert_close(total, expected, rtol=1e-4, atol=1e-5)
     moe_tp = world // ep
     assert held == [((r // moe_tp) * (experts // ep), r % moe_tp) for r in range(world)]
@@ -113,12 +118,13 @@ def test_expert_parallel_ranks_sum_to_the_whole_layer(monkeypatch, ep, world, ke
 
 @pytest.mark.parametrize("ep,world", [(1, 1), (1, 2), (2, 2)], ids=["one-rank", "tp2", "ep2"])
 @pytest.mark.parametrize("inter", [64, 56], ids=["tile-aligned", "unaligned"])
-@pytest.mark.parametrize("kernels", ["loop", "force"])
-def test_fp8_experts_on_every_rank_split(monkeypatch, ep, world, inter, kernels):
+@pytest.mark.parametrize("kernels,tokens", [("loop", 9), ("force", 2), ("force", 9)],
+                         ids=["loop", "force-decode", "force-grouped"])
+def test_fp8_experts_on_every_rank_split(monkeypatch, ep, world, inter, kernels, tokens):
     """Block-wise FP8 experts (16 x 16 tiles): each rank loads the whole scale tensors, then keeps
-    its FP8 rows with their tiles for the grouped GEMM (the kernels forced: the interpreter) where
-    its down columns start on a column group, else dequantizes its rows; the ranks' outputs sum to
-    the float layer's either way."""
+    its FP8 rows with their tiles for the kernels (forced: CUDA where there is one, else the
+    interpreter; a decode step's few pairs and a prefill's) where its down columns start on a
+    column group, else dequantizes its rows; the ranks' outputs sum to the float layer's either way."""
     from tokenspeed_worker import distributed
     from tokenspeed_worker.layers.fused_kernels import fused_kernels
     from tokenspeed_worker.layers.moe import FusedMoE, expert_parallel
@@ -139,9 +145,12 @@ def test_fp8_experts_on_every_rank_split(monkeypatch, ep, world, inter, kernels)
     whole = FusedMoE(experts, hidden, inter)
     for (e, part), matrix in dequantized.items():
         whole.load_expert(whole.w2_weight if part == "down" else whole.w13_weight, matrix, e, part)
-    x = torch.randn(9, hidden)
-    weights, ids = select_experts(torch.randn(9, experts), top_k, True)
-    expected, total = whole._experts(x, weights, ids), torch.zeros(9, hidden)
+    x = torch.randn(tokens, hidden)
+    weights, ids = select_experts(torch.randn(tokens, experts), top_k, True)
+    with fused_kernels("off"):
+        expected, total = whole._experts(x, weights, ids), torch.zeros(tokens, hidden)
+    device = "cuda" if torch.cuda.is_available() and kernels == "force" else "cpu"
+    x, weights, ids = x.to(device), weights.to(device), ids.to(device)
     with fused_kernels("force" if kernels == "force" else "off"):
         for rank in range(world):
             monkeypatch.setattr(distributed, "rank", lambda rank=rank: rank)
@@ -152,7 +161,7 @@ def test_fp8_experts_on_every_rank_split(monkeypatch, ep, world, inter, kernels)
             for (e, part), (q, scale) in checkpoint.items():
                 layer.load_expert(layer.w2_weight if part == "down" else layer.w13_weight, q, e, part)
                 layer.load_expert_scale(layer.w2_scale if part == "down" else layer.w13_scale, scale, e, part)
-            layer.process_weights_after_loading()
+            layer.to(device).process_weights_after_loading()
             n = inter * ep // world  # this rank's rows of each expert; its down columns start at offset
             kept = kernels == "force" and (rank % (world // ep)) * n % 16 == 0
             assert (layer.w13_weight.dtype == torch.float8_e4m3fn) == kept and not hasattr(layer, "w13_scale")
@@ -160,7 +169,7 @@ def test_fp8_experts_on_every_rank_split(monkeypatch, ep, world, inter, kernels)
                 rows = 16 if n % 16 == 0 else 1
                 assert (layer.w13_scales.rows, layer.w13_scales.cols) == (rows, 16)
                 assert layer.kernels_agree(top_k)
-            total += layer._experts(x, weights, ids)
+            total += layer._experts(x, weights, ids).cpu()
     torch.testing.assert_close(total, expected, rtol=1e-4, atol=1e-4)
 
 
@@ -260,6 +269,82 @@ def test_grouped_gemm_experts_equal_the_loop(tokens, experts, top_k, hidden, int
         got, expected = fused_experts(x, w13, w2, weights, ids), _loop(x, w13, w2, weights, ids)
         tolerance = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(got.float(), expected.float(), rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("tokens,experts,top_k", [(1, 8, 2), (7, 128, 8), (3, 60, 4), (5, 8, 1)])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_the_routing_kernel_chooses_as_select_experts(tokens, experts, top_k, renormalize):
+    from tokenspeed_worker.kernels.moe import route
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(experts + tokens)
+    logits = torch.randn(tokens, experts, device=device, dtype=torch.bfloat16)
+    weights, ids = route(logits, top_k, renormalize)
+    expected_weights, expected_ids = select_experts(logits, top_k, renormalize)
+    # bfloat16 logits tie often: the same probabilities in the same order, ids differing only among equals
+    probs = torch.softmax(logits.float(), dim=-1)
+    assert ids.dtype == torch.int32
+    assert torch.equal(torch.gather(probs, 1, ids.long()), torch.gather(probs, 1, expected_ids))
+    torch.testing.assert_close(weights, expected_weights, rtol=1e-6, atol=1e-6)
+    logits = logits.float() + 1e-3 * torch.randn_like(logits, dtype=torch.float32)  # no ties: the same ids
+    assert torch.equal(route(logits, top_k, renormalize)[1].long(), select_experts(logits, top_k, renormalize)[1])
+
+
+def _fp8_experts(w, mode):
+    """(FP8 weights [E, N, K], ExpertScales, the dequantized float weights) of float w: "channel"
+    (one scale per row, spanning K) or "block" (16 x 16 tiles)."""
+    from tokenspeed_worker.kernels.moe import ExpertScales
+
+    rows, cols = (1, w.shape[2]) if mode == "channel" else (16, 16)
+    e, n, k = w.shape
+    tiles = w.reshape(e, n // rows, rows, k // cols, cols)
+    scales = tiles.abs().amax(dim=(2, 4)).clamp(min=1e-6) / 448.0
+    q = (tiles / scales[:, :, None, :, None]).to(torch.float8_e4m3fn)
+    dequantized = (q.float() * scales[:, :, None, :, None]).reshape(e, n, k)
+    return q.reshape(e, n, k), ExpertScales(scales.contiguous(), rows, min(cols, k)), dequantized
+
+
+@pytest.mark.parametrize("tokens,experts,top_k,hidden,inter", [(1, 8, 2, 64, 32), (3, 16, 4, 96, 48),
+                                                                (8, 8, 2, 64, 80)])
+@pytest.mark.parametrize("weights_kind", ["float", "fp8-channel", "fp8-block"])
+def test_decode_kernels_equal_the_loop(tokens, experts, top_k, hidden, inter, weights_kind):
+    """The decode kernels (small_experts; Triton's interpreter on CPU) against the loop, with a
+    foreign expert among the choices (expert parallelism: adds nothing) and FP8 weights with row
+    or block scales against the loop on the dequantized weights."""
+    from tokenspeed_worker.kernels.moe import GemvConfig, small_experts
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(tokens + experts)
+    x = torch.randn(tokens, hidden, device=device)
+    w13 = 0.1 * torch.randn(experts, 2 * inter, hidden, device=device)
+    w2 = 0.1 * torch.randn(experts, hidden, inter, device=device)
+    weights, ids = select_experts(torch.randn(tokens, experts, device=device), top_k, True)
+    ids[0, -1] = experts  # another rank's expert
+    scales = (None, None)
+    if weights_kind != "float":
+        mode = weights_kind.removeprefix("fp8-")
+        w13, s13, dense13 = _fp8_experts(w13, mode)
+        w2, s2, dense2 = _fp8_experts(w2, mode)
+        scales = (s13, s2)
+    else:
+        dense13, dense2 = w13, w2
+    expected = _loop(x, dense13, dense2, weights, ids)
+    for config in (None, GemvConfig(16, 32, 2)):  # a K loop of several steps, in a strip within a scale block
+        got = small_experts(x, w13, w2, weights, ids, *scales, gate_up_config=config, down_config=config)
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_decode_kernels_hand_strips_across_scale_blocks_to_the_grouped_gemm():
+    """A strip of block_n rows that would straddle two rows of block scales is refused (None), so
+    fused_experts takes the grouped GEMM."""
+    from tokenspeed_worker.kernels.moe import GemvConfig, small_experts
+
+    w = torch.randn(2, 32, 32)
+    q13, s13, _ = _fp8_experts(torch.randn(2, 64, 32), "block")
+    q2, s2, _ = _fp8_experts(w, "block")
+    weights, ids = select_experts(torch.randn(1, 2), 1, True)
+    assert small_experts(torch.randn(1, 32), q13, q2, weights, ids, s13, s2,
+                         gate_up_config=GemvConfig(32, 32, 4), down_config=GemvConfig(32, 32, 4)) is None
 
 
 @pytest.mark.parametrize("name", [*MOE_MODELS, "fp8-block-moe"])

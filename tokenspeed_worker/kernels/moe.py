@@ -17,6 +17,17 @@ each weight tile is widened exactly to the activations' dtype and each K step's 
 output column by its tile's scale (weight-only FP8: half the bytes a decode step reads). This is the shape of vLLM's and
 SGLang's fused_moe Triton kernel; a decode step (few tokens) reads only the chosen experts' tiles.
 
+Decode steps skip the sort (at most SMALL_PAIRS pairs, and no more than the experts, so that
+few experts are chosen twice): `small_experts` runs one kernel that gives each program one pair
+and a strip of its expert's gate and up rows and writes silu(gate) * up, then one that gives each
+program one token and a strip of the output columns and sums its top_k experts' down products,
+each times its routing weight, so the layer's output leaves in one store. Both read the weight
+strip with 16-byte vector loads on the CUDA cores, the next tile loaded before the current one is
+multiplied, as the dense small-batch GEMV does (kernels/gemv.py): at a few tokens a product is
+bound by the chosen experts' bytes, and padding pairs to tensor-core tiles or sorting them costs
+more than it saves. `route` is the router's softmax, top-k and renormalization in one kernel, one
+program per token.
+
 Importable without triton: AVAILABLE says whether the kernel can be used.
 """
 
@@ -104,6 +115,140 @@ if AVAILABLE:
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=pair_ok[:, None] & n_ok[None, :])
 
 
+    @triton.jit
+    def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_logits,
+                      TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, BLOCK_E: tl.constexpr,
+                      RENORMALIZE: tl.constexpr):
+        # One token: softmax in float32 over its experts, then TOP_K rounds of "take the largest,
+        # lowest index first among equals", then the chosen weights renormalized to sum to 1.
+        token = tl.program_id(0)
+        offs = tl.arange(0, BLOCK_E)
+        ok = offs < num_experts
+        logits = tl.load(logits_ptr + token.to(tl.int64) * stride_logits + offs, mask=ok,
+                         other=-float("inf")).to(tl.float32)
+        p = tl.exp(logits - tl.max(logits, axis=0))
+        p = p / tl.sum(p, axis=0)
+        p = tl.where(ok, p, -1.0)  # never chosen
+        slots = tl.arange(0, TOP_K_POW2)
+        chosen = tl.zeros([TOP_K_POW2], dtype=tl.float32)
+        chosen_ids = tl.zeros([TOP_K_POW2], dtype=tl.int32)
+        for j in tl.static_range(TOP_K):
+            best = tl.max(p, axis=0)
+            idx = tl.min(tl.where(p == best, offs, BLOCK_E), axis=0)
+            chosen = tl.where(slots == j, best, chosen)
+            chosen_ids = tl.where(slots == j, idx, chosen_ids)
+            p = tl.where(offs == idx, -1.0, p)
+        if RENORMALIZE:
+            chosen = chosen / tl.sum(chosen, axis=0)
+        out = token.to(tl.int64) * TOP_K + slots
+        tl.store(weights_ptr + out, chosen, mask=slots < TOP_K)
+        tl.store(ids_ptr + out, chosen_ids, mask=slots < TOP_K)
+
+    @triton.jit
+    def _expert_gate_up_kernel(x_ptr, w_ptr, scale_ptr, ids_ptr, out_ptr, I, K, num_experts,
+                               stride_x, stride_we, stride_wn, stride_out, stride_se, stride_sr,
+                               TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                               W_FP8: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
+                               COL_SCALES: tl.constexpr):
+        # One pair (token, choice) and BLOCK_N of its expert's gate rows with the matching up
+        # rows: out[pair, n] = silu(gate_n . x) * (up_n . x). A foreign expert (id >= the experts
+        # held here) writes nothing: expert_down skips it too.
+        pair = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        expert = tl.load(ids_ptr + pair)
+        if expert >= num_experts:
+            return
+        x_row = x_ptr + (pair // TOP_K).to(tl.int64) * stride_x
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < I
+        offs_k = tl.arange(0, BLOCK_K)
+        base = w_ptr + expert.to(tl.int64) * stride_we
+        gate_rows = base + offs_n.to(tl.int64)[:, None] * stride_wn
+        up_rows = base + (I + offs_n).to(tl.int64)[:, None] * stride_wn
+        first_mask = n_ok[:, None] & (offs_k < K)[None, :]
+        g_next = tl.load(gate_rows + offs_k[None, :], mask=first_mask, other=0.0)
+        u_next = tl.load(up_rows + offs_k[None, :], mask=first_mask, other=0.0)
+        # FP8: row scales (a column group spanning K) multiply the sums at the end; block scales
+        # (COL_SCALES: the strip lies in one row group, the host checks it) scale x per K step.
+        scales = scale_ptr + expert.to(tl.int64) * stride_se
+        gate_scale_row = scales + (pid_n * BLOCK_N // SCALE_ROWS) * stride_sr
+        up_scale_row = scales + ((I + pid_n * BLOCK_N) // SCALE_ROWS) * stride_sr
+        gate = tl.zeros([BLOCK_N], dtype=tl.float32)
+        up = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + offs_k
+            k_ok = kk < K
+            g = g_next.to(tl.float32)
+            u = u_next.to(tl.float32)
+            next_mask = n_ok[:, None] & (kk + BLOCK_K < K)[None, :]
+            g_next = tl.load(gate_rows + (kk + BLOCK_K)[None, :], mask=next_mask, other=0.0)
+            u_next = tl.load(up_rows + (kk + BLOCK_K)[None, :], mask=next_mask, other=0.0)
+            x = tl.load(x_row + kk, mask=k_ok, other=0.0).to(tl.float32)
+            if COL_SCALES:
+                x_gate = x * tl.load(gate_scale_row + kk // SCALE_COLS, mask=k_ok, other=0.0)
+                x_up = x * tl.load(up_scale_row + kk // SCALE_COLS, mask=k_ok, other=0.0)
+                gate += tl.sum(g * x_gate[None, :], axis=1)
+                up += tl.sum(u * x_up[None, :], axis=1)
+            else:
+                gate += tl.sum(g * x[None, :], axis=1)
+                up += tl.sum(u * x[None, :], axis=1)
+        if W_FP8 and not COL_SCALES:
+            gate *= tl.load(scales + (offs_n // SCALE_ROWS) * stride_sr, mask=n_ok, other=0.0)
+            up *= tl.load(scales + ((I + offs_n) // SCALE_ROWS) * stride_sr, mask=n_ok, other=0.0)
+        hidden = gate / (1.0 + tl.exp(-gate)) * up
+        tl.store(out_ptr + pair.to(tl.int64) * stride_out + offs_n, hidden.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+    @triton.jit
+    def _expert_down_kernel(h_ptr, w_ptr, scale_ptr, ids_ptr, weights_ptr, out_ptr, N, K, num_experts,
+                            stride_h, stride_we, stride_wn, stride_out, stride_se, stride_sr,
+                            TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                            W_FP8: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
+                            COL_SCALES: tl.constexpr):
+        # One token and BLOCK_N output columns: sum over its TOP_K choices of weight *
+        # (down_e rows . h[pair]), one flat loop over (choice, K step) so the next tile, of the
+        # same expert or the next, is always in flight. Foreign experts' loads are masked off.
+        token = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        offs_k = tl.arange(0, BLOCK_K)
+        k_steps = tl.cdiv(K, BLOCK_K)
+        first_pair = token.to(tl.int64) * TOP_K
+        expert = tl.load(ids_ptr + first_pair)
+        mine = expert < num_experts
+        rows = w_ptr + expert.to(tl.int64) * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
+        w_next = tl.load(rows + offs_k[None, :], mask=mine & n_ok[:, None] & (offs_k < K)[None, :], other=0.0)
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for step in range(0, TOP_K * k_steps):
+            choice = step // k_steps
+            kk = (step - choice * k_steps) * BLOCK_K + offs_k
+            k_ok = kk < K
+            w = w_next.to(tl.float32)
+            # the next step's tile: the same expert's next K step, or the next choice's first
+            nxt = step + 1
+            next_choice = nxt // k_steps
+            next_kk = (nxt - next_choice * k_steps) * BLOCK_K + offs_k
+            next_expert = tl.load(ids_ptr + first_pair + next_choice, mask=next_choice < TOP_K, other=num_experts)
+            next_rows = w_ptr + next_expert.to(tl.int64) * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
+            w_next = tl.load(next_rows + next_kk[None, :],
+                             mask=(next_expert < num_experts) & n_ok[:, None] & (next_kk < K)[None, :], other=0.0)
+            expert = tl.load(ids_ptr + first_pair + choice)
+            mine = expert < num_experts
+            h = tl.load(h_ptr + (first_pair + choice) * stride_h + kk, mask=k_ok & mine, other=0.0).to(tl.float32)
+            factor = tl.load(weights_ptr + first_pair + choice)
+            scales = scale_ptr + expert.to(tl.int64) * stride_se
+            if COL_SCALES:
+                h *= tl.load(scales + (pid_n * BLOCK_N // SCALE_ROWS) * stride_sr + kk // SCALE_COLS,
+                             mask=k_ok & mine, other=0.0)
+                acc += tl.sum(w * h[None, :], axis=1) * factor
+            elif W_FP8:
+                row_scale = tl.load(scales + (offs_n // SCALE_ROWS) * stride_sr, mask=n_ok & mine, other=0.0)
+                acc += tl.sum(w * h[None, :], axis=1) * (factor * row_scale)
+            else:
+                acc += tl.sum(w * h[None, :], axis=1) * factor
+        tl.store(out_ptr + token.to(tl.int64) * stride_out + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
 def _block_m(pairs: int) -> int:
     """Pairs per block: few for decode (each expert sees a token or two), more for prefill."""
     return 16 if pairs <= 64 else 32 if pairs <= 1024 else 64
@@ -151,15 +296,102 @@ def grouped_gemm(x: torch.Tensor, w: torch.Tensor, sorted_ids: torch.Tensor, blo
     return out
 
 
+def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights float32 [T, top_k], expert ids int32 [T, top_k]) of router logits [T, E]: the
+    softmax's top_k (lowest index first among equal probabilities), renormalized to sum to 1
+    where asked; layers/moe.select_experts computes the same in torch."""
+    tokens, experts = logits.shape
+    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(tokens, top_k, dtype=torch.int32, device=logits.device)
+    if tokens:
+        _route_kernel[(tokens,)](logits, weights, ids, experts, logits.stride(0), TOP_K=top_k,
+                                 TOP_K_POW2=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(experts),
+                                 RENORMALIZE=renormalize, num_warps=1 if experts <= 128 else 4)
+    return weights, ids
+
+
+# At most this many (token, choice) pairs, and no more than the experts, take the decode kernels
+# (module docstring): past either, experts chosen by several tokens are read once per token and
+# the grouped GEMM's one read per block wins (docs/benchmarks.md, bench_moe.py).
+SMALL_PAIRS = 128
+
+
+class GemvConfig(NamedTuple):
+    """A decode kernel's strip: BLOCK_N weight rows, BLOCK_K columns per load, num_warps."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+
+
+def _gemv_config(weight: torch.Tensor, down: bool) -> GemvConfig:
+    """The strips timed fastest at one to four tokens for the Qwen3-30B-A3B and Mixtral-8x7B
+    shapes (bench_moe.py --configs): gate/up in strips of 8 rows (16 for FP8), 256 columns per
+    step; down, whose grid is the tokens' output columns alone, in narrow strips of long steps."""
+    fp8 = weight.element_size() == 1
+    if down:
+        return GemvConfig(8 if fp8 else 4, 1024, 4)
+    return GemvConfig(16 if fp8 else 8, 256, 4)
+
+
+def _scale_args(w: torch.Tensor, w_scales: ExpertScales | None, block_n: int, strip_offset: int = 0):
+    """(scales, stride_se, stride_sr, rows, cols, col_scales) for the decode kernels, or None where
+    a strip of block_n rows would straddle two row groups of block scales (the grouped GEMM then)."""
+    if w_scales is None:
+        return w, 0, 0, 1, 1, False
+    sc = w_scales.scales
+    col_scales = w_scales.cols < w.shape[2]
+    if col_scales and (w_scales.rows % block_n or strip_offset % block_n):
+        return None
+    return sc, sc.stride(0), sc.stride(1), w_scales.rows, w_scales.cols if col_scales else 1, col_scales
+
+
+def small_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                  w13_scales: ExpertScales | None = None, w2_scales: ExpertScales | None = None,
+                  gate_up_config: GemvConfig | None = None, down_config: GemvConfig | None = None
+                  ) -> torch.Tensor | None:
+    """fused_experts' result by the decode kernels (module docstring), or None where FP8 block
+    scales do not fit their strips. ids >= E (foreign experts) add nothing."""
+    tokens, top_k = ids.shape
+    experts, inter, hidden = w13.shape[0], w13.shape[1] // 2, w13.shape[2]
+    gate_up_config = gate_up_config or _gemv_config(w13, down=False)
+    down_config = down_config or _gemv_config(w2, down=True)
+    gate_up_scales = _scale_args(w13, w13_scales, gate_up_config.block_n, inter)
+    down_scales = _scale_args(w2, w2_scales, down_config.block_n)
+    if gate_up_scales is None or down_scales is None:
+        return None
+    ids = ids.contiguous()
+    hidden_rows = torch.empty(tokens * top_k, inter, dtype=x.dtype, device=x.device)
+    sc, se, sr, rows, cols, col_scales = gate_up_scales
+    _expert_gate_up_kernel[(tokens * top_k, triton.cdiv(inter, gate_up_config.block_n))](
+        x, w13, sc, ids, hidden_rows, inter, hidden, experts, x.stride(0), w13.stride(0), w13.stride(1),
+        hidden_rows.stride(0), se, sr, TOP_K=top_k, BLOCK_N=gate_up_config.block_n, BLOCK_K=gate_up_config.block_k,
+        W_FP8=w13_scales is not None, SCALE_ROWS=rows, SCALE_COLS=cols, COL_SCALES=col_scales,
+        num_warps=gate_up_config.num_warps)
+    out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
+    sc, se, sr, rows, cols, col_scales = down_scales
+    _expert_down_kernel[(tokens, triton.cdiv(hidden, down_config.block_n))](
+        hidden_rows, w2, sc, ids, weights.contiguous(), out, hidden, inter, experts, hidden_rows.stride(0),
+        w2.stride(0), w2.stride(1), out.stride(0), se, sr, TOP_K=top_k, BLOCK_N=down_config.block_n,
+        BLOCK_K=down_config.block_k, W_FP8=w2_scales is not None, SCALE_ROWS=rows, SCALE_COLS=cols,
+        COL_SCALES=col_scales, num_warps=down_config.num_warps)
+    return out
+
+
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                   ids: torch.Tensor, foreign: bool = False, w13_scales: ExpertScales | None = None,
-                  w2_scales: ExpertScales | None = None) -> torch.Tensor:
+                  w2_scales: ExpertScales | None = None, total_experts: int | None = None) -> torch.Tensor:
     """sum over the top_k choices of weight * down_e(silu(gate_e x) * up_e x), [T, H]: x [T, H],
     w13 [E, 2 I, H] (gate rows, then up rows), w2 [E, H, I], weights float32 and ids [T, top_k];
     FP8 weights with their scales (grouped_gemm). foreign: ids may also hold E, a choice of an
     expert another rank holds (expert parallelism), which adds nothing here: its pairs are sorted
-    into blocks no program computes."""
+    into blocks no program computes. A decode step's few pairs take the decode kernels: at most
+    SMALL_PAIRS and total_experts (the model's, all ranks together; default the E held here)."""
     tokens, top_k = ids.shape
+    if 0 < tokens * top_k <= min(SMALL_PAIRS, total_experts or w13.shape[0]):
+        out = small_experts(x, w13, w2, weights, ids, w13_scales, w2_scales)
+        if out is not None:
+            return out
     experts = w13.shape[0]
     block_m = _block_m(tokens * top_k)
     sorted_ids, block_experts = align_by_expert(ids, experts + 1 if foreign else experts, block_m)
@@ -173,4 +405,5 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     return down.view(tokens, top_k, -1).sum(dim=1)
 
 
-__all__ = ["AVAILABLE", "align_by_expert", "fused_experts", "grouped_gemm"]
+__all__ = ["AVAILABLE", "SMALL_PAIRS", "ExpertScales", "GemvConfig", "align_by_expert", "fused_experts", "grouped_gemm",
+           "route", "small_experts"]

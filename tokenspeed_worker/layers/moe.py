@@ -18,8 +18,9 @@ token's output is their sum weighted by the router's probabilities.
   parallel, its output replicated), runs the pairs routed to its own experts, and the same
   all-reduce sums the partial outputs. No all-to-all: the tokens are already everywhere.
 
-The experts run as grouped GEMMs (kernels/moe.py: pairs sorted by expert on the device, one
-Triton kernel per projection, no host sync, so CUDA graphs capture them) where the fused kernels
+The router's choice runs as one kernel and the experts as grouped GEMMs (kernels/moe.py: pairs
+sorted by expert on the device, one Triton kernel per projection; a decode step's few pairs skip
+the sort for two GEMV kernels; no host sync, so CUDA graphs capture them) where the fused kernels
 run (layers/fused_kernels.py: CUDA with triton), checked once after loading against the
 reference (`kernels_agree`). Elsewhere, the reference: a loop over the experts chosen in the step
 (each expert's tokens gathered, its MLP, the weighted rows added back), exact against
@@ -247,17 +248,27 @@ class FusedMoE(nn.Module):
         return self._kernels(self.w13_weight) is not None
 
     @torch.no_grad()
-    def kernels_agree(self, top_k: int, tokens: int = 37) -> bool:
-        """Run the kernels once on random tokens against the loop; False (and the loop from then on)
-        where they disagree beyond rounding: a kernel this GPU, driver or Triton miscompiles."""
-        if self._kernels(self.w13_weight) is None:
+    def kernels_agree(self, top_k: int, tokens: tuple[int, ...] = (37, 2)) -> bool:
+        """Run the kernels once on random tokens (a prefill's grouped GEMMs and a decode step's
+        kernels, with the routing kernel) against the loop; False (and the loop from then on) where
+        they disagree beyond rounding: a kernel this GPU, driver or Triton miscompiles."""
+        kernels = self._kernels(self.w13_weight)
+        if kernels is None:
             return True
-        x = torch.randn(tokens, self.w13_weight.shape[2], device=self.w13_weight.device, dtype=self.params_dtype)
-        weights, ids = select_experts(torch.randn(tokens, self.num_experts, device=x.device), top_k, True)
-        got = self._experts(x, weights, ids).float()
-        self.use_kernels = False
-        expected = self._experts(x, weights, ids).float()
-        error = ((got - expected).norm() / expected.norm().clamp(min=1e-30)).item()
+        error = 0.0
+        for count in tokens:
+            x = torch.randn(count, self.w13_weight.shape[2], device=self.w13_weight.device, dtype=self.params_dtype)
+            logits = torch.randn(count, self.num_experts, device=x.device)
+            weights, ids = kernels.route(logits, top_k, True)
+            expected_weights, expected_ids = select_experts(logits, top_k, True)
+            if not torch.equal(ids.long(), expected_ids) or not torch.allclose(weights, expected_weights, atol=1e-6):
+                error = float("inf")
+                break
+            got = self._experts(x, weights, ids).float()
+            self.use_kernels = False
+            expected = self._experts(x, weights, ids).float()
+            self.use_kernels = True
+            error = max(error, ((got - expected).norm() / expected.norm().clamp(min=1e-30)).item())
         self.use_kernels = error < 2e-2  # the model dtype's rounding of the intermediate rows
         if not self.use_kernels:
             logger.error("MoE: the grouped-GEMM kernels disagree with the reference loop on this device (relative "
@@ -279,7 +290,8 @@ class FusedMoE(nn.Module):
         if kernels is not None:
             return kernels.fused_experts(x, self.w13_weight, self.w2_weight, weights, ids,
                                          foreign=self.num_local_experts != self.num_experts,
-                                         w13_scales=self.w13_scales, w2_scales=self.w2_scales)
+                                         w13_scales=self.w13_scales, w2_scales=self.w2_scales,
+                                         total_experts=self.num_experts)
         w13, w2 = self._dense_experts()
         out = torch.zeros_like(x)
         for expert in torch.unique(ids).tolist():
@@ -308,5 +320,10 @@ class SparseMoeBlock(nn.Module):
             x = x.apply()
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        weights, ids = select_experts(getattr(self, self.router_name)(x), self.top_k, self.renormalize)
+        logits = getattr(self, self.router_name)(x)
+        kernels = self.experts._kernels(logits)
+        if kernels is not None:  # the same choice in one kernel
+            weights, ids = kernels.route(logits, self.top_k, self.renormalize)
+        else:
+            weights, ids = select_experts(logits, self.top_k, self.renormalize)
         return self.experts(x, weights, ids).view(shape)
