@@ -228,14 +228,17 @@ def _loop(x, w13, w2, weights, ids):
     return layer._experts(x, weights, ids)
 
 
-@pytest.mark.parametrize("tokens,experts,top_k", [(1, 8, 2), (5, 8, 2), (40, 4, 2), (70, 16, 3)])
+@pytest.mark.parametrize("tokens,experts,top_k", [(1, 8, 2), (5, 8, 2), (40, 4, 2), (70, 16, 3), (700, 16, 3),
+                                                 (300, 128, 8)])
 def test_align_by_expert_sorts_and_pads_each_experts_pairs(tokens, experts, top_k):
+    """Also past one chunk of 1024 pairs (several histogram steps, several scatter programs)."""
     from tokenspeed_worker.kernels.moe import align_by_expert
 
     torch.manual_seed(tokens)
     ids = torch.stack([torch.randperm(experts)[:top_k] for _ in range(tokens)])
     block = 16
-    sorted_ids, block_experts = align_by_expert(ids, experts, block)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    sorted_ids, block_experts = (t.cpu() for t in align_by_expert(ids.to(device), experts, block))
     pairs = tokens * top_k
     assert sorted_ids.numel() % block == 0 and sorted_ids.numel() >= pairs + experts * (block - 1)
     assert block_experts.numel() == sorted_ids.numel() // block
@@ -257,7 +260,7 @@ def test_align_by_expert_sorts_and_pads_each_experts_pairs(tokens, experts, top_
                                                                 (40, 4, 2, 48, 24), (70, 16, 3, 64, 40)])
 def test_grouped_gemm_experts_equal_the_loop(tokens, experts, top_k, hidden, inter):
     """The kernels (Triton's interpreter on CPU) against the loop, in float32 (and bfloat16 on CUDA)."""
-    from tokenspeed_worker.kernels.moe import fused_experts
+    from tokenspeed_worker.kernels.moe import GroupedConfig, fused_experts
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     for dtype in (torch.float32, torch.bfloat16) if device == "cuda" else (torch.float32,):
@@ -266,9 +269,11 @@ def test_grouped_gemm_experts_equal_the_loop(tokens, experts, top_k, hidden, int
         w13 = (0.1 * torch.randn(experts, 2 * inter, hidden)).to(device, dtype)
         w2 = (0.1 * torch.randn(experts, hidden, inter)).to(device, dtype)
         weights, ids = select_experts(torch.randn(tokens, experts, device=device), top_k, True)
-        got, expected = fused_experts(x, w13, w2, weights, ids), _loop(x, w13, w2, weights, ids)
+        expected = _loop(x, w13, w2, weights, ids)
         tolerance = 1e-5 if dtype == torch.float32 else 2e-2
-        torch.testing.assert_close(got.float(), expected.float(), rtol=tolerance, atol=tolerance)
+        for config in (None, GroupedConfig(32, 32, 32, 4, 2)):  # the default tiles, and others (bench_moe.py)
+            got = fused_experts(x, w13, w2, weights, ids, config=config)
+            torch.testing.assert_close(got.float(), expected.float(), rtol=tolerance, atol=tolerance)
 
 
 @pytest.mark.parametrize("tokens,experts,top_k", [(1, 8, 2), (7, 128, 8), (3, 60, 4), (5, 8, 1)])

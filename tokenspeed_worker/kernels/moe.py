@@ -1,6 +1,6 @@
 """The experts of a mixture-of-experts layer as grouped GEMMs (Triton), with no host sync:
 
-    align_by_expert(ids, num_experts, block_m)  # torch ops on the device
+    align_by_expert(ids, num_experts, block_m)  # two Triton kernels and a fill
     grouped_gemm(x, w, sorted_ids, block_experts, top_k, ...)  # one Triton kernel
     fused_experts(x, w13, w2, weights, ids)     # gate/up, SiLU * up, down x routing weight, sum
 
@@ -36,7 +36,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
+
+from tokenspeed_worker.kernels.activation import silu_and_mul
 
 try:
     import triton
@@ -51,28 +52,58 @@ except ImportError:  # pragma: no cover - depends on the machine
 
 def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(sorted_ids int32 [P], block_experts int32 [P / block_m]) for ids [T, top_k] (module
-    docstring), P = T * top_k + num_experts * (block_m - 1) rounded up to block_m."""
-    flat = ids.reshape(-1).to(torch.int64)
+    docstring), P = T * top_k + num_experts * (block_m - 1) rounded up to block_m. Three launches
+    (a fill, one program counting and placing the experts' runs, then the pairs scattered into
+    them): the pairs' order within an expert's run is whatever the atomics give, which changes
+    no result (each output row is its own pair's product)."""
+    flat = ids.reshape(-1)
     pairs = flat.numel()
     capacity = -(-(pairs + num_experts * (block_m - 1)) // block_m) * block_m
-    order = torch.argsort(flat, stable=True)
-    # scatter_add, not bincount: bincount reads the largest id back to the host (no graph capture).
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m
-    starts = torch.cumsum(padded, 0) - padded  # each expert's first slot
-    first_of_expert = torch.cumsum(counts, 0) - counts  # its first pair in `order`
-    sorted_experts = flat[order]
-    slots = starts[sorted_experts] + torch.arange(pairs, device=ids.device) - first_of_expert[sorted_experts]
     sorted_ids = torch.full((capacity,), pairs, dtype=torch.int32, device=ids.device)
-    sorted_ids[slots] = order.to(torch.int32)
-    block_starts = torch.arange(0, capacity, block_m, device=ids.device)
-    ends = starts + padded
-    block_experts = torch.searchsorted(ends, block_starts, right=True).to(torch.int32)
-    block_experts = torch.where(block_starts < ends[-1], block_experts, -1)
+    block_experts = torch.empty(capacity // block_m, dtype=torch.int32, device=ids.device)
+    cursors = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
+    _align_runs_kernel[(1,)](flat, cursors, block_experts, pairs, num_experts, block_experts.numel(),
+                             BLOCK_M=block_m, BLOCK_E=triton.next_power_of_2(num_experts + 1), CHUNK=1024,
+                             BLOCK_B=64, num_warps=4)
+    _align_scatter_kernel[(triton.cdiv(pairs, 1024),)](flat, cursors, sorted_ids, pairs, CHUNK=1024, num_warps=4)
     return sorted_ids, block_experts
 
 
 if AVAILABLE:
+
+    @triton.jit
+    def _align_runs_kernel(ids_ptr, cursors_ptr, block_experts_ptr, pairs, num_experts, num_blocks,
+                           BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, BLOCK_B: tl.constexpr):
+        # One program: each expert's pair count (a histogram per chunk of pairs; past the end
+        # counts in the spare bin num_experts), its run padded to BLOCK_M, the runs' starts
+        # (cursors for the scatter) and each block's expert (-1 past the last run).
+        offs = tl.arange(0, CHUNK)
+        counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+        for first in range(0, pairs, CHUNK):
+            p = first + offs
+            experts = tl.load(ids_ptr + p, mask=p < pairs, other=num_experts).to(tl.int32)
+            counts += tl.histogram(experts, BLOCK_E)
+        e = tl.arange(0, BLOCK_E)
+        real = e < num_experts
+        padded = tl.where(real, (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)
+        ends = tl.cumsum(padded, 0)
+        tl.store(cursors_ptr + e, ends - padded, mask=real)
+        used = tl.sum(padded, axis=0)
+        for b0 in range(0, num_blocks, BLOCK_B):
+            b = b0 + tl.arange(0, BLOCK_B)
+            slot = b * BLOCK_M
+            # the block's expert: how many runs end at or before its first slot
+            expert = tl.sum(((ends[None, :] <= slot[:, None]) & real[None, :]).to(tl.int32), axis=1)
+            tl.store(block_experts_ptr + b, tl.where(slot < used, expert, -1), mask=b < num_blocks)
+
+    @triton.jit
+    def _align_scatter_kernel(ids_ptr, cursors_ptr, sorted_ids_ptr, pairs, CHUNK: tl.constexpr):
+        # Each pair takes the next slot of its expert's run.
+        p = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+        ok = p < pairs
+        experts = tl.load(ids_ptr + p, mask=ok, other=0)
+        slots = tl.atomic_add(cursors_ptr + experts, 1, mask=ok)
+        tl.store(sorted_ids_ptr + slots, p.to(tl.int32), mask=ok)
 
     @triton.jit
     def _grouped_gemm_kernel(x_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_experts_ptr, weights_ptr, scale_ptr,
@@ -249,9 +280,20 @@ if AVAILABLE:
         tl.store(out_ptr + token.to(tl.int64) * stride_out + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
-def _block_m(pairs: int) -> int:
+class GroupedConfig(NamedTuple):
+    """The grouped GEMM's tiles: block_m pairs (the sort pads each expert's run to it) x block_n
+    output columns, block_k per K step; num_warps, num_stages (software pipelining depth)."""
+
+    block_m: int
+    block_n: int = 64
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def _grouped_config(pairs: int) -> GroupedConfig:
     """Pairs per block: few for decode (each expert sees a token or two), more for prefill."""
-    return 16 if pairs <= 64 else 32 if pairs <= 1024 else 64
+    return GroupedConfig(16 if pairs <= 64 else 32 if pairs <= 1024 else 64)
 
 
 class ExpertScales(NamedTuple):
@@ -265,7 +307,7 @@ class ExpertScales(NamedTuple):
 
 def grouped_gemm(x: torch.Tensor, w: torch.Tensor, sorted_ids: torch.Tensor, block_experts: torch.Tensor,
                  top_k: int, block_m: int, weights: torch.Tensor | None = None, zero: bool = False,
-                 w_scales: ExpertScales | None = None) -> torch.Tensor:
+                 w_scales: ExpertScales | None = None, config: GroupedConfig | None = None) -> torch.Tensor:
     """out [T * top_k, N]: row p = x[p // top_k] @ w[expert of p]^T (times weights.flatten()[p]
     when given); x [T, K] and w [E, N, K] contiguous along K, w float8 e4m3 with w_scales (whose
     column groups are a multiple of 16 wide or span K). Rows of pairs in no computed block are
@@ -275,8 +317,9 @@ def grouped_gemm(x: torch.Tensor, w: torch.Tensor, sorted_ids: torch.Tensor, blo
     out = (torch.zeros if zero else torch.empty)((pairs, n), dtype=x.dtype, device=x.device)
     if pairs == 0:
         return out
-    block_n = 64 if n >= 64 else max(16, triton.next_power_of_2(n))
-    block_k = 64 if k >= 64 else max(16, triton.next_power_of_2(k))
+    config = config or GroupedConfig(block_m)
+    block_n = config.block_n if n >= config.block_n else max(16, triton.next_power_of_2(n))
+    block_k = config.block_k if k >= config.block_k else max(16, triton.next_power_of_2(k))
     scale_rows, scale_cols, scales, stride_se, stride_sr = 1, 1, x, 0, 0
     if w_scales is not None:
         scales, scale_rows = w_scales.scales, w_scales.rows
@@ -292,7 +335,8 @@ def grouped_gemm(x: torch.Tensor, w: torch.Tensor, sorted_ids: torch.Tensor, blo
         n, k, pairs, x.stride(0), w.stride(0), w.stride(1), out.stride(0), stride_se, stride_sr,
         TOP_K=top_k, MUL_WEIGHTS=weights is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # float32: exact products, not TF32
-        W_FP8=w_scales is not None, SCALE_ROWS=scale_rows, SCALE_COLS=scale_cols, num_warps=4, num_stages=3)
+        W_FP8=w_scales is not None, SCALE_ROWS=scale_rows, SCALE_COLS=scale_cols, num_warps=config.num_warps,
+        num_stages=config.num_stages)
     return out
 
 
@@ -380,30 +424,32 @@ def small_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                   ids: torch.Tensor, foreign: bool = False, w13_scales: ExpertScales | None = None,
-                  w2_scales: ExpertScales | None = None, total_experts: int | None = None) -> torch.Tensor:
+                  w2_scales: ExpertScales | None = None, total_experts: int | None = None,
+                  config: GroupedConfig | None = None) -> torch.Tensor:
     """sum over the top_k choices of weight * down_e(silu(gate_e x) * up_e x), [T, H]: x [T, H],
     w13 [E, 2 I, H] (gate rows, then up rows), w2 [E, H, I], weights float32 and ids [T, top_k];
     FP8 weights with their scales (grouped_gemm). foreign: ids may also hold E, a choice of an
     expert another rank holds (expert parallelism), which adds nothing here: its pairs are sorted
     into blocks no program computes. A decode step's few pairs take the decode kernels: at most
-    SMALL_PAIRS and total_experts (the model's, all ranks together; default the E held here)."""
+    SMALL_PAIRS and total_experts (the model's, all ranks together; default the E held here);
+    config: the grouped GEMMs' tiles (default by the pair count)."""
     tokens, top_k = ids.shape
     if 0 < tokens * top_k <= min(SMALL_PAIRS, total_experts or w13.shape[0]):
         out = small_experts(x, w13, w2, weights, ids, w13_scales, w2_scales)
         if out is not None:
             return out
     experts = w13.shape[0]
-    block_m = _block_m(tokens * top_k)
+    config = config or _grouped_config(tokens * top_k)
+    block_m = config.block_m
     sorted_ids, block_experts = align_by_expert(ids, experts + 1 if foreign else experts, block_m)
     if foreign:
         block_experts = torch.where(block_experts == experts, -1, block_experts)
-    gate_up = grouped_gemm(x, w13, sorted_ids, block_experts, top_k, block_m, w_scales=w13_scales)
-    gate, up = gate_up.chunk(2, dim=-1)
-    hidden = F.silu(gate) * up  # [T * top_k, I], one row per (token, choice)
+    gate_up = grouped_gemm(x, w13, sorted_ids, block_experts, top_k, block_m, w_scales=w13_scales, config=config)
+    hidden = silu_and_mul(gate_up)  # [T * top_k, I], one row per (token, choice); torch's roundings
     down = grouped_gemm(hidden, w2, sorted_ids, block_experts, 1, block_m, weights.reshape(-1).contiguous(),
-                        zero=foreign, w_scales=w2_scales)
+                        zero=foreign, w_scales=w2_scales, config=config)
     return down.view(tokens, top_k, -1).sum(dim=1)
 
 
-__all__ = ["AVAILABLE", "SMALL_PAIRS", "ExpertScales", "GemvConfig", "align_by_expert", "fused_experts", "grouped_gemm",
-           "route", "small_experts"]
+__all__ = ["AVAILABLE", "SMALL_PAIRS", "ExpertScales", "GemvConfig", "GroupedConfig", "align_by_expert",
+           "fused_experts", "grouped_gemm", "route", "small_experts"]
