@@ -378,6 +378,44 @@ def test_a_model_on_the_kernels_equals_the_loop(name):
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
 
+def test_a_decode_steps_experts_take_the_timed_path(monkeypatch):
+    """A layer built with a small-batch chooser (a model runner's) asks it at a decode step's few
+    pairs: the decode kernels in their first configuration when forced (the interpreter on CPU),
+    and on CUDA the faster of the grouped GEMMs and each decode configuration, timed once per token
+    count and reported; past SMALL_PAIRS the grouped GEMMs, unasked."""
+    from tokenspeed_worker.kernels import moe as moe_kernels
+    from tokenspeed_worker.layers import small_batch_gemv
+    from tokenspeed_worker.layers.fused_kernels import fused_kernels
+    from tokenspeed_worker.layers.moe import FusedMoE
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    chooser = small_batch_gemv.SmallBatchGemv()
+    with small_batch_gemv.building(chooser):
+        layer = FusedMoE(8, 64, 32).to(device)
+    torch.nn.init.normal_(layer.w13_weight, std=0.1)
+    torch.nn.init.normal_(layer.w2_weight, std=0.1)
+    calls = []
+    real = moe_kernels.small_experts
+    monkeypatch.setattr(moe_kernels, "small_experts", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
+    for tokens in (2, 70):
+        x = torch.randn(tokens, 64, device=device)
+        weights, ids = select_experts(torch.randn(tokens, 8, device=device), 2, True)
+        expected = _loop(x, layer.w13_weight, layer.w2_weight, weights, ids)
+        calls.clear()
+        with fused_kernels("force"):
+            got = layer._experts(x, weights, ids)
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+        assert calls == ([tokens] if tokens * 2 <= moe_kernels.SMALL_PAIRS else [])
+    if device == "cuda":
+        x = torch.randn(2, 64, device=device)
+        weights, ids = select_experts(torch.randn(2, 8, device=device), 2, True)
+        with fused_kernels("auto"):
+            got = layer._experts(x, weights, ids)
+        torch.testing.assert_close(got, _loop(x, layer.w13_weight, layer.w2_weight, weights, ids), rtol=1e-4, atol=1e-4)
+        (key, entry), = [(k, v) for k, v in chooser.report().items() if k.startswith("moe_experts/2/")]
+        assert set(entry["us"]) == {"unfused", *(str(c) for c in moe_kernels.decode_configs(layer.w13_weight))}
+
+
 def test_kernels_that_disagree_with_the_loop_are_refused(monkeypatch, caplog):
     from tokenspeed_worker.kernels import moe as moe_kernels
     from tokenspeed_worker.layers.fused_kernels import fused_kernels

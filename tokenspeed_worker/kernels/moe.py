@@ -17,16 +17,17 @@ each weight tile is widened exactly to the activations' dtype and each K step's 
 output column by its tile's scale (weight-only FP8: half the bytes a decode step reads). This is the shape of vLLM's and
 SGLang's fused_moe Triton kernel; a decode step (few tokens) reads only the chosen experts' tiles.
 
-Decode steps skip the sort (at most SMALL_PAIRS pairs, and no more than the experts, so that
-few experts are chosen twice): `small_experts` runs one kernel that gives each program one pair
-and a strip of its expert's gate and up rows and writes silu(gate) * up, then one that gives each
-program one token and a strip of the output columns and sums its top_k experts' down products,
-each times its routing weight, so the layer's output leaves in one store. Both read the weight
-strip with 16-byte vector loads on the CUDA cores, the next tile loaded before the current one is
-multiplied, as the dense small-batch GEMV does (kernels/gemv.py): at a few tokens a product is
-bound by the chosen experts' bytes, and padding pairs to tensor-core tiles or sorting them costs
-more than it saves. `route` is the router's softmax, top-k and renormalization in one kernel, one
-program per token.
+Decode steps may skip the sort (at most SMALL_PAIRS pairs; the model runner times both ways
+and the strip configurations of `decode_configs`, layers/small_batch_gemv.py; without it, no more
+pairs than experts, so that few experts are chosen twice): `small_experts` runs one kernel that
+gives each program one pair and a strip of its expert's gate and up rows and writes
+silu(gate) * up, then one that gives each program one token and a strip of the output columns and
+sums its top_k experts' down products, each times its routing weight, so the layer's output
+leaves in one store. Both read the weight strip with 16-byte vector loads on the CUDA cores, the
+next tile loaded before the current one is multiplied, as the dense small-batch GEMV does
+(kernels/gemv.py): at a few tokens a product is bound by the chosen experts' bytes, and padding
+pairs to tensor-core tiles or sorting them costs more than it saves. `route` is the router's
+softmax, top-k and renormalization in one kernel, one program per token.
 
 Importable without triton: AVAILABLE says whether the kernel can be used.
 """
@@ -368,6 +369,18 @@ class GemvConfig(NamedTuple):
     num_warps: int
 
 
+def decode_configs(weight: torch.Tensor) -> tuple[tuple[GemvConfig, GemvConfig], ...]:
+    """(gate/up, down) strip configurations worth timing for experts of weight's dtype, the default
+    first: the fastest pairs at one to sixteen tokens for the Qwen3-30B-A3B and Mixtral-8x7B shapes
+    (bench_moe.py --configs)."""
+    default = (_gemv_config(weight, down=False), _gemv_config(weight, down=True))
+    if weight.element_size() == 1:
+        others = [(GemvConfig(8, 256, 4), GemvConfig(4, 1024, 4)), (GemvConfig(16, 256, 4), GemvConfig(16, 256, 4))]
+    else:
+        others = [(GemvConfig(16, 256, 4), GemvConfig(4, 1024, 4)), (GemvConfig(8, 256, 4), GemvConfig(16, 256, 4))]
+    return (default, *others)
+
+
 def _gemv_config(weight: torch.Tensor, down: bool) -> GemvConfig:
     """The strips timed fastest at one to four tokens for the Qwen3-30B-A3B and Mixtral-8x7B
     shapes (bench_moe.py --configs): gate/up in strips of 8 rows (16 for FP8), 256 columns per
@@ -425,17 +438,23 @@ def small_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                   ids: torch.Tensor, foreign: bool = False, w13_scales: ExpertScales | None = None,
                   w2_scales: ExpertScales | None = None, total_experts: int | None = None,
-                  config: GroupedConfig | None = None) -> torch.Tensor:
+                  config: GroupedConfig | None = None,
+                  decode: tuple[GemvConfig, GemvConfig] | bool | None = None) -> torch.Tensor:
     """sum over the top_k choices of weight * down_e(silu(gate_e x) * up_e x), [T, H]: x [T, H],
     w13 [E, 2 I, H] (gate rows, then up rows), w2 [E, H, I], weights float32 and ids [T, top_k];
     FP8 weights with their scales (grouped_gemm). foreign: ids may also hold E, a choice of an
     expert another rank holds (expert parallelism), which adds nothing here: its pairs are sorted
     into blocks no program computes. A decode step's few pairs take the decode kernels: at most
-    SMALL_PAIRS and total_experts (the model's, all ranks together; default the E held here);
-    config: the grouped GEMMs' tiles (default by the pair count)."""
+    SMALL_PAIRS and total_experts (the model's, all ranks together; default the E held here), or as
+    `decode` says: False for the grouped GEMMs, (gate/up, down) strip configurations for the decode
+    kernels (the grouped GEMMs where those cannot take the scales); config: the grouped GEMMs'
+    tiles (default by the pair count)."""
     tokens, top_k = ids.shape
-    if 0 < tokens * top_k <= min(SMALL_PAIRS, total_experts or w13.shape[0]):
-        out = small_experts(x, w13, w2, weights, ids, w13_scales, w2_scales)
+    if decode is None:
+        decode = 0 < tokens * top_k <= min(SMALL_PAIRS, total_experts or w13.shape[0])
+    if decode is not False and tokens:
+        configs = decode if isinstance(decode, tuple) else (None, None)
+        out = small_experts(x, w13, w2, weights, ids, w13_scales, w2_scales, *configs)
         if out is not None:
             return out
     experts = w13.shape[0]
@@ -452,4 +471,4 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
 
 
 __all__ = ["AVAILABLE", "SMALL_PAIRS", "ExpertScales", "GemvConfig", "GroupedConfig", "align_by_expert",
-           "fused_experts", "grouped_gemm", "route", "small_experts"]
+           "decode_configs", "fused_experts", "grouped_gemm", "route", "small_experts"]

@@ -41,6 +41,7 @@ from torch import nn
 from tokenspeed_worker import distributed
 from tokenspeed_worker.kernels.fp8 import FP8_DTYPE, expand_scales
 from tokenspeed_worker.kernels.moe import ExpertScales
+from tokenspeed_worker.layers import small_batch_gemv
 from tokenspeed_worker.layers.fused_kernels import use_fused
 from tokenspeed_worker.layers.layernorm import PendingNorm
 from tokenspeed_worker.layers.linear import Linear, _divide
@@ -94,6 +95,7 @@ class FusedMoE(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, prefix: str = "") -> None:
         super().__init__()
         self.use_kernels = True  # False after kernels_agree() found the kernels wrong on this device
+        self.gemv = small_batch_gemv.current()  # times a decode step's paths (the runner's chooser, or None)
         self.num_experts = num_experts  # the model's, all ranks together; expert ids are global
         ep = _EP_SIZE
         moe_tp = distributed.size() // ep
@@ -288,10 +290,16 @@ class FusedMoE(nn.Module):
             ids = torch.where((ids >= 0) & (ids < self.num_local_experts), ids, self.num_local_experts)
         kernels = self._kernels(x)
         if kernels is not None:
-            return kernels.fused_experts(x, self.w13_weight, self.w2_weight, weights, ids,
-                                         foreign=self.num_local_experts != self.num_experts,
-                                         w13_scales=self.w13_scales, w2_scales=self.w2_scales,
-                                         total_experts=self.num_experts)
+            def run(decode=None):
+                return kernels.fused_experts(x, self.w13_weight, self.w2_weight, weights, ids,
+                                             foreign=self.num_local_experts != self.num_experts,
+                                             w13_scales=self.w13_scales, w2_scales=self.w2_scales,
+                                             total_experts=self.num_experts, decode=decode)
+
+            if self.gemv is not None and 0 < ids.numel() <= kernels.SMALL_PAIRS:  # a decode step: timed paths
+                return self.gemv.experts(x, self.w13_weight, run, lambda: run(False),
+                                         kernels.decode_configs(self.w13_weight))
+            return run()
         w13, w2 = self._dense_experts()
         out = torch.zeros_like(x)
         for expert in torch.unique(ids).tolist():

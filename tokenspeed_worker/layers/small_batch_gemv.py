@@ -5,7 +5,9 @@ A decode step of at most kernels.gemv.MAX_ROWS rows asks, at each projection (a 
 - `norm_linear`: (add +) RMSNorm, then the projection (a PendingNorm given to qkv_proj);
 - `norm_gate_up_silu`: (add +) RMSNorm, gate_up_proj, SiLU·mul (a PendingNorm given to the MLP);
 - `norm_qkv_rope`: (add +) RMSNorm, q/k/v, rotary and the KV-cache write, for backends that attend
-  over K/V written beforehand and do not rotate in their attention kernel.
+  over K/V written beforehand and do not rotate in their attention kernel;
+- `experts` (site "moe_experts"): a mixture-of-experts layer's experts, by the decode kernels of
+  kernels/moe.py in one of their strip configurations or by the grouped GEMMs (its "unfused" path).
 
 The weight is x's dtype, or FP8 e4m3 with one float32 scale per row (`Linear.weight_scale_rows`) or
 per tile (`Linear.weight_scale_blocks`, block-wise checkpoints: the one-shot configurations whose
@@ -197,6 +199,14 @@ class SmallBatchGemv:
 
     # -- the in-step refinement -------------------------------------------------------------
 
+    def experts(self, x: torch.Tensor, w13: torch.Tensor, decode: Callable[[Any], torch.Tensor],
+                grouped: Callable[[], torch.Tensor], configs: tuple) -> torch.Tensor:
+        """A mixture-of-experts layer's experts for a decode step's few tokens x: by the decode
+        kernels in one of `configs` (decode(config)), or by the grouped GEMMs (`grouped`, this
+        site's unfused path), whichever was timed faster for this token count and expert shape
+        (w13: the stacked gate/up weights, layers/moe.FusedMoE)."""
+        return self._run("moe_experts", x, w13, None, decode, grouped, configs)
+
     def tune_in_step(self, rows: int, step_us: Callable[[], float], top: int = IN_STEP_TOP,
                      min_gain: float = IN_STEP_MIN_GAIN) -> dict[str, Any]:
         """Refine the timed choices of the sites seen at `rows` rows inside the whole decode step.
@@ -270,7 +280,7 @@ class SmallBatchGemv:
 
     def _run(self, site: str, x: torch.Tensor, weight: torch.Tensor, kernels, fused: Callable[[tuple], Any],
              plain: Callable[[], Any], configs=None, margin: float = MARGIN):
-        """The chosen path for this site (kernels: from _kernels, not None; configs: the kernel
+        """The chosen path for this site (kernels: from _kernels; configs: the kernel
         configurations to time, kernels.CONFIGS by default, the first taken untimed; margin: MARGIN,
         or FOLD_MARGIN where the kernel replaces several)."""
         configs = kernels.CONFIGS if configs is None else configs
