@@ -183,7 +183,7 @@ def bench_fused(device: torch.device, dtype: torch.dtype, timer: Timer, copy_bw:
     from tokenspeed_worker.layers.activation import SiluAndMul
     from tokenspeed_worker.layers.fused_kernels import fused_kernels
     from tokenspeed_worker.layers.layernorm import RMSNorm
-    from tokenspeed_worker.layers.rotary import RotaryEmbedding
+    from tokenspeed_worker.layers.rotary import rope_from_parameters
 
     hidden, inter = args.hidden, args.intermediate
     H, Hkv, D, bs = args.heads, args.kv_heads, args.head_dim, args.block_size
@@ -193,7 +193,7 @@ def bench_fused(device: torch.device, dtype: torch.dtype, timer: Timer, copy_bw:
     with torch.no_grad():
         rms.weight.normal_(1.0, 0.1)
     act = SiluAndMul()
-    rope = RotaryEmbedding(D, max_position, dict(rope_type="llama3", rope_theta=500000.0, factor=8.0,
+    rope = rope_from_parameters(D, max_position, dict(rope_type="llama3", rope_theta=500000.0, factor=8.0,
                                                  low_freq_factor=1.0, high_freq_factor=4.0,
                                                  original_max_position_embeddings=8192)).to(device)
     rows = []
@@ -249,7 +249,7 @@ def bench_gemv(device: torch.device, dtype: torch.dtype, timer: Timer, copy_bw: 
     from tokenspeed_worker.layers.fused_kernels import fused_kernels
     from tokenspeed_worker.kernels import rotary as rotary_kernels
     from tokenspeed_worker.layers.layernorm import RMSNorm
-    from tokenspeed_worker.layers.rotary import RotaryEmbedding
+    from tokenspeed_worker.layers.rotary import rope_from_parameters
 
     elt = torch.empty((), dtype=dtype).element_size()
     act = SiluAndMul()
@@ -276,7 +276,7 @@ def bench_gemv(device: torch.device, dtype: torch.dtype, timer: Timer, copy_bw: 
                 return act(F.linear(h, w["gate_up"]))
 
             heads, kv_heads, head_dim = SKINNY_HEADS[shape]
-            rope = RotaryEmbedding(head_dim, 4096, {"rope_type": "default", "rope_theta": 500000.0}).to(device)
+            rope = rope_from_parameters(head_dim, 4096, {"rope_type": "default", "rope_theta": 500000.0}).to(device)
             caches = [torch.zeros((64, 16, kv_heads, head_dim), dtype=dtype, device=device) for _ in range(2)]
             positions = torch.arange(m, device=device) + 200
             slots = torch.arange(m, device=device) * 16

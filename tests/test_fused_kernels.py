@@ -29,7 +29,7 @@ from tokenspeed_worker.layers import fused_kernels  # noqa: E402
 from tokenspeed_worker.layers.activation import SiluAndMul  # noqa: E402
 from tokenspeed_worker.layers.fused_kernels import fused_kernels as fused_mode  # noqa: E402
 from tokenspeed_worker.layers.layernorm import RMSNorm  # noqa: E402
-from tokenspeed_worker.layers.rotary import RotaryEmbedding  # noqa: E402
+from tokenspeed_worker.layers.rotary import rope_from_parameters  # noqa: E402
 
 DEVICE = torch.device("cuda" if ON_CUDA else "cpu")
 DTYPES = [torch.float32, torch.bfloat16]
@@ -168,7 +168,7 @@ def _rope(head_dim: int, partial: float = 1.0, max_position: int = 512, rope_typ
     params = dict(rope_type=rope_type, rope_theta=10000.0, partial_rotary_factor=partial)
     if rope_type == "llama3":
         params.update(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64)
-    return RotaryEmbedding(head_dim, max_position, params).to(DEVICE)
+    return rope_from_parameters(head_dim, max_position, params).to(DEVICE)
 
 
 ROPE_CASES = [

@@ -431,10 +431,10 @@ def _check_rotary_epilogue(rows, cache_dtype, config, fp8_weight: bool, block: t
     rope_and_write_kv; with fp8_weight, the q/k/v weight is fp8 with per-row scales, or with
     block scales of `block` (rows, cols) tiles."""
     from tokenspeed_worker.layers.kv_cache import to_cache_dtype, write_kv_cache
-    from tokenspeed_worker.layers.rotary import RotaryEmbedding
+    from tokenspeed_worker.layers.rotary import rope_from_parameters
 
     heads, kv_heads, head_dim, hidden = 4, 2, 32, 96
-    rope = RotaryEmbedding(head_dim, 64, {"rope_type": "default", "rope_theta": 10000.0}).to(DEVICE)
+    rope = rope_from_parameters(head_dim, 64, {"rope_type": "default", "rope_theta": 10000.0}).to(DEVICE)
     norm = _norm(hidden, seed=40)
     x, residual = _randn(rows, hidden, seed=41), _randn(rows, hidden, seed=42)
     scales = {}

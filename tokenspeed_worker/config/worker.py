@@ -59,8 +59,9 @@ class WorkerConfig:
         Raises ValueError, naming the flag, for a value that cannot work here."""
         positions = _max_positions(args.model)
         if args.max_model_len and positions and args.max_model_len > positions:
-            raise ValueError(f"--max-model-len {args.max_model_len} exceeds the model's max_position_embeddings "
-                             f"({positions}); its rotary embedding is not defined past that")
+            raise ValueError(f"--max-model-len {args.max_model_len} exceeds the model's {positions} positions "
+                             f"(max_position_embeddings, times its rope scaling factor for linear, dynamic and yarn "
+                             f"rope); its rotary embedding is not defined past that")
         model = ModelConfig(
             path=args.model,
             dtype=resolve_dtype(args.dtype, args.device, args.model),
@@ -132,14 +133,25 @@ def _kv_scales_file(args: ServerArgs) -> str | None:
 
 
 def _max_positions(model_path: str) -> int | None:
-    """The model's max_position_embeddings, or None (no readable config.json: the model facts
-    report that, server/model_info.py)."""
+    """The longest sequence the model's positions cover, or None (no readable config.json: the
+    model facts report that, server/model_info.py): max_position_embeddings, times the rope
+    scaling factor for the types that stretch positions (linear, dynamic; yarn from
+    original_max_position_embeddings), as vLLM derives it. longrope and llama3 checkpoints already
+    state their extended length."""
     try:
         with open(os.path.join(model_path, "config.json"), encoding="utf-8") as f:
             cfg = json.load(f)
     except (OSError, ValueError):
         return None
-    return (cfg.get("text_config") or cfg).get("max_position_embeddings")
+    cfg = cfg.get("text_config") or cfg
+    positions = cfg.get("max_position_embeddings")
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type") or rope.get("type")
+    factor = rope.get("factor")
+    if positions and isinstance(factor, (int, float)) and factor > 1 and rope_type in ("linear", "dynamic", "yarn"):
+        base = rope.get("original_max_position_embeddings") or positions if rope_type == "yarn" else positions
+        return max(positions, int(base * factor))
+    return positions
 
 
 def _kv_events(text: str | None) -> dict[str, Any] | None:

@@ -1,7 +1,25 @@
-"""Rotary position embedding (neox style, as Llama and Qwen use it), with llama3 frequency scaling.
+"""Rotary position embedding (neox style, as Llama, Qwen, Mistral and Phi-3 use it), with the
+frequency scalings of long-context checkpoints.
 
-cos/sin are precomputed in float32 for every position up to max_position_embeddings and
-cast to the activations' dtype when applied, the way Hugging Face does it.
+cos/sin are precomputed in float32 for every position up to max_position_embeddings (or the
+served length, where a scaling stretches the positions past it) and cast to the activations'
+dtype when applied, the way Hugging Face does it. The inverse
+frequencies and the attention scaling (YaRN's and longrope's factor on cos/sin) come from
+transformers' own rope functions (`ROPE_INIT_FUNCTIONS`), so each type computes what
+transformers computes:
+
+- "default", "linear", "llama3", "yarn": fixed frequencies, exactly transformers'.
+- "longrope" (Phi-3 128k): transformers takes the long factors for a whole forward once its
+  longest position passes original_max_position_embeddings, the short ones before. A server
+  rotates every position of every request alike (the KV cache keeps keys rotated once): the long
+  factors when the served length (--max-model-len, `serving_length`) passes
+  original_max_position_embeddings, else the short ones. Equal to transformers for any sequence
+  when the served length is within the original length, and for sequences past it otherwise.
+- "dynamic" (NTK): transformers rescales the base for a forward whose longest position passes
+  max_position_embeddings. Here the base is scaled once for the served length (unchanged when
+  that is within max_position_embeddings, then equal to transformers).
+
+Any other type is one clear startup error.
 
 `rope_and_write_kv` also writes the rotated k and the raw v into a paged KV cache; on CUDA it
 is one Triton kernel (kernels/rotary.py, same roundings), used by
@@ -12,7 +30,9 @@ TOKENSPEED_FUSED_KERNELS).
 
 from __future__ import annotations
 
-import math
+import copy
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -21,7 +41,21 @@ from torch import nn
 from tokenspeed_worker.layers.fused_kernels import FUSED_DTYPES, use_fused
 from tokenspeed_worker.layers.kv_cache import write_kv_cache
 
-SUPPORTED_ROPE_TYPES = ("default", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
+
+_SERVING_LENGTH: int | None = None  # the served --max-model-len while a runner builds its model
+
+
+@contextmanager
+def serving_length(length: int | None) -> Iterator[None]:
+    """Within the block, rotary tables are built for sequences of at most `length` positions
+    (longrope's and dynamic NTK's choice, module docstring); None: max_position_embeddings."""
+    global _SERVING_LENGTH
+    previous, _SERVING_LENGTH = _SERVING_LENGTH, length
+    try:
+        yield
+    finally:
+        _SERVING_LENGTH = previous
 
 
 def rope_parameters_from_config(config: Any) -> dict:
@@ -41,7 +75,7 @@ def rope_parameters_from_config(config: Any) -> dict:
         params["rope_theta"] = getattr(config, "rope_theta", None) or 10000.0
     if params.get("partial_rotary_factor") is None:
         params["partial_rotary_factor"] = getattr(config, "partial_rotary_factor", None) or 1.0
-    if params["rope_type"] == "llama3":
+    if params["rope_type"] in ("llama3", "yarn", "longrope"):
         params.setdefault(
             "original_max_position_embeddings",
             getattr(config, "original_max_position_embeddings", None) or config.max_position_embeddings,
@@ -49,20 +83,33 @@ def rope_parameters_from_config(config: Any) -> dict:
     return params
 
 
-def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
-    factor = params["factor"]
-    low_freq_factor = params["low_freq_factor"]
-    high_freq_factor = params["high_freq_factor"]
-    old_context_len = params["original_max_position_embeddings"]
-    low_freq_wavelen = old_context_len / low_freq_factor
-    high_freq_wavelen = old_context_len / high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
+def rope_frequencies(config: Any, head_dim: int, length: int | None = None) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies float32 [rotary_dim / 2], attention scaling of cos/sin) for config's
+    rope, by transformers' rope functions, for sequences of at most `length` positions (module
+    docstring; default max_position_embeddings)."""
+    params = rope_parameters_from_config(config)
+    rope_type = params["rope_type"]
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"rope_type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+    rotary_dim = int(head_dim * params["partial_rotary_factor"])
+    if rope_type == "default":
+        exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).to(torch.float32) / rotary_dim
+        return 1.0 / (params["rope_theta"] ** exponents), 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    # transformers' functions read the config's rope_parameters (and head_dim): hand them a copy in
+    # transformers 5's form, whatever form the checkpoint's config.json took
+    config = copy.copy(config)
+    config.rope_parameters = params
+    config.head_dim = head_dim
+    length = length or config.max_position_embeddings
+    seq_len = None
+    if rope_type == "longrope" and length > params["original_max_position_embeddings"]:
+        seq_len = params["original_max_position_embeddings"] + 1  # the long factors
+    elif rope_type == "dynamic" and length > config.max_position_embeddings:
+        seq_len = length
+    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"), seq_len=seq_len)
+    return inv_freq.float(), float(attention_scaling)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -71,24 +118,18 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, max_position: int, rope_parameters: dict) -> None:
+    def __init__(self, head_dim: int, max_position: int, inv_freq: torch.Tensor, attention_scaling: float = 1.0) -> None:
+        """Tables for positions [0, max_position): cos/sin of position * inv_freq (rotary_dim =
+        2 * len(inv_freq) of the head's first dimensions rotate), times attention_scaling."""
         super().__init__()
-        rope_type = rope_parameters["rope_type"]
-        if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ValueError(f"rope_type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
         self.head_dim = head_dim
-        self.rotary_dim = int(head_dim * rope_parameters.get("partial_rotary_factor", 1.0))
-        base = rope_parameters["rope_theta"]
-        exponents = torch.arange(0, self.rotary_dim, 2, dtype=torch.int64).to(torch.float32) / self.rotary_dim
-        inv_freq = 1.0 / (base**exponents)
-        if rope_type == "llama3":
-            inv_freq = _llama3_inv_freq(inv_freq, rope_parameters)
+        self.rotary_dim = 2 * inv_freq.numel()
         positions = torch.arange(max_position, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         # Not parameters: excluded from the state dict, rebuilt from the config.
-        self.register_buffer("cos_cache", emb.cos(), persistent=False)
-        self.register_buffer("sin_cache", emb.sin(), persistent=False)
+        self.register_buffer("cos_cache", emb.cos() * attention_scaling, persistent=False)
+        self.register_buffer("sin_cache", emb.sin() * attention_scaling, persistent=False)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
@@ -130,4 +171,16 @@ class RotaryEmbedding(nn.Module):
 
 
 def get_rope(config: Any, head_dim: int) -> RotaryEmbedding:
-    return RotaryEmbedding(head_dim, config.max_position_embeddings, rope_parameters_from_config(config))
+    """The model's rotary tables, for the served length where a runner set one (`serving_length`)."""
+    inv_freq, attention_scaling = rope_frequencies(config, head_dim, _SERVING_LENGTH)
+    return RotaryEmbedding(head_dim, max(config.max_position_embeddings, _SERVING_LENGTH or 0), inv_freq,
+                           attention_scaling)
+
+
+def rope_from_parameters(head_dim: int, max_position: int, rope_parameters: dict) -> RotaryEmbedding:
+    """Rotary tables for a rope dict in transformers 5's form (tests and benchmarks)."""
+    from transformers import PretrainedConfig
+
+    config = PretrainedConfig(rope_parameters=dict(rope_parameters), max_position_embeddings=max_position,
+                              head_dim=head_dim, hidden_size=head_dim, num_attention_heads=1)
+    return RotaryEmbedding(head_dim, max_position, *rope_frequencies(config, head_dim))

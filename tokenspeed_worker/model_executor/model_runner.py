@@ -24,7 +24,7 @@ import torch
 
 from tokenspeed_worker import distributed
 from tokenspeed_worker.config import EngineConfig, resolve_dtype
-from tokenspeed_worker.layers import small_batch_gemv
+from tokenspeed_worker.layers import rotary, small_batch_gemv
 from tokenspeed_worker.layers.moe import FusedMoE, expert_parallel
 from tokenspeed_worker.layers.attention import Attention, AttentionBackend, AttentionInputs, get_attention_backend
 from tokenspeed_worker.model_executor.cuda_graph import (
@@ -99,7 +99,8 @@ class ModelRunner:
         # This runner's small-batch GEMV choices: its layers consult it (layers/small_batch_gemv.py).
         self.small_batch_gemv = small_batch_gemv.SmallBatchGemv()
         with (torch.device(self.device), _default_dtype(self.dtype), small_batch_gemv.building(self.small_batch_gemv),
-              quant_methods.building(config.model.quant_config), expert_parallel(config.parallel.expert_parallel_size)):
+              quant_methods.building(config.model.quant_config), expert_parallel(config.parallel.expert_parallel_size),
+              rotary.serving_length(config.scheduler.max_model_len)):
             self.model = model_class(self.hf_config)
         self.load_format = load_model_weights(self.model, config.model)
         self.kv_scales_source = self._fold_kv_cache_scales(config)
