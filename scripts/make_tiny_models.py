@@ -76,8 +76,19 @@ SPECS: dict[str, tuple[str, dict, dict]] = {
                                               decoder_sparse_step=1, mlp_only_layers=[1], norm_topk_prob=True), {}),
     "mixtral": ("MixtralForCausalLM", dict(tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2,
                                            intermediate_size=48), {}),
+    # Mistral: head_dim apart from hidden / heads (as Mistral-Nemo), a window covering every position.
+    "mistral": ("MistralForCausalLM", dict(tie_word_embeddings=False, head_dim=32, sliding_window=MAX_POSITIONS), {}),
+    # Phi-3 / Phi-4-mini: fused qkv_proj and gate_up_proj in the checkpoint, partial rotary (3/4 of a
+    # 16-wide head), longrope with short factors (the served length is within the original one).
+    "phi3": ("Phi3ForCausalLM", dict(
+        tie_word_embeddings=False, original_max_position_embeddings=MAX_POSITIONS,
+        rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.75,
+                             original_max_position_embeddings=MAX_POSITIONS,
+                             short_factor=[1.0, 1.2, 1.5, 2.0, 3.0, 5.0], long_factor=[2.0, 3.0, 4.0, 6.0, 8.0, 16.0])),
+        {}),
 }
-SEEDS = {"llama-gqa-tied": 1, "qwen2-bias": 2, "qwen3-qknorm": 3, "qwen3-sharded": 3, "qwen3-moe": 4, "mixtral": 5}
+SEEDS = {"llama-gqa-tied": 1, "qwen2-bias": 2, "qwen3-qknorm": 3, "qwen3-sharded": 3, "qwen3-moe": 4, "mixtral": 5,
+         "mistral": 6, "phi3": 7}
 # Routers scaled up from the 0.02 init: decisive top-k choices, not near-ties that rounding could flip.
 ROUTER_SCALE = 50.0
 
@@ -133,6 +144,8 @@ def make_model(name: str, out: Path, tokenizer) -> None:
         "Qwen3ForCausalLM": transformers.Qwen3Config,
         "Qwen3MoeForCausalLM": transformers.Qwen3MoeConfig,
         "MixtralForCausalLM": transformers.MixtralConfig,
+        "MistralForCausalLM": transformers.MistralConfig,
+        "Phi3ForCausalLM": transformers.Phi3Config,
     }[arch]
     config = config_cls(**{**COMMON, **extra})
     config.architectures = [arch]

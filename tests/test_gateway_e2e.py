@@ -205,11 +205,12 @@ def test_max_tokens_and_ignore_eos(stack):
     assert r["choices"][0]["finish_reason"] == "length"
 
 
-@pytest.mark.parametrize("name", ["qwen3-moe", "mixtral", "fp8-block-moe"])
-def test_a_mixture_of_experts_model_serves_through_the_gateway(name):
-    """The tiny random Qwen3-MoE and Mixtral, and the Qwen3-MoE as a block-wise FP8 checkpoint,
-    behind the real gateway: its chat completion, greedy, is transformers' greedy continuation of
-    the same templated prompt (on the FP8 weights dequantized)."""
+@pytest.mark.parametrize("name", ["qwen3-moe", "mixtral", "fp8-block-moe", "mistral", "phi3"])
+def test_each_model_family_serves_through_the_gateway(name):
+    """The tiny random Qwen3-MoE, Mixtral, Mistral and Phi-3 (fused checkpoint projections, partial
+    rotary, longrope), and the Qwen3-MoE as a block-wise FP8 checkpoint, behind the real gateway:
+    its chat completion, greedy, is transformers' greedy continuation of the same templated prompt
+    (on the FP8 weights dequantized). (Llama: the SmolLM2 stack above; Qwen2/3: tests/test_engine_vs_hf.py.)"""
     from transformers import AutoTokenizer
 
     from worker_harness import CACHE, _load_script, tiny_models

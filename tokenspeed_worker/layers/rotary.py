@@ -58,6 +58,11 @@ def serving_length(length: int | None) -> Iterator[None]:
         _SERVING_LENGTH = previous
 
 
+def served_length() -> int | None:
+    """The served length set by `serving_length` (None outside it)."""
+    return _SERVING_LENGTH
+
+
 def rope_parameters_from_config(config: Any) -> dict:
     """The rope dict of a config, in transformers 5's form: {"rope_type", "rope_theta", ...}.
 

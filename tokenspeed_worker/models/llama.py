@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from tokenspeed_worker.layers import moe
+from tokenspeed_worker.layers import moe, rotary
 from tokenspeed_worker.layers.activation import SiluAndMul
 from tokenspeed_worker.layers.attention import Attention
 from tokenspeed_worker.layers.layernorm import PendingNorm, RMSNorm
@@ -39,6 +39,17 @@ def check_full_attention(config) -> None:
     layer_types = getattr(config, "layer_types", None) or []
     if getattr(config, "use_sliding_window", False) and any(t != "full_attention" for t in layer_types):
         raise ValueError("sliding-window attention layers are not supported")
+
+
+def check_window_covers_the_served_length(config, architecture: str) -> None:
+    """A model with `sliding_window` (Mistral, Mixtral, Phi-3) serves when no sequence it serves is
+    longer than the window (its attention then sees every earlier token, as full attention does);
+    else one clear error naming --max-model-len: sliding-window attention is not built yet."""
+    window = getattr(config, "sliding_window", None)
+    served = rotary.served_length() or config.max_position_embeddings
+    if window and window < served:
+        raise ValueError(f"{architecture}: sliding_window {window} is shorter than the served length {served}, and "
+                         f"sliding-window attention is not supported yet: serve with --max-model-len {window} or less")
 
 
 class LlamaAttention(nn.Module):

@@ -7,14 +7,12 @@ from __future__ import annotations
 from torch import nn
 
 from tokenspeed_worker.layers.moe import SparseMoeBlock
-from tokenspeed_worker.models.llama import LlamaForCausalLM
+from tokenspeed_worker.models.llama import LlamaForCausalLM, check_window_covers_the_served_length
 
 
 class MixtralForCausalLM(LlamaForCausalLM):
     def __init__(self, config) -> None:
-        if getattr(config, "sliding_window", None):
-            raise ValueError(f"MixtralForCausalLM: sliding_window {config.sliding_window} is not supported "
-                             "(sliding-window attention is not implemented; a checkpoint with null serves)")
+        check_window_covers_the_served_length(config, "MixtralForCausalLM")
         super().__init__(config)
 
     @staticmethod
