@@ -86,9 +86,22 @@ SPECS: dict[str, tuple[str, dict, dict]] = {
                              original_max_position_embeddings=MAX_POSITIONS,
                              short_factor=[1.0, 1.2, 1.5, 2.0, 3.0, 5.0], long_factor=[2.0, 3.0, 4.0, 6.0, 8.0, 16.0])),
         {}),
+    # Gemma 2: sliding (window 8, shorter than the test prompts) and full layers alternating, both
+    # soft-caps set low enough to bind, query_pre_attn_scalar apart from head_dim.
+    "gemma2": ("Gemma2ForCausalLM", dict(
+        tie_word_embeddings=True, head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
+        attn_logit_softcapping=0.2, final_logit_softcapping=0.1, hidden_activation="gelu_pytorch_tanh",
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"]), {}),
+    # Gemma 3 (text): q/k norms, local layers with their own rope base, the global one linearly scaled.
+    "gemma3": ("Gemma3ForCausalLM", dict(
+        tie_word_embeddings=True, head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
+        hidden_activation="gelu_pytorch_tanh",
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0}}), {}),
 }
 SEEDS = {"llama-gqa-tied": 1, "qwen2-bias": 2, "qwen3-qknorm": 3, "qwen3-sharded": 3, "qwen3-moe": 4, "mixtral": 5,
-         "mistral": 6, "phi3": 7}
+         "mistral": 6, "phi3": 7, "gemma2": 8, "gemma3": 9}
 # Routers scaled up from the 0.02 init: decisive top-k choices, not near-ties that rounding could flip.
 ROUTER_SCALE = 50.0
 
@@ -146,6 +159,8 @@ def make_model(name: str, out: Path, tokenizer) -> None:
         "MixtralForCausalLM": transformers.MixtralConfig,
         "MistralForCausalLM": transformers.MistralConfig,
         "Phi3ForCausalLM": transformers.Phi3Config,
+        "Gemma2ForCausalLM": transformers.Gemma2Config,
+        "Gemma3ForCausalLM": transformers.Gemma3TextConfig,
     }[arch]
     config = config_cls(**{**COMMON, **extra})
     config.architectures = [arch]

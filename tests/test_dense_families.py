@@ -96,3 +96,93 @@ def test_quantized_fused_phi3_projections_are_refused():
     model.__dict__["config"] = Config()
     with pytest.raises(ValueError, match="quantized fused Phi-3 projections are not supported"):
         list(model._split_fused([("model.layers.0.self_attn.qkv_proj.weight_scale", torch.ones(1))]))
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+def test_gemma_logits_equal_transformers(name):
+    """Every position's logits of a prompt longer than the window (8), prefilled in one step and
+    then decoded, against transformers' forward: the windows, Gemma 2's attention and final
+    soft-caps (low enough to bind: without either, the logits move), Gemma 3's q/k norms and
+    per-layer-type rope."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from test_triton_backend import Plans, random_seqs
+    from tokenspeed_worker.layers.attention import Attention
+    from worker_harness import make_runner
+
+    model_dir = tiny_models()[name]
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation="eager").eval()
+
+    def logits(change=None):
+        runner = make_runner(model_dir, dtype="float32", device="cpu", block_size=4, max_model_len=64)
+        if change is not None:
+            change(runner.model)
+        runner.allocate_kv_cache(32)
+        (seq,) = random_seqs([30], seed=4)
+        plans = Plans(num_blocks=32, seed=4)
+        out = [runner.forward_all_logits(plans.plan([(seq, 30)]))]
+        seq.tokens.append(7)
+        out.append(runner.forward_all_logits(plans.plan([(seq, 1)])))
+        return torch.cat(out), seq.tokens
+
+    got, tokens = logits()
+    with torch.no_grad():
+        expected = hf(torch.tensor([tokens])).logits[0]
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+    def no_windows(model):
+        for m in model.modules():
+            if isinstance(m, Attention):
+                m.sliding_window = None
+
+    tampered = [no_windows]
+    if name == "gemma2":
+        def no_attention_cap(model):
+            for m in model.modules():
+                if isinstance(m, Attention):
+                    m.logit_softcap = None
+
+        tampered += [no_attention_cap, lambda model: setattr(model, "final_logit_softcap", None)]
+    error = (got - expected).abs().max().item()  # float32 rounding: about 1e-7
+    for change in tampered:
+        assert (logits(change)[0] - expected).abs().max().item() > 100 * max(error, 1e-7)
+
+
+def test_windowed_and_capped_layers_refuse_a_backend_that_cannot_take_them():
+    from worker_harness import make_runner
+
+    from tokenspeed_worker.layers.attention.torch_backend import TorchAttentionBackend
+
+    class Plain(TorchAttentionBackend):  # as the triton and flashinfer backends are today
+        name = "plain"
+        supports_windows_and_softcap = False
+
+    with pytest.raises(ValueError, match="sliding-window or soft-capped attention layers, which attention backend "
+                                         "'plain' does not support yet: run with --attention-backend torch"):
+        make_runner(tiny_models()["gemma2"], attention_backend=Plain(), dtype="float32", device="cpu", max_model_len=64)
+    # a window as long as the served length masks nothing: dropped, so any backend serves Gemma 3
+    runner = make_runner(tiny_models()["gemma3"], attention_backend=Plain(), dtype="float32", device="cpu",
+                         max_model_len=8)
+    assert not any(layer.needs_window_or_softcap for layer in runner.attention_layers)
+
+
+@pytest.mark.parametrize("name", ["mistral", "phi3", "gemma2", "gemma3"])
+def test_prefix_hits_and_forced_preemption_equal_transformers(name, monkeypatch):
+    """A shared prefix longer than Gemma's window (8): cached blocks reused, requests preempted and
+    recomputed, in chunks of 7 across window edges; greedy tokens still transformers'."""
+    from test_engine_scheduling import random_tokens, request, run
+
+    monkeypatch.setenv("TOKENSPEED_OVERLAP_SCHEDULE", "1")
+    model = tiny_models()[name]
+    core = EngineCore(EngineConfig.build(str(model), dtype="float32", device="cpu", block_size=4, max_model_len=256,
+                                         max_num_seqs=16, max_total_tokens=96, chunked_prefill_size=7,
+                                         schedule_conservativeness=0.0))
+    rng = np.random.default_rng(4)
+    system = random_tokens(rng, 12)
+    prompts = [system + random_tokens(rng, 3 + 3 * i) for i in range(6)]
+    outs, cached, _ = run(core, [request(i + 1, p, 20) for i, p in enumerate(prompts)], arrive_at=[0, 0, 1, 1, 2, 2])
+    assert core.scheduler.num_preemptions > 0 and any(cached.values())
+    for i, p in enumerate(prompts):
+        assert outs[i + 1] == hf_greedy(model, p, 20), f"request {i + 1}"
+    assert core.scheduler.num_used_tokens == 0

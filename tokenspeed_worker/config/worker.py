@@ -161,13 +161,21 @@ def _max_positions(model_path: str) -> int | None:
     return positions
 
 
+# Architectures whose models attend within their sliding windows (models/gemma.py); the others serve
+# sequences up to the window (models/llama.check_window_covers_the_served_length).
+WINDOWED_ARCHITECTURES = frozenset({"Gemma2ForCausalLM", "Gemma3ForCausalLM"})
+
+
 def _sliding_window(model_path: str) -> int | None:
-    """The sliding_window of a model whose attention uses it on every layer (Mistral, Mixtral,
-    Phi-3; Qwen2-style configs only with use_sliding_window), else None."""
+    """The sliding_window that caps the served length of a model whose attention uses it on every
+    layer and which does not attend within windows itself (Mistral, Mixtral, Phi-3; Qwen2-style
+    configs only with use_sliding_window), else None."""
     try:
         with open(os.path.join(model_path, "config.json"), encoding="utf-8") as f:
             cfg = json.load(f)
     except (OSError, ValueError):
+        return None
+    if WINDOWED_ARCHITECTURES & set(cfg.get("architectures") or []):
         return None
     cfg = cfg.get("text_config") or cfg
     window = cfg.get("sliding_window")

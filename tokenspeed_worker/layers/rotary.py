@@ -63,18 +63,23 @@ def served_length() -> int | None:
     return _SERVING_LENGTH
 
 
-def rope_parameters_from_config(config: Any) -> dict:
+def rope_parameters_from_config(config: Any, layer_type: str | None = None) -> dict:
     """The rope dict of a config, in transformers 5's form: {"rope_type", "rope_theta", ...}.
 
     transformers 5 keeps everything in `config.rope_parameters`; older configs spread it
     over `rope_theta` and `rope_scaling` (whose type key may be "type"). Both are accepted.
+    Per-layer-type parameters (Gemma 3: {"full_attention": {...}, "sliding_attention": {...}})
+    take `layer_type`'s.
     """
     params = dict(getattr(config, "rope_parameters", None) or {})
     legacy_scaling = getattr(config, "rope_scaling", None)
     if not params and legacy_scaling:
         params = dict(legacy_scaling)
     if params and all(isinstance(v, dict) for v in params.values()):
-        raise ValueError("per-layer-type rope parameters are not supported")
+        if layer_type not in params:
+            raise ValueError(f"per-layer-type rope parameters ({', '.join(sorted(params))}) without one for "
+                             f"{layer_type or 'this model'}'s layers")
+        params = dict(params[layer_type])
     params.setdefault("rope_type", params.pop("type", None) or "default")
     if params.get("rope_theta") is None:
         params["rope_theta"] = getattr(config, "rope_theta", None) or 10000.0
@@ -88,11 +93,13 @@ def rope_parameters_from_config(config: Any) -> dict:
     return params
 
 
-def rope_frequencies(config: Any, head_dim: int, length: int | None = None) -> tuple[torch.Tensor, float]:
+def rope_frequencies(config: Any, head_dim: int, length: int | None = None,
+                     layer_type: str | None = None) -> tuple[torch.Tensor, float]:
     """(inverse frequencies float32 [rotary_dim / 2], attention scaling of cos/sin) for config's
-    rope, by transformers' rope functions, for sequences of at most `length` positions (module
-    docstring; default max_position_embeddings)."""
-    params = rope_parameters_from_config(config)
+    rope (layer_type's, where the config has one per layer type), by transformers' rope
+    functions, for sequences of at most `length` positions (module docstring; default
+    max_position_embeddings)."""
+    params = rope_parameters_from_config(config, layer_type)
     rope_type = params["rope_type"]
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"rope_type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
@@ -175,9 +182,10 @@ class RotaryEmbedding(nn.Module):
         return torch.cat((rot * cos + _rotate_half(rot) * sin, passthrough), dim=-1)
 
 
-def get_rope(config: Any, head_dim: int) -> RotaryEmbedding:
-    """The model's rotary tables, for the served length where a runner set one (`serving_length`)."""
-    inv_freq, attention_scaling = rope_frequencies(config, head_dim, _SERVING_LENGTH)
+def get_rope(config: Any, head_dim: int, layer_type: str | None = None) -> RotaryEmbedding:
+    """The model's rotary tables (layer_type's, where the config has one rope per layer type), for
+    the served length where a runner set one (`serving_length`)."""
+    inv_freq, attention_scaling = rope_frequencies(config, head_dim, _SERVING_LENGTH, layer_type)
     return RotaryEmbedding(head_dim, max(config.max_position_embeddings, _SERVING_LENGTH or 0), inv_freq,
                            attention_scaling)
 

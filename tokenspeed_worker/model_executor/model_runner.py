@@ -123,6 +123,11 @@ class ModelRunner:
         self.head_dim: int = head_dim_of(self.hf_config)
         self.max_model_len: int = config.scheduler.max_model_len
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        special = [m for m in self.attention_layers if m.needs_window_or_softcap]
+        if special and not self.attention_backend.supports_windows_and_softcap:
+            raise ValueError(f"{type(self.model).__name__} has sliding-window or soft-capped attention layers, which "
+                             f"attention backend {self.attention_backend.name!r} does not support yet: run with "
+                             f"--attention-backend torch")
         # This rank's heads (with tensor parallelism a share of the model's; distributed.py).
         self.num_heads: int = self.attention_layers[0].num_heads
         self.num_kv_heads: int = self.attention_layers[0].num_kv_heads

@@ -10,12 +10,19 @@ from tokenspeed_worker.layers.rotary import RotaryEmbedding
 
 
 class Attention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 sliding_window: int | None = None, logit_softcap: float | None = None) -> None:
+        """sliding_window: each query sees the last `sliding_window` positions only (Gemma's local
+        layers); logit_softcap: scores capped by softcap * tanh(scores / softcap) (Gemma 2). Either
+        needs a backend with supports_windows_and_softcap (the runner checks) and takes the plain
+        rotary + forward path."""
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        self.sliding_window = sliding_window or None
+        self.logit_softcap = logit_softcap or None
         # Plain attributes, not buffers: the cache is not part of the weights.
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
@@ -40,6 +47,9 @@ class Attention(nn.Module):
         one kernel does it all; else, with a backend that attends over K/V written beforehand, one
         kernel rotates q and writes the rotated k and v into the cache, and the backend only
         attends; otherwise rotary_emb, then forward."""
+        if self.needs_window_or_softcap:
+            q, k = rotary_emb(positions, q, k)
+            return self(q, k, v, attn_metadata)
         if self.fuses_rope(rotary_emb, q, attn_metadata):
             out = self.backend.attend_rotary(
                 q, k, v.view(-1, self.num_kv_heads, self.head_dim), self.k_cache, self.v_cache, attn_metadata,
@@ -51,6 +61,10 @@ class Attention(nn.Module):
                                           attn_metadata)
         q, k = rotary_emb(positions, q, k)
         return self(q, k, v, attn_metadata)
+
+    @property
+    def needs_window_or_softcap(self) -> bool:
+        return self.sliding_window is not None or self.logit_softcap is not None
 
     def fuses_rope(self, rotary_emb: RotaryEmbedding, q: torch.Tensor, attn_metadata: object) -> bool:
         """Whether forward_with_rotary leaves the rotary and the KV write to the attention kernel."""
@@ -83,5 +97,6 @@ class Attention(nn.Module):
             self.v_cache,
             attn_metadata,
             self.scale,
+            **({"window": self.sliding_window, "softcap": self.logit_softcap} if self.needs_window_or_softcap else {}),
         )
         return out.view(-1, self.num_heads * self.head_dim)

@@ -10,7 +10,7 @@ step; each layer only gathers and attends.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -29,6 +29,19 @@ class _RequestGroup:
     mask: torch.Tensor  # bool [G, 1, Lq, Lk] which keys each query may see
     padded_rows: torch.Tensor  # int64 [n] real query rows in the flattened [G * Lq] output
     token_rows: torch.Tensor  # int64 [n] where those rows go among the step's T tokens
+    query_positions: torch.Tensor  # int64 [G, Lq] the last position each padded query row sees (its own)
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # sliding window -> its mask
+
+    def mask_for(self, window: int | None) -> torch.Tensor:
+        """The mask, cut to the last `window` positions up to each query's own (transformers'
+        sliding window: a query sees a key iff q_pos - k_pos < window); built once per window."""
+        if not window:
+            return self.mask
+        if window not in self.window_masks:
+            k_pos = torch.arange(self.mask.shape[-1], device=self.mask.device)
+            recent = k_pos[None, None, :] > self.query_positions[:, :, None] - window
+            self.window_masks[window] = self.mask & recent.unsqueeze(1)
+        return self.window_masks[window]
 
 
 @dataclass
@@ -39,6 +52,7 @@ class TorchAttentionMetadata:
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
+    supports_windows_and_softcap = True
 
     def build_metadata(self, inputs: AttentionInputs) -> TorchAttentionMetadata:
         plan = inputs.plan
@@ -98,6 +112,7 @@ class TorchAttentionBackend(AttentionBackend):
             mask=mask.unsqueeze(1),
             padded_rows=owner * max_query_len + offset,
             token_rows=query_starts[owner] + offset,
+            query_positions=visible_to,
         )
 
     def forward(
@@ -109,7 +124,12 @@ class TorchAttentionBackend(AttentionBackend):
         v_cache: torch.Tensor,
         metadata: TorchAttentionMetadata,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
+        """As the base class says; window: attend to the last `window` positions only (sliding
+        window); softcap: scores become softcap * tanh(scores / softcap) before the softmax
+        (Gemma 2), in the activations' dtype as transformers' eager attention computes them."""
         num_heads, head_dim = q.shape[1], q.shape[2]
         num_kv_heads = k.shape[1]
         write_kv_cache(k_cache, v_cache, metadata.slot_mapping, k, v)
@@ -121,9 +141,27 @@ class TorchAttentionBackend(AttentionBackend):
             q_group = q[group.token_index].transpose(1, 2)  # [G, H, Lq, D]
             k_group = k_slots[group.kv_slots].to(q.dtype).transpose(1, 2)  # [G, Hkv, Lk, D] (an fp8 cache widened)
             v_group = v_slots[group.kv_slots].to(q.dtype).transpose(1, 2)
-            o = F.scaled_dot_product_attention(
-                q_group, k_group, v_group, attn_mask=group.mask, scale=scale, enable_gqa=num_heads != num_kv_heads
-            )
+            mask = group.mask_for(window)
+            if softcap:
+                o = _softcapped_attention(q_group, k_group, v_group, mask, scale, softcap)
+            else:
+                o = F.scaled_dot_product_attention(
+                    q_group, k_group, v_group, attn_mask=mask, scale=scale, enable_gqa=num_heads != num_kv_heads
+                )
             o = o.transpose(1, 2).reshape(-1, num_heads, head_dim)
             out.index_copy_(0, group.token_rows, o[group.padded_rows])
         return out
+
+
+def _softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                          softcap: float) -> torch.Tensor:
+    """Attention with tanh-capped scores ([G, H, Lq, D] queries, [G, Hkv, Lk, D] keys and values),
+    which scaled_dot_product_attention cannot take: transformers' eager order of operations."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
