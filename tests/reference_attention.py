@@ -53,10 +53,13 @@ def reference_paged_extend_attention(
     scale: float,
     out: torch.Tensor,  # [T, H, D]
     max_query_len: int,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> None:
     """Each query token attends over its request's keys up to its own position (causal after the
-    cached context), gathered through the block table. Per token, over the table's full width:
-    slow, simple, and free of host syncs."""
+    cached context; the last `window` of them with a window), gathered through the block table,
+    scores soft-capped with `softcap`. Per token, over the table's full width: slow, simple, and
+    free of host syncs."""
     num_tokens = q.shape[0]
     num_reqs, width = block_tables.shape
     block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
@@ -73,11 +76,21 @@ def reference_paged_extend_attention(
     slots = table[owner][:, key_pos // block_size] * block_size + key_pos % block_size
     keys = k_cache.reshape(-1, num_kv_heads, head_dim)[slots].transpose(1, 2)  # [T, Hkv, L, D]
     values = v_cache.reshape(-1, num_kv_heads, head_dim)[slots].transpose(1, 2)
-    mask = (key_pos[None, :] <= position[:, None])[:, None, None, :]  # [T, 1, 1, L]
-    o = F.scaled_dot_product_attention(
-        q.unsqueeze(2), keys.to(q.dtype), values.to(q.dtype), attn_mask=mask, scale=scale,
-        enable_gqa=q.shape[1] != num_kv_heads,
-    )
+    visible = key_pos[None, :] <= position[:, None]
+    if window:
+        visible = visible & (key_pos[None, :] > position[:, None] - window)
+    mask = visible[:, None, None, :]  # [T, 1, 1, L]
+    keys, values = keys.to(q.dtype), values.to(q.dtype)
+    if softcap:
+        group = q.shape[1] // num_kv_heads
+        keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+        scores = torch.matmul(q.unsqueeze(2), keys.transpose(-1, -2)) * scale  # [T, H, 1, L]
+        scores = (torch.tanh(scores / softcap) * softcap).masked_fill(~mask, float("-inf"))
+        o = torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), values)
+    else:
+        o = F.scaled_dot_product_attention(
+            q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != num_kv_heads,
+        )
     out.copy_(o.squeeze(2))
 
 
@@ -93,6 +106,8 @@ def reference_paged_decode_attention(
     workspace: object | None = None,
     single_split_tokens: int = 0,
     rope: DecodeRope | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> None:
     """One query token per request at position seq_len - 1 (the split count does not change the
     result); with rope, q and rope.k unrotated: rotated here, k and v written at the slots first."""
@@ -103,5 +118,6 @@ def reference_paged_decode_attention(
     batch_size = q.shape[0]
     query_start_loc = torch.arange(batch_size + 1, dtype=torch.int32, device=q.device)
     reference_paged_extend_attention(
-        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out, max_query_len=1
+        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out, max_query_len=1,
+        window=window, softcap=softcap,
     )

@@ -98,24 +98,31 @@ def test_quantized_fused_phi3_projections_are_refused():
         list(model._split_fused([("model.layers.0.self_attn.qkv_proj.weight_scale", torch.ones(1))]))
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("name", ["gemma2", "gemma3"])
-def test_gemma_logits_equal_transformers(name):
+def test_gemma_logits_equal_transformers(name, backend):
     """Every position's logits of a prompt longer than the window (8), prefilled in one step and
     then decoded, against transformers' forward: the windows, Gemma 2's attention and final
     soft-caps (low enough to bind: without either, the logits move), Gemma 3's q/k norms and
-    per-layer-type rope."""
+    per-layer-type rope; in the torch backend and in the triton backend's kernels (Triton's
+    interpreter on CPU)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from test_triton_backend import Plans, random_seqs
+    from tokenspeed_worker.kernels import attention as attention_kernels
     from tokenspeed_worker.layers.attention import Attention
+    from tokenspeed_worker.layers.attention.triton_backend import TritonAttentionBackend
     from worker_harness import make_runner
 
     model_dir = tiny_models()[name]
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation="eager").eval()
+    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
 
     def logits(change=None):
-        runner = make_runner(model_dir, dtype="float32", device="cpu", block_size=4, max_model_len=64)
+        chosen = TritonAttentionBackend(device, kernels=attention_kernels) if backend == "triton" else "torch"
+        runner = make_runner(model_dir, attention_backend=chosen, dtype="float32", device=device, block_size=4,
+                             max_model_len=64)
         if change is not None:
             change(runner.model)
         runner.allocate_kv_cache(32)
@@ -124,7 +131,7 @@ def test_gemma_logits_equal_transformers(name):
         out = [runner.forward_all_logits(plans.plan([(seq, 30)]))]
         seq.tokens.append(7)
         out.append(runner.forward_all_logits(plans.plan([(seq, 1)])))
-        return torch.cat(out), seq.tokens
+        return torch.cat(out).cpu(), seq.tokens
 
     got, tokens = logits()
     with torch.no_grad():
@@ -154,7 +161,7 @@ def test_windowed_and_capped_layers_refuse_a_backend_that_cannot_take_them():
 
     from tokenspeed_worker.layers.attention.torch_backend import TorchAttentionBackend
 
-    class Plain(TorchAttentionBackend):  # as the triton and flashinfer backends are today
+    class Plain(TorchAttentionBackend):  # as the flashinfer backend is today
         name = "plain"
         supports_windows_and_softcap = False
 

@@ -87,8 +87,9 @@ class PagedCase:
         self.q = torch.randn(starts[-1], self.num_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
         self.scale = head_dim**-0.5
 
-    def reference(self) -> torch.Tensor:
-        """float32 [T, H, D]: softmax attention over the gathered sequence, causal after the prefix."""
+    def reference(self, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+        """float32 [T, H, D]: softmax attention over the gathered sequence, causal after the prefix
+        (each query over its last `window` positions with a window; scores soft-capped)."""
         bs, hkv, d = self.block_size, self.num_kv_heads, self.head_dim
         k_slots = self.k_cache.float().reshape(-1, hkv, d)
         v_slots = self.v_cache.float().reshape(-1, hkv, d)
@@ -100,8 +101,13 @@ class PagedCase:
             v = v_slots[slots].repeat_interleave(self.group, dim=1)
             q = self.q[start:start + query_len].float()
             scores = torch.einsum("qhd,khd->hqk", q, k) * self.scale
+            if softcap:
+                scores = torch.tanh(scores / softcap) * softcap
             query_pos = seq_len - query_len + torch.arange(query_len, device=DEVICE)
-            scores = scores.masked_fill(positions[None, None, :] > query_pos[None, :, None], float("-inf"))
+            hidden = positions[None, None, :] > query_pos[None, :, None]
+            if window:
+                hidden = hidden | (positions[None, None, :] <= query_pos[None, :, None] - window)
+            scores = scores.masked_fill(hidden, float("-inf"))
             outputs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v))
             start += query_len
         return torch.cat(outputs)
@@ -467,6 +473,29 @@ def test_extend_matches_reference(batch, group, head_dim, dtype):
         case.scale, out, max(query_lens),
     )
     _assert_close(out, case.reference(), dtype)
+
+
+@pytest.mark.parametrize("window,softcap", [(8, 0.0), (40, 0.0), (0, 1.5), (24, 2.0)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sliding_windows_and_soft_caps_match_reference(window, softcap, dtype):
+    """Gemma's layers: each query over its last `window` positions (windows shorter than a tile,
+    than a split, than the sequence, and across tile edges), scores soft-capped; the decode kernel
+    with one split, several and the single-split threshold, the extend kernel over prefixes,
+    chunks and decode rows."""
+    seq_lens = [1, 16, 57, 300]
+    case = _decode_case(seq_lens, 4, 64, dtype, seed=window + int(softcap))
+    for num_splits, single in ((1, 0), (3, 0), (8, 64)):
+        out = torch.empty_like(case.q)
+        attention.paged_decode_attention(case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens_t,
+                                         case.scale, out, num_splits=num_splits, single_split_tokens=single,
+                                         window=window, softcap=softcap)
+        _assert_close(out, case.reference(window, softcap), dtype)
+    context_lens, query_lens = EXTEND_CASES[8]
+    case = PagedCase([c + q for c, q in zip(context_lens, query_lens)], query_lens, 2, 4, 64, dtype, seed=3)
+    out = torch.empty_like(case.q)
+    attention.paged_extend_attention(case.q, case.k_cache, case.v_cache, case.block_tables, case.query_start_loc,
+                                     case.seq_lens_t, case.scale, out, max(query_lens), window=window, softcap=softcap)
+    _assert_close(out, case.reference(window, softcap), dtype)
 
 
 def test_extend_with_a_larger_max_query_len_and_an_empty_query():

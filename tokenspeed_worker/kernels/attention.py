@@ -163,6 +163,14 @@ if AVAILABLE:
         return tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
 
     @triton.jit
+    def _softcap_log2(scores, SOFTCAP: tl.constexpr):
+        """Scores in log2 units (raw * log2(e)) -> SOFTCAP * tanh(raw / SOFTCAP) in log2 units
+        (Gemma 2's attention soft-cap); tanh from exp, finite at any magnitude."""
+        x = scores * (0.6931471805599453 / SOFTCAP)  # raw / SOFTCAP
+        tanh = 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+        return tanh * (SOFTCAP * 1.4426950408889634)
+
+    @triton.jit
     def _rope_row(x, x_swapped, cos, sin, first_half, dtype: tl.constexpr):
         """x * cos + rotate_half(x) * sin (neox) over a head's HEAD_DIM columns, rounded as
         kernels/rotary.py (each product, then the sum, to dtype); x_swapped is x with its
@@ -210,20 +218,28 @@ if AVAILABLE:
         FP16_DOTS: tl.constexpr,
         ROPE: tl.constexpr,
         KV_SATURATE: tl.constexpr,
+        WINDOW: tl.constexpr = 0,
+        SOFTCAP: tl.constexpr = 0.0,
     ):
         batch = tl.program_id(0)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
         seq_len = tl.load(seq_lens_ptr + batch)
+        # The keys attended: [first, seq_len), the last WINDOW of them with a sliding window.
+        if WINDOW > 0:
+            first = tl.maximum(seq_len - WINDOW, 0)
+        else:
+            first = seq_len * 0
+        span = seq_len - first
         # Splits cover whole BLOCK_N tiles, at least MIN_SPLIT_TOKENS keys each (_decode_split_tokens
         # mirrors this on the host). Splits [0, used_splits) all hold keys; the rest are empty.
-        tokens_per_split = tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N, MIN_SPLIT_TOKENS)
+        tokens_per_split = tl.maximum(tl.cdiv(tl.cdiv(span, num_splits), BLOCK_N) * BLOCK_N, MIN_SPLIT_TOKENS)
         # A request of at most single_split_tokens keys is one program per kv head whatever
         # num_splits: no workspace round trip (the backend times where that is faster).
-        tokens_per_split = tl.where(seq_len <= single_split_tokens, tl.cdiv(seq_len, BLOCK_N) * BLOCK_N,
+        tokens_per_split = tl.where(span <= single_split_tokens, tl.cdiv(span, BLOCK_N) * BLOCK_N,
                                     tokens_per_split)
-        used_splits = tl.cdiv(seq_len, tokens_per_split)
-        start = split * tokens_per_split
+        used_splits = tl.cdiv(span, tokens_per_split)
+        start = first + split * tokens_per_split
         end = tl.minimum(start + tokens_per_split, seq_len)  # <= start for an empty split
 
         offs_g = tl.arange(0, GROUP_BLOCK)
@@ -283,6 +299,8 @@ if AVAILABLE:
                 mask=key_ok[:, None], other=0.0,
             )
             scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale_log2
+            if SOFTCAP > 0:
+                scores = _softcap_log2(scores, SOFTCAP)
             scores = tl.where(key_ok[None, :], scores, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, axis=1))  # finite: every tile holds a key
             alpha = tl.exp2(m_i - m_new)
@@ -300,6 +318,8 @@ if AVAILABLE:
                 # (q and the key in q's dtype, the weight in q's dtype before it meets the value).
                 k_last = k_new.to(q.dtype).to(tl.float32)
                 score = tl.sum(q.to(tl.float32) * k_last[None, :], axis=1) * scale_log2
+                if SOFTCAP > 0:
+                    score = _softcap_log2(score, SOFTCAP)
                 m_new = tl.maximum(m_i, score)
                 alpha = tl.exp2(m_i - m_new)  # 0 where no tile came before (m_i = -inf)
                 p_last = tl.exp2(score - m_new)
@@ -389,6 +409,8 @@ if AVAILABLE:
         BLOCK_N: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
         FP16_DOTS: tl.constexpr,
+        WINDOW: tl.constexpr = 0,
+        SOFTCAP: tl.constexpr = 0.0,
     ):
         # Longest (last) query tiles first: they have the most keys, so the tail of the grid is short.
         tile = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -424,16 +446,24 @@ if AVAILABLE:
         last_q = tl.minimum(tile_first + BLOCK_Q, query_len) - 1
         kv_end = tl.where(tile_ok, context_len + last_q + 1, 0)
         full_end = tl.where(tile_ok, (context_len + tile_first + 1) // BLOCK_N * BLOCK_N, 0)
+        kv_start = full_end * 0  # keys [kv_start, full_end) are visible to every row of the tile
+        if WINDOW > 0:
+            # A row sees keys (row_pos - WINDOW, row_pos]: none before the first row's window, and
+            # every tile walked takes the masked loop (the rows' windows end at different keys).
+            kv_start = tl.maximum(context_len + tile_first - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
+            full_end = kv_start
 
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-        for tile_start in range(0, full_end, BLOCK_N):
+        for tile_start in range(kv_start, full_end, BLOCK_N):  # (empty with a window)
             pos = tile_start + offs_n
             block_id = tl.load(table_row + pos // BLOCK_SIZE).to(tl.int64)
             in_block = (pos % BLOCK_SIZE).to(tl.int64)
             k = tl.load(k_head + (block_id * stride_k_block + in_block * stride_k_offset)[:, None] + offs_d[None, :])
             scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale_log2
+            if SOFTCAP > 0:
+                scores = _softcap_log2(scores, SOFTCAP)
             m_new = tl.maximum(m_i, tl.max(scores, axis=1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(scores - m_new[:, None])
@@ -451,12 +481,21 @@ if AVAILABLE:
                 mask=key_ok[:, None], other=0.0,
             )
             scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale_log2
-            # Key 0 is in the first tile walked and visible to every row, so m_i is finite from there on.
+            if SOFTCAP > 0:
+                scores = _softcap_log2(scores, SOFTCAP)
             visible = (pos[None, :] <= row_pos[:, None]) & key_ok[None, :]
+            if WINDOW > 0:
+                visible = visible & (pos[None, :] > row_pos[:, None] - WINDOW)
             scores = tl.where(visible, scores, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(scores - m_new[:, None])
+            # Without a window, key 0 is in the first tile walked and visible to every row, so m_i
+            # is finite from there on. With one, a row may have seen no key yet (its window starts
+            # past the tiles so far): its maximum stays -inf, its state 0, against a finite reference.
+            m_ref = m_new
+            if WINDOW > 0:
+                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_ref)
+            p = tl.exp2(scores - m_ref[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
             v = tl.load(
                 v_head + (block_id * stride_v_block + in_block * stride_v_offset)[:, None] + offs_d[None, :],
@@ -530,8 +569,12 @@ def paged_decode_attention(
     workspace: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     single_split_tokens: int = 0,
     rope: DecodeRope | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> None:
-    """One query token per request attends its whole sequence in the paged cache; writes `out` in place.
+    """One query token per request attends its whole sequence in the paged cache (its last `window`
+    keys with a sliding window; scores capped by softcap * tanh(scores / softcap) with a soft-cap);
+    writes `out` in place.
 
     q, out: [B, H, D] (strided along B and H, contiguous along D); k_cache, v_cache:
     [num_blocks, block_size, Hkv, D]; block_tables int32 [B, W] (entries past
@@ -635,6 +678,8 @@ def paged_decode_attention(
         FP16_DOTS=_fp16_dots(q, k_cache),
         ROPE=rope is not None,
         KV_SATURATE=saturation_limit(k_cache.dtype) if rope is not None else 0.0,
+        WINDOW=int(window or 0),
+        SOFTCAP=float(softcap or 0.0),
         num_warps=4,
         num_stages=2,
         # A float32 model's rotary rounds each product as kernels/rotary.py does (no FMA there);
@@ -671,8 +716,12 @@ def paged_extend_attention(
     scale: float,
     out: torch.Tensor,
     max_query_len: int,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> None:
     """Query tokens of B requests attend their cached prefix and, causally, their own query; writes `out`.
+    window: a query sees only the last `window` positions up to its own (0: all); softcap: scores
+    capped by softcap * tanh(scores / softcap) (0: none).
 
     q, out: [T, H, D], request-major (strided along T and H, contiguous along D);
     query_start_loc int32 [B+1] (request b's tokens are q[query_start_loc[b]:query_start_loc[b+1]]);
@@ -708,6 +757,8 @@ def paged_extend_attention(
         BLOCK_N=block_n,
         DOT_PRECISION=_dot_precision(q.dtype),
         FP16_DOTS=_fp16_dots(q, k_cache),
+        WINDOW=int(window or 0),
+        SOFTCAP=float(softcap or 0.0),
         num_warps=num_warps,
         num_stages=num_stages,
     )

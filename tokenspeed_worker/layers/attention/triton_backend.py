@@ -73,6 +73,7 @@ class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graphs = True
     supports_prewritten_kv = True
+    supports_windows_and_softcap = True
     # Decode-only steps of at most this many rows rotate inside the decode kernel (attend_rotary):
     # small batches are latency-bound and save the rotary kernel's launch; larger ones run faster
     # with the rotary kernel before attention (the fused decode kernel holds more registers).
@@ -293,9 +294,11 @@ class TritonAttentionBackend(AttentionBackend):
         v_cache: torch.Tensor,
         metadata: TritonAttentionMetadata,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         write_kv_cache(k_cache, v_cache, metadata.slot_mapping, k, v)
-        return self.attend(q, k_cache, v_cache, metadata, scale)
+        return self.attend(q, k_cache, v_cache, metadata, scale, window, softcap)
 
     def attend(
         self,
@@ -304,21 +307,24 @@ class TritonAttentionBackend(AttentionBackend):
         v_cache: torch.Tensor,
         metadata: TritonAttentionMetadata,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """The step's K/V are already in the cache at metadata.slot_mapping (written by `forward`,
-        or by the fused rotary + KV-write kernel)."""
+        or by the fused rotary + KV-write kernel); window and softcap as the kernels take them."""
         q = q.contiguous()
         out = torch.empty_like(q)
+        extras = {"window": window, "softcap": softcap} if window or softcap else {}
         if metadata.decode_only:
-            self._decode(q, k_cache, v_cache, metadata, scale, out)
+            self._decode(q, k_cache, v_cache, metadata, scale, out, **extras)
             return out
         num_decode = 0
         if metadata.decode is not None:
             num_decode = metadata.decode.seq_lens.shape[0]
-            self._decode(q[:num_decode], k_cache, v_cache, metadata.decode, scale, out[:num_decode])
+            self._decode(q[:num_decode], k_cache, v_cache, metadata.decode, scale, out[:num_decode], **extras)
         self.kernels.paged_extend_attention(
             q[num_decode:], k_cache, v_cache, metadata.block_tables, metadata.query_start_loc, metadata.seq_lens,
-            scale, out[num_decode:], max_query_len=metadata.max_query_len,
+            scale, out[num_decode:], max_query_len=metadata.max_query_len, **extras,
         )
         return out
 
@@ -337,9 +343,9 @@ class TritonAttentionBackend(AttentionBackend):
         return out
 
     def _decode(self, q, k_cache, v_cache, metadata: TritonAttentionMetadata, scale: float, out,
-                rope: DecodeRope | None = None) -> None:
+                rope: DecodeRope | None = None, **extras) -> None:
         self.kernels.paged_decode_attention(
             q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens, scale, out,
             num_splits=metadata.num_splits, workspace=metadata.workspace,
-            single_split_tokens=metadata.single_split_tokens, rope=rope,
+            single_split_tokens=metadata.single_split_tokens, rope=rope, **extras,
         )
