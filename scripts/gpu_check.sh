@@ -8,8 +8,9 @@
 #   selfcheck  scripts/gpu_selfcheck.py
 #   latency    batch-1 decode of the engine alone, 8B and 1B shapes (LATENCY_MODELS), bench_latency.py
 #   offline    bench_offline.py, OFFLINE_CASES of SHAPE_LEN (1000 requests x LEN in / LEN out): 8b_1000 1b_128;
-#              also q30b_LEN (Qwen3-30B-A3B) and mixtral_LEN (Mixtral-8x7B); LATENCY_MODELS takes their
-#              names (qwen3-30b-a3b, mixtral-8x7b) and llama-3.1-8b-fp8-block
+#              also q30b_LEN (Qwen3-30B-A3B), mixtral_LEN (Mixtral-8x7B), mistral_LEN (Mistral-7B) and
+#              gemma12_LEN (Gemma-3-12B text); LATENCY_MODELS takes their
+#              names (qwen3-30b-a3b, mixtral-8x7b, mistral-7b, gemma-3-12b) and llama-3.1-8b-fp8-block
 #   serving    bench_serving.py through the CLI and gRPC, 1B shape (SERVING_MODEL), C=1 64 256 (SERVING_C)
 #              from 8 client processes, a SubscribeKvEvents stream held open (SERVING_SUBSCRIBE=0: none);
 #              the JSON has the launch-to-healthy startup_s
@@ -208,11 +209,16 @@ suite_offline() {
               --engine-arg max_cudagraph_capture_size=512 $qargs ${BENCH_ARGS:-} ;;
         1b) bench offline "$c$suffix" "${OFFLINE_TIMEOUT:-330}" scripts/bench_offline.py --model llama-3.2-1b \
               --num-requests 1000 --input-len "$len" --output-len "$len" $qargs ${BENCH_ARGS:-} ;;
-        # The MoE shapes (issue 25): Qwen3-30B-A3B (61 GB bf16) and Mixtral-8x7B (93 GB bf16).
-        q30b|mixtral) bench offline "$c$suffix" "${OFFLINE_TIMEOUT:-330}" scripts/bench_offline.py \
-              --model "$([ "${c%%_*}" = q30b ] && echo qwen3-30b-a3b || echo mixtral-8x7b)" --num-requests 1000 \
-              --input-len "$len" --output-len "$len" $qargs ${BENCH_ARGS:-} ;;
-        *) echo "offline: unknown case $c (8b_LEN, 1b_LEN, q30b_LEN or mixtral_LEN)"; rc=1 ;;
+        # The MoE shapes (issue 25): Qwen3-30B-A3B (61 GB bf16) and Mixtral-8x7B (93 GB bf16); the
+        # other dense families (issue 26): Mistral-7B, Gemma-3-12B (text; sliding-window layers).
+        q30b|mixtral|mistral|gemma12)
+          local shape
+          case ${c%%_*} in q30b) shape=qwen3-30b-a3b ;; mixtral) shape=mixtral-8x7b ;; mistral) shape=mistral-7b ;;
+            gemma12) shape=gemma-3-12b ;; esac
+          bench offline "$c$suffix" "${OFFLINE_TIMEOUT:-330}" scripts/bench_offline.py --model "$shape" \
+              --num-requests 1000 --input-len "$len" --output-len "$len" $qargs ${BENCH_ARGS:-} ;;
+        *) echo "offline: unknown case $c (8b_LEN, 1b_LEN, q30b_LEN, mixtral_LEN, mistral_LEN or gemma12_LEN)"
+           rc=1 ;;
       esac
     done
   done
