@@ -100,8 +100,11 @@ SPECS: dict[str, tuple[str, dict, dict]] = {
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                          "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0}}), {}),
 }
+# A multimodal Gemma 3 checkpoint (its language model as gemma3's, a one-layer vision tower), saved
+# with the Hub's names (language_model.model.*, vision_tower.*): the worker serves its text part.
+SPECS["gemma3-multimodal"] = ("Gemma3ForConditionalGeneration", SPECS["gemma3"][1], {})
 SEEDS = {"llama-gqa-tied": 1, "qwen2-bias": 2, "qwen3-qknorm": 3, "qwen3-sharded": 3, "qwen3-moe": 4, "mixtral": 5,
-         "mistral": 6, "phi3": 7, "gemma2": 8, "gemma3": 9}
+         "mistral": 6, "phi3": 7, "gemma2": 8, "gemma3": 9, "gemma3-multimodal": 10}
 # Routers scaled up from the 0.02 init: decisive top-k choices, not near-ties that rounding could flip.
 ROUTER_SCALE = 50.0
 
@@ -161,8 +164,14 @@ def make_model(name: str, out: Path, tokenizer) -> None:
         "Phi3ForCausalLM": transformers.Phi3Config,
         "Gemma2ForCausalLM": transformers.Gemma2Config,
         "Gemma3ForCausalLM": transformers.Gemma3TextConfig,
+        "Gemma3ForConditionalGeneration": transformers.Gemma3Config,
     }[arch]
-    config = config_cls(**{**COMMON, **extra})
+    if arch == "Gemma3ForConditionalGeneration":
+        config = config_cls(text_config={**COMMON, **extra}, mm_tokens_per_image=4,
+                            vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                               num_attention_heads=2, image_size=28, patch_size=14))
+    else:
+        config = config_cls(**{**COMMON, **extra})
     config.architectures = [arch]
     torch.manual_seed(SEEDS[name])
     model = getattr(transformers, arch)(config).to(torch.float32)

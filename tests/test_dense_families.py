@@ -193,3 +193,17 @@ def test_prefix_hits_and_forced_preemption_equal_transformers(name, monkeypatch)
     for i, p in enumerate(prompts):
         assert outs[i + 1] == hf_greedy(model, p, 20), f"request {i + 1}"
     assert core.scheduler.num_used_tokens == 0
+
+
+def test_a_multimodal_gemma3_checkpoint_serves_its_language_model():
+    """Gemma3ForConditionalGeneration (the 4B-27B checkpoints): its text_config builds the model,
+    the Hub's language_model.* weights load, the vision tower is skipped; greedy tokens of text
+    prompts equal transformers' multimodal model's."""
+    model = tiny_models()["gemma3-multimodal"]
+    core = _engine(model, 128)
+    assert type(core.runner.model).__name__ == "Gemma3ForCausalLM"
+    rng = np.random.default_rng(9)
+    requests = [greedy(i + 1, rng.integers(3, core.runner.vocab_size, size=n).tolist(), 8) for i, n in enumerate([12, 30])]
+    outputs = run_staggered(core, requests, arrive_at=[0, 1])
+    for r in requests:
+        assert outputs[r.req_id] == hf_greedy(model, r.prompt_ids.tolist(), 8)

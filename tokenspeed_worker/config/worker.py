@@ -163,7 +163,7 @@ def _max_positions(model_path: str) -> int | None:
 
 # Architectures whose models attend within their sliding windows (models/gemma.py); the others serve
 # sequences up to the window (models/llama.check_window_covers_the_served_length).
-WINDOWED_ARCHITECTURES = frozenset({"Gemma2ForCausalLM", "Gemma3ForCausalLM"})
+WINDOWED_ARCHITECTURES = frozenset({"Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"})
 
 
 def _sliding_window(model_path: str) -> int | None:

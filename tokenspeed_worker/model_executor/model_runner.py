@@ -38,7 +38,7 @@ from tokenspeed_worker.model_executor.cuda_graph import (
 from tokenspeed_worker.layers.quantization import kv_scales, methods as quant_methods
 from tokenspeed_worker.model_executor.loader import load_model_weights
 from tokenspeed_worker.models.llama import head_dim_of
-from tokenspeed_worker.models.registry import get_model_class
+from tokenspeed_worker.models.registry import get_model_class, language_model_config
 from tokenspeed_worker.scheduler.plan import SchedulePlan
 
 logger = logging.getLogger(__name__)
@@ -83,7 +83,7 @@ class ModelRunner:
         self.model_path = config.model.path
         if not (Path(self.model_path) / "config.json").exists():
             raise ValueError(f"no config.json in {self.model_path}")
-        self.hf_config = AutoConfig.from_pretrained(self.model_path)
+        self.hf_config = language_model_config(AutoConfig.from_pretrained(self.model_path))
         self.device = resolve_device(config.rank_device)
         self.dtype = TORCH_DTYPES[resolve_dtype(config.model.dtype, self.device.type, self.model_path)]
         self.kv_dtype = self.dtype if config.cache.kv_cache_dtype == "auto" else torch.float8_e4m3fn

@@ -20,6 +20,8 @@ dropped: it then masks nothing, and any backend serves those layers.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -156,6 +158,27 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
 
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):
-    """Gemma 3 (text): q/k norms, a rope per layer type, no soft-capping (module docstring)."""
+    """Gemma 3 (text): q/k norms, a rope per layer type, no soft-capping (module docstring). Also the
+    language model of a multimodal Gemma 3 checkpoint (Gemma3ForConditionalGeneration, 4B to 27B;
+    models/registry.language_model_config): its text weights renamed, the vision tower and the
+    projector skipped (the worker serves token ids: images are not supported)."""
 
     qk_norm = True
+    # checkpoint prefix -> ours: the multimodal checkpoints' language model (as saved on the Hub,
+    # and as transformers 5 names it in memory)
+    RENAMES = (("language_model.model.", "model."), ("model.language_model.", "model."),
+               ("language_model.lm_head.", "lm_head."))
+    SKIPPED = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        def text_weights():
+            for name, tensor in weights:
+                if name.startswith(self.SKIPPED):
+                    continue
+                for old, new in self.RENAMES:
+                    if name.startswith(old):
+                        name = new + name[len(old):]
+                        break
+                yield name, tensor
+
+        super().load_weights(text_weights())

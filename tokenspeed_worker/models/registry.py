@@ -20,8 +20,26 @@ _MODELS: dict[str, tuple[str, str]] = {
 }
 
 
+# A multimodal architecture whose language model the worker serves alone (token ids in and out):
+# architecture -> the text architecture its text_config is built as.
+_LANGUAGE_MODELS: dict[str, str] = {
+    "Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
+}
+
+
 def supported_architectures() -> list[str]:
-    return sorted(_MODELS)
+    return sorted([*_MODELS, *_LANGUAGE_MODELS])
+
+
+def language_model_config(config):
+    """The config the model is built from: a multimodal checkpoint's text_config (as its text
+    architecture), else the config itself."""
+    for arch in list(getattr(config, "architectures", None) or []):
+        if arch in _LANGUAGE_MODELS:
+            text = config.get_text_config()
+            text.architectures = [_LANGUAGE_MODELS[arch]]
+            return text
+    return config
 
 
 def get_model_class(config) -> type[nn.Module]:
