@@ -50,38 +50,37 @@ def test_phi3_longrope_past_its_original_length_equals_transformers(tmp_path):
         assert outputs[r.req_id] == hf_greedy(model, r.prompt_ids.tolist(), 8), f"request {r.req_id}"
 
 
-@pytest.mark.parametrize("name", ["mistral", "phi3", "mixtral"])
-def test_a_window_must_cover_the_served_length(tmp_path, name):
-    """sliding_window 32: served up to 32 positions (attention then sees every earlier token, as
-    transformers' windowed attention does within the window); a longer --max-model-len is one
-    clear error naming the flag, from the CLI's config and from the model itself."""
-    from tokenspeed_worker.config.worker import _sliding_window
+@pytest.mark.parametrize("name", ["mistral", "phi3", "mixtral", "qwen2-sliding"])
+def test_windows_shorter_than_the_prompts_equal_transformers(tmp_path, name):
+    """sliding_window 8 against prompts of up to 40 tokens, in chunks across window edges: every
+    layer windowed (Mistral, Phi-3, Mixtral), or the layers past max_window_layers (Qwen2 with
+    use_sliding_window); greedy tokens equal transformers'. A window as long as the served length
+    is dropped."""
+    from tokenspeed_worker.layers.attention import Attention
 
-    model = _copy_with(tmp_path, name, sliding_window=32)
-    assert _sliding_window(str(model)) == 32
-    with pytest.raises(ValueError, match="sliding_window 32 is shorter than the served length 64.*--max-model-len 32"):
-        _engine(model, 64)
-    core = _engine(model, 32)
+    if name == "qwen2-sliding":
+        model = _copy_with(tmp_path, "qwen2-bias", sliding_window=8, use_sliding_window=True, max_window_layers=1,
+                           layer_types=None)  # transformers derives them from max_window_layers
+    else:
+        model = _copy_with(tmp_path, name, sliding_window=8)
+    core = _engine(model, 64)
+    windows = [m.sliding_window for m in core.runner.model.modules() if isinstance(m, Attention)]
+    assert windows == ([None, 8, 8] if name == "qwen2-sliding" else [8, 8, 8])
     rng = np.random.default_rng(5)
-    requests = [greedy(i + 1, rng.integers(3, core.runner.vocab_size, size=n).tolist(), 6) for i, n in enumerate([20, 26])]
-    outputs = run_staggered(core, requests, arrive_at=[0, 1])
+    requests = [greedy(i + 1, rng.integers(3, core.runner.vocab_size, size=n).tolist(), 6)
+                for i, n in enumerate([5, 20, 40])]
+    outputs = run_staggered(core, requests, arrive_at=[0, 1, 1])
     for r in requests:
-        assert outputs[r.req_id] == hf_greedy(model, r.prompt_ids.tolist(), 6)
+        assert outputs[r.req_id] == hf_greedy(model, r.prompt_ids.tolist(), 6), f"request {r.req_id}"
+    assert not any(m.sliding_window for m in _engine(model, 8).runner.model.modules() if isinstance(m, Attention))
 
 
-def test_the_cli_serves_a_windowed_model_up_to_its_window(tmp_path):
-    """Unset, --max-model-len becomes the window; past it, one error naming the flag. A Qwen2-style
-    window that use_sliding_window turns off counts for nothing."""
+def test_the_cli_serves_a_windowed_model_at_its_full_length(tmp_path):
     from tokenspeed_worker import cli
     from tokenspeed_worker.config.worker import WorkerConfig
 
     model = _copy_with(tmp_path, "mistral", sliding_window=48)
-    config = WorkerConfig.from_args(cli.prepare([str(model)]))
-    assert config.engine.scheduler.max_model_len == 48
-    with pytest.raises(ValueError, match="--max-model-len 100 exceeds the model's sliding_window \\(48\\)"):
-        WorkerConfig.from_args(cli.prepare([str(model), "--max-model-len", "100"]))
-    qwen2 = _copy_with(tmp_path, "qwen2-bias", sliding_window=48, use_sliding_window=False)
-    assert WorkerConfig.from_args(cli.prepare([str(qwen2)])).engine.scheduler.max_model_len == 4096
+    assert WorkerConfig.from_args(cli.prepare([str(model)])).engine.scheduler.max_model_len == 4096
 
 
 def test_quantized_fused_phi3_projections_are_refused():

@@ -58,13 +58,6 @@ class WorkerConfig:
         config.json for what `--dtype auto` and an unset --max-model-len leave to the checkpoint.
         Raises ValueError, naming the flag, for a value that cannot work here."""
         positions = _max_positions(args.model)
-        window = _sliding_window(args.model)
-        if args.max_model_len and window and args.max_model_len > window:
-            raise ValueError(f"--max-model-len {args.max_model_len} exceeds the model's sliding_window ({window}): "
-                             f"sliding-window attention is not supported yet, so sequences are served up to the "
-                             f"window (the default --max-model-len for this model)")
-        if window and positions:
-            positions = min(positions, window)
         if args.max_model_len and positions and args.max_model_len > positions:
             raise ValueError(f"--max-model-len {args.max_model_len} exceeds the model's {positions} positions "
                              f"(max_position_embeddings, times its rope scaling factor for linear, dynamic and yarn "
@@ -159,29 +152,6 @@ def _max_positions(model_path: str) -> int | None:
         base = rope.get("original_max_position_embeddings") or positions if rope_type == "yarn" else positions
         return max(positions, int(base * factor))
     return positions
-
-
-# Architectures whose models attend within their sliding windows (models/gemma.py); the others serve
-# sequences up to the window (models/llama.check_window_covers_the_served_length).
-WINDOWED_ARCHITECTURES = frozenset({"Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"})
-
-
-def _sliding_window(model_path: str) -> int | None:
-    """The sliding_window that caps the served length of a model whose attention uses it on every
-    layer and which does not attend within windows itself (Mistral, Mixtral, Phi-3; Qwen2-style
-    configs only with use_sliding_window), else None."""
-    try:
-        with open(os.path.join(model_path, "config.json"), encoding="utf-8") as f:
-            cfg = json.load(f)
-    except (OSError, ValueError):
-        return None
-    if WINDOWED_ARCHITECTURES & set(cfg.get("architectures") or []):
-        return None
-    cfg = cfg.get("text_config") or cfg
-    window = cfg.get("sliding_window")
-    if not isinstance(window, int) or window <= 0 or cfg.get("use_sliding_window") is False:
-        return None
-    return window
 
 
 def _kv_events(text: str | None) -> dict[str, Any] | None:

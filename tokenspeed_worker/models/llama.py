@@ -35,26 +35,23 @@ def head_dim_of(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def check_full_attention(config) -> None:
-    layer_types = getattr(config, "layer_types", None) or []
-    if getattr(config, "use_sliding_window", False) and any(t != "full_attention" for t in layer_types):
-        raise ValueError("sliding-window attention layers are not supported")
-
-
-def check_window_covers_the_served_length(config, architecture: str) -> None:
-    """A model with `sliding_window` (Mistral, Mixtral, Phi-3) serves when no sequence it serves is
-    longer than the window (its attention then sees every earlier token, as full attention does);
-    else one clear error naming --max-model-len: sliding-window attention is not built yet."""
+def layer_window(config, index: int) -> int | None:
+    """Layer `index`'s sliding window, as transformers applies it: config.sliding_window on every
+    layer (Mistral, Mixtral, Phi-3), or on the layers `layer_types` marks "sliding_attention"
+    (Qwen2/3 with use_sliding_window, whose configs set sliding_window only then; Gemma); None for
+    full attention, and where the window covers every served position (it would mask nothing)."""
     window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if not window or (layer_types and layer_types[index] != "sliding_attention"):
+        return None
     served = rotary.served_length() or config.max_position_embeddings
-    if window and window < served:
-        raise ValueError(f"{architecture}: sliding_window {window} is shorter than the served length {served}, and "
-                         f"sliding-window attention is not supported yet: serve with --max-model-len {window} or less")
+    return window if window < served else None
 
 
 class LlamaAttention(nn.Module):
     def __init__(
-        self, config, rotary_emb: RotaryEmbedding, qkv_bias: bool, o_bias: bool, qk_norm: bool, prefix: str = ""
+        self, config, rotary_emb: RotaryEmbedding, qkv_bias: bool, o_bias: bool, qk_norm: bool, prefix: str = "",
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__()
         self.head_dim = head_dim_of(config)
@@ -71,7 +68,8 @@ class LlamaAttention(nn.Module):
         if qk_norm:  # Qwen3: RMSNorm over each head of q and k, before rotary
             self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, scale=self.head_dim**-0.5)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, scale=self.head_dim**-0.5,
+                              sliding_window=sliding_window)
 
     @torch.no_grad()
     def fold_kv_cache_scales(self, k_scale: float, v_scale: float) -> None:
@@ -91,7 +89,7 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor | PendingNorm,
                 attn_metadata: object) -> torch.Tensor:
-        if not self.qk_norm:
+        if not self.qk_norm and not self.attn.needs_window_or_softcap:
             # One kernel may do the pending norm, q/k/v, rotary and the KV write: attention only attends.
             q = self.qkv_proj.forward_rotary(hidden_states, positions, self.rotary_emb, self.attn, attn_metadata)
             if q is not None:
@@ -122,10 +120,10 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config, rotary_emb: RotaryEmbedding, qkv_bias: bool, o_bias: bool, qk_norm: bool,
-                 mlp: nn.Module, mlp_name: str = "mlp", prefix: str = ""):
+                 mlp: nn.Module, mlp_name: str = "mlp", prefix: str = "", sliding_window: int | None = None):
         super().__init__()
         self.self_attn = LlamaAttention(config, rotary_emb, qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=qk_norm,
-                                        prefix=f"{prefix}.self_attn")
+                                        prefix=f"{prefix}.self_attn", sliding_window=sliding_window)
         self.mlp_name = mlp_name  # the checkpoint's name of the MLP ("block_sparse_moe" in Mixtral)
         setattr(self, mlp_name, mlp)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -152,7 +150,8 @@ class LlamaModel(nn.Module):
         for i in range(config.num_hidden_layers):
             prefix = f"model.layers.{i}"
             mlp_name, mlp = make_mlp(i, prefix)
-            layers.append(LlamaDecoderLayer(config, rotary_emb, qkv_bias, o_bias, qk_norm, mlp, mlp_name, prefix))
+            layers.append(LlamaDecoderLayer(config, rotary_emb, qkv_bias, o_bias, qk_norm, mlp, mlp_name, prefix,
+                                            sliding_window=layer_window(config, i)))
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 

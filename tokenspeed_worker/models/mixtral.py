@@ -7,14 +7,10 @@ from __future__ import annotations
 from torch import nn
 
 from tokenspeed_worker.layers.moe import SparseMoeBlock
-from tokenspeed_worker.models.llama import LlamaForCausalLM, check_window_covers_the_served_length
+from tokenspeed_worker.models.llama import LlamaForCausalLM
 
 
 class MixtralForCausalLM(LlamaForCausalLM):
-    def __init__(self, config) -> None:
-        check_window_covers_the_served_length(config, "MixtralForCausalLM")
-        super().__init__(config)
-
     @staticmethod
     def layer_options(config) -> dict:
         return dict(qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False)

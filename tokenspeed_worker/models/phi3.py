@@ -1,8 +1,7 @@
 """Phi-3, Phi-3.5 and Phi-4-mini: the Llama decoder whose checkpoints hold q/k/v fused as
 `qkv_proj` and gate/up as `gate_up_proj` (split here into the shards the layers load, so tensor
 parallelism takes each rank's heads and rows), with partial rotary (`partial_rotary_factor`) and
-longrope scaling (layers/rotary.py); a `sliding_window` serves where it covers every served
-sequence."""
+longrope scaling (layers/rotary.py), and a `sliding_window` on every layer where the config has one."""
 
 from __future__ import annotations
 
@@ -10,14 +9,10 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from tokenspeed_worker.models.llama import LlamaForCausalLM, check_window_covers_the_served_length, head_dim_of
+from tokenspeed_worker.models.llama import LlamaForCausalLM, head_dim_of
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
-    def __init__(self, config) -> None:
-        check_window_covers_the_served_length(config, "Phi3ForCausalLM")
-        super().__init__(config)
-
     @staticmethod
     def layer_options(config) -> dict:
         return dict(qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False)

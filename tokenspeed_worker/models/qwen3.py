@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-from tokenspeed_worker.models.llama import LlamaForCausalLM, check_full_attention
+from tokenspeed_worker.models.llama import LlamaForCausalLM
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
-    def __init__(self, config) -> None:
-        check_full_attention(config)
-        super().__init__(config)
-
     @staticmethod
     def layer_options(config) -> dict:
         bias = bool(getattr(config, "attention_bias", False))
