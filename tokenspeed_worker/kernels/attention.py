@@ -22,6 +22,12 @@ Extend (prefill chunks, mixed with decodes) is a tiled kernel: each program take
 tokens x `group` heads as its BLOCK_M rows, walks the keys in BLOCK_N tiles (first the tiles every
 row sees in full, unmasked, then the causal tail) with an online softmax.
 
+Sliding windows and soft-caps (Gemma; Mistral-style windows): `window` and `softcap` are
+compile-time constants (0: none, the kernels as without them). With a window the decode kernel
+splits only the last `window` keys of each request, and the extend kernel starts at the first
+row's window and masks each row to its own; a soft-cap replaces each tile's scores by
+softcap * tanh(scores / softcap) before the softmax.
+
 Importable without triton (CPU machines): AVAILABLE says whether the kernels can be used.
 """
 
