@@ -173,10 +173,11 @@ def test_windowed_and_capped_layers_refuse_a_backend_that_cannot_take_them():
     assert not any(layer.needs_window_or_softcap for layer in runner.attention_layers)
 
 
-@pytest.mark.parametrize("name", ["mistral", "phi3", "gemma2", "gemma3"])
+@pytest.mark.parametrize("name", ["mistral", "phi3", "gemma2", "gemma3", "qwen3-moe", "mixtral"])
 def test_prefix_hits_and_forced_preemption_equal_transformers(name, monkeypatch):
     """A shared prefix longer than Gemma's window (8): cached blocks reused, requests preempted and
-    recomputed, in chunks of 7 across window edges; greedy tokens still transformers'."""
+    recomputed, in chunks of 7 across window edges; greedy tokens still transformers' (the MoE
+    models too: their experts' choices recomputed alike)."""
     from test_engine_scheduling import random_tokens, request, run
 
     monkeypatch.setenv("TOKENSPEED_OVERLAP_SCHEDULE", "1")

@@ -1,19 +1,16 @@
 """Mixtures of experts (layers/moe.py; models/qwen3_moe.py, models/mixtral.py) against transformers:
-the router's choice, greedy tokens with prefix hits and forced preemption, tensor parallelism
-through the CLI, and what is refused. (Staggered mixed batches with chunked prefill:
-tests/test_engine_vs_hf.py, which runs the MoE tiny models beside the dense ones.)"""
+the router's choice, the kernels against the loop, tensor and expert parallelism through the CLI,
+and what is refused. (Staggered mixed batches with chunked prefill: tests/test_engine_vs_hf.py;
+prefix hits and forced preemption: tests/test_dense_families.py; both run the MoE tiny models
+beside the dense ones.)"""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
-from test_engine_scheduling import random_tokens, request, run
-from tokenspeed_worker.config import EngineConfig
-from tokenspeed_worker.engine.engine_core import EngineCore
 from tokenspeed_worker.layers.moe import select_experts
-from worker_harness import Worker, hf_greedy, needs_devices, tiny_models
+from worker_harness import Worker, needs_devices, tiny_models
 
 MOE_MODELS = ["qwen3-moe", "mixtral"]
 
@@ -34,23 +31,6 @@ def test_routing_equals_transformers_routers():
         weights, ids = select_experts(logits, router.top_k, renormalize)
         assert torch.equal(ids, expected_ids)
         torch.testing.assert_close(weights, expected_weights.float())
-
-
-@pytest.mark.parametrize("name", MOE_MODELS)
-def test_prefix_hits_and_forced_preemption_equal_transformers(name, monkeypatch):
-    monkeypatch.setenv("TOKENSPEED_OVERLAP_SCHEDULE", "1")
-    model = tiny_models()[name]
-    core = EngineCore(EngineConfig.build(str(model), dtype="float32", device="cpu", block_size=4, max_model_len=256,
-                                         max_num_seqs=16, max_total_tokens=96, chunked_prefill_size=33,
-                                         schedule_conservativeness=0.0))
-    rng = np.random.default_rng(4)
-    system = random_tokens(rng, 12)  # a shared prefix: later requests hit the cache
-    prompts = [system + random_tokens(rng, 3 + 3 * i) for i in range(6)]
-    outs, cached, _ = run(core, [request(i + 1, p, 20) for i, p in enumerate(prompts)], arrive_at=[0, 0, 1, 1, 2, 2])
-    assert core.scheduler.num_preemptions > 0 and any(cached.values())
-    for i, p in enumerate(prompts):
-        assert outs[i + 1] == hf_greedy(model, p, 20), f"request {i + 1}"
-    assert core.scheduler.num_used_tokens == 0
 
 
 @pytest.mark.slow
