@@ -207,3 +207,56 @@ def test_a_multimodal_gemma3_checkpoint_serves_its_language_model():
     outputs = run_staggered(core, requests, arrive_at=[0, 1])
     for r in requests:
         assert outputs[r.req_id] == hf_greedy(model, r.prompt_ids.tolist(), 8)
+
+
+@pytest.mark.parametrize("pool", [36, 160], ids=["small-pool", "large-pool"])
+@pytest.mark.parametrize("overlap", ["0", "1"], ids=["sync", "overlap"])
+@pytest.mark.parametrize("caching", [True, False], ids=["prefix-cache", "no-cache"])
+def test_a_windowed_model_holds_its_window_of_kv_not_its_length(tmp_path, monkeypatch, overlap, caching, pool):
+    """Every layer windowed (8 positions, blocks of 4): a request's blocks wholly before every
+    future query's window are released as it runs, so it holds a few blocks however long it gets
+    (and a request longer than the pool is accepted when its window fits), while greedy tokens
+    stay transformers' (with prefix hits on released-but-cached blocks, and forced preemption in a
+    small pool); every block comes back at the end. A hybrid model (Gemma) keeps all."""
+    from test_engine_scheduling import random_tokens, request
+
+    monkeypatch.setenv("TOKENSPEED_OVERLAP_SCHEDULE", overlap)
+    model = _copy_with(tmp_path, "mistral", sliding_window=8)
+    core = EngineCore(EngineConfig.build(str(model), dtype="float32", device="cpu", block_size=4, max_model_len=256,
+                                         max_num_seqs=8, max_total_tokens=pool, chunked_prefill_size=12,
+                                         schedule_conservativeness=0.0, enable_prefix_caching=caching))
+    assert core.runner.uniform_sliding_window == 8
+    rng = np.random.default_rng(11)
+    system = random_tokens(rng, 24)
+    prompts = [system + random_tokens(rng, 5 + 7 * i) for i in range(5)]
+    requests = [request(i + 1, p, 40) for i, p in enumerate(prompts)]
+    pending = list(zip([0, 0, 3, 6, 9], requests))
+    outputs = {r.req_id: [] for r in requests}
+    most_held, step = 0, 0
+    while pending and pending[0][0] <= step:
+        core.add_request(pending.pop(0)[1])
+    for out in core.run_steps():
+        step += 1
+        while pending and pending[0][0] <= step:
+            core.add_request(pending.pop(0)[1])
+        for r in requests:
+            if core.scheduler.contains(r.req_id):
+                ids = core.scheduler.block_ids(r.req_id)
+                most_held = max(most_held, int((ids >= 0).sum()))
+        if out is not None:
+            for rid, tok in zip(out.req_ids.tolist(), out.tokens.tolist()):
+                outputs[rid].append(tok)
+        assert step < 5000
+    # the window (8) and a 12-token chunk span at most 6 blocks of 4, the next block one more
+    assert most_held <= 7, most_held
+    for r, p in zip(requests, prompts):
+        assert outputs[r.req_id] == hf_greedy(model, p, 40), f"request {r.req_id}"
+    assert core.scheduler.num_used_tokens == 0
+    assert core.scheduler.num_free_blocks == core.scheduler.num_total_blocks  # (cached ones count as free)
+    if pool == 36:  # 9 blocks for five requests of 29-61 prompt tokens and 40 outputs each: some preempted
+        assert core.scheduler.num_preemptions > 0
+    else:  # room for the shared 24-token prefix to stay cached: later requests start on it
+        assert (core.scheduler.prefix_hit_tokens > 0) == caching
+    hybrid = EngineCore(EngineConfig.build(str(tiny_models()["gemma2"]), dtype="float32", device="cpu",
+                                           max_model_len=64, max_total_tokens=256))
+    assert hybrid.runner.uniform_sliding_window == 0

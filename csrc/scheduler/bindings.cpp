@@ -153,16 +153,19 @@ NB_MODULE(_scheduler_core, m) {
           [](Scheduler* self, int32_t num_blocks, int32_t block_size, int32_t max_num_seqs,
              int32_t max_model_len, int32_t token_budget, bool chunked_prefill,
              int32_t max_prefill_tokens, bool enable_prefix_caching, bool enable_kv_events, int32_t hash_bits,
-             double schedule_conservativeness) {
+             double schedule_conservativeness, int32_t sliding_window) {
             if (!(schedule_conservativeness >= 0))
               throw std::invalid_argument("schedule_conservativeness must be >= 0");
+            if (sliding_window < 0) throw std::invalid_argument("sliding_window must be >= 0");
             new (self) Scheduler(SchedulerConfig{num_blocks, block_size, max_num_seqs, max_model_len, token_budget,
                                                  chunked_prefill, max_prefill_tokens, enable_prefix_caching,
-                                                 enable_kv_events, hash_bits, schedule_conservativeness});
+                                                 enable_kv_events, hash_bits, schedule_conservativeness,
+                                                 sliding_window});
           },
           "num_blocks"_a, "block_size"_a, "max_num_seqs"_a, "max_model_len"_a, "token_budget"_a,
           "chunked_prefill"_a, "max_prefill_tokens"_a, "enable_prefix_caching"_a = true,
-          "enable_kv_events"_a = false, "hash_bits"_a = 64, "schedule_conservativeness"_a = 0.0)
+          "enable_kv_events"_a = false, "hash_bits"_a = 64, "schedule_conservativeness"_a = 0.0,
+          "sliding_window"_a = 0)
       .def("add_request", &add_request, "req_id"_a, "prompt_ids"_a, "max_new_tokens"_a, "stop_token_ids"_a,
            "wait_for"_a = -1)
       .def("schedule", &schedule)

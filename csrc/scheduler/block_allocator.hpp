@@ -39,6 +39,9 @@
 namespace tokenspeed {
 
 using BlockId = int32_t;
+// A table entry whose block was released while the request runs (its positions slid out of
+// every future query's sliding window): nothing reads it; plans show it as block 0.
+inline constexpr BlockId kReleasedBlock = -1;
 
 // Registration serials: 0 = none (unregistered, or a chain that cannot be cached
 // further), 1 = the root (parent of every first block), >= 2 = one registration.
@@ -292,9 +295,11 @@ class BlockTable {
       : allocator_(other.allocator_),
         blocks_(std::move(other.blocks_)),
         chain_(std::move(other.chain_)),
-        chain_broken_(other.chain_broken_) {
+        chain_broken_(other.chain_broken_),
+        released_(other.released_) {
     other.blocks_.clear();
     other.chain_.clear();
+    other.released_ = 0;
   }
   BlockTable& operator=(BlockTable&& other) noexcept {
     if (this != &other) {
@@ -303,8 +308,10 @@ class BlockTable {
       blocks_ = std::move(other.blocks_);
       chain_ = std::move(other.chain_);
       chain_broken_ = other.chain_broken_;
+      released_ = other.released_;
       other.blocks_.clear();
       other.chain_.clear();
+      other.released_ = 0;
     }
     return *this;
   }
@@ -325,6 +332,18 @@ class BlockTable {
   int32_t size() const { return static_cast<int32_t>(blocks_.size()); }
   const std::vector<BlockId>& ids() const { return blocks_; }
 
+  // Releases the blocks of entries [0, num_blocks) not released yet, leaving kReleasedBlock in
+  // their place (positions keep their entries); returns how many were released.
+  int32_t release_before(int32_t num_blocks) {
+    int32_t released = 0;
+    for (; released_ < std::min(num_blocks, size()); ++released_, ++released) {
+      allocator_->release(blocks_[released_]);
+      blocks_[released_] = kReleasedBlock;
+    }
+    return released;
+  }
+  int32_t num_released() const { return released_; }
+
   const std::vector<uint64_t>& chain() const { return chain_; }
   bool chain_broken() const { return chain_broken_; }
   void extend_chain(uint64_t serial) {
@@ -337,15 +356,19 @@ class BlockTable {
  private:
   void release_all() noexcept {
     // A throw here (double free) terminates the process: the pool is corrupt.
-    for (auto it = blocks_.rbegin(); it != blocks_.rend(); ++it) allocator_->release(*it);
+    for (auto it = blocks_.rbegin(); it != blocks_.rend(); ++it) {
+      if (*it != kReleasedBlock) allocator_->release(*it);
+    }
     blocks_.clear();
     chain_.clear();
+    released_ = 0;
   }
 
   BlockAllocator* allocator_;
   std::vector<BlockId> blocks_;
   std::vector<uint64_t> chain_;
   bool chain_broken_ = false;
+  int32_t released_ = 0;  // entries [0, released_) are kReleasedBlock
 };
 
 }  // namespace tokenspeed

@@ -41,9 +41,10 @@ void Scheduler::add_request(int64_t req_id, const int64_t* prompt, size_t prompt
           name + "prompt (" + std::to_string(prompt_len) + " tokens) + max_new_tokens (" +
               std::to_string(max_new_tokens) + ") exceeds max_model_len " +
               std::to_string(config_.max_model_len));
-  require(blocks_for(total) <= allocator_.num_blocks(),
+  const int32_t peak = peak_blocks(total, static_cast<int64_t>(prompt_len));
+  require(peak <= allocator_.num_blocks(),
           name + "prompt + max_new_tokens = " + std::to_string(total) + " tokens need " +
-              std::to_string(blocks_for(total)) + " blocks, more than the whole KV pool (" +
+              std::to_string(peak) + " blocks, more than the whole KV pool (" +
               std::to_string(allocator_.num_blocks()) + " blocks of " +
               std::to_string(config_.block_size) + ")");
   auto request = std::make_unique<Request>(
@@ -169,6 +170,7 @@ void Scheduler::schedule_admissions(std::vector<ScheduledRow>& rows, int32_t bud
       prefix_hit_tokens_ += matched_tokens;
     }
     request->admit(std::move(blocks), matched_tokens);
+    release_slid_out_blocks(*request);  // matched blocks before its first chunk's window: not held
     running_.push_back(request);
     rows.push_back({request, chunk, chunk == uncomputed});
     budget -= chunk;
@@ -190,7 +192,9 @@ double Scheduler::reserve_ratio() const {
 int32_t Scheduler::expected_growth_blocks(const Request& request, int64_t held_blocks, double ratio) const {
   const int32_t remaining = std::max(0, clipped_output_budget(request) - request.output_len());
   const int64_t target = request.num_tokens() + static_cast<int64_t>(std::ceil(ratio * remaining));
-  return static_cast<int32_t>(std::max<int64_t>(0, blocks_for(target) - held_blocks));
+  // With a sliding window a request never holds more than its peak (released blocks not held).
+  const int64_t at_most = std::min<int64_t>(blocks_for(target), peak_blocks(target, request.prompt_len()));
+  return static_cast<int32_t>(std::max<int64_t>(0, at_most - held_blocks));
 }
 
 int64_t Scheduler::reserved_blocks() const {
@@ -198,7 +202,8 @@ int64_t Scheduler::reserved_blocks() const {
   const double ratio = reserve_ratio();
   int64_t reserved = 0;
   for (const Request* request : running_)
-    reserved += expected_growth_blocks(*request, static_cast<int64_t>(request->blocks()->size()), ratio);
+    reserved += expected_growth_blocks(
+        *request, static_cast<int64_t>(request->blocks()->size() - request->blocks()->num_released()), ratio);
   return reserved;
 }
 
@@ -267,6 +272,19 @@ void Scheduler::register_computed_blocks(Request& request) {
   }
 }
 
+// With a sliding window on every layer, a query at position p reads keys (p - window, p]. Every
+// query still to come sits at num_computed or later, so the blocks wholly before
+// num_computed - window + 1 are never read again: released (registered ones stay in the prefix
+// cache, matchable, as a finished request's do). Steps already planned may still read them: they
+// run first on the device, before any later step writes a block this frees.
+void Scheduler::release_slid_out_blocks(Request& request) {
+  const int32_t window = config_.sliding_window;
+  if (window <= 0) return;
+  const int32_t first_needed = request.num_computed() - window + 1;
+  if (first_needed <= 0) return;
+  request.blocks()->release_before(first_needed / config_.block_size);
+}
+
 void Scheduler::preempt_newest() {
   Request* victim = running_.back();
   running_.pop_back();
@@ -309,7 +327,7 @@ StepPlan Scheduler::build_plan(const std::vector<ScheduledRow>& rows) const {
       plan.positions.push_back(pos);
       plan.slot_mapping.push_back(blocks[pos / block_size] * block_size + pos % block_size);
     }
-    std::copy(blocks.begin(), blocks.end(), plan.block_tables.begin() + b * width);
+    std::replace_copy(blocks.begin(), blocks.end(), plan.block_tables.begin() + b * width, kReleasedBlock, 0);
     if (rows[b].samples) plan.sample_rows.push_back(static_cast<int32_t>(b));
   }
   return plan;
@@ -376,7 +394,10 @@ StepOutcome Scheduler::resolve(const int64_t* sampled, size_t num_sampled) {
     if (row.samples) {
       reason = request->resolve_pending(token);
     }
-    if (request->blocks() != nullptr) register_computed_blocks(*request);
+    if (request->blocks() != nullptr) {
+      register_computed_blocks(*request);  // first: registration reads the blocks' ids
+      release_slid_out_blocks(*request);
+    }
     if (reason == FinishReason::kNone) continue;
     outcome.finished_req_ids.push_back(request->id());
     outcome.finish_reasons.push_back(static_cast<int32_t>(reason));

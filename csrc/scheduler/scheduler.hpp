@@ -59,6 +59,9 @@ struct SchedulerConfig {
   // > 0: admission keeps room for the running requests' expected output (schedule_admissions,
   // --schedule-conservativeness); 0: a request is admitted whenever its first chunk fits.
   double schedule_conservativeness = 0.0;
+  // > 0: every layer of the model attends to the last sliding_window positions only, so a
+  // running request's blocks wholly before every future query's window are released.
+  int32_t sliding_window = 0;
 };
 
 // Output tokens a request is expected to use at most when reserving room for it: its
@@ -152,6 +155,15 @@ class Scheduler {
   int32_t blocks_for(int64_t num_tokens) const {
     return static_cast<int32_t>((num_tokens + config_.block_size - 1) / config_.block_size);
   }
+  // The most blocks a request of `total` tokens (`prompt_len` of them its prompt) holds at once:
+  // all of them, or with a sliding window those of the window before a step's tokens and of the
+  // step's tokens (a prefill chunk, or the whole prompt without chunking), where fewer.
+  int32_t peak_blocks(int64_t total, int64_t prompt_len) const {
+    const int32_t all = blocks_for(total);
+    if (config_.sliding_window <= 0) return all;
+    const int64_t step = config_.chunked_prefill ? std::max<int64_t>(config_.token_budget, 1) : prompt_len;
+    return std::min(all, blocks_for(config_.sliding_window - 1 + step) + 1);
+  }
   const Request& find(int64_t req_id) const;
   void schedule_decodes(std::vector<ScheduledRow>& rows);
   int32_t schedule_prefill_continuations(std::vector<ScheduledRow>& rows, int32_t budget);
@@ -162,6 +174,7 @@ class Scheduler {
   Request* live_parent(const Request& request) const;
   int32_t match_prefix(Request& request, std::vector<std::pair<BlockId, uint64_t>>& matched);
   void register_computed_blocks(Request& request);
+  void release_slid_out_blocks(Request& request);
   void preempt_newest();
   StepPlan build_plan(const std::vector<ScheduledRow>& rows) const;
   void remove_running(Request* request);

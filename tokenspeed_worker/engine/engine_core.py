@@ -147,7 +147,8 @@ class EngineCore:
         self.device = torch.device(self.runner.device)
         self.kv_cache_bytes = self.num_blocks * cfg.cache.block_size * self.runner.kv_bytes_per_token()
         self.tp_size = cfg.parallel.tensor_parallel_size
-        self.scheduler = Scheduler.from_config(cfg.scheduler, cfg.cache, self.num_blocks)
+        self.scheduler = Scheduler.from_config(cfg.scheduler, cfg.cache, self.num_blocks,
+                                               sliding_window=self.runner.uniform_sliding_window)
         cache = cfg.cache
         self.kv_events = KvEventOutbox(self.scheduler, self.loads, cache.kv_events, cache.report_kv_events,
                                        cache.kv_event_id_offset, cache.kv_event_id_stride)

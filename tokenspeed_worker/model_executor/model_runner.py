@@ -123,6 +123,10 @@ class ModelRunner:
         self.head_dim: int = head_dim_of(self.hf_config)
         self.max_model_len: int = config.scheduler.max_model_len
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        windows = {m.sliding_window for m in self.attention_layers}
+        # The one window of every layer (Mistral-style): the scheduler releases the blocks that slid
+        # out of it. 0 with full-attention layers (Gemma's hybrids keep every block).
+        self.uniform_sliding_window: int = next(iter(windows)) or 0 if len(windows) == 1 else 0
         special = [m for m in self.attention_layers if m.needs_window_or_softcap]
         if special and not self.attention_backend.supports_windows_and_softcap:
             raise ValueError(f"{type(self.model).__name__} has sliding-window or soft-capped attention layers, which "

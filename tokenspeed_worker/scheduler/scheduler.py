@@ -67,6 +67,11 @@ class Scheduler:
     stored/removed/cleared events for `drain_kv_events()` (cache-aware routing).
     `_hash_bits` < 64 narrows block hashes to force collisions in tests only.
 
+    `sliding_window` > 0: every layer of the model attends to its last sliding_window positions
+    only, so a running request's blocks wholly before every future query's window are released
+    as it goes (the table keeps their places, shown as block 0 in plans): its KV grows with the
+    window, not with its length. Released blocks that are cached stay matchable.
+
     `schedule_conservativeness` > 0 (the engine's --schedule-conservativeness, default 1)
     makes admission keep room for the running requests' expected output: a waiting
     request is admitted only if its first chunk, plus the blocks its own rest and every
@@ -91,6 +96,7 @@ class Scheduler:
         enable_kv_events: bool = False,
         _hash_bits: int = 64,
         schedule_conservativeness: float = 0.0,
+        sliding_window: int = 0,
     ) -> None:
         self.block_size = block_size
         self._core = _scheduler_core.SchedulerCore(
@@ -105,12 +111,15 @@ class Scheduler:
             enable_kv_events=enable_kv_events,
             hash_bits=_hash_bits,
             schedule_conservativeness=float(schedule_conservativeness),
+            sliding_window=int(sliding_window),
         )
 
     @classmethod
-    def from_config(cls, scheduler: SchedulerConfig, cache: CacheConfig, num_blocks: int) -> Scheduler:
+    def from_config(cls, scheduler: SchedulerConfig, cache: CacheConfig, num_blocks: int,
+                    sliding_window: int = 0) -> Scheduler:
         """The engine's scheduler: its limits from the scheduler section, the pool's block size,
-        prefix caching and event recording from the cache section, over `num_blocks` blocks."""
+        prefix caching and event recording from the cache section, over `num_blocks` blocks;
+        sliding_window: the model's, where every layer has the same one (else 0)."""
         return cls(
             num_blocks=num_blocks,
             block_size=cache.block_size,
@@ -122,6 +131,7 @@ class Scheduler:
             enable_prefix_caching=cache.enable_prefix_caching,
             enable_kv_events=cache.records_kv_events,
             schedule_conservativeness=scheduler.schedule_conservativeness,
+            sliding_window=sliding_window,
         )
 
     # -- requests -------------------------------------------------------------------
