@@ -298,7 +298,13 @@ def test_clear_errors(tiny_model_paths, tmp_path):
         make_runner(path, load_format="pt")
     config = (tiny_model_paths["llama-gqa-tied"] / "config.json").read_text()
     (tmp_path / "config.json").write_text(config.replace("LlamaForCausalLM", "GPT2LMHeadModel"))
-    with pytest.raises(ValueError, match="LlamaForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM"):
+    from tokenspeed_worker.models.registry import supported_architectures
+
+    assert {"Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration", "LlamaForCausalLM",
+            "MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+            "Qwen3MoeForCausalLM"} == set(supported_architectures())
+    with pytest.raises(ValueError, match="GPT2LMHeadModel'. is not supported; supported: "
+                                         + ", ".join(supported_architectures())):
         make_runner(str(tmp_path), load_format="dummy")
     runner = make_runner(path)
     with pytest.raises(RuntimeError, match="allocate_kv_cache"):
