@@ -41,7 +41,7 @@ void Scheduler::add_request(int64_t req_id, const int64_t* prompt, size_t prompt
           name + "prompt (" + std::to_string(prompt_len) + " tokens) + max_new_tokens (" +
               std::to_string(max_new_tokens) + ") exceeds max_model_len " +
               std::to_string(config_.max_model_len));
-  const int32_t peak = peak_blocks(total, static_cast<int64_t>(prompt_len));
+  const int32_t peak = peak_blocks(total);
   require(peak <= allocator_.num_blocks(),
           name + "prompt + max_new_tokens = " + std::to_string(total) + " tokens need " +
               std::to_string(peak) + " blocks, more than the whole KV pool (" +
@@ -193,7 +193,7 @@ int32_t Scheduler::expected_growth_blocks(const Request& request, int64_t held_b
   const int32_t remaining = std::max(0, clipped_output_budget(request) - request.output_len());
   const int64_t target = request.num_tokens() + static_cast<int64_t>(std::ceil(ratio * remaining));
   // With a sliding window a request never holds more than its peak (released blocks not held).
-  const int64_t at_most = std::min<int64_t>(blocks_for(target), peak_blocks(target, request.prompt_len()));
+  const int64_t at_most = peak_blocks(target);
   return static_cast<int32_t>(std::max<int64_t>(0, at_most - held_blocks));
 }
 

@@ -155,13 +155,14 @@ class Scheduler {
   int32_t blocks_for(int64_t num_tokens) const {
     return static_cast<int32_t>((num_tokens + config_.block_size - 1) / config_.block_size);
   }
-  // The most blocks a request of `total` tokens (`prompt_len` of them its prompt) holds at once:
-  // all of them, or with a sliding window those of the window before a step's tokens and of the
-  // step's tokens (a prefill chunk, or the whole prompt without chunking), where fewer.
-  int32_t peak_blocks(int64_t total, int64_t prompt_len) const {
+  // The most blocks a request of `total` tokens holds at once: all of them, or with a sliding
+  // window and chunked prefill those of the window before a step's tokens and of the step's (at
+  // most token_budget), where fewer. Without chunking a preempted request recomputes all its
+  // tokens in one step: all of them.
+  int32_t peak_blocks(int64_t total) const {
     const int32_t all = blocks_for(total);
-    if (config_.sliding_window <= 0) return all;
-    const int64_t step = config_.chunked_prefill ? std::max<int64_t>(config_.token_budget, 1) : prompt_len;
+    if (config_.sliding_window <= 0 || !config_.chunked_prefill) return all;
+    const int64_t step = std::max<int64_t>(config_.token_budget, 1);
     return std::min(all, blocks_for(config_.sliding_window - 1 + step) + 1);
   }
   const Request& find(int64_t req_id) const;
