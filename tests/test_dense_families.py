@@ -260,3 +260,22 @@ def test_a_windowed_model_holds_its_window_of_kv_not_its_length(tmp_path, monkey
     hybrid = EngineCore(EngineConfig.build(str(tiny_models()["gemma2"]), dtype="float32", device="cpu",
                                            max_model_len=64, max_total_tokens=256))
     assert hybrid.runner.uniform_sliding_window == 0
+
+
+@pytest.mark.parametrize("caching", [True, False], ids=["prefix-cache", "no-cache"])
+def test_siblings_of_a_windowed_request_recompute_what_it_released(tmp_path, caching):
+    """n > 1 on a windowed model: the samples after the first share its prompt blocks only up to
+    the first it released (with the prefix cache off nothing else keeps them) and compute the rest;
+    every sample's greedy tokens are transformers'."""
+    from test_engine_scheduling import random_tokens, request, run
+
+    model = _copy_with(tmp_path, "mistral", sliding_window=8)
+    core = EngineCore(EngineConfig.build(str(model), dtype="float32", device="cpu", block_size=4, max_model_len=128,
+                                         max_num_seqs=8, max_total_tokens=256, chunked_prefill_size=16,
+                                         enable_prefix_caching=caching))
+    prompt = random_tokens(np.random.default_rng(2), 37)
+    reqs = [request(1, prompt, 12)] + [request(i, prompt, 12, wait_for=1) for i in (2, 3)]
+    outs, _, _ = run(core, reqs)
+    expected = hf_greedy(model, prompt, 12)
+    assert all(outs[i] == expected for i in (1, 2, 3))
+    assert core.scheduler.num_used_tokens == 0
