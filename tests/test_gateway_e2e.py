@@ -205,15 +205,15 @@ def test_max_tokens_and_ignore_eos(stack):
     assert r["choices"][0]["finish_reason"] == "length"
 
 
-@pytest.mark.parametrize("name", ["qwen3-moe", "mixtral", "fp8-block-moe", "mistral", "phi3", "gemma2", "gemma3",
-                                  "gemma3-multimodal"])
+@pytest.mark.parametrize("name", ["qwen3-moe", "mixtral", "fp8-block-moe", "phi3", "gemma2", "gemma3-multimodal"])
 def test_each_model_family_serves_through_the_gateway(name):
-    """The tiny random Qwen3-MoE, Mixtral, Mistral, Phi-3 (fused checkpoint projections, partial
-    rotary, longrope), Gemma 2 and 3 (sliding windows shorter than the prompt, soft-caps; Gemma 3
-    also as a multimodal checkpoint, its language model served), and the Qwen3-MoE as a block-wise
-    FP8 checkpoint, behind the real gateway:
+    """The tiny random Qwen3-MoE, Mixtral, Phi-3 (fused checkpoint projections, partial rotary,
+    longrope), Gemma 2 (sliding windows shorter than the prompt, soft-caps), Gemma 3 as a multimodal
+    checkpoint (its language model served), and the Qwen3-MoE as a block-wise FP8 checkpoint,
+    behind the real gateway:
     its chat completion, greedy, is transformers' greedy continuation of the same templated prompt
-    (on the FP8 weights dequantized). (Llama: the SmolLM2 stack above; Qwen2/3: tests/test_engine_vs_hf.py.)"""
+    (on the FP8 weights dequantized). (Llama: the SmolLM2 stack above; the other families' models
+    against transformers: tests/test_engine_vs_hf.py, tests/test_dense_families.py.)"""
     from transformers import AutoTokenizer
 
     from worker_harness import CACHE, _load_script, tiny_models

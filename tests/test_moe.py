@@ -346,9 +346,9 @@ def test_a_model_on_the_kernels_equals_the_loop(name):
 
 def test_a_decode_steps_experts_take_the_timed_path(monkeypatch):
     """A layer built with a small-batch chooser (a model runner's) asks it at a decode step's few
-    pairs: the decode kernels in their first configuration when forced (the interpreter on CPU),
-    and on CUDA the faster of the grouped GEMMs and each decode configuration, timed once per token
-    count and reported; past SMALL_PAIRS the grouped GEMMs, unasked."""
+    pairs on CUDA: the decode kernels in their first configuration when forced, else the faster of
+    the grouped GEMMs and each decode configuration, timed once per token count and reported; past
+    SMALL_PAIRS the grouped GEMMs, unasked. On CPU (the interpreter) fused_experts' own rule."""
     from tokenspeed_worker.kernels import moe as moe_kernels
     from tokenspeed_worker.layers import small_batch_gemv
     from tokenspeed_worker.layers.fused_kernels import fused_kernels

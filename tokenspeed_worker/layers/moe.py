@@ -296,7 +296,9 @@ class FusedMoE(nn.Module):
                                              w13_scales=self.w13_scales, w2_scales=self.w2_scales,
                                              total_experts=self.num_experts, decode=decode)
 
-            if self.gemv is not None and 0 < ids.numel() <= kernels.SMALL_PAIRS:  # a decode step: timed paths
+            # A decode step on the GPU: the chooser's timed path (elsewhere, Triton's interpreter in
+            # tests, fused_experts' own rule: timing means nothing there).
+            if self.gemv is not None and x.is_cuda and 0 < ids.numel() <= kernels.SMALL_PAIRS:
                 return self.gemv.experts(x, self.w13_weight, run, lambda: run(False),
                                          kernels.decode_configs(self.w13_weight))
             return run()
