@@ -136,8 +136,8 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim = head_dim
         self.rotary_dim = 2 * inv_freq.numel()
-        positions = torch.arange(max_position, dtype=torch.float32)
-        freqs = positions[:, None] * inv_freq[None, :]
+        positions = torch.arange(max_position, dtype=torch.float32)  # on the default device (the model's)
+        freqs = positions[:, None] * inv_freq.to(positions.device)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         # Not parameters: excluded from the state dict, rebuilt from the config.
         self.register_buffer("cos_cache", emb.cos() * attention_scaling, persistent=False)
