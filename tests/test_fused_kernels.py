@@ -26,9 +26,9 @@ import triton  # noqa: E402,F401  (no skip: CI must have triton)
 
 from tokenspeed_worker.kernels import activation, norm, rotary  # noqa: E402
 from tokenspeed_worker.layers import fused_kernels  # noqa: E402
-from tokenspeed_worker.layers.activation import SiluAndMul  # noqa: E402
+from tokenspeed_worker.layers.activation import GeluTanhAndMul, SiluAndMul  # noqa: E402
 from tokenspeed_worker.layers.fused_kernels import fused_kernels as fused_mode  # noqa: E402
-from tokenspeed_worker.layers.layernorm import RMSNorm  # noqa: E402
+from tokenspeed_worker.layers.layernorm import GemmaRMSNorm, RMSNorm  # noqa: E402
 from tokenspeed_worker.layers.rotary import rope_from_parameters  # noqa: E402
 
 DEVICE = torch.device("cuda" if ON_CUDA else "cpu")
@@ -130,6 +130,37 @@ def test_fused_add_rms_norm_in_place_and_out_of_place():
     torch.testing.assert_close(normed, _rms_norm_reference(expected_sum, weight, 1e-6), atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemma_norm_forms_match_torch(dtype):
+    """Gemma's (1 + w) norm, alone, fused with the residual add, on strided head views, and
+    `forward_after` (a sublayer's output normalized, added to the stream, normalized again) in one
+    kernel, against the torch path (transformers' GemmaRMSNorm, rounded once)."""
+    hidden = 96
+    post, pre = GemmaRMSNorm(hidden, eps=1e-6).to(DEVICE), GemmaRMSNorm(hidden, eps=1e-6).to(DEVICE)
+    with torch.no_grad():
+        post.weight.copy_(0.3 * torch.randn(hidden, generator=_gen(21)))
+        pre.weight.copy_(0.3 * torch.randn(hidden, generator=_gen(22)))
+    post, pre = post.to(dtype), pre.to(dtype)
+    y = _randn(7, hidden, dtype=dtype, seed=23, scale=4.0)
+    residual = _randn(7, hidden, dtype=dtype, seed=24)
+    heads = _randn(7, 3 * 32, dtype=dtype, seed=25).view(7, 3, 32)[:, :2]  # strided [T, heads, head_dim]
+    head_norm = GemmaRMSNorm(32).to(DEVICE).to(dtype)
+    results = {}
+    for mode in ("off", "force"):
+        with fused_mode(mode):
+            results[mode] = (pre(y), *pre(y, residual), *pre.forward_after(post, y, residual), head_norm(heads))
+    for got, expected in zip(results["force"], results["off"]):
+        assert got.shape == expected.shape and got.dtype == expected.dtype
+        if dtype == torch.bfloat16:
+            assert _ulps_apart(got, expected) <= 1
+        else:  # sums of a few-ulp-apart norm and the residual cancel: compare absolutely
+            torch.testing.assert_close(got, expected, atol=2e-6, rtol=1e-6)
+    # forward_after's stream is residual + post(y), each rounded to the dtype once
+    torch.testing.assert_close(results["off"][4], residual + post._norm(y), atol=0, rtol=0)
+    with pytest.raises(NotImplementedError):
+        pre.defer(y)
+
+
 # -- silu(gate) * up --------------------------------------------------------------------------
 
 
@@ -146,6 +177,27 @@ def test_silu_and_mul_matches_torch(dtype, num_tokens, inter):
     assert _ulps_apart(got, expected) <= (1 if dtype == torch.bfloat16 else 4)
     if dtype == torch.bfloat16:
         assert (got == expected).float().mean() > 0.99
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gelu_tanh_and_mul_matches_torch(dtype):
+    x = _randn(37, 2 * 300, dtype=dtype, seed=26, scale=3.0)
+    wide = _randn(5, 700, dtype=dtype, seed=27)[:, :600]  # rows strided
+    layer = GeluTanhAndMul()
+    for inp in (x, wide):
+        gate, up = inp.chunk(2, dim=-1)
+        expected = F.gelu(gate, approximate="tanh") * up
+        with fused_mode("force"):
+            got = layer(inp)
+        assert got.shape == expected.shape and got.dtype == dtype and got.is_contiguous()
+        # At most a step apart after rounding (and where gelu underflows, the interpreter's form gives
+        # tiny values where torch's tanh gives 0). On the GPU the kernel's tanh is CUDA's, as torch's:
+        # nearly all equal.
+        if dtype == torch.bfloat16:
+            torch.testing.assert_close(got, expected, atol=1e-6, rtol=2**-7)
+            assert not ON_CUDA or (got == expected).float().mean() > 0.99
+        else:
+            torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
 
 
 def test_silu_and_mul_layer_strided_rows_and_3d():
@@ -282,7 +334,7 @@ def test_environment_variable_sets_the_initial_mode():
 # -- whole tiny models: fused kernels against the torch path ----------------------------------
 
 
-MODELS = ["llama-gqa-tied", "qwen3-qknorm"]
+MODELS = ["llama-gqa-tied", "qwen3-qknorm", "gemma3"]
 
 
 @pytest.fixture(scope="module")

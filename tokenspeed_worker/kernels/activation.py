@@ -1,8 +1,10 @@
-"""Triton silu(gate) * up over the fused gate_up projection [T, 2 * I] -> [T, I], in one pass.
+"""Triton silu(gate) * up (and gelu_tanh(gate) * up, Gemma's) over the fused gate_up projection
+[T, 2 * I] -> [T, I], in one pass.
 
 Rounded as torch's `F.silu(gate) * up` in the model dtype: silu is computed in float32 as
 gate / (1 + exp(-gate)) (torch's formula; CUDA's expf through libdevice and an IEEE division on
-the GPU, as in torch's CUDA kernel) and rounded to the dtype; the product of that and up is
+the GPU, as in torch's CUDA kernel) and rounded to the dtype (GELU: torch's tanh formula in
+float32, CUDA's tanhf); the product of that and up is
 computed in float32 and rounded once, as torch's elementwise multiply does for bf16/fp16.
 The layers use it through layers/fused_kernels.py (TOKENSPEED_FUSED_KERNELS).
 
@@ -21,9 +23,10 @@ if AVAILABLE:
     from triton.language.extra import libdevice
 
     @triton.jit
-    def _silu_and_mul_kernel(
+    def _act_and_mul_kernel(
         x_ptr, out_ptr,
         stride_x, stride_out, inter,
+        GELU_TANH: tl.constexpr,
         LIBDEVICE: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
@@ -32,16 +35,33 @@ if AVAILABLE:
         mask = cols < inter
         gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
         up = tl.load(x_ptr + row * stride_x + inter + cols, mask=mask, other=0.0).to(tl.float32)
-        if LIBDEVICE:
-            e = libdevice.exp(-gate)
+        if GELU_TANH:  # torch's formula: 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))
+            inner = 0.7978845608028654 * (gate + 0.044715 * (gate * gate * gate))
+            if LIBDEVICE:
+                act = 0.5 * gate * (1.0 + libdevice.tanh(inner))
+            else:  # the interpreter has no tanh: 0.5 (1 + tanh(z)) = 1 / (1 + exp(-2 z))
+                act = gate / (1.0 + tl.exp(-2.0 * inner))
         else:
-            e = tl.exp(-gate)
-        act = tl.math.div_rn(gate, 1.0 + e).to(x_ptr.dtype.element_ty).to(tl.float32)
+            if LIBDEVICE:
+                e = libdevice.exp(-gate)
+            else:
+                e = tl.exp(-gate)
+            act = tl.math.div_rn(gate, 1.0 + e)
+        act = act.to(x_ptr.dtype.element_ty).to(tl.float32)
         tl.store(out_ptr + row * stride_out + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """x: [..., 2 * I] as [gate | up] (rows may be strided, the last dimension contiguous) -> silu(gate) * up [..., I]."""
+    return _act_and_mul(x, out, gelu_tanh=False)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [..., 2 * I] as [gate | up] -> gelu(gate, approximate="tanh") * up [..., I], rounded as torch."""
+    return _act_and_mul(x, out, gelu_tanh=True)
+
+
+def _act_and_mul(x: torch.Tensor, out: torch.Tensor | None, gelu_tanh: bool) -> torch.Tensor:
     if not AVAILABLE:
         raise RuntimeError("triton is not installed")
     if x.shape[-1] % 2:
@@ -56,8 +76,9 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     if out_rows.shape[0] == 0 or inter == 0:
         return out
     block = min(1024, triton.next_power_of_2(inter))
-    _silu_and_mul_kernel[(out_rows.shape[0], triton.cdiv(inter, block))](
+    _act_and_mul_kernel[(out_rows.shape[0], triton.cdiv(inter, block))](
         rows, out_rows, rows.stride(0), out_rows.stride(0), inter,
+        GELU_TANH=gelu_tanh,
         LIBDEVICE=not interpreting(),
         BLOCK=block,
         num_warps=max(1, min(4, block // 256)),
@@ -65,4 +86,4 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     return out
 
 
-__all__ = ["AVAILABLE", "silu_and_mul"]
+__all__ = ["AVAILABLE", "gelu_tanh_and_mul", "silu_and_mul"]

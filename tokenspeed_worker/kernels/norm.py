@@ -4,7 +4,8 @@ The fused form reads x and the residual once and writes the new residual (in pla
 tensor) and the normalized row, in one pass (torch does an add, a square, a mean, a multiply and
 two casts, each through memory). The rounding follows layers/layernorm.py (Hugging Face): the sum
 is rounded to the model dtype, statistics are taken in float32, the normalized row is rounded to
-the input dtype and only then multiplied by the weight. The reciprocal square root is CUDA's
+the input dtype and only then multiplied by the weight (Gemma's form, `unit_offset`: the float32
+row times 1 + weight, rounded once). The reciprocal square root is CUDA's
 rsqrtf on the GPU (what torch.rsqrt calls there) and 1/sqrt in the interpreter (torch on CPU);
 the mean of squares is summed in another order than torch's, so results can differ from the
 torch path by a rounding step.
@@ -46,43 +47,58 @@ def interpreting() -> bool:
 if AVAILABLE:
 
     @triton.jit
+    def _rms_scale(x32, weight_ptr, cols, in_row, hidden, eps, dtype: tl.constexpr,
+                   UNIT_OFFSET: tl.constexpr, LIBDEVICE: tl.constexpr):
+        """weight * rmsnorm(x) in float32: Llama's form (the normalized row rounded to dtype first)
+        or Gemma's (UNIT_OFFSET: times 1 + weight, nothing rounded before the product)."""
+        mean_square = tl.sum(x32 * x32, axis=0) / hidden + eps
+        if LIBDEVICE:
+            rstd = libdevice.rsqrt(mean_square)
+        else:
+            rstd = 1.0 / tl.sqrt_rn(mean_square)
+        weight = tl.load(weight_ptr + cols, mask=in_row, other=0.0).to(tl.float32)
+        if UNIT_OFFSET:
+            return (x32 * rstd) * (1.0 + weight)
+        return (x32 * rstd).to(dtype).to(tl.float32) * weight
+
+    @triton.jit
     def _fused_add_rms_norm_kernel(
-        x_ptr, residual_ptr, residual_out_ptr, weight_ptr, out_ptr,
+        x_ptr, residual_ptr, residual_out_ptr, weight_ptr, x_weight_ptr, out_ptr,
         rows_per_group, stride_x_group, stride_x_row, stride_residual, stride_residual_out, stride_out,
         hidden, eps,
         ADD_RESIDUAL: tl.constexpr,
+        NORM_X: tl.constexpr,
+        UNIT_OFFSET: tl.constexpr,
         LIBDEVICE: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         in_row = cols < hidden
+        dtype = x_ptr.dtype.element_ty
         x_offset = (row // rows_per_group) * stride_x_group + (row % rows_per_group) * stride_x_row
         x = tl.load(x_ptr + x_offset + cols, mask=in_row, other=0.0)
+        if NORM_X:  # x normalized first (Gemma's norm after a sublayer), rounded to the dtype
+            x = _rms_scale(x.to(tl.float32), x_weight_ptr, cols, in_row, hidden, eps, dtype,
+                           UNIT_OFFSET, LIBDEVICE).to(dtype)
         if ADD_RESIDUAL:
             residual = tl.load(residual_ptr + row * stride_residual + cols, mask=in_row, other=0.0)
-            x = (x.to(tl.float32) + residual.to(tl.float32)).to(x_ptr.dtype.element_ty)
+            x = (x.to(tl.float32) + residual.to(tl.float32)).to(dtype)
             tl.store(residual_out_ptr + row * stride_residual_out + cols, x, mask=in_row)
-        x32 = x.to(tl.float32)
-        mean_square = tl.sum(x32 * x32, axis=0) / hidden + eps
-        if LIBDEVICE:
-            rstd = libdevice.rsqrt(mean_square)
-        else:
-            rstd = 1.0 / tl.sqrt_rn(mean_square)
-        normed = (x32 * rstd).to(x_ptr.dtype.element_ty)
-        weight = tl.load(weight_ptr + cols, mask=in_row, other=0.0)
-        out = normed.to(tl.float32) * weight.to(tl.float32)
+        out = _rms_scale(x.to(tl.float32), weight_ptr, cols, in_row, hidden, eps, dtype, UNIT_OFFSET, LIBDEVICE)
         tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=in_row)
 
 
 def _launch(
-    x: torch.Tensor, residual: torch.Tensor | None, residual_out: torch.Tensor | None, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor | None, residual_out: torch.Tensor | None, weight: torch.Tensor, eps: float,
+    unit_offset: bool = False, x_weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
     if not AVAILABLE:
         raise RuntimeError("triton is not installed")
     hidden = x.shape[-1]
-    if weight.shape != (hidden,) or hidden > MAX_HIDDEN:
-        raise ValueError(f"weight {tuple(weight.shape)} does not fit hidden size {hidden} (at most {MAX_HIDDEN})")
+    for w in (weight, weight if x_weight is None else x_weight):
+        if w.shape != (hidden,) or hidden > MAX_HIDDEN:
+            raise ValueError(f"weight {tuple(w.shape)} does not fit hidden size {hidden} (at most {MAX_HIDDEN})")
     out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     out_rows = out.view(-1, hidden)
     num_rows = out_rows.shape[0]
@@ -103,11 +119,14 @@ def _launch(
             raise ValueError("an in-place residual must be contiguous along the hidden dimension")
     block = triton.next_power_of_2(hidden)
     _fused_add_rms_norm_kernel[(num_rows,)](
-        rows, residual_rows, residual_out_rows, weight.contiguous(), out_rows,
+        rows, residual_rows, residual_out_rows, weight.contiguous(),
+        weight if x_weight is None else x_weight.contiguous(), out_rows,
         rows.shape[1], rows.stride(0), rows.stride(1),
         residual_rows.stride(0), residual_out_rows.stride(0), out_rows.stride(0),
         hidden, float(eps),
         ADD_RESIDUAL=residual is not None,
+        NORM_X=x_weight is not None,
+        UNIT_OFFSET=unit_offset,
         LIBDEVICE=not interpreting(),
         BLOCK=block,
         num_warps=min(16, max(1, block // 512)),
@@ -115,19 +134,23 @@ def _launch(
     return out
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """weight * rmsnorm(x) over the last dimension, rounded like layers/layernorm.RMSNorm; contiguous."""
-    return _launch(x, None, None, weight, eps)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
+    """weight * rmsnorm(x) over the last dimension, rounded like layers/layernorm.RMSNorm (unit_offset:
+    (1 + weight) * rmsnorm(x) rounded once, like GemmaRMSNorm); contiguous."""
+    return _launch(x, None, None, weight, eps, unit_offset)
 
 
 def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, inplace: bool = True
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, inplace: bool = True,
+    unit_offset: bool = False, x_weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(weight * rmsnorm(x + residual), x + residual), the sum rounded to the dtype.
 
     The same values as RMSNorm.forward(x, residual) in layers/layernorm.py; x and residual must
     share a shape and dtype. inplace: the sum is written into residual (returned); else into a
-    new contiguous tensor, leaving residual as it was.
+    new contiguous tensor, leaving residual as it was. unit_offset: both norms in Gemma's form.
+    x_weight: x is first replaced by its own norm with that weight (rounded to the dtype; the same
+    eps), as Gemma normalizes a sublayer's output before adding it to the residual stream.
     """
     if residual.shape != x.shape or residual.dtype != x.dtype:
         raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} must match x {tuple(x.shape)} {x.dtype}")
@@ -139,7 +162,7 @@ def fused_add_rms_norm(
             raise ValueError(f"an in-place residual must be viewable as rows ({error})") from None
     else:
         residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    return _launch(x, residual, residual_out, weight, eps), residual_out
+    return _launch(x, residual, residual_out, weight, eps, unit_offset, x_weight), residual_out
 
 
 __all__ = ["AVAILABLE", "fused_add_rms_norm", "interpreting", "rms_norm"]

@@ -1,6 +1,6 @@
 """Gated activations of the MLP.
 
-On CUDA, silu(gate) * up runs as one Triton kernel (kernels/activation.py) with the same
+On CUDA, silu(gate) * up (and Gemma's gelu_tanh(gate) * up) runs as one Triton kernel (kernels/activation.py) with the same
 roundings as the torch code below, which stays the reference path (CPU, no triton, or switched
 off in layers/fused_kernels.py: TOKENSPEED_FUSED_KERNELS).
 """
@@ -21,3 +21,14 @@ class SiluAndMul(nn.Module):
             return kernels.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+
+class GeluTanhAndMul(nn.Module):
+    """gelu(gate, approximate="tanh") * up over [gate | up] (Gemma's gated MLP)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kernels = use_fused(x, "activation")
+        if kernels is not None and x.dtype in FUSED_DTYPES and x.dim() > 0 and x.shape[-1] % 2 == 0:
+            return kernels.gelu_tanh_and_mul(x)
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up

@@ -1,4 +1,5 @@
-"""RMSNorm, numerically identical to Hugging Face's (statistics in float32, weight applied in the model dtype).
+"""RMSNorm, numerically identical to Hugging Face's (statistics in float32, weight applied in the model dtype),
+and Gemma's form of it (GemmaRMSNorm: times 1 + w in float32, rounded once).
 
 On CUDA the norm (and the residual add fused into it) runs as one Triton kernel
 (kernels/norm.py) with the same roundings; the torch code below is the reference path,
@@ -51,6 +52,8 @@ class PendingNorm:
 
 
 class RMSNorm(nn.Module):
+    unit_offset = False  # the kernels' form of the weight: w (here) or 1 + w (GemmaRMSNorm)
+
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.eps = eps
@@ -72,15 +75,30 @@ class RMSNorm(nn.Module):
         kernels = use_fused(x, "norm")
         if kernels is not None and self._fusable(x, residual, kernels.MAX_HIDDEN):
             if residual is None:
-                return kernels.rms_norm(x, self.weight, self.eps)
-            return kernels.fused_add_rms_norm(x, residual, self.weight, self.eps, inplace=False)
+                return kernels.rms_norm(x, self.weight, self.eps, unit_offset=self.unit_offset)
+            return kernels.fused_add_rms_norm(x, residual, self.weight, self.eps, inplace=False,
+                                              unit_offset=self.unit_offset)
         if residual is None:
             return self._norm(x)
         x = x + residual
         return self._norm(x), x
 
+    def forward_after(self, sublayer_norm: RMSNorm, y: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(s + residual), s + residual) for s = sublayer_norm(y): a sublayer's output
+        normalized, added to the residual stream, and normalized for the next sublayer (Gemma's
+        sandwich), in one kernel where both norms take it."""
+        kernels = use_fused(y, "norm")
+        if (kernels is not None and type(sublayer_norm) is type(self) and sublayer_norm.eps == self.eps
+                and self._fusable(y, residual, kernels.MAX_HIDDEN) and sublayer_norm._fusable(y, None, kernels.MAX_HIDDEN)):
+            return kernels.fused_add_rms_norm(y, residual, self.weight, self.eps, inplace=False,
+                                              unit_offset=self.unit_offset, x_weight=sublayer_norm.weight)
+        return self(sublayer_norm(y), residual)
+
     def defer(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> PendingNorm:
-        """This norm of x (+ residual), left for the next projection to apply or fold in."""
+        """This norm of x (+ residual), left for the next projection to apply or fold in (the
+        small-batch kernels fold Llama's form only)."""
+        if self.unit_offset:
+            raise NotImplementedError("a unit-offset (Gemma) norm is applied, not deferred")
         return PendingNorm(self, x, residual)
 
     def _fusable(self, x: torch.Tensor, residual: torch.Tensor | None, max_hidden: int) -> bool:
@@ -90,3 +108,18 @@ class RMSNorm(nn.Module):
         if x.device != self.weight.device or self.weight.dtype not in FUSED_DTYPES:
             return False
         return residual is None or (residual.shape == x.shape and residual.dtype == x.dtype)
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: x / rms(x) * (1 + w), in float32 and rounded once to x's dtype (w starts at 0)."""
+
+    unit_offset = True
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__(hidden_size, eps)
+        self.weight = nn.Parameter(torch.zeros(hidden_size))
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        out = x.float()
+        out = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (out * (1.0 + self.weight.float())).type_as(x)

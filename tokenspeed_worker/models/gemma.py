@@ -13,8 +13,12 @@ What sets them apart from Llama, each as transformers computes it:
   ones; Gemma 3's local layers have their own rope (rope_parameters per layer type);
 - the MLP gates with GELU (tanh approximation).
 
-Windowed and soft-capped layers need an attention backend that takes them (the torch backend
-today; model_runner checks). A window at least as long as the served length (--max-model-len) is
+Each norm, the residual add and the next norm run as one kernel on the GPU (RMSNorm.forward_after:
+a sublayer's output normalized, added to the stream, normalized for the next sublayer), and the
+gated GELU as one (layers/activation.GeluTanhAndMul).
+
+Windowed and soft-capped layers need an attention backend that takes them (torch or Triton;
+model_runner checks). A window at least as long as the served length (--max-model-len) is
 dropped: it then masks nothing, and any backend serves those layers.
 """
 
@@ -23,27 +27,14 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from tokenspeed_worker.layers.activation import GeluTanhAndMul
 from tokenspeed_worker.layers.attention import Attention
+from tokenspeed_worker.layers.layernorm import GemmaRMSNorm
 from tokenspeed_worker.layers.linear import MergedLinear, ParallelLMHead, QKVLinear, RowParallelLinear, VocabParallelEmbedding
 from tokenspeed_worker.layers.rotary import RotaryEmbedding, get_rope, served_length
 from tokenspeed_worker.models.llama import LlamaForCausalLM
-
-
-class GemmaRMSNorm(nn.Module):
-    """x / rms(x) * (1 + w), computed in float32 and rounded once to x's dtype (w starts at 0)."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.zeros(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = x.float()
-        out = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (out * (1.0 + self.weight.float())).type_as(x)
 
 
 class GemmaAttention(nn.Module):
@@ -87,10 +78,10 @@ class GemmaMLP(nn.Module):
         self.gate_up_proj = MergedLinear(config.hidden_size, [size, size], bias=False, prefix=f"{prefix}.gate_up_proj",
                                          shard_names=[f"{prefix}.gate_proj", f"{prefix}.up_proj"])
         self.down_proj = RowParallelLinear(size, config.hidden_size, bias=False, prefix=f"{prefix}.down_proj")
+        self.act_fn = GeluTanhAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+        return self.down_proj(self.gate_up_proj(x, activation=self.act_fn))
 
 
 class GemmaDecoderLayer(nn.Module):
@@ -104,9 +95,15 @@ class GemmaDecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
         self.post_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, attn_metadata: object) -> torch.Tensor:
-        x = x + self.post_attention_layernorm(self.self_attn(positions, self.input_layernorm(x), attn_metadata))
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor,
+                attn_metadata: object) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden: this layer's input, already normalized by input_layernorm; residual: the stream
+        it was normalized from. Returns (the MLP's output before post_feedforward_layernorm, the
+        stream it is added to): the next layer (or the final norm) does the post norm, the add
+        and its own norm in one step (`RMSNorm.forward_after`)."""
+        attn = self.self_attn(positions, hidden, attn_metadata)
+        hidden, residual = self.pre_feedforward_layernorm.forward_after(self.post_attention_layernorm, attn, residual)
+        return self.mlp(hidden), residual
 
 
 class GemmaModel(nn.Module):
@@ -125,10 +122,14 @@ class GemmaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: object) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        x = x * torch.tensor(self.normalizer, dtype=x.dtype)
-        for layer in self.layers:
-            x = layer(positions, x, attn_metadata)
-        return self.norm(x)
+        residual = x * torch.tensor(self.normalizer, dtype=x.dtype)
+        hidden = self.layers[0].input_layernorm(residual)
+        for i, layer in enumerate(self.layers):
+            out, residual = layer(positions, hidden, residual, attn_metadata)
+            # x + post_feedforward_layernorm(out), normalized by the next layer's input norm (or the final one)
+            after = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+            hidden, residual = after.forward_after(layer.post_feedforward_layernorm, out, residual)
+        return hidden
 
 
 class Gemma2ForCausalLM(LlamaForCausalLM):
