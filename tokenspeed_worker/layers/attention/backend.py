@@ -39,8 +39,9 @@ class AttentionBackend(ABC):
     # `slot_mapping` (the fused rotary + KV-write kernel, Attention.forward_with_rotary), in
     # place of `forward`, which writes them itself.
     supports_prewritten_kv: bool = False
-    # Whether `forward` takes `window` (attend to the last `window` positions) and `softcap`
-    # (tanh-capped scores), for layers that have them (Attention.sliding_window, .logit_softcap).
+    # Whether `forward` (and `attend`, `attend_rotary` where offered) takes `window` (attend to the
+    # last `window` positions) and `softcap` (tanh-capped scores), for layers that have them
+    # (Attention.sliding_window, .logit_softcap).
     supports_windows_and_softcap: bool = False
     # The model's attention shape, told once by the runner (`setup`).
     num_heads: int = 0

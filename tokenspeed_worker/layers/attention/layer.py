@@ -14,8 +14,7 @@ class Attention(nn.Module):
                  sliding_window: int | None = None, logit_softcap: float | None = None) -> None:
         """sliding_window: each query sees the last `sliding_window` positions only (Gemma's local
         layers); logit_softcap: scores capped by softcap * tanh(scores / softcap) (Gemma 2). Either
-        needs a backend with supports_windows_and_softcap (the runner checks) and takes the plain
-        rotary + forward path."""
+        needs a backend with supports_windows_and_softcap (the runner checks)."""
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -47,13 +46,10 @@ class Attention(nn.Module):
         one kernel does it all; else, with a backend that attends over K/V written beforehand, one
         kernel rotates q and writes the rotated k and v into the cache, and the backend only
         attends; otherwise rotary_emb, then forward."""
-        if self.needs_window_or_softcap:
-            q, k = rotary_emb(positions, q, k)
-            return self(q, k, v, attn_metadata)
         if self.fuses_rope(rotary_emb, q, attn_metadata):
             out = self.backend.attend_rotary(
                 q, k, v.view(-1, self.num_kv_heads, self.head_dim), self.k_cache, self.v_cache, attn_metadata,
-                self.scale, positions, rotary_emb.cos_cache, rotary_emb.sin_cache,
+                self.scale, positions, rotary_emb.cos_cache, rotary_emb.sin_cache, **self._extras(),
             )
             return out.view(-1, self.num_heads * self.head_dim)
         if self.backend is not None and self.backend.supports_prewritten_kv and rotary_emb.fuses(q):
@@ -65,6 +61,11 @@ class Attention(nn.Module):
     @property
     def needs_window_or_softcap(self) -> bool:
         return self.sliding_window is not None or self.logit_softcap is not None
+
+    def _extras(self) -> dict:
+        """The backend's window/softcap arguments, passed only where this layer has them (backends
+        without them take none)."""
+        return {"window": self.sliding_window, "softcap": self.logit_softcap} if self.needs_window_or_softcap else {}
 
     def fuses_rope(self, rotary_emb: RotaryEmbedding, q: torch.Tensor, attn_metadata: object) -> bool:
         """Whether forward_with_rotary leaves the rotary and the KV write to the attention kernel."""
@@ -82,7 +83,7 @@ class Attention(nn.Module):
     def attend_prewritten(self, q: torch.Tensor, attn_metadata: object) -> torch.Tensor:
         """q: [T, H, D], already rotated, with the step's K/V already in the cache (QKVLinear.forward_rotary)
         -> [T, H * D]."""
-        out = self.backend.attend(q, self.k_cache, self.v_cache, attn_metadata, self.scale)
+        out = self.backend.attend(q, self.k_cache, self.v_cache, attn_metadata, self.scale, **self._extras())
         return out.view(-1, self.num_heads * self.head_dim)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_metadata: object) -> torch.Tensor:
@@ -97,6 +98,6 @@ class Attention(nn.Module):
             self.v_cache,
             attn_metadata,
             self.scale,
-            **({"window": self.sliding_window, "softcap": self.logit_softcap} if self.needs_window_or_softcap else {}),
+            **self._extras(),
         )
         return out.view(-1, self.num_heads * self.head_dim)

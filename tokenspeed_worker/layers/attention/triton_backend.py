@@ -334,12 +334,14 @@ class TritonAttentionBackend(AttentionBackend):
         return metadata.decode_only and metadata.seq_lens.shape[0] <= self.fuse_rope_max_rows
 
     def attend_rotary(self, q, k, v, k_cache, v_cache, metadata: TritonAttentionMetadata, scale: float,
-                      positions, cos_cache, sin_cache) -> torch.Tensor:
+                      positions, cos_cache, sin_cache, window: int | None = None,
+                      softcap: float | None = None) -> torch.Tensor:
         if not self.fuses_rope(metadata):
             raise ValueError("attend_rotary serves decode-only steps (fuses_rope)")
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         rope = DecodeRope(k, v, positions, cos_cache, sin_cache, metadata.slot_mapping)
-        self._decode(q, k_cache, v_cache, metadata, scale, out, rope)
+        extras = {"window": window, "softcap": softcap} if window or softcap else {}
+        self._decode(q, k_cache, v_cache, metadata, scale, out, rope, **extras)
         return out
 
     def _decode(self, q, k_cache, v_cache, metadata: TritonAttentionMetadata, scale: float, out,
