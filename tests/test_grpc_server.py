@@ -78,6 +78,30 @@ def test_both_health_surfaces_serve(worker):
     assert time.monotonic() - t0 < 2.0
 
 
+def test_a_port_in_use_is_a_clear_error_and_the_harness_starts_elsewhere(model_dir, monkeypatch):
+    """A worker whose port is taken exits with "cannot listen on ADDRESS" (no traceback); the test
+    harness then starts it on another port (free_port's pick can be taken by a parallel run)."""
+    import socket
+
+    import worker_harness
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken = held.getsockname()[1]
+        picks = iter([taken])
+        real_free_port = worker_harness.free_port
+        monkeypatch.setattr(worker_harness, "free_port", lambda: next(picks, None) or real_free_port())
+        w = Worker(model_dir, "--max-model-len", str(MAX_MODEL_LEN))
+        try:
+            assert w.port != taken
+            first_log = (worker_harness.CACHE / "logs" / f"worker-{taken}.log").read_text()
+            assert f"cannot listen on 127.0.0.1:{taken}" in first_log and "Traceback" not in first_log
+            assert run(w, gen(PROMPT, max_new_tokens=2))[-1].HasField("complete")
+        finally:
+            assert w.stop() == 0, w.log()
+
+
 def test_reflection_lists_the_service(worker):
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 

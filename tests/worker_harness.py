@@ -64,6 +64,19 @@ class Worker:
     def __init__(self, model: Path | str, *extra: str, startup_timeout: float = 240.0,
                  env: dict[str, str] | None = None, new_session: bool = False) -> None:
         self.new_session = new_session
+        # free_port's port is free when picked, not when the worker binds it: another process (a
+        # parallel test run) may take it between the two. A worker that could not bind starts again
+        # on another port.
+        for attempt in range(3):
+            self._launch(model, extra, env)
+            try:
+                self._wait_ready(startup_timeout)
+                return
+            except RuntimeError as error:
+                if attempt == 2 or "cannot listen on" not in str(error):
+                    raise
+
+    def _launch(self, model: Path | str, extra: tuple[str, ...], env: dict[str, str] | None) -> None:
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.log_path = CACHE / "logs" / f"worker-{self.port}.log"
@@ -72,12 +85,11 @@ class Worker:
         cmd = [sys.executable, "-m", "tokenspeed_worker", str(model), "--host", "127.0.0.1",
                "--grpc-port", str(self.port), *extra]
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO,
-                                     env=dict(os.environ, **(env or {})), start_new_session=new_session)
+                                     env=dict(os.environ, **(env or {})), start_new_session=self.new_session)
         self.channel = grpc.insecure_channel(self.address)
         from tokenspeed_worker.proto import tokenspeed_scheduler_pb2_grpc as pb_grpc
 
         self.stub = pb_grpc.TokenSpeedSchedulerStub(self.channel)
-        self._wait_ready(startup_timeout)
 
     def _wait_ready(self, timeout: float) -> None:
         from grpc_health.v1 import health_pb2, health_pb2_grpc
