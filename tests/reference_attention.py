@@ -27,6 +27,15 @@ def rotate_full_head(x: torch.Tensor, positions: torch.Tensor, cos_cache: torch.
     return x * cos + _rotate_half(x) * sin
 
 
+def _head_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool) -> torch.Tensor:
+    """layers/layernorm.RMSNorm's torch path over each head (GemmaRMSNorm's where unit_offset)."""
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if unit_offset:
+        return (normed * (1.0 + weight.float())).to(x.dtype)
+    return weight * normed.to(x.dtype)
+
+
 def reference_kernels() -> SimpleNamespace:
     """The kernels' interface on the torch functions below (no split count or workspace)."""
     return SimpleNamespace(
@@ -112,8 +121,12 @@ def reference_paged_decode_attention(
     """One query token per request at position seq_len - 1 (the split count does not change the
     result); with rope, q and rope.k unrotated: rotated here, k and v written at the slots first."""
     if rope is not None:
+        k = rope.k
+        if rope.q_norm_weight is not None:
+            q = _head_norm(q, rope.q_norm_weight, rope.norm_eps, rope.norm_unit_offset)
+            k = _head_norm(k, rope.k_norm_weight, rope.norm_eps, rope.norm_unit_offset)
         q = rotate_full_head(q, rope.positions, rope.cos_cache, rope.sin_cache)
-        k = rotate_full_head(rope.k, rope.positions, rope.cos_cache, rope.sin_cache)
+        k = rotate_full_head(k, rope.positions, rope.cos_cache, rope.sin_cache)
         write_kv_cache(k_cache, v_cache, rope.slot_mapping, k, rope.v)
     batch_size = q.shape[0]
     query_start_loc = torch.arange(batch_size + 1, dtype=torch.int32, device=q.device)

@@ -292,9 +292,12 @@ def test_in_step_tuning_with_nothing_to_tune(chooser):
     assert chooser.tune_in_step(2, lambda: pytest.fail("batch 1 only")) == {}
 
 
-@pytest.mark.parametrize("attention_rotates, persistent", [(False, False), (True, False), (True, True)])
-def test_tiny_bf16_model_decode_logits_match_the_unfused_path(tiny_model_paths, monkeypatch, attention_rotates,
-                                                               persistent):
+@pytest.mark.parametrize("model, attention_rotates, persistent", [
+    ("qwen2-bias", False, False), ("qwen2-bias", True, False), ("qwen2-bias", True, True),
+    ("mistral-window-8", False, False),  # a window shorter than the prompts: the epilogue's K/V, a windowed attend
+])
+def test_tiny_bf16_model_decode_logits_match_the_unfused_path(tiny_model_paths, monkeypatch, tmp_path, model,
+                                                               attention_rotates, persistent):
     """A whole bf16 model: prefill (more than 4 rows: unfused either way), then two decode steps
     of two rows, which take the small-batch GEMV kernels when forced: q/k/v with the rotary +
     KV-write epilogue included where the triton backend attends over K/V written beforehand (decode
@@ -315,10 +318,15 @@ def test_tiny_bf16_model_decode_logits_match_the_unfused_path(tiny_model_paths, 
     real = gemv.small_batch_linear
     monkeypatch.setattr(gemv, "small_batch_linear", lambda *a, **kw: epilogues.append(kw.get("rotary") is not None)
                         or configs.append(kw.get("config")) or real(*a, **kw))
+    model_dir = tiny_model_paths.get(model)
+    if model == "mistral-window-8":
+        from test_dense_families import _copy_with
+
+        model_dir = _copy_with(tmp_path, "mistral", sliding_window=8)
     logits = []
     for mode in ("off", "force"):
         runner = make_runner(
-            str(tiny_model_paths["qwen2-bias"]), dtype="bfloat16", device=DEVICE.type, block_size=BLOCK_SIZE,
+            str(model_dir), dtype="bfloat16", device=DEVICE.type, block_size=BLOCK_SIZE,
             attention_backend="triton" if ON_CUDA else reference_triton_backend(),
         )
         runner.allocate_kv_cache(32)
@@ -333,6 +341,7 @@ def test_tiny_bf16_model_decode_logits_match_the_unfused_path(tiny_model_paths, 
     for got, expected in zip(logits[2:], logits[:2]):
         torch.testing.assert_close(got, expected, atol=5e-2, rtol=5e-2)
     layers = len(runner.attention_layers)
+    assert model != "mistral-window-8" or all(layer.sliding_window == 8 for layer in runner.attention_layers)
     # each decode step's q/k/v took the rotary epilogue, unless the attention rotates
     assert epilogues.count(True) == (0 if attention_rotates else 2 * layers)
     assert len(epilogues) > 2 * layers  # the small-batch GEMV kernels ran

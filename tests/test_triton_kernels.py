@@ -382,6 +382,46 @@ def test_decode_with_rope_equals_rotary_kernel_then_decode(seq_lens, group, head
         assert torch.equal(fused_cache.nan_to_num(7.0), plain_cache.nan_to_num(7.0))  # the spare blocks stay NaN
 
 
+@pytest.mark.parametrize("unit_offset", [False, True])
+@pytest.mark.parametrize("dtype,head_dim", [(torch.bfloat16, 64), (torch.float32, 32)])
+def test_decode_with_head_norms_equals_norm_kernels_then_rotary_then_decode(unit_offset, dtype, head_dim):
+    # Qwen3's (Llama-form) and Gemma 3's ((1 + w) form) q/k norms inside the decode kernel's rotary,
+    # against the norm kernel on q and k, the rotary + KV-write kernel, then the decode: the same
+    # cache bits, the same output up to the order of the sums.
+    from tokenspeed_worker.kernels import norm, rotary
+
+    case = _decode_case([1, 37, 130], 2, head_dim, dtype, seed=11)
+    q, k, v, positions, slots, rope = _rope_decode_inputs(case, seed=5)
+    gen = torch.Generator().manual_seed(12)
+    q_w, k_w = ((0.5 * torch.randn(head_dim, generator=gen) + (0.0 if unit_offset else 1.0)).to(dtype).to(DEVICE)
+                for _ in range(2))
+    outs, caches = [], []
+    for fused in (True, False):
+        k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
+        out = torch.empty(q.shape, dtype=dtype, device=DEVICE)
+        if fused:
+            fused_rope = attention.DecodeRope(k, v, positions, rope.cos_cache, rope.sin_cache, slots, q_w, k_w,
+                                              1e-6, unit_offset)
+            attention.paged_decode_attention(q, k_cache, v_cache, case.block_tables, case.seq_lens_t, case.scale,
+                                             out, num_splits=2, rope=fused_rope)
+        else:
+            q_n = norm.rms_norm(q, q_w, 1e-6, unit_offset=unit_offset)
+            k_n = norm.rms_norm(k, k_w, 1e-6, unit_offset=unit_offset)
+            q_rot = rotary.rope_and_write_kv(q_n, k_n, v, positions, rope.cos_cache, rope.sin_cache, k_cache,
+                                             v_cache, slots)
+            attention.paged_decode_attention(q_rot, k_cache, v_cache, case.block_tables, case.seq_lens_t,
+                                             case.scale, out, num_splits=2)
+        outs.append(out)
+        caches.append((k_cache.nan_to_num(7.0), v_cache.nan_to_num(7.0)))
+    _assert_close(outs[0], outs[1].float(), dtype)
+    # the norm's mean of squares is summed in another order: at most a rounding step in a key
+    if dtype == torch.bfloat16:
+        torch.testing.assert_close(caches[0][0], caches[1][0], atol=0, rtol=2**-7)
+    else:
+        torch.testing.assert_close(caches[0][0], caches[1][0], atol=1e-5, rtol=1e-5)
+    assert torch.equal(caches[0][1], caches[1][1])
+
+
 def test_decode_with_rope_into_an_fp8_cache_saturates_like_the_rotary_kernel():
     from tokenspeed_worker.kernels import rotary
 

@@ -39,16 +39,19 @@ from dataclasses import dataclass
 import torch
 
 from tokenspeed_worker.kernels import pdl
+from tokenspeed_worker.kernels.norm import interpreting
 from tokenspeed_worker.layers.kv_cache import saturation_limit
 
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra import libdevice
 
     AVAILABLE = True
 except ImportError:  # pragma: no cover - depends on the machine
     triton = None
     tl = None
+    libdevice = None
     AVAILABLE = False
 
 LOG2E = 1.4426950408889634
@@ -186,6 +189,28 @@ if AVAILABLE:
         b = (x_swapped.to(tl.float32) * sin).to(dtype).to(tl.float32)
         return tl.where(first_half, a - b, a + b).to(dtype)
 
+    @triton.jit
+    def _head_norm(x, x_swapped, weight_ptr, offs_d, swapped_d, eps, dtype: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, FORM: tl.constexpr, LIBDEVICE: tl.constexpr):
+        """RMSNorm of each row of x [rows, HEAD_DIM] (and of x_swapped, its halves swapped, with the
+        same statistics) as kernels/norm.py computes it: FORM 1 Llama's (the normalized row rounded
+        to dtype, then times the weight), FORM 2 Gemma's (times 1 + weight, rounded once)."""
+        x32 = x.to(tl.float32)
+        mean_square = tl.sum(x32 * x32, axis=1) / HEAD_DIM + eps
+        if LIBDEVICE:
+            rstd = libdevice.rsqrt(mean_square)[:, None]
+        else:
+            rstd = 1.0 / tl.sqrt_rn(mean_square)[:, None]
+        w = tl.load(weight_ptr + offs_d).to(tl.float32)[None, :]
+        w_swapped = tl.load(weight_ptr + swapped_d).to(tl.float32)[None, :]
+        if FORM == 2:
+            out = (x32 * rstd) * (1.0 + w)
+            out_swapped = (x_swapped.to(tl.float32) * rstd) * (1.0 + w_swapped)
+        else:
+            out = (x32 * rstd).to(dtype).to(tl.float32) * w
+            out_swapped = (x_swapped.to(tl.float32) * rstd).to(dtype).to(tl.float32) * w_swapped
+        return out.to(dtype), out_swapped.to(dtype)
+
     # Arguments that change from one eager step to the next (the plan's block-table width, the
     # split count, a mixed batch's row offsets into seq_lens and the block tables) are not
     # specialized on: each distinct divisibility or 16-byte alignment would be a compile of its
@@ -197,8 +222,8 @@ if AVAILABLE:
     def _decode_split_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
         out_ptr, partial_out_ptr, partial_lse_ptr, counter_ptr,
-        k_new_ptr, v_new_ptr, positions_ptr, cos_ptr, sin_ptr, slots_ptr,
-        scale_log2,
+        k_new_ptr, v_new_ptr, positions_ptr, cos_ptr, sin_ptr, slots_ptr, q_norm_ptr, k_norm_ptr,
+        scale_log2, norm_eps,
         stride_q_batch, stride_q_head,
         stride_k_block, stride_k_offset, stride_k_head,
         stride_v_block, stride_v_offset, stride_v_head,
@@ -226,6 +251,8 @@ if AVAILABLE:
         KV_SATURATE: tl.constexpr,
         WINDOW: tl.constexpr = 0,
         SOFTCAP: tl.constexpr = 0.0,
+        HEAD_NORM: tl.constexpr = 0,
+        LIBDEVICE: tl.constexpr = True,
     ):
         batch = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -277,9 +304,17 @@ if AVAILABLE:
             # step's key: its loop stops before it (its cache slot is not written yet) and it folds
             # the key in from registers after the loop, then writes key and value to the cache.
             q_swapped = tl.load(q_rows + swapped_d[None, :], mask=head_ok[:, None], other=0.0)
-            q = _rope_row(q, q_swapped, cos[None, :], sin[None, :], first_half[None, :], dtype)
             k_row = k_new_ptr + batch.to(tl.int64) * stride_kn_batch + kv_head * stride_kn_head
-            k_new = _rope_row(tl.load(k_row + offs_d), tl.load(k_row + swapped_d), cos, sin, first_half, dtype)
+            k_new = tl.load(k_row + offs_d[None, :])  # [1, HEAD_DIM]
+            k_swapped = tl.load(k_row + swapped_d[None, :])
+            if HEAD_NORM > 0:  # q/k norms (Qwen3, Gemma 3) before the rotary, as the model applies them
+                q, q_swapped = _head_norm(q, q_swapped, q_norm_ptr, offs_d, swapped_d, norm_eps, dtype,
+                                          HEAD_DIM, HEAD_NORM, LIBDEVICE)
+                k_new, k_swapped = _head_norm(k_new, k_swapped, k_norm_ptr, offs_d, swapped_d, norm_eps, dtype,
+                                              HEAD_DIM, HEAD_NORM, LIBDEVICE)
+            q = _rope_row(q, q_swapped, cos[None, :], sin[None, :], first_half[None, :], dtype)
+            # one row: the sum over it is the row itself, as a vector
+            k_new = tl.sum(_rope_row(k_new, k_swapped, cos[None, :], sin[None, :], first_half[None, :], dtype), axis=0)
             v_new = tl.load(v_new_ptr + batch.to(tl.int64) * stride_vn_batch + kv_head * stride_vn_head + offs_d)
             if KV_SATURATE > 0:  # an fp8 cache: e4m3 has no infinity
                 k_new = tl.clamp(k_new.to(tl.float32), -KV_SATURATE, KV_SATURATE)
@@ -544,6 +579,13 @@ class DecodeRope:
     cos_cache: torch.Tensor  # float32 [max_position, D]
     sin_cache: torch.Tensor
     slot_mapping: torch.Tensor  # int [B]: where block_tables puts each row's key seq_len - 1
+    # Per-head RMSNorms of q and of k before the rotary (Qwen3's and Gemma 3's q_norm / k_norm),
+    # with the roundings of kernels/norm.py: weights [D] of q's dtype, Gemma's (1 + w) form where
+    # norm_unit_offset. None: q and k arrive normalized (or the model has none).
+    q_norm_weight: torch.Tensor | None = None
+    k_norm_weight: torch.Tensor | None = None
+    norm_eps: float = 1e-6
+    norm_unit_offset: bool = False
 
 
 def _check_rope(rope: DecodeRope, q: torch.Tensor, num_kv_heads: int) -> None:
@@ -561,6 +603,12 @@ def _check_rope(rope: DecodeRope, q: torch.Tensor, num_kv_heads: int) -> None:
     if rope.positions.shape != (batch,) or rope.slot_mapping.shape != (batch,):
         raise ValueError(f"rope.positions {tuple(rope.positions.shape)} and rope.slot_mapping "
                          f"{tuple(rope.slot_mapping.shape)} must be [{batch}]")
+    if (rope.q_norm_weight is None) != (rope.k_norm_weight is None):
+        raise ValueError("rope.q_norm_weight and rope.k_norm_weight come together")
+    for w in (rope.q_norm_weight, rope.k_norm_weight):
+        if w is not None and (w.shape != (head_dim,) or w.dtype != q.dtype or w.stride(0) != 1):
+            raise ValueError(f"rope.q_norm_weight / k_norm_weight {tuple(w.shape)} {w.dtype} must be a contiguous "
+                             f"[{head_dim}] of q's dtype {q.dtype}")
 
 
 def paged_decode_attention(
@@ -600,7 +648,8 @@ def paged_decode_attention(
     workspace). workspace: decode_workspace(...) made for at least B requests, Hkv kv heads and
     num_splits splits, whose counter is zero (every call leaves it so); made here when None
     (allocate it up front for CUDA-graph capture: nothing is allocated per call then).
-    rope: q is unrotated, and the kernel first does the rotary and the KV write (DecodeRope);
+    rope: q is unrotated, and the kernel first does the rotary and the KV write (DecodeRope; with
+    its q/k norm weights, the per-head norms before the rotary);
     None: q is rotated and every row's key seq_len - 1 is already in the cache.
     """
     _require_triton()
@@ -647,18 +696,19 @@ def paged_decode_attention(
     if rope is not None:
         _check_rope(rope, q, num_kv_heads)
         r = rope
-        rope_args = (r.k, r.v, r.positions, r.cos_cache, r.sin_cache, r.slot_mapping)
+        norms = (r.q_norm_weight, r.k_norm_weight) if r.q_norm_weight is not None else (q, q)
+        rope_args = (r.k, r.v, r.positions, r.cos_cache, r.sin_cache, r.slot_mapping, *norms)
         rope_strides = (r.k.stride(0), r.k.stride(1), r.v.stride(0), r.v.stride(1), r.cos_cache.stride(0),
                         r.sin_cache.stride(0))
     else:
-        rope_args = (q, q, seq_lens, q, q, seq_lens)  # unused pointers
+        rope_args = (q, q, seq_lens, q, q, seq_lens, q, q)  # unused pointers
         rope_strides = (0,) * 6
     pdl_on = pdl.enabled(q.device)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens,
         out, partial_out, partial_lse, counter,
         *rope_args,
-        float(scale) * LOG2E,
+        float(scale) * LOG2E, float(rope.norm_eps if rope is not None else 0.0),
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -686,6 +736,8 @@ def paged_decode_attention(
         KV_SATURATE=saturation_limit(k_cache.dtype) if rope is not None else 0.0,
         WINDOW=int(window or 0),
         SOFTCAP=float(softcap or 0.0),
+        HEAD_NORM=0 if rope is None or rope.q_norm_weight is None else 2 if rope.norm_unit_offset else 1,
+        LIBDEVICE=not interpreting(),
         num_warps=4,
         num_stages=2,
         # A float32 model's rotary rounds each product as kernels/rotary.py does (no FMA there);

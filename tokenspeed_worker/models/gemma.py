@@ -63,9 +63,8 @@ class GemmaAttention(nn.Module):
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        return self.o_proj(self.attn.forward_with_rotary(positions, q, k, v, self.rotary_emb, attn_metadata))
+        norms = (self.q_norm, self.k_norm) if self.qk_norm else (None, None)
+        return self.o_proj(self.attn.forward_with_rotary(positions, q, k, v, self.rotary_emb, attn_metadata, *norms))
 
 
 class GemmaMLP(nn.Module):

@@ -89,7 +89,7 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor | PendingNorm,
                 attn_metadata: object) -> torch.Tensor:
-        if not self.qk_norm and not self.attn.needs_window_or_softcap:
+        if not self.qk_norm:
             # One kernel may do the pending norm, q/k/v, rotary and the KV write: attention only attends.
             q = self.qkv_proj.forward_rotary(hidden_states, positions, self.rotary_emb, self.attn, attn_metadata)
             if q is not None:
@@ -97,10 +97,10 @@ class LlamaAttention(nn.Module):
         q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        # Rotary, the KV-cache write and attention (fused as the backend allows: Attention.forward_with_rotary).
-        return self.o_proj(self.attn.forward_with_rotary(positions, q, k, v, self.rotary_emb, attn_metadata))
+        # q/k norms, rotary, the KV-cache write and attention (fused as the backend allows:
+        # Attention.forward_with_rotary).
+        norms = (self.q_norm, self.k_norm) if self.qk_norm else (None, None)
+        return self.o_proj(self.attn.forward_with_rotary(positions, q, k, v, self.rotary_emb, attn_metadata, *norms))
 
 
 class LlamaMLP(nn.Module):

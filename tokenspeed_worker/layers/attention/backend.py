@@ -84,6 +84,10 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:
         """Store k, v at the step's slots, then return attention output [T, num_heads, head_dim]."""
 
+    # Whether attend_rotary takes q_norm / k_norm (RMSNorm layers over each head, applied before
+    # the rotary); backends without it get q and k normalized.
+    fuses_head_norms: bool = False
+
     def fuses_rope(self, metadata: object) -> bool:
         """Whether `attend_rotary` serves this step: the rotary and the KV write done inside the
         attention kernel (Attention.forward_with_rotary). Default: never."""

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from tokenspeed_worker.layers.attention.backend import AttentionBackend
+from tokenspeed_worker.layers.layernorm import RMSNorm
 from tokenspeed_worker.layers.rotary import RotaryEmbedding
 
 
@@ -38,25 +39,41 @@ class Attention(nn.Module):
         v: torch.Tensor,  # [T, Hkv * D] or [T, Hkv, D]
         rotary_emb: RotaryEmbedding,
         attn_metadata: object,
+        q_norm: RMSNorm | None = None,
+        k_norm: RMSNorm | None = None,
     ) -> torch.Tensor:
-        """Rotary on q and k, then attention -> [T, H * D].
+        """(q_norm and k_norm over each head,) rotary on q and k, then attention -> [T, H * D].
 
         With the fused kernels on (rotary_emb.fuses, layers/fused_kernels.py): where the backend
         rotates inside its attention kernel (`fuses_rope`: decode steps of the triton backend),
-        one kernel does it all; else, with a backend that attends over K/V written beforehand, one
-        kernel rotates q and writes the rotated k and v into the cache, and the backend only
-        attends; otherwise rotary_emb, then forward."""
+        one kernel does it all, the head norms included where it takes them; else, with a backend
+        that attends over K/V written beforehand, one kernel rotates q and writes the rotated k and
+        v into the cache, and the backend only attends; otherwise rotary_emb, then forward."""
         if self.fuses_rope(rotary_emb, q, attn_metadata):
+            norms = {}
+            if q_norm is not None:
+                if self._fuses_head_norms(q_norm, k_norm, q):
+                    norms = {"q_norm": q_norm, "k_norm": k_norm}
+                else:
+                    q, k = q_norm(q), k_norm(k)
             out = self.backend.attend_rotary(
                 q, k, v.view(-1, self.num_kv_heads, self.head_dim), self.k_cache, self.v_cache, attn_metadata,
-                self.scale, positions, rotary_emb.cos_cache, rotary_emb.sin_cache, **self._extras(),
+                self.scale, positions, rotary_emb.cos_cache, rotary_emb.sin_cache, **self._extras(), **norms,
             )
             return out.view(-1, self.num_heads * self.head_dim)
+        if q_norm is not None:
+            q, k = q_norm(q), k_norm(k)
         if self.backend is not None and self.backend.supports_prewritten_kv and rotary_emb.fuses(q):
             return self.attend_prewritten(self.rope_and_write_kv(positions, q, k, v, rotary_emb, attn_metadata),
                                           attn_metadata)
         q, k = rotary_emb(positions, q, k)
         return self(q, k, v, attn_metadata)
+
+    def _fuses_head_norms(self, q_norm: RMSNorm, k_norm: RMSNorm, q: torch.Tensor) -> bool:
+        """Whether attend_rotary can apply these head norms itself: the backend takes them, both of
+        one form and eps, weights [D] of q's dtype."""
+        return (self.backend.fuses_head_norms and type(q_norm) is type(k_norm) and q_norm.eps == k_norm.eps
+                and all(n.weight.shape == (self.head_dim,) and n.weight.dtype == q.dtype for n in (q_norm, k_norm)))
 
     @property
     def needs_window_or_softcap(self) -> bool:

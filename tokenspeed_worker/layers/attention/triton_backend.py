@@ -328,6 +328,8 @@ class TritonAttentionBackend(AttentionBackend):
         )
         return out
 
+    fuses_head_norms = True  # attend_rotary takes q/k RMSNorms (q_norm, k_norm) before its rotary
+
     def fuses_rope(self, metadata: TritonAttentionMetadata) -> bool:
         """Decode-only steps (eager or in a CUDA graph) of at most fuse_rope_max_rows rows take the
         decode kernel's own rotary."""
@@ -335,11 +337,14 @@ class TritonAttentionBackend(AttentionBackend):
 
     def attend_rotary(self, q, k, v, k_cache, v_cache, metadata: TritonAttentionMetadata, scale: float,
                       positions, cos_cache, sin_cache, window: int | None = None,
-                      softcap: float | None = None) -> torch.Tensor:
+                      softcap: float | None = None, q_norm=None, k_norm=None) -> torch.Tensor:
         if not self.fuses_rope(metadata):
             raise ValueError("attend_rotary serves decode-only steps (fuses_rope)")
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         rope = DecodeRope(k, v, positions, cos_cache, sin_cache, metadata.slot_mapping)
+        if q_norm is not None:
+            rope.q_norm_weight, rope.k_norm_weight = q_norm.weight, k_norm.weight
+            rope.norm_eps, rope.norm_unit_offset = q_norm.eps, q_norm.unit_offset
         extras = {"window": window, "softcap": softcap} if window or softcap else {}
         self._decode(q, k_cache, v_cache, metadata, scale, out, rope, **extras)
         return out
