@@ -118,3 +118,45 @@ def test_online_fp8_linear_layer_at_every_row_count(rows):
         unquantized = normed.double() @ dense.double().t()
         unquantized = torch.nn.functional.silu(unquantized[:, :inter]) * unquantized[:, inter:]
         assert _relative(out, unquantized) < 0.1
+
+
+def test_a_norms_fp8_projection_quantizes_inside_the_norm_kernel(monkeypatch):
+    """Many rows of an FP8 projection after a pending norm: one kernel normalizes and quantizes each
+    row (kernels/norm.add_rms_norm_quantized), and the layer's output and residual stream are the
+    same bits as the norm, quantize_rows and the scaled GEMM one after the other."""
+    from tokenspeed_worker.kernels import norm as norm_kernels
+    from tokenspeed_worker.layers.layernorm import PendingNorm, RMSNorm
+    from tokenspeed_worker.layers.linear import QKVLinear
+    from tokenspeed_worker.layers.quantization import Fp8LinearScheme, QuantConfig
+    from tokenspeed_worker.layers.quantization.methods import building, process_weights_after_loading
+
+    hidden, rows = 4096, 300
+    with torch.device("cuda"), building(QuantConfig("fp8", Fp8LinearScheme("channel", "dynamic", "token"),
+                                                    online=True)):
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            layer = QKVLinear(hidden, 128, 32, 8, prefix="m.qkv_proj", shard_names=["q", "k", "v"])
+            norm = RMSNorm(hidden)
+        finally:
+            torch.set_default_dtype(torch.float32)
+    with torch.no_grad():
+        for shard, size in zip("qkv", (4096, 1024, 1024)):
+            q, scale = fp8.quantize_weight_rows(torch.randn(size, hidden, device="cuda") * 0.02)
+            layer.weight.weight_loader(layer.weight, q, shard)
+            layer.weight_scale.weight_loader(layer.weight_scale, scale, shard)
+        norm.weight.copy_(1 + 0.1 * torch.randn(hidden, device="cuda"))
+    process_weights_after_loading(layer)
+    calls = []
+    real = norm_kernels.add_rms_norm_quantized
+    monkeypatch.setattr(norm_kernels, "add_rms_norm_quantized", lambda *a: calls.append(1) or real(*a))
+    x = torch.randn(rows, hidden, device="cuda").to(torch.bfloat16)
+    residual = torch.randn(rows, hidden, device="cuda").to(torch.bfloat16)
+    with torch.no_grad():
+        pending = PendingNorm(norm, x, residual)
+        out = layer(pending)
+        normed, expected_residual = norm(x, residual)
+        q, s = fp8.quantize_rows(normed)
+        expected = fp8.scaled_mm(q, s, layer.weight, layer.weight_scale_rows, None, torch.bfloat16)
+    assert calls == [1]
+    assert torch.equal(pending.residual, expected_residual)
+    assert torch.equal(out, expected)

@@ -161,6 +161,30 @@ def test_gemma_norm_forms_match_torch(dtype):
         pre.defer(y)
 
 
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_norm_then_fp8_quantization_in_one_kernel(with_residual):
+    """add_rms_norm_quantized: the same bits as the norm kernel's output quantized by quantize_rows
+    (a zero row included: the smallest scale), the residual stream as the fused add's."""
+    from tokenspeed_worker.kernels import fp8
+
+    x = _randn(6, 96, dtype=torch.bfloat16, seed=31, scale=5.0)
+    x[2] = 0
+    residual = _randn(6, 96, dtype=torch.bfloat16, seed=32) if with_residual else None
+    if with_residual:
+        residual[2] = 0
+    weight = (1 + 0.2 * torch.randn(96, generator=_gen(33))).to(torch.bfloat16).to(DEVICE)
+    q, scale, stream = norm.add_rms_norm_quantized(x, residual, weight, 1e-6)
+    if with_residual:
+        normed, expected_stream = norm.fused_add_rms_norm(x, residual, weight, 1e-6, inplace=False)
+    else:
+        normed, expected_stream = norm.rms_norm(x, weight, 1e-6), x
+    q_ref, scale_ref = fp8.quantize_rows_reference(normed)
+    assert q.dtype == fp8.FP8_DTYPE and q.shape == (6, 96) and scale.shape == (6, 1)
+    assert torch.equal(stream, expected_stream)
+    assert torch.equal(scale, scale_ref)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
 # -- silu(gate) * up --------------------------------------------------------------------------
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from tokenspeed_worker import env
+from tokenspeed_worker.kernels import fp8
 
 try:
     import triton
@@ -63,7 +64,7 @@ if AVAILABLE:
 
     @triton.jit
     def _fused_add_rms_norm_kernel(
-        x_ptr, residual_ptr, residual_out_ptr, weight_ptr, x_weight_ptr, out_ptr,
+        x_ptr, residual_ptr, residual_out_ptr, weight_ptr, x_weight_ptr, out_ptr, scale_ptr,
         rows_per_group, stride_x_group, stride_x_row, stride_residual, stride_residual_out, stride_out,
         hidden, eps,
         ADD_RESIDUAL: tl.constexpr,
@@ -71,6 +72,8 @@ if AVAILABLE:
         UNIT_OFFSET: tl.constexpr,
         LIBDEVICE: tl.constexpr,
         BLOCK: tl.constexpr,
+        QUANT_MAX: tl.constexpr = 0.0,
+        QUANT_MIN_SCALE: tl.constexpr = 0.0,
     ):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
@@ -86,24 +89,31 @@ if AVAILABLE:
             x = (x.to(tl.float32) + residual.to(tl.float32)).to(dtype)
             tl.store(residual_out_ptr + row * stride_residual_out + cols, x, mask=in_row)
         out = _rms_scale(x.to(tl.float32), weight_ptr, cols, in_row, hidden, eps, dtype, UNIT_OFFSET, LIBDEVICE)
+        if QUANT_MAX > 0:  # the row rounded to the dtype, then quantized with its own scale (kernels/fp8.quantize_rows)
+            out = out.to(dtype).to(tl.float32)
+            scale = tl.maximum(tl.max(tl.where(in_row, tl.abs(out), 0.0), axis=0) / QUANT_MAX, QUANT_MIN_SCALE)
+            out = tl.clamp(tl.math.div_rn(out, scale), -QUANT_MAX, QUANT_MAX)
+            tl.store(scale_ptr + row, scale)
         tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=in_row)
 
 
 def _launch(
     x: torch.Tensor, residual: torch.Tensor | None, residual_out: torch.Tensor | None, weight: torch.Tensor, eps: float,
-    unit_offset: bool = False, x_weight: torch.Tensor | None = None,
-) -> torch.Tensor:
+    unit_offset: bool = False, x_weight: torch.Tensor | None = None, quantized: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     if not AVAILABLE:
         raise RuntimeError("triton is not installed")
     hidden = x.shape[-1]
     for w in (weight, weight if x_weight is None else x_weight):
         if w.shape != (hidden,) or hidden > MAX_HIDDEN:
             raise ValueError(f"weight {tuple(w.shape)} does not fit hidden size {hidden} (at most {MAX_HIDDEN})")
-    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    out = torch.empty(x.shape, dtype=fp8.FP8_DTYPE if quantized else torch.promote_types(x.dtype, weight.dtype),
+                      device=x.device)
     out_rows = out.view(-1, hidden)
     num_rows = out_rows.shape[0]
+    scale = torch.empty((num_rows, 1), dtype=torch.float32, device=x.device) if quantized else out_rows
     if num_rows == 0:
-        return out
+        return (out_rows, scale) if quantized else out
     # x as [groups, rows_per_group, hidden] with any strides over the first two (no copy of a
     # strided view), contiguous along hidden.
     rows = x if x.dim() == 3 else x.reshape(-1, x.shape[-2], hidden) if x.dim() > 3 else x.reshape(-1, 1, hidden)
@@ -120,7 +130,7 @@ def _launch(
     block = triton.next_power_of_2(hidden)
     _fused_add_rms_norm_kernel[(num_rows,)](
         rows, residual_rows, residual_out_rows, weight.contiguous(),
-        weight if x_weight is None else x_weight.contiguous(), out_rows,
+        weight if x_weight is None else x_weight.contiguous(), out_rows, scale,
         rows.shape[1], rows.stride(0), rows.stride(1),
         residual_rows.stride(0), residual_out_rows.stride(0), out_rows.stride(0),
         hidden, float(eps),
@@ -129,9 +139,11 @@ def _launch(
         UNIT_OFFSET=unit_offset,
         LIBDEVICE=not interpreting(),
         BLOCK=block,
+        QUANT_MAX=fp8.FP8_MAX if quantized else 0.0,
+        QUANT_MIN_SCALE=fp8.MIN_SCALE if quantized else 0.0,
         num_warps=min(16, max(1, block // 512)),
     )
-    return out
+    return (out_rows, scale) if quantized else out
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
@@ -165,4 +177,21 @@ def fused_add_rms_norm(
     return _launch(x, residual, residual_out, weight, eps, unit_offset, x_weight), residual_out
 
 
-__all__ = ["AVAILABLE", "fused_add_rms_norm", "interpreting", "rms_norm"]
+def add_rms_norm_quantized(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q [M, K] float8 e4m3, s [M, 1] float32, x + residual (x itself without a residual)): the
+    norm of x (+ residual) in Llama's form, rounded to x's dtype, then each row quantized with its
+    own scale: the same bits as kernels/fp8.quantize_rows(rms_norm(...)), without the normalized
+    rows going through memory (the FP8 GEMM's input for a norm's projection). The residual is not
+    modified; x + residual is a new tensor."""
+    if residual is None:
+        return (*_launch(x, None, None, weight, eps, quantized=True), x)
+    if residual.shape != x.shape or residual.dtype != x.dtype:
+        raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} must match x {tuple(x.shape)} {x.dtype}")
+    residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    q, scale = _launch(x, residual, residual_out, weight, eps, quantized=True)
+    return q, scale, residual_out
+
+
+__all__ = ["AVAILABLE", "add_rms_norm_quantized", "fused_add_rms_norm", "interpreting", "rms_norm"]

@@ -105,11 +105,23 @@ class Linear(nn.Module):
         """x W^T (+ b); x may be a pending norm, folded into the product where that is faster."""
         if isinstance(x, PendingNorm):
             if self.gemv is None:
-                return self._product(x.apply(), self.bias)
-            out, residual = self.gemv.norm_linear(x, self)
+                out, residual = self.norm_product(x)
+            else:
+                out, residual = self.gemv.norm_linear(x, self)
             x.folded(residual)
             return out
         return self._product(x, self.bias)
+
+    def norm_product(self, pending: PendingNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this product of the pending norm's output, its residual stream) without the small-batch
+        kernels: the quantization method may take the norm into its activation quantization (FP8:
+        one kernel normalizes and quantizes each row); else the norm, then `forward`."""
+        if self.quant_method is not None:
+            fused = self.quant_method.apply_normed(self, pending, self.bias)
+            if fused is not None:
+                return fused
+        hidden, residual = pending.normalize()
+        return self(hidden), residual
 
     def dense_product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x W^T (+ bias) without the small-batch kernels: the quantization method's product, or F.linear."""

@@ -124,8 +124,8 @@ class SmallBatchGemv:
             return proj(hidden), new_residual
 
         kernels = self._kernels(x, proj)
-        if kernels is None:
-            return plain()
+        if kernels is None:  # many rows: the layer's own product (FP8: the norm in its quantization)
+            return proj.norm_product(pending)
 
         def fused(config):
             return kernels.small_batch_linear(x, proj.weight, proj.bias, norm_weight=norm.weight, residual=residual,
@@ -145,7 +145,8 @@ class SmallBatchGemv:
 
         kernels = self._kernels(x, gate_up)
         if kernels is None or gate_up.bias is not None:
-            return plain()
+            out, new_residual = gate_up.norm_product(pending)
+            return act(out), new_residual
 
         def fused(config):
             return kernels.small_batch_linear(x, gate_up.weight, norm_weight=norm.weight, residual=residual,

@@ -16,7 +16,8 @@ so the 16-bit model never sits whole in memory. After loading, each weight becom
 - FP8 kept (CUDA, compute capability 9.0+): the FP8 weight with one float32 scale per row
   (`Linear.weight_scale_rows`): a per-tensor scale repeated over its shard's rows, a per-channel
   scale as it is (an online weight's: max |row| / 448). The product quantizes the activations per
-  token and runs kernels/fp8.scaled_mm (cuBLASLt FP8 GEMM, both scales in its epilogue); for a
+  token and runs kernels/fp8.scaled_mm (cuBLASLt FP8 GEMM, both scales in its epilogue), the
+  quantization inside the norm kernel where the input is a pending norm (`apply_normed`); for a
   few rows the small-batch GEMV kernel reads the FP8 weight instead, with 16-bit activations. A
   checkpoint's static input scales are not used: per-token scales cost the same pass and lose less.
 - FP8 kept, block-wise (the same devices, with triton, K groups of a power of two >= 32 columns,
@@ -41,6 +42,7 @@ from torch import nn
 
 from tokenspeed_worker import distributed
 from tokenspeed_worker.kernels import fp8 as fp8_kernels
+from tokenspeed_worker.layers.fused_kernels import use_fused
 from tokenspeed_worker.layers.quantization.base import Fp8LinearScheme, QuantConfig, UnsupportedQuantization
 
 logger = logging.getLogger(__name__)
@@ -273,6 +275,21 @@ class Fp8LinearMethod:
         q, scale = fp8_kernels.quantize_rows(x)
         out = fp8_kernels.scaled_mm(q, scale, layer.weight, layer.weight_scale_rows, bias, x.dtype)
         return out.view(*x.shape[:-1], out.shape[-1])
+
+    def apply_normed(self, layer: nn.Module, pending, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(`apply` of the pending norm's output, its residual stream) with the norm and the per-token
+        quantization in one kernel (kernels/norm.add_rms_norm_quantized: the same bits as the norm,
+        then quantize_rows), where the weight is FP8 with row scales and the norm kernel takes the
+        norm (Llama's form, the fused kernels on); else None (the caller normalizes, then `apply`)."""
+        x, norm = pending.x, pending.norm
+        if layer.weight.dtype != FP8_DTYPE or layer.weight_scale_blocks is not None or norm.unit_offset:
+            return None
+        kernels = use_fused(x, "norm")
+        if kernels is None or norm.weight.dtype != x.dtype or not norm._fusable(x, pending.residual_in, kernels.MAX_HIDDEN):
+            return None
+        q, scale, residual = kernels.add_rms_norm_quantized(x, pending.residual_in, norm.weight, norm.eps)
+        out = fp8_kernels.scaled_mm(q, scale, layer.weight, layer.weight_scale_rows, bias, x.dtype)
+        return out.view(*x.shape[:-1], out.shape[-1]), residual
 
 
 def online_modules(model: nn.Module) -> set[str]:
