@@ -266,7 +266,7 @@ suite_serving() {
     --concurrency ${SERVING_C:-1 64 256} --prompt-len 128 --output-len 128 --rounds "${SERVING_ROUNDS:-2}" \
     --client-procs 8 $sub -- --load-format dummy ${SERVING_ARGS:-}
   # Where the startup went: the worker's own log lines of its phases (its log stays on the machine).
-  dry || grep -hE "CUDA graphs: captured|KV pool sizing|engine ready|warm-up|serving .* on|first seen while" \
+  dry || grep -hE "startup|CUDA graphs: captured|KV pool sizing|engine ready|warm-up|serving .* on|first seen while" \
     "$(ls -t "$tree"/.cache/logs/worker-*.log 2>/dev/null | head -1)" 2>/dev/null | cut -c1-300 \
     > "$OUT/logs/serving_${case}${tag:+_$tag}_startup.log"
 }

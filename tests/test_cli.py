@@ -416,7 +416,7 @@ def test_every_dataclass_field_is_in_the_table() -> None:
 def test_defaults_start_the_server(monkeypatch: pytest.MonkeyPatch) -> None:
     received: list[ServerArgs] = []
 
-    def run_server(args: ServerArgs) -> int:
+    def run_server(args: ServerArgs, launched: float | None = None) -> int:
         received.append(args)
         return 0
 
@@ -431,7 +431,7 @@ def test_defaults_start_the_server(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_run_server_exit_code_is_the_process_exit_code(monkeypatch: pytest.MonkeyPatch) -> None:
     fake = types.ModuleType("tokenspeed_worker.server.launch")
-    fake.run_server = lambda args: 3  # type: ignore[attr-defined]
+    fake.run_server = lambda args, launched=None: 3  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "tokenspeed_worker.server.launch", fake)
     with pytest.raises(SystemExit) as exc_info:
         cli.main(["/m"])

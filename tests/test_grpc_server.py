@@ -102,6 +102,22 @@ def test_a_port_in_use_is_a_clear_error_and_the_harness_starts_elsewhere(model_d
             assert w.stop() == 0, w.log()
 
 
+def test_the_log_reports_each_startup_phase_with_its_seconds(worker):
+    """Operators see where startup went: each phase at info with its seconds as it ends, one line
+    summing them, the warm-up generation, and the time from launch to serving."""
+    import re
+
+    log = worker.log()
+    for phase in ("model construction", "weight load", "memory profile and KV pool sizing", "KV cache allocation",
+                  "attention timing", "CUDA graph capture", "kernel warm-up", "scheduler, sampler and grammar setup",
+                  "engine process start", "engine start", "warm-up generation"):
+        assert re.search(rf"startup: {re.escape(phase)} \d+\.\d s", log), (phase, log)
+    assert re.search(r"startup: weight load \d+\.\d s \(\d+\.\d\d GiB of safetensors at [\d.]+ GiB/s\)", log)
+    summary = re.search(r"startup phases: (.*) = (\d+\.\d) s", log)
+    assert summary and "weight load" in summary.group(1)
+    assert re.search(r"serving tiny-llama on 127\.0\.0\.1:\d+ \(port \d+\), ready \d+\.\d s after launch", log)
+
+
 def test_reflection_lists_the_service(worker):
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from collections.abc import Sequence
 
 from tokenspeed_worker.config import PROG, ServerArgs, UnsupportedOptionError, check_supported, parse_args
@@ -34,13 +35,14 @@ def prepare(argv: Sequence[str] | None = None) -> ServerArgs:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    launched = time.monotonic()
     args = prepare(argv)
     setup_logging(args.log_level)
     logging.getLogger(__name__).debug("server args: %s", args)
 
     from tokenspeed_worker.server.launch import run_server  # heavy: torch, grpc, engine
 
-    sys.exit(run_server(args))
+    sys.exit(run_server(args, launched))
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ from tokenspeed_worker.engine.messages import AddRequest, EngineReady, KvEvents,
 from tokenspeed_worker.engine.rows import RowTable
 from tokenspeed_worker.engine.throughput import ThroughputWindow
 from tokenspeed_worker.sampling.sampler import SampleOutput
+from tokenspeed_worker.startup import StartupPhases
 
 logger = logging.getLogger(__name__)
 
@@ -102,12 +103,13 @@ def size_kv_pool_tokens(cfg: EngineConfig, kv_bytes_per_token: int, device: torc
     return int(max(max_model_len, min(tokens, max_model_len * max_num_seqs)))
 
 
-def build_runner(cfg: EngineConfig):
+def build_runner(cfg: EngineConfig, phases: StartupPhases | None = None):
     """The model runner of this rank with its KV pool allocated and its CUDA graphs captured;
-    returns (runner, num_blocks). Every tensor-parallel rank runs this in lockstep (the profiling
+    returns (runner, num_blocks); each step timed into `phases` (engine/startup.py). Every tensor-parallel rank runs this in lockstep (the profiling
     forward and the graph captures hold collectives); the pool size is the smallest any rank can hold."""
     from tokenspeed_worker.model_executor.model_runner import ModelRunner
 
+    phases = phases if phases is not None else StartupPhases()
     torch.manual_seed(cfg.model.seed)
     device = torch.device(cfg.rank_device)
     if device.type == "cuda" and device.index is not None:
@@ -115,20 +117,31 @@ def build_runner(cfg: EngineConfig):
         # or tensor-parallel rank on cuda:1 must make it current, not just place its tensors there.
         torch.cuda.set_device(device)
     runner = ModelRunner(cfg)
+    for name, seconds, detail in runner.startup_timings:
+        phases.add(name, seconds, detail)
     device = torch.device(runner.device)
-    if cfg.cache.max_total_tokens:
-        pool_tokens = int(cfg.cache.max_total_tokens)
-    else:
-        pool_tokens = size_kv_pool_tokens(cfg, runner.kv_bytes_per_token(), device, runner)
-    if distributed.size() > 1:
-        smallest = torch.tensor([pool_tokens], dtype=torch.int64, device=device)
-        torch.distributed.all_reduce(smallest, op=torch.distributed.ReduceOp.MIN)
-        pool_tokens = int(smallest.item())
+    with phases.phase("memory profile and KV pool sizing"):
+        if cfg.cache.max_total_tokens:
+            pool_tokens = int(cfg.cache.max_total_tokens)
+        else:
+            pool_tokens = size_kv_pool_tokens(cfg, runner.kv_bytes_per_token(), device, runner)
+        if distributed.size() > 1:
+            smallest = torch.tensor([pool_tokens], dtype=torch.int64, device=device)
+            torch.distributed.all_reduce(smallest, op=torch.distributed.ReduceOp.MIN)
+            pool_tokens = int(smallest.item())
     num_blocks = max(1, pool_tokens // cfg.cache.block_size)
-    runner.allocate_kv_cache(num_blocks)
-    runner.tune_attention()
-    runner.capture_cuda_graphs()
-    runner.warm_up_kernels()
+    with phases.phase("KV cache allocation"):
+        runner.allocate_kv_cache(num_blocks)
+    with phases.phase("attention timing"):
+        runner.tune_attention()
+    with phases.phase("CUDA graph capture") as info:
+        runner.capture_cuda_graphs()
+        report = runner.capture_report
+        if report is not None:
+            info["detail"] = (f"{len(report.sizes)} sizes; first runs, mostly kernel compiles, "
+                              f"{report.first_run_seconds:.1f} s; small-batch kernel timing {report.tuning_seconds:.1f} s")
+    with phases.phase("kernel warm-up"):
+        runner.warm_up_kernels()
     return runner, num_blocks
 
 
@@ -143,8 +156,10 @@ class EngineCore:
         from tokenspeed_worker.scheduler.scheduler import Scheduler
 
         self.cfg = cfg
-        self.runner, self.num_blocks = build_runner(cfg)
+        self.startup = StartupPhases()
+        self.runner, self.num_blocks = build_runner(cfg, self.startup)
         self.device = torch.device(self.runner.device)
+        setup_start = time.perf_counter()
         self.kv_cache_bytes = self.num_blocks * cfg.cache.block_size * self.runner.kv_bytes_per_token()
         self.tp_size = cfg.parallel.tensor_parallel_size
         self.scheduler = Scheduler.from_config(cfg.scheduler, cfg.cache, self.num_blocks,
@@ -166,6 +181,7 @@ class EngineCore:
         fault = faults.from_env()
         if fault is not None:  # the test hook wraps the step's device work; nothing checks for it otherwise
             self._run = fault.wrap(self._run)
+        self.startup.add("scheduler, sampler and grammar setup", time.perf_counter() - setup_start)
         logger.info(
             "engine ready: %s on %s (%s), attention %s, CUDA graphs %s, overlap scheduling %s, KV pool %d blocks x %d tokens (%.2f GiB), "
             "weights %.2f GiB",
@@ -180,6 +196,8 @@ class EngineCore:
             self.kv_cache_bytes / _GIB,
             self.runner.weight_bytes() / _GIB,
         )
+        if distributed.rank() == 0:
+            logger.info("startup phases: %s", self.startup.summary())
 
     # ---- facts ------------------------------------------------------------
 

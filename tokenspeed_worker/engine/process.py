@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 import traceback
 from multiprocessing.connection import Connection
 
@@ -47,12 +48,15 @@ def _setup_logging(level: str) -> None:
     )
 
 
-def engine_main(cfg: EngineConfig, conn: Connection, log_level: str = "info") -> None:
-    """Entry point of the engine process (spawned by the server)."""
+def engine_main(cfg: EngineConfig, conn: Connection, log_level: str = "info", spawned_at: float | None = None) -> None:
+    """Entry point of the engine process (spawned by the server at time.time() `spawned_at`)."""
     lifetime.guard()  # first: ignore the service's stop signals, die with the server
     _setup_logging(log_level)
     try:
         from tokenspeed_worker.engine.engine_core import EngineCore
+
+        if spawned_at is not None:
+            logger.info("startup: engine process start %.1f s (interpreter, imports)", time.time() - spawned_at)
 
         if cfg.parallel.tensor_parallel_size > 1:  # the server started the other ranks; join them
             from tokenspeed_worker.engine.tp_worker import join_group

@@ -40,6 +40,7 @@ from tokenspeed_worker.layers.fused_kernels import use_fused
 from tokenspeed_worker.kernels.timing import back_to_back_us
 from tokenspeed_worker.sampling.sampler import greedy_workspace, widen_and_greedy
 from tokenspeed_worker.scheduler.plan import SchedulePlan
+from tokenspeed_worker.startup import Progress
 
 logger = logging.getLogger(__name__)
 
@@ -204,6 +205,8 @@ class CaptureReport:
     seconds: float
     graph_bytes: int  # device memory the capture took (static buffers + graph pool), CUDA only
     static_bytes: int
+    first_run_seconds: float = 0.0  # each size's eager run before capture: mostly kernel compiles
+    tuning_seconds: float = 0.0  # the small-batch GEMV chooser timing steps (step_tuner)
 
 
 class DecodeGraphs:
@@ -288,16 +291,23 @@ class DecodeGraphs:
             torch.cuda.synchronize(self.device)
             free_before = torch.cuda.mem_get_info(self.device)[0]
         pool = torch.cuda.graph_pool_handle() if on_cuda and self.graph_class is CudaGraph else None
+        progress = Progress("CUDA graph capture (decode batch sizes)", len(self.sizes))
+        first_run = tuning = 0.0
         for size in reversed(self.sizes):  # largest first: the smaller graphs reuse its pool memory
             self._load_dummy_rows(size)
             step = self._make_step(size)
+            t0 = time.perf_counter()
             step()  # warm-up: compiles and autotunes kernels, which must not happen while capturing
+            if on_cuda:
+                torch.cuda.synchronize(self.device)
+            first_run += time.perf_counter() - t0
             if self.step_tuner is not None and on_cuda and self.graph_class is CudaGraph:
                 timed_before, tuning_start = self.timed_steps, time.perf_counter()
                 report = self.step_tuner(size, self.step_timer(size))
                 if self.timed_steps != timed_before:  # the timer ran: dummy rows back, warm up what was chosen
                     self.tuning[size] = {**report, "timed_steps": self.timed_steps - timed_before,
                                          "seconds": time.perf_counter() - tuning_start}
+                    tuning += self.tuning[size]["seconds"]
                     self._load_dummy_rows(size)
                     step = self._make_step(size)
                     step()
@@ -310,12 +320,14 @@ class DecodeGraphs:
                     f"(attention backend {self.backend.name}); --enforce-eager runs without graphs"
                 ) from error
             self.graphs[size] = graph
+            progress.tick(len(self.graphs))
         self.captured_sizes = sorted(self.graphs)
         graph_bytes = 0
         if on_cuda:
             torch.cuda.synchronize(self.device)
             graph_bytes = free_before - torch.cuda.mem_get_info(self.device)[0] + self.static_bytes
-        return CaptureReport(list(self.sizes), time.perf_counter() - start, graph_bytes, self.static_bytes)
+        return CaptureReport(list(self.sizes), time.perf_counter() - start, graph_bytes, self.static_bytes,
+                             first_run, tuning)
 
     def _make_step(self, size: int) -> Callable[[], None]:
         inputs = self.inputs[size]

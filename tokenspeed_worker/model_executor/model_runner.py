@@ -28,6 +28,7 @@ from tokenspeed_worker.layers import rotary, small_batch_gemv
 from tokenspeed_worker.layers.moe import FusedMoE, expert_parallel
 from tokenspeed_worker.layers.attention import Attention, AttentionBackend, AttentionInputs, get_attention_backend
 from tokenspeed_worker.model_executor.cuda_graph import (
+    CaptureReport,
     CudaGraph,
     DecodeGraphs,
     capture_sizes,
@@ -36,7 +37,7 @@ from tokenspeed_worker.model_executor.cuda_graph import (
     resolve_pending_ids,
 )
 from tokenspeed_worker.layers.quantization import kv_scales, methods as quant_methods
-from tokenspeed_worker.model_executor.loader import load_model_weights
+from tokenspeed_worker.model_executor.loader import load_model_weights, safetensors_files
 from tokenspeed_worker.models.llama import head_dim_of
 from tokenspeed_worker.models.registry import get_model_class, language_model_config
 from tokenspeed_worker.scheduler.plan import SchedulePlan
@@ -44,6 +45,7 @@ from tokenspeed_worker.scheduler.plan import SchedulePlan
 logger = logging.getLogger(__name__)
 
 _MIB = 1 << 20
+_GIB = 1 << 30
 
 TORCH_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -98,11 +100,20 @@ class ModelRunner:
         torch.manual_seed(self.seed)
         # This runner's small-batch GEMV choices: its layers consult it (layers/small_batch_gemv.py).
         self.small_batch_gemv = small_batch_gemv.SmallBatchGemv()
+        # (phase, seconds, detail) of this constructor's startup phases (engine/startup.py reports them)
+        self.startup_timings: list[tuple[str, float, str]] = []
+        start = time.perf_counter()
         with (torch.device(self.device), _default_dtype(self.dtype), small_batch_gemv.building(self.small_batch_gemv),
               quant_methods.building(config.model.quant_config), expert_parallel(config.parallel.expert_parallel_size),
               rotary.serving_length(config.scheduler.max_model_len)):
             self.model = model_class(self.hf_config)
+        self.startup_timings.append(("model construction", time.perf_counter() - start, ""))
+        start = time.perf_counter()
         self.load_format = load_model_weights(self.model, config.model)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        seconds = time.perf_counter() - start
+        self.startup_timings.append(("weight load", seconds, _load_detail(self.load_format, config.model.path, seconds)))
         self.kv_scales_source = self._fold_kv_cache_scales(config)
         experts = [m for m in self.model.modules() if isinstance(m, FusedMoE)]
         if config.parallel.expert_parallel_size > 1 and distributed.rank() == 0:
@@ -150,6 +161,7 @@ class ModelRunner:
         self.use_cuda_graphs = self.cuda_graphs_off_reason is None
         self.cuda_graphs: DecodeGraphs | None = None
         self.graph_bytes = 0  # device memory of the captured decode graphs (capture_cuda_graphs)
+        self.capture_report: CaptureReport | None = None
         # The last step's sampled tokens, on the device: with overlap scheduling a plan's input
         # id -1 - i stands for sample i of the previous step, not yet known on the host.
         self.last_sampled = torch.zeros(max(1, max_num_seqs, *self.cudagraph_sizes), dtype=torch.int64,
@@ -354,6 +366,7 @@ class ModelRunner:
             step_tuner=step_tuner(self.small_batch_gemv, self.device),
         )
         report = graphs.capture()
+        self.capture_report = report
         self.graph_bytes = int(report.graph_bytes)
         for size, tuning in sorted(graphs.tuning.items()):
             _log_step_tuning(size, tuning)
@@ -475,3 +488,11 @@ def _profile_plan(lengths: list[int], block_size: int, vocab_size: int) -> Sched
 def _ranges(sizes: list[int]) -> str:
     """[1, 2, 4, 8, 16, 24, ..., 256] compactly for a log line."""
     return str(sizes) if len(sizes) <= 8 else f"[{', '.join(map(str, sizes[:6]))}, ..., {sizes[-1]}]"
+
+
+def _load_detail(load_format: str, path: str, seconds: float) -> str:
+    """What the weight load read: dummy weights, or the checkpoint's bytes and their rate."""
+    if load_format == "dummy":
+        return "dummy weights"
+    size = sum(f.stat().st_size for f in safetensors_files(path))
+    return f"{size / _GIB:.2f} GiB of safetensors at {size / _GIB / max(seconds, 1e-9):.2f} GiB/s"

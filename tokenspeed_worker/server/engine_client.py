@@ -208,7 +208,8 @@ class EngineClient:
         self._check_cancelled()
         parent, child = ctx.Pipe(duplex=True)
         name = "tokenspeed-engine" if self.data_parallel_size == 1 else f"tokenspeed-engine-dp{replica.index}"
-        replica.proc = ctx.Process(target=engine_main, args=(cfg, child, self._log_level), name=name, daemon=True)
+        replica.proc = ctx.Process(target=engine_main, args=(cfg, child, self._log_level, time.time()), name=name,
+                                   daemon=True)
         lifetime.start(replica.proc)
         child.close()
         replica.conn = parent

@@ -88,7 +88,7 @@ def _kill_on_signal(engine: EngineClient):
 
 
 async def serve(server_cfg: ServerConfig, args: ServerArgs, facts, engine: EngineClient,
-                signals: list[int] | None = None) -> int:
+                signals: list[int] | None = None, launched: float | None = None) -> int:
     """Serve until a stop signal or the engine's death. `args`: what the servicer and the metrics
     read (and GetServerInfo reports). `signals`: stop signals already received (during startup);
     the ones received here are appended."""
@@ -125,7 +125,8 @@ async def serve(server_cfg: ServerConfig, args: ServerArgs, facts, engine: Engin
             pass
     try:
         # exit_code is read late: on_dead sets it.
-        return await _serve(server_cfg, args, facts, engine, stop, now, signals, lambda: exit_code)
+        return await _serve(server_cfg, args, facts, engine, stop, now, signals, lambda: exit_code,
+                            time.monotonic() if launched is None else launched)
     finally:
         # From here a stop signal kills the engine processes (engine.shutdown is next); swapped
         # here, not after the loop closes, which would restore the default handlers meanwhile.
@@ -135,14 +136,15 @@ async def serve(server_cfg: ServerConfig, args: ServerArgs, facts, engine: Engin
 
 
 async def _serve(server_cfg: ServerConfig, args: ServerArgs, facts, engine: EngineClient, stop: asyncio.Event,
-                 now: asyncio.Event, signals: list[int], exit_code) -> int:
+                 now: asyncio.Event, signals: list[int], exit_code, launched: float) -> int:
     """serve()'s body; `exit_code()`: 0, or 1 once the engine died."""
     if signals:  # a stop signal came between the engine's start and the handlers above
         stop.set()
         if len(signals) > 1:
             now.set()
+    warm_up_start = time.monotonic()
     await _warm_up(engine, facts)
-    logger.info("warm-up generation passed")
+    logger.info("warm-up generation passed (startup: warm-up generation %.1f s)", time.monotonic() - warm_up_start)
     if stop.is_set():  # stopped during the warm-up: never open the port
         logger.info("stopped before serving")
         return exit_code()
@@ -192,7 +194,8 @@ async def _serve(server_cfg: ServerConfig, args: ServerArgs, facts, engine: Engi
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     if server_cfg.api_key:
         logger.info("API key required on every RPC except the health checks")
-    logger.info("tokenspeed-worker serving %s on %s (port %d)", facts.served_model_name, address, port)
+    logger.info("tokenspeed-worker serving %s on %s (port %d), ready %.1f s after launch", facts.served_model_name,
+                address, port, time.monotonic() - launched)
 
     watchdog = asyncio.create_task(_watchdog(engine, server_cfg.watchdog_timeout))
     await stop.wait()
@@ -269,10 +272,12 @@ async def _watchdog(engine: EngineClient, timeout: float) -> None:
             return
 
 
-def run_server(args: ServerArgs) -> int:
+def run_server(args: ServerArgs, launched: float | None = None) -> int:
     """Run the worker of parsed, resolved and supported `args` (cli.prepare) until SIGTERM/SIGINT
     (exit 0) or an engine failure (exit 1); 2 when the model or a setting cannot work. The stop
-    signals are handled from the engine's start on (see the module docstring)."""
+    signals are handled from the engine's start on (see the module docstring). launched: the
+    time.monotonic() of the launch, for the startup report (default: now)."""
+    launched = time.monotonic() if launched is None else launched
     if not os.path.isdir(args.model):
         logger.error("model %r is not a local folder (this worker never downloads weights)", args.model)
         return 2
@@ -308,7 +313,10 @@ def run_server(args: ServerArgs) -> int:
     previous = {sig: signal.signal(sig, during_startup) for sig in STOP_SIGNALS} if own_signals else {}
     try:
         try:
+            engine_start = time.monotonic()
             ready = engine.start()
+            logger.info("startup: engine start %.1f s (its processes spawned, their imports, the engine's phases)",
+                        time.monotonic() - engine_start)
         except StartCancelled:
             logger.info("%s during startup: engine processes killed, exiting", signal.Signals(signals[0]).name)
             return 0
@@ -322,7 +330,7 @@ def run_server(args: ServerArgs) -> int:
         except ImportError:
             runner = asyncio.run
         try:
-            return runner(serve(server_cfg, args, facts, engine, signals))
+            return runner(serve(server_cfg, args, facts, engine, signals, launched))
         except EngineUnavailable as e:
             logger.error("%s", e)
             return 1
