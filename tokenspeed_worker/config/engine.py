@@ -75,6 +75,9 @@ class ModelConfig:
     # unquantized). Building refuses a mismatch or an unsupported scheme (ValueError).
     quantization: str | None = None
     quant_config: QuantConfig | None = None
+    # Where compiled kernels and timed kernel choices are kept between starts (kernel_cache.py);
+    # None: nothing kept.
+    cache_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_ALIASES:

@@ -573,6 +573,14 @@ class ServerArgs:
         parse=values.positive_int,
         default_doc="unbounded",
     )
+    cache_dir: str | None = _option(
+        None,
+        WORKER,
+        "Directory kept between starts: Triton's compiled kernels (unless TRITON_CACHE_DIR is set) and "
+        "the small-batch kernel choices timed at startup, under a folder per GPU, driver and version. "
+        "'none': neither is kept.",
+        default_doc="$XDG_CACHE_HOME/tokenspeed-worker (~/.cache/tokenspeed-worker)",
+    )
     seed: int = _option(
         0, WORKER, "Random seed for sampling and dummy weights.", aliases=("--random-seed",), parse=values.non_negative_int
     )

@@ -138,8 +138,12 @@ def build_runner(cfg: EngineConfig, phases: StartupPhases | None = None):
         runner.capture_cuda_graphs()
         report = runner.capture_report
         if report is not None:
+            chooser = runner.small_batch_gemv
             info["detail"] = (f"{len(report.sizes)} sizes; first runs, mostly kernel compiles, "
-                              f"{report.first_run_seconds:.1f} s; small-batch kernel timing {report.tuning_seconds:.1f} s")
+                              f"{report.first_run_seconds:.1f} s; small-batch kernel timing {report.tuning_seconds:.1f} s; "
+                              f"small-batch choices {chooser.reused} kept from an earlier start, "
+                              f"{len(chooser.decisions) - chooser.reused} timed")
+        runner.keep_kernel_choices()
     with phases.phase("kernel warm-up"):
         runner.warm_up_kernels()
     return runner, num_blocks

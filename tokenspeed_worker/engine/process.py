@@ -21,6 +21,7 @@ import traceback
 from multiprocessing.connection import Connection
 
 from tokenspeed_worker.config import EngineConfig
+from tokenspeed_worker import kernel_cache
 from tokenspeed_worker.engine import lifetime
 from tokenspeed_worker.engine.messages import (
     AbortRequests,
@@ -53,7 +54,10 @@ def engine_main(cfg: EngineConfig, conn: Connection, log_level: str = "info", sp
     lifetime.guard()  # first: ignore the service's stop signals, die with the server
     _setup_logging(log_level)
     try:
+        triton_cache = kernel_cache.use_triton_cache(cfg.model.cache_dir)  # before anything compiles
         from tokenspeed_worker.engine.engine_core import EngineCore
+
+        logger.debug("Triton's kernel cache: %s", triton_cache or "its default (~/.triton/cache)")
 
         if spawned_at is not None:
             logger.info("startup: engine process start %.1f s (interpreter, imports)", time.time() - spawned_at)

@@ -112,6 +112,9 @@ def follower_main(cfg: EngineConfig, log_level: str = "info") -> None:
         format=f"%(asctime)s %(levelname)s [tp{rank}] %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    from tokenspeed_worker import kernel_cache
+
+    kernel_cache.use_triton_cache(cfg.model.cache_dir)  # before anything compiles
     from tokenspeed_worker.engine.engine_core import build_runner
 
     try:

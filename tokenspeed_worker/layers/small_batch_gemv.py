@@ -19,7 +19,8 @@ shape, dtype, device) is seen outside a CUDA-graph capture, the unfused path and
 configuration are timed alone (kernels/timing.time_us) and the fastest is kept, within the site's
 margin (MARGIN, FOLD_MARGIN); a configuration whose output disagrees with the unfused path's
 (AGREEMENT) is refused before it is timed. A shape first seen while capturing takes the unfused
-path. The batch-1 choices are then refined inside the whole decode step (`tune_in_step`, before the batch-1
+path. Choices an earlier start kept (`stored`, --cache-dir: kernel_cache.py) are taken untimed
+where they still apply, and are not refined in-step again. The batch-1 choices are then refined inside the whole decode step (`tune_in_step`, before the batch-1
 graph's capture). The runner makes its chooser `current()` while it builds the model; each Linear
 keeps the chooser current at its construction (None: always the unfused path).
 
@@ -69,6 +70,12 @@ def _name(choice: Any) -> str:
     return choice if choice == UNFUSED else str(choice)
 
 
+def stored_key(key: tuple) -> str:
+    """A choice's key as kept between starts: site, rows, weight shape and dtypes (not the device
+    index: the file is per GPU model already)."""
+    return "/".join(str(p) for p in key[:-1])
+
+
 def _key(site: str, x: torch.Tensor, weight: torch.Tensor) -> tuple:
     rows = x.numel() // x.shape[-1]
     dtype = str(x.dtype).replace("torch.", "")
@@ -84,13 +91,42 @@ class SmallBatchGemv:
     alone}; options: key -> {path name: choice} of every path timed there; in_step: key -> {path: µs
     per decode step} (tune_in_step)."""
 
-    def __init__(self) -> None:
+    def __init__(self, stored: dict[str, str] | None = None) -> None:
+        """stored: choices an earlier start kept ({stored_key: choice name}, kernel_cache.py): a site
+        takes its stored choice, untimed, where it is still one of its configurations and agrees
+        with the unfused path."""
+        self.stored = dict(stored or {})
+        self.reused = 0  # sites that took a stored choice
         self.decisions: dict[tuple, Any] = {}
         self.timings: dict[tuple, dict[str, float]] = {}
         self.options: dict[tuple, dict[str, Any]] = {}
         self.in_step: dict[tuple, dict[str, float]] = {}
         self._logged_capture: set[tuple] = set()
         self._choosing = False  # while timing, nested sites (a norm_linear's own projection) take the unfused path
+
+    def to_store(self) -> dict[str, str]:
+        """The choices to keep for the next start ({stored_key: choice name})."""
+        return {stored_key(key): _name(choice) for key, choice in self.decisions.items()}
+
+    def _stored_choice(self, key: tuple, fused: Callable[[Any], Any], plain: Callable[[], Any], configs) -> Any:
+        """The stored choice for key if it is still usable here (one of `configs`, or UNFUSED; a
+        configuration whose output agrees with the unfused path's), else None."""
+        name = self.stored.get(stored_key(key))
+        if name is None:
+            return None
+        if name == UNFUSED:
+            return UNFUSED
+        config = next((c for c in configs if str(c) == name), None)
+        if config is None:
+            return None
+        self._choosing = True
+        try:
+            agrees = _agrees(fused(config), plain())
+        except Exception:  # a configuration that cannot run here any more: time the site
+            agrees = False
+        finally:
+            self._choosing = False
+        return config if agrees else None
 
     def report(self) -> dict[str, dict[str, Any]]:
         """What was chosen where, with the timings (µs per call) behind it: for benchmarks and logs."""
@@ -295,7 +331,12 @@ class SmallBatchGemv:
                     self._logged_capture.add(key)
                     logger.info("small-batch GEMV %s first seen while capturing a CUDA graph: unfused path", key)
                 return plain()
-            choice = self.decisions[key] = self._choose(key, x, fused, plain, configs, margin)
+            choice = self._stored_choice(key, fused, plain, configs)
+            if choice is not None:
+                self.reused += 1
+            else:
+                choice = self._choose(key, x, fused, plain, configs, margin)
+            self.decisions[key] = choice
         return plain() if choice == UNFUSED else fused(choice)
 
     def _choose(self, key: tuple, x: torch.Tensor, fused: Callable[[tuple], Any], plain: Callable[[], Any], configs,

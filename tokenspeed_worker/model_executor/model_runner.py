@@ -38,6 +38,7 @@ from tokenspeed_worker.model_executor.cuda_graph import (
 )
 from tokenspeed_worker.layers.quantization import kv_scales, methods as quant_methods
 from tokenspeed_worker.model_executor.loader import load_model_weights, safetensors_files
+from tokenspeed_worker import kernel_cache
 from tokenspeed_worker.models.llama import head_dim_of
 from tokenspeed_worker.models.registry import get_model_class, language_model_config
 from tokenspeed_worker.scheduler.plan import SchedulePlan
@@ -98,8 +99,10 @@ class ModelRunner:
 
         model_class = get_model_class(self.hf_config)
         torch.manual_seed(self.seed)
-        # This runner's small-batch GEMV choices: its layers consult it (layers/small_batch_gemv.py).
-        self.small_batch_gemv = small_batch_gemv.SmallBatchGemv()
+        # This runner's small-batch GEMV choices: its layers consult it (layers/small_batch_gemv.py);
+        # those an earlier start on this GPU kept (--cache-dir) are taken again untimed.
+        self.choices_path = kernel_cache.choices_path(config.model.cache_dir, self.device)
+        self.small_batch_gemv = small_batch_gemv.SmallBatchGemv(kernel_cache.load_choices(self.choices_path))
         # (phase, seconds, detail) of this constructor's startup phases (engine/startup.py reports them)
         self.startup_timings: list[tuple[str, float, str]] = []
         start = time.perf_counter()
@@ -339,6 +342,12 @@ class ModelRunner:
         logger.debug("decode attention timings (batch: {keys: (split µs, single µs)}): %s",
                      getattr(self.attention_backend, "tuning", {}))
         return chosen
+
+    def keep_kernel_choices(self) -> None:
+        """Write the small-batch GEMV choices for the next start (--cache-dir; after the capture,
+        which makes and refines them). Only rank 0 of a tensor-parallel group writes."""
+        if self.choices_path is not None and distributed.rank() == 0:
+            kernel_cache.save_choices(self.choices_path, self.small_batch_gemv.to_store())
 
     # -- CUDA graphs ----------------------------------------------------------------------
 

@@ -1,0 +1,115 @@
+"""--cache-dir: where it points, the timed-choices file (atomic, merged, unreadable = start over), and
+the small-batch chooser taking a stored choice only where it still applies (untimed)."""
+
+from __future__ import annotations
+
+import logging
+import types
+
+import pytest
+import torch
+
+from tokenspeed_worker import kernel_cache
+from tokenspeed_worker.config import parse_args
+from tokenspeed_worker.config.worker import WorkerConfig
+from tokenspeed_worker.layers import small_batch_gemv
+from tokenspeed_worker.layers.small_batch_gemv import UNFUSED, SmallBatchGemv
+
+
+def test_the_cache_dir_defaults_under_the_users_cache_folder(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert kernel_cache.resolve_cache_dir(None) == str(tmp_path / "xdg" / "tokenspeed-worker")
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert kernel_cache.resolve_cache_dir(None) == str(tmp_path / "home" / ".cache" / "tokenspeed-worker")
+    assert kernel_cache.resolve_cache_dir("~/kc") == str(tmp_path / "home" / "kc")
+    assert kernel_cache.resolve_cache_dir("None") is None
+
+
+def test_the_cli_flag_reaches_the_engine_config(tmp_path, tiny_model_paths):
+    model = str(tiny_model_paths["llama-gqa-tied"])
+    cfg = WorkerConfig.from_args(parse_args([model, "--cache-dir", str(tmp_path / "c"), "--device", "cpu"]))
+    assert cfg.engine.model.cache_dir == str(tmp_path / "c")
+    cfg = WorkerConfig.from_args(parse_args([model, "--cache-dir", "none", "--device", "cpu"]))
+    assert cfg.engine.model.cache_dir is None
+
+
+def test_triton_keeps_its_kernels_in_the_cache_dir_unless_told_otherwise(monkeypatch, tmp_path):
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    assert kernel_cache.use_triton_cache(None) is None
+    assert kernel_cache.use_triton_cache(str(tmp_path)) == str(tmp_path / "triton")
+    assert kernel_cache.use_triton_cache(str(tmp_path / "other")) == str(tmp_path / "triton")  # set once: kept
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/elsewhere")
+    assert kernel_cache.use_triton_cache(str(tmp_path)) == "/elsewhere"
+
+
+def test_choices_are_written_atomically_and_merged(tmp_path, caplog):
+    path = tmp_path / "gpu-key" / kernel_cache.CHOICES_FILE
+    assert kernel_cache.load_choices(path) == {}
+    kernel_cache.save_choices(path, {"linear/1/4096/4096/bfloat16": "unfused"})
+    kernel_cache.save_choices(path, {"linear/2/4096/4096/bfloat16": "Persistent(2, 4, 4)"})  # another worker
+    assert kernel_cache.load_choices(path) == {"linear/1/4096/4096/bfloat16": "unfused",
+                                               "linear/2/4096/4096/bfloat16": "Persistent(2, 4, 4)"}
+    assert [p.name for p in path.parent.iterdir()] == [kernel_cache.CHOICES_FILE]  # no temporary left
+    path.write_text("{not json")
+    with caplog.at_level(logging.WARNING):
+        assert kernel_cache.load_choices(path) == {}
+    assert "timing them again" in caplog.text
+    assert kernel_cache.choices_path(str(tmp_path), torch.device("cpu")) is None  # GPUs only
+    assert kernel_cache.choices_path(None, torch.device("cuda", 0)) is None
+
+
+def test_the_driver_version_is_read_from_the_kernel_module(monkeypatch, tmp_path):
+    version = tmp_path / "version"
+    version.write_text("NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.159.04  Release Build  "
+                       "(dvs-builder@U22-I3-AF03-09-1)  Thu Oct  2 00:00:00 UTC 2025\nGCC version:  gcc 12\n")
+    real = kernel_cache.Path
+    monkeypatch.setattr(kernel_cache, "Path", lambda p: version if p == "/proc/driver/nvidia/version" else real(p))
+    assert kernel_cache._driver_version() == "580.159.04"
+
+
+class _Config:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def _cuda_like(rows: int, hidden: int):
+    """What _run reads of x (rows, shape, dtype, device index) as a CUDA tensor would give it."""
+    return types.SimpleNamespace(shape=(rows, hidden), dtype=torch.bfloat16, is_cuda=True,
+                                 device=types.SimpleNamespace(index=0), numel=lambda: rows * hidden)
+
+
+def test_a_stored_choice_is_taken_untimed_where_it_still_applies(monkeypatch):
+    """A site takes its stored configuration without timing if it is still offered and agrees with the
+    unfused path; an unknown name, or a disagreeing output, is timed as on a first start."""
+    monkeypatch.setattr(small_batch_gemv.torch.cuda, "is_current_stream_capturing", lambda: False)
+    weight = torch.empty(64, 32, dtype=torch.bfloat16)
+    configs = (_Config("A"), _Config("B"))
+    reference = torch.ones(3)
+    stored = {"linear/1/64/32/bfloat16": "B", "linear/2/64/32/bfloat16": "gone",
+              "linear/3/64/32/bfloat16": "A", "linear/4/64/32/bfloat16": UNFUSED}
+    chooser = SmallBatchGemv(stored)
+    timed = []
+    monkeypatch.setattr(chooser, "_choose", lambda key, *a, **k: timed.append(key[1]) or configs[0])
+
+    def run(rows, outputs=None):
+        def fused(config):
+            return (outputs or {}).get(config.name, reference)
+        return chooser._run("linear", _cuda_like(rows, 32), weight, None, fused, lambda: reference, configs)
+
+    run(1)
+    run(2)
+    run(3, outputs={"A": torch.full((3,), 5.0)})  # now disagrees: refused, timed
+    run(4)
+    assert timed == [2, 3]
+    assert chooser.reused == 2
+    assert str(chooser.decisions[("linear", 1, 64, 32, "bfloat16", 0)]) == "B"
+    assert chooser.decisions[("linear", 4, 64, 32, "bfloat16", 0)] == UNFUSED
+    # what the next start gets: every decision, without the device index
+    assert chooser.to_store() == {"linear/1/64/32/bfloat16": "B", "linear/2/64/32/bfloat16": "A",
+                                  "linear/3/64/32/bfloat16": "A", "linear/4/64/32/bfloat16": UNFUSED}
+    # stored choices are not refined in-step again: no site to tune at one row
+    assert chooser.tune_in_step(1, lambda: pytest.fail("nothing to time")) == {}

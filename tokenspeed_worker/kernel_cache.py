@@ -1,0 +1,115 @@
+"""What a start leaves for the next one (`--cache-dir`): compiled kernels and timed kernel choices.
+
+    <cache dir>/triton/                      Triton's compiled kernels (TRITON_CACHE_DIR, unless set)
+    <cache dir>/<device key>/small_batch_gemv.json
+                                             the small-batch GEMV chooser's choices by site and shape
+
+Triton keys its own entries by source, options, target and version, so one folder serves every
+GPU. The timed choices are only valid on the GPU, driver and code that timed them: their folder is
+named by the GPU, its compute capability, the driver, CUDA, torch, triton and this package's
+version (`device_key`). A choice is taken again only if it is still one of the site's
+configurations and still agrees with the unfused path (layers/small_batch_gemv.py); anything else
+is timed as on a first start. Writes are atomic (a temporary file renamed), merged with what
+another worker wrote meanwhile.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import tempfile
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+CHOICES_FILE = "small_batch_gemv.json"
+NONE = "none"
+
+
+def resolve_cache_dir(value: str | None) -> str | None:
+    """--cache-dir as a path: the value (~ expanded), "none" for no cache (None), or by default
+    $XDG_CACHE_HOME/tokenspeed-worker (~/.cache/tokenspeed-worker)."""
+    if value is not None and value.strip().lower() == NONE:
+        return None
+    if value:
+        return os.path.abspath(os.path.expanduser(value))
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "tokenspeed-worker")
+
+
+def use_triton_cache(cache_dir: str | None) -> str | None:
+    """Point Triton's kernel cache into cache_dir (before any compile), unless TRITON_CACHE_DIR is
+    set already; returns the folder Triton uses (None: its own default)."""
+    if os.environ.get("TRITON_CACHE_DIR"):
+        return os.environ["TRITON_CACHE_DIR"]
+    if cache_dir is None:
+        return None
+    folder = os.path.join(cache_dir, "triton")
+    os.environ["TRITON_CACHE_DIR"] = folder
+    return folder
+
+
+def _driver_version() -> str:
+    """The NVIDIA kernel driver's version (Linux: /proc/driver/nvidia/version), or "unknown"."""
+    try:
+        text = Path("/proc/driver/nvidia/version").read_text()
+    except OSError:
+        return "unknown"
+    found = re.search(r"Kernel Module\s+(?:for \S+\s+)?([\d.]+)", text) or re.search(r"\s(\d+\.\d+(?:\.\d+)?)\s", text)
+    return found.group(1) if found else "unknown"
+
+
+def _version(package: str) -> str:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return "none"
+
+
+def device_key(device: Any) -> str:
+    """A folder name for what the timed choices depend on (device: a CUDA torch.device): the GPU,
+    its compute capability, the driver, CUDA, torch, triton and this package's version."""
+    import torch  # here, not at import: the CLI's parsing resolves --cache-dir without torch
+
+    props = torch.cuda.get_device_properties(device)
+    parts = [props.name, f"sm{props.major}{props.minor}", f"driver{_driver_version()}", f"cuda{torch.version.cuda}",
+             f"torch{torch.__version__}", f"triton{_version('triton')}", f"tsw{_version('tokenspeed-worker')}"]
+    return re.sub(r"[^A-Za-z0-9._+-]+", "_", "-".join(parts))
+
+
+def choices_path(cache_dir: str | None, device: Any) -> Path | None:
+    """The timed-choices file of this device, or None (no cache dir, not a GPU)."""
+    if cache_dir is None or device.type != "cuda":
+        return None
+    return Path(cache_dir) / device_key(device) / CHOICES_FILE
+
+
+def load_choices(path: Path | None) -> dict[str, str]:
+    """The stored choices {site key: choice name}; {} when there is no file or it cannot be read."""
+    if path is None or not path.exists():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        logger.warning("kernel choices in %s unreadable (%s): timing them again", path, error)
+        return {}
+    return {str(k): str(v) for k, v in data.items()} if isinstance(data, dict) else {}
+
+
+def save_choices(path: Path | None, choices: dict[str, str]) -> None:
+    """Merge `choices` into the file (atomically); a failure to write is logged, never raised."""
+    if path is None or not choices:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        merged = {**load_choices(path), **choices}
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".choices-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            json.dump(merged, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError as error:
+        logger.warning("cannot keep the kernel choices in %s: %s", path, error)
