@@ -12,23 +12,36 @@ from torch import nn
 from tokenspeed_worker.layers.fused_kernels import FUSED_DTYPES, use_fused
 
 
-class SiluAndMul(nn.Module):
-    """silu(gate) * up, where the input is [gate | up] along the last dimension (the fused gate_up_proj)."""
+class _GatedActivation(nn.Module):
+    """act(gate) * up over [gate | up] along the last dimension (the fused gate_up_proj): the
+    activation kernel `KERNEL` of kernels/activation.py where the fused kernels run, else `reference`."""
+
+    KERNEL = ""
+
+    @staticmethod
+    def reference(gate: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kernels = use_fused(x, "activation")
         if kernels is not None and x.dtype in FUSED_DTYPES and x.dim() > 0 and x.shape[-1] % 2 == 0:
-            return kernels.silu_and_mul(x)
+            return getattr(kernels, self.KERNEL)(x)
         gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return self.reference(gate) * up
 
 
-class GeluTanhAndMul(nn.Module):
-    """gelu(gate, approximate="tanh") * up over [gate | up] (Gemma's gated MLP)."""
+class SiluAndMul(_GatedActivation):
+    """silu(gate) * up (Llama's MLP)."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        kernels = use_fused(x, "activation")
-        if kernels is not None and x.dtype in FUSED_DTYPES and x.dim() > 0 and x.shape[-1] % 2 == 0:
-            return kernels.gelu_tanh_and_mul(x)
-        gate, up = x.chunk(2, dim=-1)
-        return F.gelu(gate, approximate="tanh") * up
+    KERNEL = "silu_and_mul"
+    reference = staticmethod(F.silu)
+
+
+class GeluTanhAndMul(_GatedActivation):
+    """gelu(gate, approximate="tanh") * up (Gemma's gated MLP)."""
+
+    KERNEL = "gelu_tanh_and_mul"
+
+    @staticmethod
+    def reference(gate: torch.Tensor) -> torch.Tensor:
+        return F.gelu(gate, approximate="tanh")
