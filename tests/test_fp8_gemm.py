@@ -65,7 +65,7 @@ def test_online_fp8_linear_layer_at_every_row_count(rows):
     """A gate_up layer quantized online: the small-batch GEMV kernel (rows <= 4, timed against the
     scaled GEMM) and the scaled GEMM both within 1e-2 of float64 over the FP8 values, and within the
     activations' quantization error of the bf16 layer."""
-    from tokenspeed_worker.layers.activation import SiluAndMul
+    from tokenspeed_worker.layers.activation import PendingActivation, SiluAndMul
     from tokenspeed_worker.layers.layernorm import PendingNorm, RMSNorm
     from tokenspeed_worker.layers.linear import MergedLinear
     from tokenspeed_worker.layers.quantization import Fp8LinearScheme, QuantConfig
@@ -97,6 +97,8 @@ def test_online_fp8_linear_layer_at_every_row_count(rows):
     residual = torch.randn(rows, hidden, device="cuda").to(torch.bfloat16)
     with torch.no_grad():
         out = layer(PendingNorm(norm, x, residual), SiluAndMul())
+        if isinstance(out, PendingActivation):  # many rows: the activation is left to the down projection
+            out = out.apply()
         normed = norm(x.clone(), residual.clone())[0]
         w = layer.weight.double() * layer.weight_scale_rows.double()[:, None]
         q, s = fp8.quantize_rows(normed)
@@ -159,4 +161,49 @@ def test_a_norms_fp8_projection_quantizes_inside_the_norm_kernel(monkeypatch):
         expected = fp8.scaled_mm(q, s, layer.weight, layer.weight_scale_rows, None, torch.bfloat16)
     assert calls == [1]
     assert torch.equal(pending.residual, expected_residual)
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("gelu", [False, True])
+def test_a_down_projection_quantizes_its_activation_in_one_kernel(monkeypatch, gelu):
+    """Many rows of an FP8 MLP: gate_up_proj returns its activation pending, and the FP8 down
+    projection applies and quantizes it in one kernel (kernels/activation.act_and_mul_quantized):
+    the same bits as the activation kernel, quantize_rows and the scaled GEMM one after the other."""
+    from tokenspeed_worker.kernels import activation as act_kernels
+    from tokenspeed_worker.layers.activation import GeluTanhAndMul, PendingActivation, SiluAndMul
+    from tokenspeed_worker.layers.linear import MergedLinear, RowParallelLinear
+    from tokenspeed_worker.layers.quantization import Fp8LinearScheme, QuantConfig
+    from tokenspeed_worker.layers.quantization.methods import building, process_weights_after_loading
+
+    hidden, inter, rows = 1024, 3584, 300
+    with torch.device("cuda"), building(QuantConfig("fp8", Fp8LinearScheme("channel", "dynamic", "token"),
+                                                    online=True)):
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            gate_up = MergedLinear(hidden, [inter, inter], prefix="m.gate_up_proj", shard_names=["g", "u"])
+            down = RowParallelLinear(inter, hidden, prefix="m.down_proj")
+        finally:
+            torch.set_default_dtype(torch.float32)
+    with torch.no_grad():
+        for shard in range(2):
+            q, scale = fp8.quantize_weight_rows(torch.randn(inter, hidden, device="cuda") * 0.03)
+            gate_up.weight.weight_loader(gate_up.weight, q, shard)
+            gate_up.weight_scale.weight_loader(gate_up.weight_scale, scale, shard)
+        q, scale = fp8.quantize_weight_rows(torch.randn(hidden, inter, device="cuda") * 0.03)
+        down.weight.weight_loader(down.weight, q)
+        down.weight_scale.weight_loader(down.weight_scale, scale)
+    for layer in (gate_up, down):
+        process_weights_after_loading(layer)
+    calls = []
+    real = act_kernels.act_and_mul_quantized
+    monkeypatch.setattr(act_kernels, "act_and_mul_quantized", lambda *a, **k: calls.append(1) or real(*a, **k))
+    act = GeluTanhAndMul() if gelu else SiluAndMul()
+    x = torch.randn(rows, hidden, device="cuda").to(torch.bfloat16)
+    with torch.no_grad():
+        pending = gate_up(x, activation=act)
+        assert isinstance(pending, PendingActivation)
+        out = down(pending)
+        q, s = fp8.quantize_rows(act(gate_up(x)))
+        expected = fp8.scaled_mm(q, s, down.weight, down.weight_scale_rows, None, torch.bfloat16)
+    assert calls == [1]
     assert torch.equal(out, expected)

@@ -224,6 +224,36 @@ def test_gelu_tanh_and_mul_matches_torch(dtype):
             torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("gelu", [False, True])
+def test_activation_then_fp8_quantization_in_one_kernel(gelu):
+    """act_and_mul_quantized: the same bits as the activation kernel's output quantized by
+    quantize_rows (a zero row included), strided rows too; None past the rows it can hold."""
+    from tokenspeed_worker.kernels import fp8
+
+    wide = _randn(5, 2 * 300 + 40, dtype=torch.bfloat16, seed=34, scale=3.0)
+    x = wide[:, :600]
+    x[1] = 0
+    q, scale = activation.act_and_mul_quantized(x, gelu_tanh=gelu)
+    activated = activation.gelu_tanh_and_mul(x) if gelu else activation.silu_and_mul(x)
+    q_ref, scale_ref = fp8.quantize_rows_reference(activated)
+    assert q.dtype == fp8.FP8_DTYPE and q.shape == (5, 300)
+    assert torch.equal(scale, scale_ref)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    too_long = torch.zeros(1, 2 * (activation.MAX_QUANTIZED_INTER + 1), dtype=torch.bfloat16, device=DEVICE)
+    assert activation.act_and_mul_quantized(too_long) is None
+
+
+def test_a_pending_activation_applies_like_the_layer():
+    """layers/activation.PendingActivation: apply() is the activation layer's output."""
+    from tokenspeed_worker.layers.activation import PendingActivation
+
+    x = _randn(4, 64, dtype=torch.bfloat16, seed=35)
+    for act in (SiluAndMul(), GeluTanhAndMul()):
+        for mode in ("off", "force"):
+            with fused_mode(mode):
+                assert torch.equal(PendingActivation(x, act).apply(), act(x))
+
+
 def test_silu_and_mul_layer_strided_rows_and_3d():
     wide = _randn(6, 300, dtype=torch.bfloat16, seed=10, scale=2.0)
     x = wide[:, :200]  # rows strided by 300

@@ -39,7 +39,7 @@ from torch import nn
 
 from tokenspeed_worker import distributed
 from tokenspeed_worker.layers import small_batch_gemv
-from tokenspeed_worker.layers.activation import SiluAndMul
+from tokenspeed_worker.layers.activation import PendingActivation, SiluAndMul, GatedActivation
 from tokenspeed_worker.layers.layernorm import PendingNorm
 from tokenspeed_worker.layers.quantization import methods as quant_methods
 
@@ -101,8 +101,9 @@ class Linear(nn.Module):
         # small-batch GEMV kernels read 16-bit weights, or FP8 ones with their row or block scales.
         self.gemv: small_batch_gemv.SmallBatchGemv | None = small_batch_gemv.current()
 
-    def forward(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:
-        """x W^T (+ b); x may be a pending norm, folded into the product where that is faster."""
+    def forward(self, x: torch.Tensor | PendingNorm | PendingActivation) -> torch.Tensor:
+        """x W^T (+ b); x may be a pending norm or activation, folded into the product where that is
+        faster."""
         if isinstance(x, PendingNorm):
             if self.gemv is None:
                 out, residual = self.norm_product(x)
@@ -129,9 +130,16 @@ class Linear(nn.Module):
             return self.quant_method.apply(self, x, bias)
         return F.linear(x, self.weight, bias)
 
-    def _product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def _product(self, x: torch.Tensor | PendingActivation, bias: torch.Tensor | None) -> torch.Tensor:
         """x W^T (+ bias): dense_product, or a small-batch GEMV kernel for few rows where the chooser
-        takes it."""
+        takes it. A pending activation is applied first, or, where the quantization method takes
+        it (FP8, rows past the small-batch kernels), folded into its input quantization."""
+        if isinstance(x, PendingActivation):
+            if self.quant_method is not None and (self.gemv is None or not self.gemv.takes(x.gate_up, self)):
+                out = self.quant_method.apply_activated(self, x, bias)
+                if out is not None:
+                    return out
+            x = x.apply()
         if self.gemv is None:
             return self.dense_product(x, bias)
         return self.gemv.linear(x, self, bias)
@@ -166,16 +174,20 @@ class MergedLinear(Linear):
         if self.bias is not None:
             self.bias.weight_loader = self.weight_loader
 
-    def forward(self, x: torch.Tensor | PendingNorm, activation: SiluAndMul | None = None) -> torch.Tensor:
-        """activation(x W^T (+ b)); with a pending norm and SiLU·mul over [gate | up] (gate_up_proj),
-        norm, product and activation may run as one kernel."""
+    def forward(self, x: torch.Tensor | PendingNorm,
+                activation: GatedActivation | None = None) -> torch.Tensor | PendingActivation:
+        """activation(x W^T (+ b)). With a pending norm, few rows and SiLU·mul over [gate | up]
+        (gate_up_proj), norm, product and activation may run as one kernel; otherwise the
+        activation is returned pending (PendingActivation) for the down projection to apply or fold
+        into its FP8 input quantization."""
         if activation is None:
             return super().forward(x)
-        if isinstance(x, PendingNorm) and self.gemv is not None and isinstance(activation, SiluAndMul):
+        if (isinstance(x, PendingNorm) and self.gemv is not None and isinstance(activation, SiluAndMul)
+                and self.gemv.takes(x.x, self)):
             out, residual = self.gemv.norm_gate_up_silu(x, self, activation)
             x.folded(residual)
             return out
-        return activation(super().forward(x))
+        return PendingActivation(super().forward(x), activation)
 
     def shard_index(self, shard_id: int | str) -> int:
         return int(shard_id)

@@ -301,6 +301,12 @@ class SmallBatchGemv:
 
     # -- choosing -----------------------------------------------------------------------------
 
+    def takes(self, x: torch.Tensor, proj: Linear) -> bool:
+        """Whether the small-batch kernels may run these rows of x through proj (few 16-bit rows,
+        a weight they read, the fused kernels on): the sites above then choose; else the layer's own
+        product runs."""
+        return self._kernels(x, proj) is not None
+
     def _kernels(self, x: torch.Tensor, proj: Linear):
         """kernels.gemv when the kernel may run x through proj (few 16-bit rows, a weight of x's dtype
         or FP8 with its per-row scales or block scales some configuration takes, not timing), else None."""

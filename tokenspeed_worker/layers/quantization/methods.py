@@ -17,7 +17,8 @@ so the 16-bit model never sits whole in memory. After loading, each weight becom
   (`Linear.weight_scale_rows`): a per-tensor scale repeated over its shard's rows, a per-channel
   scale as it is (an online weight's: max |row| / 448). The product quantizes the activations per
   token and runs kernels/fp8.scaled_mm (cuBLASLt FP8 GEMM, both scales in its epilogue), the
-  quantization inside the norm kernel where the input is a pending norm (`apply_normed`); for a
+  quantization inside the norm kernel where the input is a pending norm (`apply_normed`) and inside
+  the activation kernel where it is a pending activation (`apply_activated`); for a
   few rows the small-batch GEMV kernel reads the FP8 weight instead, with 16-bit activations. A
   checkpoint's static input scales are not used: per-token scales cost the same pass and lose less.
 - FP8 kept, block-wise (the same devices, with triton, K groups of a power of two >= 32 columns,
@@ -274,6 +275,20 @@ class Fp8LinearMethod:
             return out.view(*x.shape[:-1], out.shape[-1])
         q, scale = fp8_kernels.quantize_rows(x)
         out = fp8_kernels.scaled_mm(q, scale, layer.weight, layer.weight_scale_rows, bias, x.dtype)
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    def apply_activated(self, layer: nn.Module, pending, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """`apply` of a pending activation's output (layers/activation.PendingActivation: a down
+        projection's input) with the activation and the per-token quantization in one kernel (the
+        same bits as the activation, then quantize_rows), where the weight is FP8 with row scales;
+        else None (the caller applies the activation, then `apply`)."""
+        if layer.weight.dtype != FP8_DTYPE or layer.weight_scale_blocks is not None:
+            return None
+        quantized = pending.quantized()
+        if quantized is None:
+            return None
+        x = pending.gate_up
+        out = fp8_kernels.scaled_mm(*quantized, layer.weight, layer.weight_scale_rows, bias, x.dtype)
         return out.view(*x.shape[:-1], out.shape[-1])
 
     def apply_normed(self, layer: nn.Module, pending, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
