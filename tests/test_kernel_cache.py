@@ -113,3 +113,25 @@ def test_a_stored_choice_is_taken_untimed_where_it_still_applies(monkeypatch):
                                   "linear/3/64/32/bfloat16": "A", "linear/4/64/32/bfloat16": UNFUSED}
     # stored choices are not refined in-step again: no site to tune at one row
     assert chooser.tune_in_step(1, lambda: pytest.fail("nothing to time")) == {}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_second_start_takes_the_first_ones_choices_untimed(tmp_path, tiny_model_paths):
+    """Two runners of one bf16 model with one cache dir: the first times its small-batch sites during
+    graph capture and keeps them; the second takes every one of them without timing any."""
+    from worker_harness import make_runner
+
+    runners = []
+    for _ in range(2):
+        runner = make_runner(str(tiny_model_paths["qwen2-bias"]), attention_backend="triton", dtype="bfloat16",
+                             device="cuda", max_num_seqs=4, cache_dir=str(tmp_path))
+        runner.allocate_kv_cache(64)
+        runner.capture_cuda_graphs()
+        runner.keep_kernel_choices()
+        runners.append(runner.small_batch_gemv)
+    first, second = runners
+    assert first.decisions and first.timings and first.reused == 0
+    assert second.reused == len(first.decisions) and not second.timings
+    assert second.to_store() == first.to_store()
+    assert kernel_cache.load_choices(kernel_cache.choices_path(str(tmp_path), torch.device("cuda"))) == first.to_store()
