@@ -191,6 +191,13 @@ def plot(levels: list[dict], folder: Path) -> None:
     print(f"plots in {folder}", flush=True)
 
 
+def parse_startup_phases(log: str) -> dict[str, float]:
+    """{phase: seconds} from the worker's `startup: PHASE S s` log lines (docs/operations.md), in order."""
+    import re
+
+    return {m.group(1): float(m.group(2)) for m in re.finditer(r"startup: ([^:\n]+?) (\d+\.\d) s", log)}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="model folder (default: SmolLM2-135M-Instruct, prepared if needed)")
@@ -215,6 +222,7 @@ def main() -> int:
 
     worker = None
     startup_s = None
+    startup_phases: dict[str, float] = {}
     if args.address:
         address = args.address
     else:
@@ -227,6 +235,8 @@ def main() -> int:
                         *args.worker_args, startup_timeout=args.startup_timeout)
         startup_s = time.perf_counter() - t_launch  # launch to grpc.health.v1 SERVING
         print(f"worker healthy {startup_s:.1f} s after launch", flush=True)
+        startup_phases = parse_startup_phases(worker.log())
+        print("startup phases: " + ", ".join(f"{k} {v:.1f} s" for k, v in startup_phases.items()), flush=True)
         address = worker.address
     channel = grpc.insecure_channel(address)
     stub = __import__("tokenspeed_worker.proto.tokenspeed_scheduler_pb2_grpc", fromlist=["x"]).TokenSpeedSchedulerStub(
@@ -283,6 +293,7 @@ def main() -> int:
         "model": info.served_model_name, "device": server.scheduler_info["device"],
         "dtype": server.scheduler_info["dtype"], "machine": f"{platform.node()} {os.cpu_count()} cpus",
         "date": time.strftime("%Y-%m-%d"), "client_procs": args.client_procs, "startup_s": startup_s,
+        "startup_phases": startup_phases,
         "kv_events_subscription": subscription.summary() if subscription is not None else None,
         "levels": levels,
     }

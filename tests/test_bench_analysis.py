@@ -101,3 +101,17 @@ def test_a_moe_step_reads_the_experts_its_tokens_chose():
     dense_linear = sum(p.numel() for p in runner.model.parameters()) - arithmetic.expert_bytes // 4 \
         - 2 * runner.hf_config.vocab_size * runner.hf_config.hidden_size
     assert arithmetic.linear_params == dense_linear + arithmetic.expert_bytes // 4 * top_k // experts
+
+
+def test_bench_serving_reads_the_startup_phases_from_the_worker_log():
+    import bench_serving
+
+    log = ("2026-12-03 19:26:55,102 INFO [engine] tokenspeed_worker.startup: startup: weight load 2.1 s (dummy weights)\n"
+           "2026-12-03 19:26:55,117 INFO [engine] tokenspeed_worker.startup: startup: CUDA graph capture 21.0 s "
+           "(35 sizes; first runs, mostly kernel compiles, 12.3 s)\n"
+           "2026-12-03 19:26:55,323 INFO [engine] tokenspeed_worker.engine.engine_core: startup phases: weight load "
+           "2.1 s, CUDA graph capture 21.0 s = 23.1 s\n"
+           "2026-12-03 19:26:55.483 INFO MainProcess tokenspeed_worker: warm-up generation passed (startup: warm-up "
+           "generation 0.2 s)\n")
+    assert bench_serving.parse_startup_phases(log) == {"weight load": 2.1, "CUDA graph capture": 21.0,
+                                                       "warm-up generation": 0.2}
