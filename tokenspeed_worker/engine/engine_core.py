@@ -105,8 +105,9 @@ def size_kv_pool_tokens(cfg: EngineConfig, kv_bytes_per_token: int, device: torc
 
 def build_runner(cfg: EngineConfig, phases: StartupPhases | None = None):
     """The model runner of this rank with its KV pool allocated and its CUDA graphs captured;
-    returns (runner, num_blocks); each step timed into `phases` (engine/startup.py). Every tensor-parallel rank runs this in lockstep (the profiling
-    forward and the graph captures hold collectives); the pool size is the smallest any rank can hold."""
+    returns (runner, num_blocks); each step timed into `phases` (startup.py). Every tensor-parallel
+    rank runs this in lockstep (the profiling forward and the graph captures hold collectives); the
+    pool size is the smallest any rank can hold."""
     from tokenspeed_worker.model_executor.model_runner import ModelRunner
 
     phases = phases if phases is not None else StartupPhases()

@@ -103,7 +103,7 @@ class ModelRunner:
         # those an earlier start on this GPU kept (--cache-dir) are taken again untimed.
         self.choices_path = kernel_cache.choices_path(config.model.cache_dir, self.device)
         self.small_batch_gemv = small_batch_gemv.SmallBatchGemv(kernel_cache.load_choices(self.choices_path))
-        # (phase, seconds, detail) of this constructor's startup phases (engine/startup.py reports them)
+        # (phase, seconds, detail) of this constructor's startup phases (build_runner reports them: startup.py)
         self.startup_timings: list[tuple[str, float, str]] = []
         start = time.perf_counter()
         with (torch.device(self.device), _default_dtype(self.dtype), small_batch_gemv.building(self.small_batch_gemv),

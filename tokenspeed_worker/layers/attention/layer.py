@@ -49,20 +49,19 @@ class Attention(nn.Module):
         one kernel does it all, the head norms included where it takes them; else, with a backend
         that attends over K/V written beforehand, one kernel rotates q and writes the rotated k and
         v into the cache, and the backend only attends; otherwise rotary_emb, then forward."""
-        if self.fuses_rope(rotary_emb, q, attn_metadata):
-            norms = {}
-            if q_norm is not None:
-                if self._fuses_head_norms(q_norm, k_norm, q):
-                    norms = {"q_norm": q_norm, "k_norm": k_norm}
-                else:
-                    q, k = q_norm(q), k_norm(k)
+        fused = self.fuses_rope(rotary_emb, q, attn_metadata)
+        norms = {}
+        if q_norm is not None:
+            if fused and self._fuses_head_norms(q_norm, k_norm, q):
+                norms = {"q_norm": q_norm, "k_norm": k_norm}
+            else:
+                q, k = q_norm(q), k_norm(k)
+        if fused:
             out = self.backend.attend_rotary(
                 q, k, v.view(-1, self.num_kv_heads, self.head_dim), self.k_cache, self.v_cache, attn_metadata,
                 self.scale, positions, rotary_emb.cos_cache, rotary_emb.sin_cache, **self._extras(), **norms,
             )
             return out.view(-1, self.num_heads * self.head_dim)
-        if q_norm is not None:
-            q, k = q_norm(q), k_norm(k)
         if self.backend is not None and self.backend.supports_prewritten_kv and rotary_emb.fuses(q):
             return self.attend_prewritten(self.rope_and_write_kv(positions, q, k, v, rotary_emb, attn_metadata),
                                           attn_metadata)
