@@ -119,10 +119,12 @@ bench() {
 pytest_run() {  # NAME SECONDS PYTEST_ARGS...: in this tree, with pytest's summary lines
   local name=$1 seconds=$2
   shift 2
-  step "$name" "$seconds" "$REPO" python3 -m pytest -q -p no:cacheprovider "$@"
+  # -rfE names the failures in the summary; -v names each as it happens (a run cut by its limit
+  # prints no summary, but its log still says which tests failed).
+  step "$name" "$seconds" "$REPO" python3 -m pytest -v -rfE -p no:cacheprovider "$@"
   local status=$?
   dry && return 0
-  grep -E "passed|failed|FAILED|ERROR" "$OUT/logs/$name.log" | tail -30 | cut -c1-300
+  grep -E " passed| failed|FAILED|ERROR" "$OUT/logs/$name.log" | grep -v "PASSED" | tail -40 | cut -c1-300
   [ $status = 0 ] || failed "$name" $status
 }
 
