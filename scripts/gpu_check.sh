@@ -271,6 +271,16 @@ suite_serving() {
   dry || grep -hE "startup|CUDA graphs: captured|KV pool sizing|engine ready|warm-up|serving .* on|first seen while" \
     "$(ls -t "$tree"/.cache/logs/worker-*.log 2>/dev/null | head -1)" 2>/dev/null | cut -c1-300 \
     > "$OUT/logs/serving_${case}${tag:+_$tag}_startup.log"
+  # With SERVING_ARGS=--enable-log-request-stats: where each request's first token went, server side
+  # (queue: received -> first scheduled by the engine; prefill: -> first token back at the server).
+  dry || grep -h "Finish!" "$(ls -t "$tree"/.cache/logs/worker-*.log 2>/dev/null | head -1)" 2>/dev/null \
+    | python3 -c "
+import re, statistics, sys
+rows = [dict((k, float(v)) for k, v in re.findall(r'(queue_ms|prefill_ms|ttft_ms|total_ms)=([0-9.]+)', line)) for line in sys.stdin]
+rows = [r for r in rows if r]
+if rows:
+    print('  request stats, server side (${case} ${tag}): %d requests; p50 ' % len(rows) + ', '.join(
+        '%s %.2f' % (k, statistics.median(r[k] for r in rows)) for k in ('queue_ms', 'prefill_ms', 'ttft_ms', 'total_ms')))"
 }
 
 # SERVING_PYSPY=SECONDS: sample the worker's processes (server, engine) with py-spy (carry its wheel in
