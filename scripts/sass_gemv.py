@@ -3,7 +3,7 @@ the instruction mix per weight byte, for each configuration of a site.
 
     python scripts/sass_gemv.py [--weight fp8|fp8-block|bf16] [--rows 1] [--site linear|norm_linear|gate_up] [--configs all]
 
-Compiles kernels/gemv.py's one-shot or tensor-core (Mma) kernel for sm_90 with Triton's own ptxas
+Compiles kernels/gemv.py's one-shot or tensor-core (Fp8Mma) kernel for sm_90 with Triton's own ptxas
 (in the triton wheel) and disassembles it with its cuobjdump, integers specialized as a real launch
 sees them (divisible by 16: what makes the weight loads 16 bytes wide). Per configuration it prints
 the local-memory stores and loads (spills), the global load widths, and the K loop's instructions
@@ -38,14 +38,15 @@ NOT_ALIGNED = ("eps", "num_heads", "num_kv_heads", "up_offset", "stride_w_blocks
 
 
 def sass(config: tuple, weight: str, rows: int, site: str) -> str:
-    """The disassembly of the one-shot or tensor-core (Mma) kernel for one configuration, as
+    """The disassembly of the one-shot or tensor-core (Fp8Mma) kernel for one configuration, as
     compiled for sm_90."""
     norm = site in ("norm_linear", "gate_up")
     common = dict(ROWS=rows, NORM=norm, ADD_RESIDUAL=norm, SILU=site == "gate_up", HAS_BIAS=False, LIBDEVICE=True,
                   PDL=True)
-    if isinstance(config, gemv.Mma):
-        kernel, num_warps = gemv._gemv_mma_kernel, config.num_warps
-        consts = dict(common, BLOCK_N=config.block_n, BLOCK_K=config.block_k, NUM_STAGES=config.num_stages)
+    if isinstance(config, gemv.Fp8Mma):
+        kernel, num_warps = gemv._gemv_fp8_mma_kernel, config.num_warps
+        consts = dict(common, BLOCK_N=config.block_n, BLOCK_K=config.block_k, NUM_STAGES=config.num_stages,
+                      DOT_F16=False, FP8_MAX=448.0, MIN_SCALE=1.0 / (448.0 * 512.0))
     else:
         kernel = gemv._gemv_kernel
         block_n, block_k, num_warps, *one_pass = config
@@ -107,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--site", choices=("linear", "norm_linear", "gate_up"), default="linear")
     parser.add_argument("--configs", default="all",
                         help="'all' (the weight's one-shot and tensor-core configurations) or one, e.g. 8,1024,4 "
-                        "(four numbers: an Mma one, block_n,block_k,num_warps,num_stages)")
+                        "(four numbers: an Fp8Mma one, block_n,block_k,num_warps,num_stages)")
     args = parser.parse_args(argv)
     if args.configs == "all":
         configs = [c for c in gemv.configs_for(gemv.torch.bfloat16 if args.weight == "bf16" else gemv.torch.float8_e4m3fn,
@@ -116,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
                    if not isinstance(c, gemv.Persistent)]
     else:
         values = tuple(int(v) for v in args.configs.split(","))
-        configs = [gemv.Mma(*values) if len(values) == 4 else values]
+        configs = [gemv.Fp8Mma(*values) if len(values) == 4 else values]
     print(f"{args.weight} weights, {args.rows} row(s), site {args.site}, sm_90")
     for config in configs:
         s = summary(sass(config, args.weight, args.rows, args.site), config, args.weight)

@@ -24,6 +24,7 @@ if not ON_CUDA:
 import triton  # noqa: E402,F401  (no skip: CI must have triton)
 
 from tokenspeed_worker.kernels import gemv  # noqa: E402
+from tokenspeed_worker.kernels.fp8 import quantize_rows_reference  # noqa: E402
 from tokenspeed_worker.layers import small_batch_gemv  # noqa: E402
 from tokenspeed_worker.layers.activation import SiluAndMul  # noqa: E402
 from tokenspeed_worker.layers.fused_kernels import fused_kernels as fused_mode  # noqa: E402
@@ -532,6 +533,20 @@ def _fp8_block_weight(n: int, k: int, rows: int, cols: int, seed: int, scale: fl
     return q.to(DEVICE), gemv.BlockScales(tile_scales.to(DEVICE), rows, cols), q.double() * full.double()
 
 
+def _quantized(x: torch.Tensor) -> torch.Tensor:
+    """x's rows as an Fp8Mma configuration multiplies them (W8A8), in float64: each quantized to
+    e4m3 with its own scale, kernels/fp8.quantize_rows's, but times the scale's float32 reciprocal
+    (the kernel's way; a division can round one value to the next e4m3 step)."""
+    _, s = quantize_rows_reference(x)
+    rows = x.reshape(-1, x.shape[-1]).float()
+    q = (rows * (1.0 / s)).clamp(-448.0, 448.0).to(FP8)
+    return (q.double() * s.double()).reshape(x.shape)
+
+
+def _input_of(config, x: torch.Tensor) -> torch.Tensor:
+    return _quantized(x) if isinstance(config, gemv.Fp8Mma) else x
+
+
 def test_every_finite_fp8_value_widens_exactly():
     # The 254 finite e4m3 values as a [127, 2] weight of scale 1, times the one-hot rows of a float32
     # x: out is the weight itself, bit for bit. (Triton's interpreter widens the two NaN encodings,
@@ -544,22 +559,22 @@ def test_every_finite_fp8_value_widens_exactly():
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
-@pytest.mark.parametrize("config", [(16, 128, 4), gemv.Persistent(4, 8, 2), gemv.Mma(16, 64, 4, 2)])
+@pytest.mark.parametrize("config", [(16, 128, 4), gemv.Persistent(4, 8, 2), gemv.Fp8Mma(16, 64, 4, 2)])
 def test_fp8_weight_plain_product_with_ragged_shapes_and_bias(rows, config):
     k, n = 300, 42  # K over 128 and N over 16 and 4: all ragged
     x, b = _randn(rows, k, seed=60), _randn(n, seed=61)
     w, w_scale, w_ref = _fp8_weight(n, k, seed=62)
     out, residual_out = gemv.small_batch_linear(x, w, b, weight_scale=w_scale, config=config)
     assert out.shape == (rows, n) and out.dtype == DTYPE and residual_out is None
-    _close(out, _matmul_reference(x, w_ref, b))
+    _close(out, _matmul_reference(_input_of(config, x), w_ref, b))
 
 
 @pytest.mark.parametrize("with_residual", [True, False])
 @pytest.mark.parametrize("config", [(16, 128, 4), (16, 128, 4, True), gemv.Persistent(4, 8, 2),
-                                    gemv.Mma(32, 64, 4, 2)])
+                                    gemv.Fp8Mma(32, 64, 4, 2)])
 def test_fp8_weight_under_the_norm_prologue(with_residual, config):
     # Two-pass, one-pass (1 / RMS and the scales both multiply the finished sum), persistent, and
-    # tensor cores (the normalized rows as f16, exact for these bf16 values).
+    # tensor cores (the normalized rows quantized to e4m3 per row).
     rows, k, n = 3, 264, 48
     norm = _norm(k, seed=63)
     x, residual = _randn(rows, k, seed=64, scale=2.0), _randn(rows, k, seed=65)
@@ -570,10 +585,10 @@ def test_fp8_weight_under_the_norm_prologue(with_residual, config):
     with fused_mode("off"):
         normed, expected_residual = norm(x, residual) if with_residual else (norm(x), x)
     assert torch.equal(residual_out, expected_residual)
-    _close(out, _matmul_reference(normed, w_ref))
+    _close(out, _matmul_reference(_input_of(config, normed), w_ref))
 
 
-@pytest.mark.parametrize("config", [(16, 64, 4), (16, 64, 4, True), gemv.Persistent(2, 4, 4), gemv.Mma(16, 64, 4, 2)])
+@pytest.mark.parametrize("config", [(16, 64, 4), (16, 64, 4, True), gemv.Persistent(2, 4, 4), gemv.Fp8Mma(16, 64, 4, 2)])
 def test_fp8_weight_silu_epilogue_over_gate_up_rows(config):
     # The gate columns take the first I scales, the up columns the last I.
     rows, k, inter = 2, 192, 40
@@ -584,7 +599,7 @@ def test_fp8_weight_silu_epilogue_over_gate_up_rows(config):
                                                 silu=True, weight_scale=w_scale, config=config)
     with fused_mode("off"):
         normed, expected_residual = norm(x, residual)
-        expected = SiluAndMul()(F.linear(normed.double(), w_ref).to(DTYPE))
+        expected = SiluAndMul()(F.linear(_input_of(config, normed).double(), w_ref).to(DTYPE))
     assert out.shape == (rows, inter) and torch.equal(residual_out, expected_residual)
     torch.testing.assert_close(out.double(), expected.double(), atol=2e-2, rtol=2e-2)
 
@@ -617,11 +632,11 @@ def test_fp8_weight_refusals():
     for other in (w.float().to(torch.float8_e5m2), w.to(torch.float16)):
         with pytest.raises(ValueError, match="weight dtype"):
             gemv.small_batch_linear(x, other, weight_scale=w_scale)
-    mma = gemv.Mma(16, 64, 4, 2)
+    mma = gemv.Fp8Mma(16, 64, 4, 2)
     with pytest.raises(ValueError, match="takes FP8 weights"):
         gemv.small_batch_linear(x, _randn(8, 64, seed=77), config=mma)
     assert not gemv.supports_rotary(mma) and not gemv.supports_rotary(gemv.Persistent(2, 4, 4))
-    assert gemv.supports_rotary((16, 128, 4)) and set(gemv.MMA_CONFIGS) <= set(gemv.FP8_CONFIGS)
+    assert gemv.supports_rotary((16, 128, 4)) and set(gemv.FP8_MMA_CONFIGS) <= set(gemv.FP8_CONFIGS)
 
 
 # Block-wise FP8 weights (weight_block_scales: a scale per rows x cols tile, as Qwen3-*-FP8 and
@@ -666,7 +681,7 @@ def test_block_fp8_weight_under_the_rotary_epilogue():
 def test_block_fp8_weight_refusals():
     x = _randn(2, 64, seed=167)
     w, blocks, _ = _fp8_block_weight(64, 64, 32, 32, seed=168)
-    for config in (gemv.Persistent(2, 4, 4), gemv.Mma(16, 64, 4, 2), (64, 64, 4)):  # 64-row strips: two tiles
+    for config in (gemv.Persistent(2, 4, 4), gemv.Fp8Mma(16, 64, 4, 2), (64, 64, 4)):  # 64-row strips: two tiles
         with pytest.raises(ValueError, match="cannot read block scales"):
             gemv.small_batch_linear(x, w, weight_block_scales=blocks, config=config)
     with pytest.raises(ValueError, match="weight_block_scales must be"):
@@ -694,8 +709,10 @@ def test_fp8_weights_at_llama_8b_shapes(rows):
     w_gate_up, s_gate_up, ref_gate_up = _fp8_weight(2 * inter, hidden, seed=85, scale=0.005)
     w_down, s_down, ref_down = _fp8_weight(hidden, inter, seed=86, scale=0.005)
     normed, expected_residual = norm(x, residual)
-    expected_qkv, expected_down = _matmul_reference(normed, ref_qkv), _matmul_reference(h, ref_down)
-    expected_act = SiluAndMul()(F.linear(normed.double(), ref_gate_up).to(DTYPE))
+    expected = {}  # by input rounding: as they are, or quantized per row (the tensor-core configurations)
+    for mma, rounded in ((False, lambda t: t), (True, _quantized)):
+        expected[mma] = (_matmul_reference(rounded(normed), ref_qkv), _matmul_reference(rounded(h), ref_down),
+                         SiluAndMul()(F.linear(rounded(normed).double(), ref_gate_up).to(DTYPE)))
     del ref_gate_up
     ran, refused = 0, []
 
@@ -711,6 +728,7 @@ def test_fp8_weights_at_llama_8b_shapes(rows):
         return result
 
     for config in dict.fromkeys(gemv.NORM_CONFIGS + gemv.FP8_NORM_CONFIGS):  # the bf16 and the FP8 sets
+        expected_qkv, _, expected_act = expected[isinstance(config, gemv.Fp8Mma)]
         got = run(config, lambda c: gemv.small_batch_linear(x, w_qkv, norm_weight=norm.weight, residual=residual,
                                                             eps=norm.eps, weight_scale=s_qkv, config=c))
         if got is not None:
@@ -723,7 +741,7 @@ def test_fp8_weights_at_llama_8b_shapes(rows):
     for config in dict.fromkeys(gemv.CONFIGS + gemv.FP8_CONFIGS):
         got = run(config, lambda c: gemv.small_batch_linear(h, w_down, weight_scale=s_down, config=c))
         if got is not None:
-            _close(got[0], expected_down)
+            _close(got[0], expected[isinstance(config, gemv.Fp8Mma)][1])
     print(f"fp8 rows {rows}: {ran} ran, refused: {refused}")
     assert ran >= 2 * len(gemv.NORM_CONFIGS)
 
@@ -745,7 +763,7 @@ def test_block_fp8_weights_at_llama_8b_shapes(rows):
     expected_act = SiluAndMul()(F.linear(normed.double(), ref_gate_up).to(DTYPE))
     del ref_gate_up
     norm_configs = gemv.configs_for(FP8, norm=True, block_rows=128)
-    assert norm_configs and not any(isinstance(c, (gemv.Persistent, gemv.Mma)) for c in norm_configs)
+    assert norm_configs and not any(isinstance(c, (gemv.Persistent, gemv.Fp8Mma)) for c in norm_configs)
     for config in norm_configs:
         out, new_residual = gemv.small_batch_linear(x, w_qkv, norm_weight=norm.weight, residual=residual,
                                                     eps=norm.eps, weight_block_scales=s_qkv, config=config)

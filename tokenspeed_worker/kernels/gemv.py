@@ -14,7 +14,9 @@ One kernel computes, for x of at most MAX_ROWS rows,
 
 W is x's dtype or float8 e4m3 with one float32 scale per row (per output channel): the tiles widen
 to float32 exactly, and each finished sum is multiplied once by its weight row's scale, before the
-bias and the epilogue (W_SCALE; without scales the kernel is compiled without them).
+bias and the epilogue (W_SCALE; without scales the kernel is compiled without them). FP8 weights
+also have tensor-core configurations (Fp8Mma, W8A8): the input rows quantized to e4m3 per row in
+the kernel, one FP8 warpgroup MMA per K step, no weight widened on the CUDA cores.
 
 At so few rows the product is bound by the weight bytes: each program streams a strip of weight
 rows once for all input rows, on the CUDA cores (each row its own accumulator). One-shot
@@ -36,6 +38,7 @@ from typing import NamedTuple
 import torch
 
 from tokenspeed_worker.kernels import pdl
+from tokenspeed_worker.kernels.fp8 import FP8_MAX as _FP8_MAX, MIN_SCALE as _FP8_MIN_SCALE
 from tokenspeed_worker.layers.kv_cache import saturation_limit
 
 try:
@@ -67,13 +70,13 @@ class Persistent(NamedTuple):
     per_sm: int
 
 
-class Mma(NamedTuple):
-    """A tensor-core configuration, for FP8 weights: one program per block_n weight rows, looping
-    over K in block_k steps (software-pipelined num_stages deep); each step widens the FP8 tile to
-    f16 pairwise (no per-element float32 widening on the CUDA cores) and multiplies it with the
-    input rows, padded to 16 and held as f16, on the tensor cores with float32 accumulation. The
-    input rows go through f16: values past its range saturate at +-65504 (normalized inputs never
-    come near it)."""
+class Fp8Mma(NamedTuple):
+    """A tensor-core configuration for FP8 weights (W8A8): one program per block_n weight rows,
+    looping over K in block_k steps (software-pipelined num_stages deep); the input rows are
+    quantized to e4m3 per row (scale max|row| / 448, as kernels/fp8.quantize_rows: the FP8 GEMM's
+    activations at many rows) and each step is one FP8 tensor-core dot of the weight tile with the
+    rows, float32 accumulators. No weight is widened on the CUDA cores; the weight and the row
+    scales multiply each finished sum."""
 
     block_n: int
     block_k: int
@@ -93,7 +96,7 @@ class BlockScales(NamedTuple):
 def takes_block_scales(config: tuple, block_rows: int) -> bool:
     """Whether a configuration can read weights with block scales of `block_rows`-row tiles: a
     one-shot one whose strips of BLOCK_N rows never straddle two tile rows."""
-    return not isinstance(config, (Persistent, Mma)) and block_rows % config[0] == 0
+    return not isinstance(config, (Persistent, Fp8Mma)) and block_rows % config[0] == 0
 
 
 def _check_block_scales(blocks: BlockScales, weight: torch.Tensor, weight_scale, config: tuple) -> None:
@@ -136,15 +139,15 @@ def _wider(config: tuple) -> tuple:
 
 
 # FP8 weights: the same configurations with tiles of the same bytes (their first is the default),
-# and the tensor-core ones.
-MMA_CONFIGS = (Mma(64, 128, 4, 4), Mma(128, 128, 4, 4))
-FP8_CONFIGS = tuple(_wider(c) for c in CONFIGS) + MMA_CONFIGS
-FP8_NORM_CONFIGS = tuple(_wider(c) for c in NORM_CONFIGS) + MMA_CONFIGS
+# and the tensor-core ones (64-row strips: one warpgroup MMA's side).
+FP8_MMA_CONFIGS = (Fp8Mma(64, 256, 4, 4), Fp8Mma(64, 512, 4, 3), Fp8Mma(128, 256, 8, 3))
+FP8_CONFIGS = tuple(_wider(c) for c in CONFIGS) + FP8_MMA_CONFIGS
+FP8_NORM_CONFIGS = tuple(_wider(c) for c in NORM_CONFIGS) + FP8_MMA_CONFIGS
 
 
 def supports_rotary(config: tuple) -> bool:
     """Whether a configuration has the rotary + KV-write epilogue (the one-shot ones)."""
-    return not isinstance(config, (Persistent, Mma))
+    return not isinstance(config, (Persistent, Fp8Mma))
 
 
 def configs_for(weight_dtype: torch.dtype, norm: bool = False, block_rows: int | None = None) -> tuple:
@@ -635,7 +638,7 @@ if AVAILABLE:
         return _rstd_of(sum_sq, K, eps, LIBDEVICE, 1)
 
     @triton.jit
-    def _gemv_mma_kernel(
+    def _gemv_fp8_mma_kernel(
         x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr,
         N, K, up_offset,
         stride_x, stride_residual, stride_residual_out, stride_w, stride_out,
@@ -650,10 +653,16 @@ if AVAILABLE:
         BLOCK_K: tl.constexpr,
         PDL: tl.constexpr,
         NUM_STAGES: tl.constexpr,
+        DOT_F16: tl.constexpr,
+        FP8_MAX: tl.constexpr,
+        MIN_SCALE: tl.constexpr,
     ):
-        # An Mma configuration: out[rows, BLOCK_N] = X[16 (ROWS used), K] @ W[BLOCK_N, K]^T on the
-        # tensor cores, X and the FP8 tile W as f16, float32 accumulators; the rows' prologue
-        # (residual add, RMSNorm) and epilogue (scales, bias, SiLU) round as the one-shot kernel's.
+        # An Fp8Mma configuration: out^T[BLOCK_N, 16 (ROWS used)] = W[BLOCK_N, K] @ Q[16, K]^T on the
+        # tensor cores, both operands e4m3, float32 accumulators; Q is the input rows (after the
+        # residual add and RMSNorm, rounded as kernels/norm.py rounds them) quantized per row as
+        # kernels/fp8.quantize_rows does, recomputed by every program from the rows (L2-resident)
+        # instead of a separate launch. The weight is the dot's first operand so that its strip is
+        # the 64-row side a warpgroup MMA needs and the few rows the narrow one (swap-AB).
         dtype = out_ptr.dtype.element_ty
         pid_n = tl.program_id(0)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -672,44 +681,71 @@ if AVAILABLE:
         if NORM:
             rstd = _rows_rstd(x_ptr, residual_ptr, offs_m, m_ok, K, stride_x, stride_residual, eps, ADD_RESIDUAL,
                               LIBDEVICE, BLOCK_K)
-        acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
-        acc_up = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+        # Each row's scale: the largest |input| over the whole row (a pass over the rows first).
+        amax = tl.zeros([16, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            xt = _rows_in(x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, offs_m, m_ok, k0 + offs_k, K, rstd,
+                          pid_n, stride_x, stride_residual, stride_residual_out, NORM, ADD_RESIDUAL, False)
+            amax = tl.maximum(amax, tl.abs(xt))
+        x_scale = tl.maximum(tl.max(amax, axis=1) / FP8_MAX, MIN_SCALE)
+        # Times the reciprocal, not divided (quantize_rows divides): a division per element would
+        # cost more instructions than the weight bytes allow; at most one e4m3 rounding apart.
+        x_inv = tl.math.div_rn(tl.full([16], 1.0, dtype=tl.float32), x_scale)
+        acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
         w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w
         up_rows = w_ptr + (up_offset + offs_n).to(tl.int64)[:, None] * stride_w
         for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
             kk = k0 + offs_k
-            k_ok = kk < K
-            x_mask = m_ok[:, None] & k_ok[None, :]
-            xt = tl.load(x_ptr + offs_m[:, None] * stride_x + kk[None, :], mask=x_mask, other=0.0)
-            if NORM:
-                if ADD_RESIDUAL:
-                    rt = tl.load(residual_ptr + offs_m[:, None] * stride_residual + kk[None, :], mask=x_mask, other=0.0)
-                    xt = (xt.to(tl.float32) + rt.to(tl.float32)).to(x_ptr.dtype.element_ty)
-                    tl.store(residual_out_ptr + offs_m[:, None] * stride_residual_out + kk[None, :], xt,
-                             mask=x_mask & (pid_n == 0))
-                nw = tl.load(norm_weight_ptr + kk, mask=k_ok, other=0.0)
-                normed = (xt.to(tl.float32) * rstd[:, None]).to(x_ptr.dtype.element_ty)
-                xt = (normed.to(tl.float32) * nw.to(tl.float32)[None, :]).to(x_ptr.dtype.element_ty)
-            x16 = tl.clamp(xt.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
-            w_mask = n_ok[:, None] & k_ok[None, :]
+            w_mask = n_ok[:, None] & (kk < K)[None, :]
             w = tl.load(w_rows + kk[None, :], mask=w_mask, other=0.0)
-            acc = tl.dot(x16, tl.trans(w.to(tl.float16)), acc)
+            xt = _rows_in(x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, offs_m, m_ok, kk, K, rstd, pid_n,
+                          stride_x, stride_residual, stride_residual_out, NORM, ADD_RESIDUAL, True)
+            q = tl.clamp(xt * x_inv[:, None], -FP8_MAX, FP8_MAX).to(w_ptr.dtype.element_ty)
+            if DOT_F16:  # the interpreter: the same exact products (e4m3 values are f16 values), float32 sums
+                acc = tl.dot(w.to(tl.float16), tl.trans(q.to(tl.float16)), acc)
+            else:
+                acc = tl.dot(w, tl.trans(q), acc)
             if SILU:
                 wu = tl.load(up_rows + kk[None, :], mask=w_mask, other=0.0)
-                acc_up = tl.dot(x16, tl.trans(wu.to(tl.float16)), acc_up)
-        acc = acc * scale[None, :]
+                if DOT_F16:
+                    acc_up = tl.dot(wu.to(tl.float16), tl.trans(q.to(tl.float16)), acc_up)
+                else:
+                    acc_up = tl.dot(wu, tl.trans(q), acc_up)
+        acc = acc * scale[:, None] * x_scale[None, :]
         if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
         if SILU:  # as _epilogue: gate_up's output rounded, then silu, then the product
             gate = acc.to(dtype).to(tl.float32)
-            up = (acc_up * up_scale[None, :]).to(dtype).to(tl.float32)
+            up = (acc_up * up_scale[:, None] * x_scale[None, :]).to(dtype).to(tl.float32)
             if LIBDEVICE:
                 e = libdevice.exp(-gate)
             else:
                 e = tl.exp(-gate)
             acc = tl.math.div_rn(gate, 1.0 + e).to(dtype).to(tl.float32) * up
-        tl.store(out_ptr + offs_m[:, None] * stride_out + offs_n[None, :], acc.to(dtype),
-                 mask=m_ok[:, None] & n_ok[None, :])
+        tl.store(out_ptr + offs_m[None, :] * stride_out + offs_n[:, None], acc.to(dtype),
+                 mask=m_ok[None, :] & n_ok[:, None])
+
+    @triton.jit
+    def _rows_in(x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, offs_m, m_ok, kk, K, rstd, pid_n,
+                 stride_x, stride_residual, stride_residual_out,
+                 NORM: tl.constexpr, ADD_RESIDUAL: tl.constexpr, WRITE_RESIDUAL: tl.constexpr):
+        """Rows offs_m's input over columns kk, float32 [16, len(kk)]: x, or the normalized x (+ residual),
+        rounded as _row_in's; WRITE_RESIDUAL: program 0 writes x + residual."""
+        k_ok = kk < K
+        mask = m_ok[:, None] & k_ok[None, :]
+        xt = tl.load(x_ptr + offs_m[:, None] * stride_x + kk[None, :], mask=mask, other=0.0)
+        if NORM:
+            if ADD_RESIDUAL:
+                rt = tl.load(residual_ptr + offs_m[:, None] * stride_residual + kk[None, :], mask=mask, other=0.0)
+                xt = (xt.to(tl.float32) + rt.to(tl.float32)).to(x_ptr.dtype.element_ty)
+                if WRITE_RESIDUAL:
+                    tl.store(residual_out_ptr + offs_m[:, None] * stride_residual_out + kk[None, :], xt,
+                             mask=mask & (pid_n == 0))
+            nw = tl.load(norm_weight_ptr + kk, mask=k_ok, other=0.0)
+            normed = (xt.to(tl.float32) * rstd[:, None]).to(x_ptr.dtype.element_ty)
+            xt = (normed.to(tl.float32) * nw.to(tl.float32)[None, :]).to(x_ptr.dtype.element_ty)
+        return xt.to(tl.float32)
 
 
 _spills: dict[tuple, int] = {}
@@ -821,7 +857,7 @@ def small_batch_linear(
     n = weight.shape[0] // 2 if silu else weight.shape[0]
     out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
     persistent = isinstance(config, Persistent)
-    mma = isinstance(config, Mma)
+    mma = isinstance(config, Fp8Mma)
     if mma:
         block_n, block_k, num_warps = config.block_n, config.block_k, config.num_warps
         if rotary is not None:
@@ -873,7 +909,7 @@ def small_batch_linear(
     pdl_on = pdl.enabled(x.device)
     if mma:
         out_rows = out.view(-1, n)
-        _gemv_mma_kernel[(triton.cdiv(n, block_n),)](
+        _gemv_fp8_mma_kernel[(triton.cdiv(n, block_n),)](
             rows, residual_rows, residual_out_rows, norm_weight if norm_weight is not None else weight, weight,
             weight_scale, bias if bias is not None else weight, out_rows,
             n, k, n if silu else 0,
@@ -881,7 +917,8 @@ def small_batch_linear(
             out_rows.stride(0), float(eps),
             ROWS=m, NORM=norm_weight is not None, ADD_RESIDUAL=norm_weight is not None and residual is not None,
             SILU=silu, HAS_BIAS=bias is not None, LIBDEVICE=not interpreting(), BLOCK_N=block_n, BLOCK_K=block_k,
-            PDL=pdl_on, NUM_STAGES=config.num_stages, num_warps=num_warps, **pdl.launch_options(pdl_on))
+            PDL=pdl_on, NUM_STAGES=config.num_stages, DOT_F16=interpreting(), FP8_MAX=_FP8_MAX,
+            MIN_SCALE=_FP8_MIN_SCALE, num_warps=num_warps, **pdl.launch_options(pdl_on))
         return out, residual_out
     if persistent:
         out_rows = out.view(-1, n)
@@ -951,5 +988,5 @@ def small_batch_linear(
     return out, residual_out
 
 
-__all__ = ["AVAILABLE", "BlockScales", "takes_block_scales", "CONFIGS", "FP8_CONFIGS", "MMA_CONFIGS", "Mma", "supports_rotary", "FP8_NORM_CONFIGS", "MAX_ROWS", "NORM_CONFIGS", "configs_for", "PERSISTENT_MAX_ELEMENTS", "Persistent", "RotaryKV",
+__all__ = ["AVAILABLE", "BlockScales", "takes_block_scales", "CONFIGS", "FP8_CONFIGS", "FP8_MMA_CONFIGS", "Fp8Mma", "supports_rotary", "FP8_NORM_CONFIGS", "MAX_ROWS", "NORM_CONFIGS", "configs_for", "PERSISTENT_MAX_ELEMENTS", "Persistent", "RotaryKV",
            "small_batch_linear"]
