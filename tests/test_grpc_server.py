@@ -110,7 +110,7 @@ def test_the_log_reports_each_startup_phase_with_its_seconds(worker):
     log = worker.log()
     for phase in ("model construction", "weight load", "memory profile and KV pool sizing", "KV cache allocation",
                   "attention timing", "CUDA graph capture", "kernel warm-up", "scheduler, sampler and grammar setup",
-                  "engine process start", "engine start", "warm-up generation"):
+                  "interpreter start", "server setup", "engine process start", "engine start", "warm-up generation"):
         assert re.search(rf"startup: {re.escape(phase)} \d+\.\d s", log), (phase, log)
     assert re.search(r"startup: weight load \d+\.\d s \(\d+\.\d\d GiB of safetensors at [\d.]+ GiB/s\)", log)
     summary = re.search(r"startup phases: (.*) = (\d+\.\d) s", log)

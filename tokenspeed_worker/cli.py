@@ -7,6 +7,7 @@ accepted, so `tokenspeed-worker --help` and argument errors return at once.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -34,11 +35,28 @@ def prepare(argv: Sequence[str] | None = None) -> ServerArgs:
     return args
 
 
+def process_age() -> float | None:
+    """Seconds since this process started (the kernel's record of it, so the interpreter's own start
+    and the imports before any of our code ran are counted); None where /proc does not say."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, after the command's ")"
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def main(argv: Sequence[str] | None = None) -> None:
-    launched = time.monotonic()
+    age = process_age()  # the interpreter's start and the imports so far
+    launched = time.monotonic() - (age or 0.0)
     args = prepare(argv)
     setup_logging(args.log_level)
-    logging.getLogger(__name__).debug("server args: %s", args)
+    logger = logging.getLogger(__name__)
+    logger.debug("server args: %s", args)
+    if age is not None:
+        logger.info("startup: interpreter start %.1f s (Python and the entry point's imports)", age)
 
     from tokenspeed_worker.server.launch import run_server  # heavy: torch, grpc, engine
 
