@@ -1,7 +1,7 @@
 """What the small-batch GEMV kernel compiles to on Hopper, without a GPU: spills, load widths and
 the instruction mix per weight byte, for each configuration of a site.
 
-    python scripts/sass_gemv.py [--weight fp8|fp8-block|bf16] [--rows 1] [--site linear|norm_linear|gate_up] [--configs all]
+    python scripts/sass_gemv.py [--weight fp8|fp8-block|bf16] [--rows 1] [--site linear|norm_linear|gate_up|gemma_...] [--configs all]
 
 Compiles kernels/gemv.py's one-shot or tensor-core (Fp8Mma) kernel for sm_90 with Triton's own ptxas
 (in the triton wheel) and disassembles it with its cuobjdump, integers specialized as a real launch
@@ -32,6 +32,7 @@ from tokenspeed_worker.kernels import gemv  # noqa: E402
 
 TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 POINTERS = {"x_ptr": "bf16", "residual_ptr": "bf16", "residual_out_ptr": "bf16", "norm_weight_ptr": "bf16",
+            "x_norm_weight_ptr": "bf16",
             "w_scale_ptr": "fp32", "bias_ptr": "bf16", "out_ptr": "bf16", "positions_ptr": "i64", "slots_ptr": "i64",
             "cos_ptr": "fp32", "sin_ptr": "fp32", "k_cache_ptr": "bf16", "v_cache_ptr": "bf16"}
 NOT_ALIGNED = ("eps", "num_heads", "num_kv_heads", "up_offset", "stride_w_blocks")  # runtime values not divisible by 16
@@ -40,6 +41,8 @@ NOT_ALIGNED = ("eps", "num_heads", "num_kv_heads", "up_offset", "stride_w_blocks
 def sass(config: tuple, weight: str, rows: int, site: str) -> str:
     """The disassembly of the one-shot or tensor-core (Fp8Mma) kernel for one configuration, as
     compiled for sm_90."""
+    gemma = site.startswith("gemma_")  # Gemma's forms: (1 + w) norms, the sublayer's norm first, GELU
+    site = site.removeprefix("gemma_")
     norm = site in ("norm_linear", "gate_up")
     common = dict(ROWS=rows, NORM=norm, ADD_RESIDUAL=norm, SILU=site == "gate_up", HAS_BIAS=False, LIBDEVICE=True,
                   PDL=True)
@@ -54,6 +57,7 @@ def sass(config: tuple, weight: str, rows: int, site: str) -> str:
                       ROPE=False, HEAD_DIM=2, KV_SATURATE=0.0, W_SCALE=weight == "fp8")
         # 128 x 128 tiles, as block-wise checkpoints ship them (constexprs both ways: never runtime ints)
         consts.update(W_BLOCK_ROWS=128 if weight == "fp8-block" else 1, W_BLOCK_COLS=128 if weight == "fp8-block" else 0)
+        consts.update(NORM_X=gemma and norm, UNIT_OFFSET=gemma and norm, GELU=gemma and site == "gate_up")
     names = kernel.arg_names
     pointers = {**POINTERS, "w_ptr": "bf16" if weight == "bf16" else "fp8e4nv"}
     signature = {n: "constexpr" if n in consts else ("*" + pointers[n] if n in pointers else
@@ -105,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--weight", choices=("fp8", "fp8-block", "bf16"), default="fp8")
     parser.add_argument("--rows", type=int, default=1, choices=range(1, gemv.MAX_ROWS + 1))
-    parser.add_argument("--site", choices=("linear", "norm_linear", "gate_up"), default="linear")
+    parser.add_argument("--site", choices=("linear", "norm_linear", "gate_up", "gemma_norm_linear", "gemma_gate_up"),
+                        default="linear")
     parser.add_argument("--configs", default="all",
                         help="'all' (the weight's one-shot and tensor-core configurations) or one, e.g. 8,1024,4 "
                         "(four numbers: an Fp8Mma one, block_n,block_k,num_warps,num_stages)")
@@ -113,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.configs == "all":
         configs = [c for c in gemv.configs_for(gemv.torch.bfloat16 if args.weight == "bf16" else gemv.torch.float8_e4m3fn,
                                                norm=args.site != "linear",
-                                               block_rows=128 if args.weight == "fp8-block" else None)
+                                               block_rows=128 if args.weight == "fp8-block" else None,
+                                               gemma=args.site.startswith("gemma_"))
                    if not isinstance(c, gemv.Persistent)]
     else:
         values = tuple(int(v) for v in args.configs.split(","))

@@ -157,8 +157,13 @@ def test_gemma_norm_forms_match_torch(dtype):
             torch.testing.assert_close(got, expected, atol=2e-6, rtol=1e-6)
     # forward_after's stream is residual + post(y), each rounded to the dtype once
     torch.testing.assert_close(results["off"][4], residual + post._norm(y), atol=0, rtol=0)
-    with pytest.raises(NotImplementedError):
-        pre.defer(y)
+    # Deferred (for the next projection to fold in), the same values when applied
+    for mode in ("off", "force"):
+        with fused_mode(mode):
+            for pending, expected in ((pre.defer(y), (pre(y), y)), (pre.defer(y, residual), pre(y, residual)),
+                                      (pre.defer_after(post, y, residual), pre.forward_after(post, y, residual))):
+                for got, want in zip(pending.normalize(), expected):
+                    assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("with_residual", [False, True])

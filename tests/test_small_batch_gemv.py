@@ -296,6 +296,7 @@ def test_in_step_tuning_with_nothing_to_tune(chooser):
 @pytest.mark.parametrize("model, attention_rotates, persistent", [
     ("qwen2-bias", False, False), ("qwen2-bias", True, False), ("qwen2-bias", True, True),
     ("mistral-window-8", False, False),  # a window shorter than the prompts: the epilogue's K/V, a windowed attend
+    ("gemma3", True, False), ("gemma2", True, False),  # Gemma's norm forms in the prologue, GELU in gate_up's epilogue
 ])
 def test_tiny_bf16_model_decode_logits_match_the_unfused_path(tiny_model_paths, monkeypatch, tmp_path, model,
                                                                attention_rotates, persistent):
@@ -315,10 +316,13 @@ def test_tiny_bf16_model_decode_logits_match_the_unfused_path(tiny_model_paths, 
     if persistent:  # forced mode runs each site's first configuration
         monkeypatch.setattr(gemv, "CONFIGS", (gemv.Persistent(2, 4, 4), *gemv.CONFIGS))
         monkeypatch.setattr(gemv, "NORM_CONFIGS", (gemv.Persistent(4, 8, 2), *gemv.NORM_CONFIGS))
-    epilogues, configs = [], []
+    epilogues, configs, forms = [], [], []
     real = gemv.small_batch_linear
     monkeypatch.setattr(gemv, "small_batch_linear", lambda *a, **kw: epilogues.append(kw.get("rotary") is not None)
-                        or configs.append(kw.get("config")) or real(*a, **kw))
+                        or configs.append(kw.get("config"))
+                        or forms.append((kw.get("unit_offset", False), kw.get("x_norm_weight") is not None,
+                                         kw.get("gelu", False)))
+                        or real(*a, **kw))
     model_dir = tiny_model_paths.get(model)
     if model == "mistral-window-8":
         from test_dense_families import _copy_with
@@ -347,6 +351,8 @@ def test_tiny_bf16_model_decode_logits_match_the_unfused_path(tiny_model_paths, 
     assert epilogues.count(True) == (0 if attention_rotates else 2 * layers)
     assert len(epilogues) > 2 * layers  # the small-batch GEMV kernels ran
     assert all(isinstance(c, gemv.Persistent) == persistent for c in configs)
+    if model.startswith("gemma"):  # q/k/v after the first layer's and the sandwich's norms; gate_up with GELU
+        assert (True, False, False) in forms and (True, True, False) in forms and (True, True, True) in forms
 
 
 @pytest.mark.gpu
@@ -774,3 +780,86 @@ def test_block_fp8_weights_at_llama_8b_shapes(rows):
         torch.testing.assert_close(out, expected_act, atol=3e-2, rtol=3e-2)
     for config in gemv.configs_for(FP8, block_rows=128):
         _close(gemv.small_batch_linear(h, w_down, weight_block_scales=s_down, config=config)[0], expected_down)
+
+
+# Gemma's forms (one-shot two-pass configurations): the (1 + w) norm, a sublayer's post norm before
+# the residual add (RMSNorm.forward_after), and gelu_tanh(gate) * up; against the torch path.
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("after", [False, True])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_gemma_forms_of_the_norm_prologue_and_the_gelu_epilogue(rows, after, fp8):
+    from tokenspeed_worker.layers.activation import GeluTanhAndMul
+    from tokenspeed_worker.layers.layernorm import GemmaRMSNorm
+
+    k, n, inter = 160, 40, 24
+    pre, post = GemmaRMSNorm(k, eps=1e-6).to(DEVICE, DTYPE), GemmaRMSNorm(k, eps=1e-6).to(DEVICE, DTYPE)
+    with torch.no_grad():
+        pre.weight.copy_(_randn(k, seed=170, scale=0.3))
+        post.weight.copy_(_randn(k, seed=171, scale=0.3))
+    x, residual = _randn(rows, k, seed=172, scale=3.0), _randn(rows, k, seed=173)
+    if fp8:
+        w, w_scale, w_ref = _fp8_weight(n, k, seed=174)
+        w_gu, gu_scale, gu_ref = _fp8_weight(2 * inter, k, seed=175, scale=0.1)
+        scales, gu_scales = {"weight_scale": w_scale}, {"weight_scale": gu_scale}
+    else:
+        w, w_gu = _randn(n, k, seed=174, scale=0.05), _randn(2 * inter, k, seed=175, scale=0.1)
+        w_ref, gu_ref, scales, gu_scales = w, w_gu, {}, {}
+    with fused_mode("off"):
+        normed, expected_residual = pre.forward_after(post, x, residual) if after else pre(x, residual)
+        expected_act = GeluTanhAndMul()(F.linear(normed.double(), gu_ref.double()).to(DTYPE))
+    forms = dict(norm_weight=pre.weight, residual=residual, eps=pre.eps, unit_offset=True,
+                 x_norm_weight=post.weight if after else None)
+    for config in [c for c in gemv.configs_for(w.dtype, norm=True) if gemv.takes_gemma_forms(c)][:2] + [(16, 64, 4)]:
+        out, residual_out = gemv.small_batch_linear(x, w, config=config, **forms, **scales)
+        torch.testing.assert_close(residual_out, expected_residual, atol=0, rtol=1e-2)  # one bf16 step at most
+        _close(out, _matmul_reference(normed, w_ref))
+        act = gemv.small_batch_linear(x, w_gu, gelu=True, config=config, **forms, **gu_scales)[0]
+        assert act.shape == (rows, inter)
+        torch.testing.assert_close(act.double(), expected_act.double(), atol=2e-2, rtol=2e-2)
+
+
+def test_gemma_forms_refusals():
+    x, r, w = _randn(2, 64, seed=176), _randn(2, 64, seed=177), _randn(8, 64, seed=178)
+    nw = _randn(64, seed=179)
+    for config in (gemv.Persistent(2, 4, 4), (16, 64, 4, True)):
+        with pytest.raises(ValueError, match="no Gemma forms"):
+            gemv.small_batch_linear(x, w, norm_weight=nw, residual=r, unit_offset=True, config=config)
+    with pytest.raises(ValueError, match="go with norm_weight"):
+        gemv.small_batch_linear(x, w, unit_offset=True, config=(16, 64, 4))
+    with pytest.raises(ValueError, match="needs a residual"):
+        gemv.small_batch_linear(x, w, norm_weight=nw, x_norm_weight=nw, config=(16, 64, 4))
+    with pytest.raises(ValueError, match="pass one"):
+        gemv.small_batch_linear(x, w, silu=True, gelu=True, config=(16, 64, 4))
+    assert all(gemv.takes_gemma_forms(c) for c in gemv.configs_for(torch.bfloat16, norm=True, gemma=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("rows", [1, 4])
+def test_gemma_forms_at_gemma_3_12b_shapes(rows):
+    # Gemma-3-12B's q/k/v (hidden 3840 -> 16 + 2 x 8 heads of 256) and gate_up (2 x 15360) after the
+    # sandwich (post norm, residual add, (1 + w) norm), GELU in gate_up's epilogue: every
+    # configuration with Gemma's forms against float64 from the torch path's normalized rows.
+    from tokenspeed_worker.layers.activation import GeluTanhAndMul
+    from tokenspeed_worker.layers.layernorm import GemmaRMSNorm
+
+    hidden, qkv_out, inter = 3840, 8192, 15360
+    pre, post = GemmaRMSNorm(hidden).to(DEVICE, DTYPE), GemmaRMSNorm(hidden).to(DEVICE, DTYPE)
+    with torch.no_grad():
+        pre.weight.copy_(_randn(hidden, seed=180, scale=0.3))
+        post.weight.copy_(_randn(hidden, seed=181, scale=0.3))
+    x, residual = _randn(rows, hidden, seed=182, scale=3.0), _randn(rows, hidden, seed=183)
+    w_qkv, w_gu = _randn(qkv_out, hidden, seed=184, scale=0.005), _randn(2 * inter, hidden, seed=185, scale=0.005)
+    with fused_mode("off"):
+        normed, expected_residual = pre.forward_after(post, x, residual)
+        expected_act = GeluTanhAndMul()(F.linear(normed.double(), w_gu.double()).to(DTYPE))
+    expected_qkv = _matmul_reference(normed, w_qkv)
+    forms = dict(norm_weight=pre.weight, residual=residual, eps=pre.eps, unit_offset=True, x_norm_weight=post.weight)
+    configs = gemv.configs_for(DTYPE, norm=True, gemma=True)
+    assert configs
+    for config in configs:
+        out, residual_out = gemv.small_batch_linear(x, w_qkv, config=config, **forms)
+        torch.testing.assert_close(residual_out, expected_residual, atol=0, rtol=1e-2)
+        _close(out, expected_qkv)
+        act = gemv.small_batch_linear(x, w_gu, gelu=True, config=config, **forms)[0]
+        torch.testing.assert_close(act, expected_act, atol=3e-2, rtol=3e-2)

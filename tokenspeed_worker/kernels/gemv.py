@@ -46,6 +46,7 @@ try:
     import triton.language as tl
     from triton.language.extra import libdevice
 
+    from tokenspeed_worker.kernels.activation import _gated
     from tokenspeed_worker.kernels.norm import interpreting
 
     AVAILABLE = True
@@ -150,34 +151,69 @@ def supports_rotary(config: tuple) -> bool:
     return not isinstance(config, (Persistent, Fp8Mma))
 
 
-def configs_for(weight_dtype: torch.dtype, norm: bool = False, block_rows: int | None = None) -> tuple:
+def takes_gemma_forms(config: tuple) -> bool:
+    """Whether a configuration has Gemma's prologue and epilogue forms (unit_offset, x_norm_weight,
+    gelu): the one-shot two-pass ones."""
+    return not isinstance(config, (Persistent, Fp8Mma)) and not (len(config) > 3 and config[3])
+
+
+def configs_for(weight_dtype: torch.dtype, norm: bool = False, block_rows: int | None = None,
+                gemma: bool = False) -> tuple:
     """The configurations to time for a weight of this dtype: NORM_CONFIGS / CONFIGS, or their FP8
     forms for float8 e4m3 weights; norm: the site has the RMSNorm prologue (adds the one-pass ones);
-    block_rows: the weight has block scales of tiles this many rows high (those that take them)."""
+    block_rows: the weight has block scales of tiles this many rows high (those that take them);
+    gemma: the site uses Gemma's forms (those that take them)."""
     if weight_dtype == torch.float8_e4m3fn:
         configs = FP8_NORM_CONFIGS if norm else FP8_CONFIGS
         if block_rows is not None:
             configs = tuple(c for c in configs if takes_block_scales(c, block_rows))
-        return configs
-    return NORM_CONFIGS if norm else CONFIGS
+    else:
+        configs = NORM_CONFIGS if norm else CONFIGS
+    return tuple(c for c in configs if takes_gemma_forms(c)) if gemma else configs
 
 
 if AVAILABLE:
 
     @triton.jit
+    def _normed(x32, rstd, nw, dtype: tl.constexpr, UNIT_OFFSET: tl.constexpr):
+        """The norm's output rounded to dtype, as kernels/norm.py rounds it: Llama's form (x * rstd
+        rounded, times w, rounded) or Gemma's (UNIT_OFFSET: x * rstd * (1 + w) in float32, rounded once)."""
+        if UNIT_OFFSET:
+            return ((x32 * rstd) * (1.0 + nw.to(tl.float32))).to(dtype)
+        normed = (x32 * rstd).to(dtype)
+        return (normed.to(tl.float32) * nw.to(tl.float32)).to(dtype)
+
+    @triton.jit
+    def _row_sum(x_ptr, residual_ptr, x_norm_weight_ptr, row, kk, k_ok, x_rstd, stride_x, stride_residual,
+                 ADD_RESIDUAL: tl.constexpr, NORM_X: tl.constexpr, UNIT_OFFSET: tl.constexpr):
+        """Row `row`'s x (NORM_X: x normalized with its own weight first, Gemma's sublayer output)
+        (+ residual), rounded to the dtype, over columns kk."""
+        dtype = x_ptr.dtype.element_ty
+        xt = tl.load(x_ptr + row * stride_x + kk, mask=k_ok, other=0.0)
+        if NORM_X:
+            xt = _normed(xt.to(tl.float32), x_rstd, tl.load(x_norm_weight_ptr + kk, mask=k_ok, other=0.0), dtype,
+                         UNIT_OFFSET)
+        if ADD_RESIDUAL:
+            rt = tl.load(residual_ptr + row * stride_residual + kk, mask=k_ok, other=0.0)
+            xt = (xt.to(tl.float32) + rt.to(tl.float32)).to(dtype)
+        return xt
+
+    @triton.jit
     def _row_in(x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, row, kk, k_ok, rstd, pid_n,
                 stride_x, stride_residual, stride_residual_out,
-                NORM: tl.constexpr, ADD_RESIDUAL: tl.constexpr):
-        """Row `row`'s input over columns kk, float32: x, or the normalized x (+ residual)."""
-        xt = tl.load(x_ptr + row * stride_x + kk, mask=k_ok, other=0.0)
+                NORM: tl.constexpr, ADD_RESIDUAL: tl.constexpr,
+                x_norm_weight_ptr, x_rstd, NORM_X: tl.constexpr, UNIT_OFFSET: tl.constexpr):
+        """Row `row`'s input over columns kk, float32: x, or the normalized x (+ residual) (NORM_X:
+        x normalized first; UNIT_OFFSET: Gemma's form of both norms)."""
         if NORM:
+            xt = _row_sum(x_ptr, residual_ptr, x_norm_weight_ptr, row, kk, k_ok, x_rstd, stride_x, stride_residual,
+                          ADD_RESIDUAL, NORM_X, UNIT_OFFSET)
             if ADD_RESIDUAL:
-                rt = tl.load(residual_ptr + row * stride_residual + kk, mask=k_ok, other=0.0)
-                xt = (xt.to(tl.float32) + rt.to(tl.float32)).to(x_ptr.dtype.element_ty)
                 tl.store(residual_out_ptr + row * stride_residual_out + kk, xt, mask=k_ok & (pid_n == 0))
             nw = tl.load(norm_weight_ptr + kk, mask=k_ok, other=0.0)
-            normed = (xt.to(tl.float32) * rstd).to(x_ptr.dtype.element_ty)
-            xt = (normed.to(tl.float32) * nw.to(tl.float32)).to(x_ptr.dtype.element_ty)
+            xt = _normed(xt.to(tl.float32), rstd, nw, x_ptr.dtype.element_ty, UNIT_OFFSET)
+        else:
+            xt = tl.load(x_ptr + row * stride_x + kk, mask=k_ok, other=0.0)
         return xt.to(tl.float32)
 
     @triton.jit
@@ -205,36 +241,29 @@ if AVAILABLE:
 
     @triton.jit
     def _row_rstd(x_ptr, residual_ptr, row, K, stride_x, stride_residual, eps,
-                  ADD_RESIDUAL: tl.constexpr, LIBDEVICE: tl.constexpr, BLOCK_K: tl.constexpr):
-        """1 / sqrt(mean((x + residual)^2) + eps) of one row, the sum rounded to the dtype first."""
+                  ADD_RESIDUAL: tl.constexpr, LIBDEVICE: tl.constexpr, BLOCK_K: tl.constexpr,
+                  x_norm_weight_ptr, x_rstd, NORM_X: tl.constexpr, UNIT_OFFSET: tl.constexpr):
+        """1 / sqrt(mean((x + residual)^2) + eps) of one row, the sum rounded to the dtype first
+        (NORM_X: of x normalized with x_rstd and its weight, then + residual: _row_sum)."""
         offs_k = tl.arange(0, BLOCK_K)
         sum_sq = tl.zeros([BLOCK_K], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + offs_k
             k_ok = kk < K
-            xt = tl.load(x_ptr + row * stride_x + kk, mask=k_ok, other=0.0)
-            if ADD_RESIDUAL:
-                rt = tl.load(residual_ptr + row * stride_residual + kk, mask=k_ok, other=0.0)
-                xt = (xt.to(tl.float32) + rt.to(tl.float32)).to(x_ptr.dtype.element_ty)
+            xt = _row_sum(x_ptr, residual_ptr, x_norm_weight_ptr, row, kk, k_ok, x_rstd, stride_x, stride_residual,
+                          ADD_RESIDUAL, NORM_X, UNIT_OFFSET)
             x32 = xt.to(tl.float32)
             sum_sq += x32 * x32
         return _rstd_of(sum_sq, K, eps, LIBDEVICE)
 
     @triton.jit
     def _epilogue(acc, acc_up, bias_ptr, out_ptr, row, offs_n, n_ok, stride_out,
-                  SILU: tl.constexpr, HAS_BIAS: tl.constexpr, LIBDEVICE: tl.constexpr):
+                  SILU: tl.constexpr, HAS_BIAS: tl.constexpr, LIBDEVICE: tl.constexpr, GELU: tl.constexpr):
         dtype = out_ptr.dtype.element_ty
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-        if SILU:  # the unfused path rounds gate_up's output, then silu, then the product
-            gate = acc.to(dtype).to(tl.float32)
-            up = acc_up.to(dtype).to(tl.float32)
-            if LIBDEVICE:
-                e = libdevice.exp(-gate)
-            else:
-                e = tl.exp(-gate)
-            act = tl.math.div_rn(gate, 1.0 + e).to(dtype).to(tl.float32)
-            acc = act * up
+        if SILU:  # the unfused path rounds gate_up's output, then act (SiLU, or GELU-tanh), then the product
+            acc = _gated(acc.to(dtype).to(tl.float32), acc_up.to(dtype).to(tl.float32), dtype, GELU, LIBDEVICE)
         tl.store(out_ptr + row * stride_out + offs_n, acc.to(dtype), mask=n_ok)
 
     @triton.jit
@@ -310,6 +339,10 @@ if AVAILABLE:
         W_SCALE: tl.constexpr,
         W_BLOCK_ROWS: tl.constexpr = 1,
         W_BLOCK_COLS: tl.constexpr = 0,
+        x_norm_weight_ptr=None,
+        NORM_X: tl.constexpr = False,
+        UNIT_OFFSET: tl.constexpr = False,
+        GELU: tl.constexpr = False,
     ):
         # One program: BLOCK_N output columns (weight rows) over the whole of K, for every input
         # row. Each step loads a [BLOCK_N, BLOCK_K] weight tile with 16-byte vector loads and
@@ -359,17 +392,34 @@ if AVAILABLE:
         rstd1 = 1.0
         rstd2 = 1.0
         rstd3 = 1.0
+        xr0 = 1.0  # NORM_X: each row's own rstd (x before the residual add), for its first norm
+        xr1 = 1.0
+        xr2 = 1.0
+        xr3 = 1.0
         if NORM and not ONE_PASS:
-            rstd0 = _row_rstd(x_ptr, residual_ptr, 0, K, stride_x, stride_residual, eps, ADD_RESIDUAL, LIBDEVICE, BLOCK_K)
+            if NORM_X:
+                xr0 = _row_rstd(x_ptr, residual_ptr, 0, K, stride_x, stride_residual, eps, False, LIBDEVICE, BLOCK_K,
+                                    x_norm_weight_ptr, 1.0, False, UNIT_OFFSET)
+                if ROWS > 1:
+                    xr1 = _row_rstd(x_ptr, residual_ptr, 1, K, stride_x, stride_residual, eps, False, LIBDEVICE, BLOCK_K,
+                                    x_norm_weight_ptr, 1.0, False, UNIT_OFFSET)
+                if ROWS > 2:
+                    xr2 = _row_rstd(x_ptr, residual_ptr, 2, K, stride_x, stride_residual, eps, False, LIBDEVICE, BLOCK_K,
+                                    x_norm_weight_ptr, 1.0, False, UNIT_OFFSET)
+                if ROWS > 3:
+                    xr3 = _row_rstd(x_ptr, residual_ptr, 3, K, stride_x, stride_residual, eps, False, LIBDEVICE, BLOCK_K,
+                                    x_norm_weight_ptr, 1.0, False, UNIT_OFFSET)
+            rstd0 = _row_rstd(x_ptr, residual_ptr, 0, K, stride_x, stride_residual, eps, ADD_RESIDUAL, LIBDEVICE, BLOCK_K,
+                              x_norm_weight_ptr, xr0, NORM_X, UNIT_OFFSET)
             if ROWS > 1:
                 rstd1 = _row_rstd(x_ptr, residual_ptr, 1, K, stride_x, stride_residual, eps, ADD_RESIDUAL, LIBDEVICE,
-                                  BLOCK_K)
+                                  BLOCK_K, x_norm_weight_ptr, xr1, NORM_X, UNIT_OFFSET)
             if ROWS > 2:
                 rstd2 = _row_rstd(x_ptr, residual_ptr, 2, K, stride_x, stride_residual, eps, ADD_RESIDUAL, LIBDEVICE,
-                                  BLOCK_K)
+                                  BLOCK_K, x_norm_weight_ptr, xr2, NORM_X, UNIT_OFFSET)
             if ROWS > 3:
                 rstd3 = _row_rstd(x_ptr, residual_ptr, 3, K, stride_x, stride_residual, eps, ADD_RESIDUAL, LIBDEVICE,
-                                  BLOCK_K)
+                                  BLOCK_K, x_norm_weight_ptr, xr3, NORM_X, UNIT_OFFSET)
         acc0 = tl.zeros([BLOCK_N], dtype=tl.float32)
         acc1 = tl.zeros([BLOCK_N], dtype=tl.float32)
         acc2 = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -406,7 +456,8 @@ if AVAILABLE:
                 sq0 += s0
             else:
                 x0 = _row_in(x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, 0, kk, k_ok, rstd0, pid_n,
-                               stride_x, stride_residual, stride_residual_out, NORM, ADD_RESIDUAL)
+                               stride_x, stride_residual, stride_residual_out, NORM, ADD_RESIDUAL,
+                               x_norm_weight_ptr, xr0, NORM_X, UNIT_OFFSET)
             acc0 += tl.sum(w * _block_scaled(x0, g_scale, W_BLOCK_COLS)[None, :], axis=1)
             if SILU or ROPE:
                 up0 += tl.sum(wu * _block_scaled(x0, u_scale, W_BLOCK_COLS)[None, :], axis=1)
@@ -417,7 +468,8 @@ if AVAILABLE:
                     sq1 += s1
                 else:
                     x1 = _row_in(x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, 1, kk, k_ok, rstd1, pid_n,
-                                   stride_x, stride_residual, stride_residual_out, NORM, ADD_RESIDUAL)
+                                   stride_x, stride_residual, stride_residual_out, NORM, ADD_RESIDUAL,
+                               x_norm_weight_ptr, xr1, NORM_X, UNIT_OFFSET)
                 acc1 += tl.sum(w * _block_scaled(x1, g_scale, W_BLOCK_COLS)[None, :], axis=1)
                 if SILU or ROPE:
                     up1 += tl.sum(wu * _block_scaled(x1, u_scale, W_BLOCK_COLS)[None, :], axis=1)
@@ -428,7 +480,8 @@ if AVAILABLE:
                     sq2 += s2
                 else:
                     x2 = _row_in(x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, 2, kk, k_ok, rstd2, pid_n,
-                                   stride_x, stride_residual, stride_residual_out, NORM, ADD_RESIDUAL)
+                                   stride_x, stride_residual, stride_residual_out, NORM, ADD_RESIDUAL,
+                               x_norm_weight_ptr, xr2, NORM_X, UNIT_OFFSET)
                 acc2 += tl.sum(w * _block_scaled(x2, g_scale, W_BLOCK_COLS)[None, :], axis=1)
                 if SILU or ROPE:
                     up2 += tl.sum(wu * _block_scaled(x2, u_scale, W_BLOCK_COLS)[None, :], axis=1)
@@ -439,7 +492,8 @@ if AVAILABLE:
                     sq3 += s3
                 else:
                     x3 = _row_in(x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, 3, kk, k_ok, rstd3, pid_n,
-                                   stride_x, stride_residual, stride_residual_out, NORM, ADD_RESIDUAL)
+                                   stride_x, stride_residual, stride_residual_out, NORM, ADD_RESIDUAL,
+                               x_norm_weight_ptr, xr3, NORM_X, UNIT_OFFSET)
                 acc3 += tl.sum(w * _block_scaled(x3, g_scale, W_BLOCK_COLS)[None, :], axis=1)
                 if SILU or ROPE:
                     up3 += tl.sum(wu * _block_scaled(x3, u_scale, W_BLOCK_COLS)[None, :], axis=1)
@@ -492,13 +546,13 @@ if AVAILABLE:
                                stride_kc_h, stride_vc_slot, stride_vc_h, num_heads, num_kv_heads, HEAD_DIM // 2,
                                HEAD_DIM, HAS_BIAS, KV_SATURATE)
         else:
-            _epilogue(acc0, up0, bias_ptr, out_ptr, 0, offs_n, n_ok, stride_out, SILU, HAS_BIAS, LIBDEVICE)
+            _epilogue(acc0, up0, bias_ptr, out_ptr, 0, offs_n, n_ok, stride_out, SILU, HAS_BIAS, LIBDEVICE, GELU)
             if ROWS > 1:
-                _epilogue(acc1, up1, bias_ptr, out_ptr, 1, offs_n, n_ok, stride_out, SILU, HAS_BIAS, LIBDEVICE)
+                _epilogue(acc1, up1, bias_ptr, out_ptr, 1, offs_n, n_ok, stride_out, SILU, HAS_BIAS, LIBDEVICE, GELU)
             if ROWS > 2:
-                _epilogue(acc2, up2, bias_ptr, out_ptr, 2, offs_n, n_ok, stride_out, SILU, HAS_BIAS, LIBDEVICE)
+                _epilogue(acc2, up2, bias_ptr, out_ptr, 2, offs_n, n_ok, stride_out, SILU, HAS_BIAS, LIBDEVICE, GELU)
             if ROWS > 3:
-                _epilogue(acc3, up3, bias_ptr, out_ptr, 3, offs_n, n_ok, stride_out, SILU, HAS_BIAS, LIBDEVICE)
+                _epilogue(acc3, up3, bias_ptr, out_ptr, 3, offs_n, n_ok, stride_out, SILU, HAS_BIAS, LIBDEVICE, GELU)
 
     @triton.jit
     def _whole_row(x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, row, offs_k, k_ok, pid, K,
@@ -532,7 +586,7 @@ if AVAILABLE:
             up = tl.sum(wu * xr[None, :], axis=1)
             if W_SCALE:
                 up *= up_scale
-        _epilogue(acc, up, bias_ptr, out_ptr, row, offs_n, n_ok, stride_out, SILU, HAS_BIAS, LIBDEVICE)
+        _epilogue(acc, up, bias_ptr, out_ptr, row, offs_n, n_ok, stride_out, SILU, HAS_BIAS, LIBDEVICE, False)
 
     @triton.jit
     def _gemv_persistent_kernel(
@@ -810,6 +864,9 @@ def small_batch_linear(
     rotary: RotaryKV | None = None,
     weight_scale: torch.Tensor | None = None,
     weight_block_scales: BlockScales | None = None,
+    unit_offset: bool = False,
+    x_norm_weight: torch.Tensor | None = None,
+    gelu: bool = False,
     config: tuple = CONFIGS[0],
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(out, residual_out) for x of at most MAX_ROWS rows.
@@ -829,9 +886,25 @@ def small_batch_linear(
     one-shot configurations only, whose BLOCK_N divides the tile's rows and the up/rotary offset,
     so each strip of weight rows lies in one tile row). A weight of x's dtype without either is
     taken as it is.
+
+    Gemma's forms (one-shot two-pass configurations only, `takes_gemma_forms`): unit_offset: the
+    norm scales by 1 + norm_weight, rounded once (GemmaRMSNorm); x_norm_weight: x is first
+    normalized with that weight (the same form and eps) before the residual add, a sublayer's post
+    norm (RMSNorm.forward_after; residual_out is then norm_x(x) + residual); gelu: like silu, with
+    gelu_tanh(gate) * up.
     """
     if not AVAILABLE:
         raise RuntimeError("triton is not installed")
+    if unit_offset or x_norm_weight is not None or gelu:
+        if not takes_gemma_forms(config):
+            raise ValueError(f"{config} has no Gemma forms (unit_offset, x_norm_weight, gelu): use a one-shot "
+                             f"two-pass configuration")
+        if (unit_offset or x_norm_weight is not None) and norm_weight is None:
+            raise ValueError("unit_offset and x_norm_weight go with norm_weight")
+        if x_norm_weight is not None and (residual is None or x_norm_weight.shape != (x.shape[-1],)):
+            raise ValueError(f"x_norm_weight needs a residual and the hidden size {x.shape[-1]}")
+        if gelu and silu:
+            raise ValueError("silu and gelu are two activations: pass one")
     k = x.shape[-1]
     rows = _rows(x, k)
     m = rows.shape[0]
@@ -852,9 +925,10 @@ def small_batch_linear(
     elif not weight_scale.is_contiguous() or weight_scale.device != weight.device:
         raise ValueError(f"weight_scale must be contiguous and on the weight's device ({weight.device}); got "
                          f"{'' if weight_scale.is_contiguous() else 'non-contiguous, '}{weight_scale.device}")
-    if silu and (bias is not None or weight.shape[0] % 2):
-        raise ValueError("silu needs an even number of weight rows [gate | up] and no bias")
-    n = weight.shape[0] // 2 if silu else weight.shape[0]
+    gated = silu or gelu
+    if gated and (bias is not None or weight.shape[0] % 2):
+        raise ValueError("silu and gelu need an even number of weight rows [gate | up] and no bias")
+    n = weight.shape[0] // 2 if gated else weight.shape[0]
     out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
     persistent = isinstance(config, Persistent)
     mma = isinstance(config, Fp8Mma)
@@ -876,7 +950,7 @@ def small_batch_linear(
     if rotary is not None:
         r = rotary
         half = r.head_dim // 2
-        if silu or r.head_dim % 2 or half % block_n or n != (r.num_heads + 2 * r.num_kv_heads) * r.head_dim:
+        if gated or r.head_dim % 2 or half % block_n or n != (r.num_heads + 2 * r.num_kv_heads) * r.head_dim:
             raise ValueError(f"rotary needs q/k/v rows ({r.num_heads} + 2 x {r.num_kv_heads}) x {r.head_dim}, no silu "
                              f"and half a head a multiple of BLOCK_N {block_n}; weight has {n} rows")
         if r.cos_cache.shape[-1] != r.head_dim or r.sin_cache.shape != r.cos_cache.shape:
@@ -888,7 +962,7 @@ def small_batch_linear(
             raise ValueError("the K and V caches must be contiguous along head_dim and share a dtype")
         positions, slots = r.positions.contiguous(), r.slot_mapping.contiguous()
         cos_cache, sin_cache = r.cos_cache.contiguous(), r.sin_cache.contiguous()
-    if weight_block_scales is not None and silu and n % block_n:
+    if weight_block_scales is not None and gated and n % block_n:
         raise ValueError(f"block scales under silu need I ({n}) a multiple of BLOCK_N {block_n}: an up strip "
                          f"would straddle two tile rows")
     residual_out = None
@@ -943,7 +1017,7 @@ def small_batch_linear(
     if rotary is None:
         out_rows = out.view(-1, n)
         grid = triton.cdiv(n, block_n)
-        up_offset = n if silu else 0
+        up_offset = n if gated else 0
         positions = slots = cos_cache = sin_cache = k_slots = v_slots = weight  # unused pointers
         stride_cos = stride_sin = stride_kc_slot = stride_kc_h = stride_vc_slot = stride_vc_h = 0
         heads = (0, 0, 0)
@@ -969,7 +1043,7 @@ def small_batch_linear(
         ROWS=m,
         NORM=norm_weight is not None,
         ADD_RESIDUAL=norm_weight is not None and residual is not None,
-        SILU=silu,
+        SILU=gated,
         HAS_BIAS=bias is not None,
         LIBDEVICE=not interpreting(),
         BLOCK_N=block_n,
@@ -982,11 +1056,15 @@ def small_batch_linear(
         W_SCALE=weight_scale is not None,
         W_BLOCK_ROWS=weight_block_scales.rows if weight_block_scales is not None else 1,
         W_BLOCK_COLS=weight_block_scales.cols if weight_block_scales is not None else 0,
+        x_norm_weight_ptr=x_norm_weight if x_norm_weight is not None else weight,
+        NORM_X=x_norm_weight is not None,
+        UNIT_OFFSET=unit_offset and norm_weight is not None,
+        GELU=gelu,
         num_warps=num_warps,
         **pdl.launch_options(pdl_on),
     )
     return out, residual_out
 
 
-__all__ = ["AVAILABLE", "BlockScales", "takes_block_scales", "CONFIGS", "FP8_CONFIGS", "FP8_MMA_CONFIGS", "Fp8Mma", "supports_rotary", "FP8_NORM_CONFIGS", "MAX_ROWS", "NORM_CONFIGS", "configs_for", "PERSISTENT_MAX_ELEMENTS", "Persistent", "RotaryKV",
+__all__ = ["AVAILABLE", "BlockScales", "takes_block_scales", "CONFIGS", "FP8_CONFIGS", "FP8_MMA_CONFIGS", "Fp8Mma", "supports_rotary", "FP8_NORM_CONFIGS", "MAX_ROWS", "takes_gemma_forms", "NORM_CONFIGS", "configs_for", "PERSISTENT_MAX_ELEMENTS", "Persistent", "RotaryKV",
            "small_batch_linear"]

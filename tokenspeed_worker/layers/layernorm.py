@@ -23,14 +23,20 @@ class PendingNorm:
     The projection either folds the norm into its kernel or calls `apply`; then `residual` holds
     x + residual (x itself without a residual): the residual stream the next sublayer adds to."""
 
-    __slots__ = ("norm", "x", "residual_in", "_residual")
+    __slots__ = ("norm", "x", "residual_in", "x_norm", "_residual")
 
-    def __init__(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None) -> None:
-        self.norm, self.x, self.residual_in = norm, x, residual
+    def __init__(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None,
+                 x_norm: RMSNorm | None = None) -> None:
+        """x_norm: x is first normalized by it (a sublayer's post norm, Gemma's sandwich: of the
+        same type and eps as norm) and then added to residual (given)."""
+        self.norm, self.x, self.residual_in, self.x_norm = norm, x, residual, x_norm
         self._residual: torch.Tensor | None = None
 
     def normalize(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + residual), x + residual); without a residual (norm(x), x). Records nothing."""
+        """(norm(x + residual), x + residual); without a residual (norm(x), x); with x_norm,
+        (norm(x_norm(x) + residual), x_norm(x) + residual). Records nothing."""
+        if self.x_norm is not None:
+            return self.norm.forward_after(self.x_norm, self.x, self.residual_in)
         if self.residual_in is None:
             return self.norm(self.x), self.x
         return self.norm(self.x, self.residual_in)
@@ -95,11 +101,16 @@ class RMSNorm(nn.Module):
         return self(sublayer_norm(y), residual)
 
     def defer(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> PendingNorm:
-        """This norm of x (+ residual), left for the next projection to apply or fold in (the
-        small-batch kernels fold Llama's form only)."""
-        if self.unit_offset:
-            raise NotImplementedError("a unit-offset (Gemma) norm is applied, not deferred")
+        """This norm of x (+ residual), left for the next projection to apply or fold in."""
         return PendingNorm(self, x, residual)
+
+    def defer_after(self, sublayer_norm: RMSNorm, y: torch.Tensor, residual: torch.Tensor) -> PendingNorm:
+        """`forward_after(sublayer_norm, y, residual)` left for the next projection to apply or fold
+        in (the small-batch kernels take both norms where they share a type and eps; else the
+        sublayer's norm is applied now)."""
+        if type(sublayer_norm) is type(self) and sublayer_norm.eps == self.eps:
+            return PendingNorm(self, y, residual, sublayer_norm)
+        return PendingNorm(self, sublayer_norm(y), residual)
 
     def _fusable(self, x: torch.Tensor, residual: torch.Tensor | None, max_hidden: int) -> bool:
         """What the kernel handles: x and weight of FUSED_DTYPES on one device, a residual of x's shape and dtype."""

@@ -26,7 +26,7 @@ paths below unchanged.
 
 For steps of few rows each projection asks the small-batch GEMV chooser current when it was built
 (layers/small_batch_gemv.py; a model runner's) whether a kernel of kernels/gemv.py runs it, with
-a pending norm before it (layers/layernorm.PendingNorm) and, for gate_up, SiLU·mul folded in.
+a pending norm before it (layers/layernorm.PendingNorm) and, for gate_up, SiLU·mul or GELU-tanh·mul folded in.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from torch import nn
 
 from tokenspeed_worker import distributed
 from tokenspeed_worker.layers import small_batch_gemv
-from tokenspeed_worker.layers.activation import PendingActivation, SiluAndMul, GatedActivation
+from tokenspeed_worker.layers.activation import GatedActivation, GeluTanhAndMul, PendingActivation, SiluAndMul
 from tokenspeed_worker.layers.layernorm import PendingNorm
 from tokenspeed_worker.layers.quantization import methods as quant_methods
 
@@ -176,15 +176,15 @@ class MergedLinear(Linear):
 
     def forward(self, x: torch.Tensor | PendingNorm,
                 activation: GatedActivation | None = None) -> torch.Tensor | PendingActivation:
-        """activation(x W^T (+ b)). With a pending norm, few rows and SiLU·mul over [gate | up]
-        (gate_up_proj), norm, product and activation may run as one kernel; otherwise the
+        """activation(x W^T (+ b)). With a pending norm, few rows and SiLU·mul or GELU-tanh·mul over
+        [gate | up] (gate_up_proj), norm, product and activation may run as one kernel; otherwise the
         activation is returned pending (PendingActivation) for the down projection to apply or fold
         into its FP8 input quantization."""
         if activation is None:
             return super().forward(x)
-        if (isinstance(x, PendingNorm) and self.gemv is not None and isinstance(activation, SiluAndMul)
+        if (isinstance(x, PendingNorm) and self.gemv is not None and isinstance(activation, (SiluAndMul, GeluTanhAndMul))
                 and self.gemv.takes(x.x, self)):
-            out, residual = self.gemv.norm_gate_up_silu(x, self, activation)
+            out, residual = self.gemv.norm_gate_up_act(x, self, activation)
             x.folded(residual)
             return out
         return PendingActivation(super().forward(x), activation)

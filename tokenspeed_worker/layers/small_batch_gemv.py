@@ -3,7 +3,10 @@
 A decode step of at most kernels.gemv.MAX_ROWS rows asks, at each projection (a "site"):
 - `linear`: x @ W^T (+ b) (o_proj, down_proj, any Linear);
 - `norm_linear`: (add +) RMSNorm, then the projection (a PendingNorm given to qkv_proj);
-- `norm_gate_up_silu`: (add +) RMSNorm, gate_up_proj, SiLU·mul (a PendingNorm given to the MLP);
+- `norm_gate_up_silu` / `norm_gate_up_gelu`: (add +) RMSNorm, gate_up_proj, SiLU·mul or GELU-tanh·mul
+  (a PendingNorm given to the MLP);
+- Gemma's norms fold in too (sites suffixed `_unit`; `_after` where a sublayer's post norm comes
+  first: PendingNorm.x_norm), by the configurations that take those forms;
 - `norm_qkv_rope`: (add +) RMSNorm, q/k/v, rotary and the KV-cache write, for backends that attend
   over K/V written beforehand and do not rotate in their attention kernel;
 - `experts` (site "moe_experts"): a mixture-of-experts layer's experts, by the decode kernels of
@@ -43,6 +46,7 @@ from tokenspeed_worker.kernels.timing import l2_flush_buffer, time_us
 from tokenspeed_worker.layers.fused_kernels import fused_kernels_mode, use_fused
 
 if TYPE_CHECKING:
+    from tokenspeed_worker.layers.activation import GatedActivation
     from tokenspeed_worker.layers.attention.layer import Attention
     from tokenspeed_worker.layers.layernorm import PendingNorm
     from tokenspeed_worker.layers.linear import Linear, QKVLinear
@@ -153,7 +157,7 @@ class SmallBatchGemv:
         """(proj(norm(x + residual)), x + residual) of a pending norm; without a residual (proj(norm(x)), x).
 
         proj: a Linear whose forward is x @ weight^T (+ bias) on this rank."""
-        norm, x, residual = pending.norm, pending.x, pending.residual_in
+        x = pending.x
 
         def plain():
             hidden, new_residual = pending.normalize()
@@ -162,18 +166,21 @@ class SmallBatchGemv:
         kernels = self._kernels(x, proj)
         if kernels is None:  # many rows: the layer's own product (FP8: the norm in its quantization)
             return proj.norm_product(pending)
+        configs = _configs(kernels, proj, norm=True, pending=pending)
+        if not configs:
+            return plain()
 
         def fused(config):
-            return kernels.small_batch_linear(x, proj.weight, proj.bias, norm_weight=norm.weight, residual=residual,
-                                              eps=norm.eps, config=config, **_scale_args(kernels, proj))
+            return kernels.small_batch_linear(x, proj.weight, proj.bias, config=config, **_norm_args(pending),
+                                              **_scale_args(kernels, proj))
 
-        return self._run("norm_linear" if residual is None else "add_norm_linear", x, proj.weight, kernels, fused,
-                         plain, _configs(kernels, proj, norm=True), FOLD_MARGIN)
+        return self._run(_norm_site("norm_linear", pending), x, proj.weight, kernels, fused, plain, configs, FOLD_MARGIN)
 
-    def norm_gate_up_silu(self, pending: PendingNorm, gate_up: Linear,
-                          act: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(act(gate_up(norm(x + residual))), x + residual) with act = SiLU·mul over [gate | up]."""
-        norm, x, residual = pending.norm, pending.x, pending.residual_in
+    def norm_gate_up_act(self, pending: PendingNorm, gate_up: Linear,
+                         act: GatedActivation) -> tuple[torch.Tensor, torch.Tensor]:
+        """(act(gate_up(norm(x + residual))), x + residual) with act = SiLU·mul or GELU-tanh·mul over
+        [gate | up]."""
+        x = pending.x
 
         def plain():
             hidden, new_residual = pending.normalize()
@@ -183,13 +190,17 @@ class SmallBatchGemv:
         if kernels is None or gate_up.bias is not None:
             out, new_residual = gate_up.norm_product(pending)
             return act(out), new_residual
+        gelu = bool(act.GELU_TANH)
+        configs = _configs(kernels, gate_up, norm=True, pending=pending, gelu=gelu)
+        if not configs:
+            return plain()
 
         def fused(config):
-            return kernels.small_batch_linear(x, gate_up.weight, norm_weight=norm.weight, residual=residual,
-                                              eps=norm.eps, silu=True, config=config, **_scale_args(kernels, gate_up))
+            return kernels.small_batch_linear(x, gate_up.weight, silu=not gelu, gelu=gelu, config=config,
+                                              **_norm_args(pending), **_scale_args(kernels, gate_up))
 
-        return self._run("norm_gate_up_silu", x, gate_up.weight, kernels, fused, plain,
-                         _configs(kernels, gate_up, norm=True), FOLD_MARGIN)
+        return self._run(_norm_site("norm_gate_up_gelu" if gelu else "norm_gate_up_silu", pending, add=False), x,
+                         gate_up.weight, kernels, fused, plain, configs, FOLD_MARGIN)
 
     def norm_qkv_rope(self, pending: PendingNorm, proj: QKVLinear, rope: RotaryEmbedding, attn: Attention,
                       positions: torch.Tensor, attn_metadata) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -199,14 +210,15 @@ class SmallBatchGemv:
         rotary + KV-write kernel (the choice is made with norm_linear's own choice in place). None
         where it cannot apply, or where the attention kernel rotates and writes the cache itself
         (Attention.fuses_rope): the caller then projects and rotates itself."""
-        norm, x, residual = pending.norm, pending.x, pending.residual_in
+        x = pending.x
         kernels = self._kernels(x, proj)
         if (kernels is None or rope.rotary_dim != attn.head_dim or attn.head_dim % 2
                 or attn.backend is None or not attn.backend.supports_prewritten_kv or not rope.fuses(x)
                 or attn.fuses_rope(rope, x, attn_metadata)):  # the attention kernel rotates: nothing to fold
             return None
         half = attn.head_dim // 2
-        configs = tuple(c for c in _configs(kernels, proj, norm=True) if kernels.supports_rotary(c) and half % c[0] == 0)
+        configs = tuple(c for c in _configs(kernels, proj, norm=True, pending=pending)
+                        if kernels.supports_rotary(c) and half % c[0] == 0)
         if not configs:
             return None
         heads, kv_heads, head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
@@ -225,10 +237,10 @@ class SmallBatchGemv:
             return q, new_residual
 
         def fused(config):
-            return kernels.small_batch_linear(x, proj.weight, proj.bias, norm_weight=norm.weight, residual=residual,
-                                              eps=norm.eps, rotary=rotary, config=config, **_scale_args(kernels, proj))
+            return kernels.small_batch_linear(x, proj.weight, proj.bias, rotary=rotary, config=config,
+                                              **_norm_args(pending), **_scale_args(kernels, proj))
 
-        site = "norm_qkv_rope" if residual is None else "add_norm_qkv_rope"
+        site = _norm_site("norm_qkv_rope", pending)
         if (x.is_cuda and fused_kernels_mode() != "force" and _key(site, x, proj.weight) not in self.decisions
                 and not torch.cuda.is_current_stream_capturing()):
             self.norm_linear(pending, proj)  # norm_linear chooses first, so `plain` is timed as it will run
@@ -384,10 +396,35 @@ def _scale_args(kernels, proj: Linear) -> dict[str, Any]:
     return {"weight_scale": proj.weight_scale_rows}
 
 
-def _configs(kernels, proj: Linear, norm: bool = False) -> tuple:
-    """The configurations to time for proj's weight (those that read its block scales, if it has them)."""
+def _configs(kernels, proj: Linear, norm: bool = False, pending: PendingNorm | None = None, gelu: bool = False) -> tuple:
+    """The configurations to time for proj's weight (those that read its block scales, if it has them,
+    and those with Gemma's forms where the pending norm or the activation is Gemma's)."""
     block_rows = proj.weight_block_rows if proj.weight_scale_blocks is not None else None
-    return kernels.configs_for(proj.weight.dtype, norm=norm, block_rows=block_rows)
+    return kernels.configs_for(proj.weight.dtype, norm=norm, block_rows=block_rows,
+                               gemma=gelu or (pending is not None and _gemma_form(pending)))
+
+
+def _gemma_form(pending: PendingNorm) -> bool:
+    return pending.norm.unit_offset or pending.x_norm is not None
+
+
+def _norm_args(pending: PendingNorm) -> dict[str, Any]:
+    """small_batch_linear's prologue arguments for a pending norm (Llama's or Gemma's forms)."""
+    norm = pending.norm
+    args: dict[str, Any] = dict(norm_weight=norm.weight, residual=pending.residual_in, eps=norm.eps)
+    if _gemma_form(pending):
+        args.update(unit_offset=norm.unit_offset,
+                    x_norm_weight=pending.x_norm.weight if pending.x_norm is not None else None)
+    return args
+
+
+def _norm_site(site: str, pending: PendingNorm, add: bool = True) -> str:
+    """The site's name: "add_" with a residual (add); "_unit" for Gemma's norm, "_after" with a
+    sublayer's norm."""
+    name = site if pending.residual_in is None or not add else f"add_{site}"
+    if pending.norm.unit_offset:
+        name += "_unit"
+    return name + ("_after" if pending.x_norm is not None else "")
 
 
 def _agrees(got: Any, reference: Any, tolerance: float = AGREEMENT) -> bool:

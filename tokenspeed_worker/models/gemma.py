@@ -13,9 +13,11 @@ What sets them apart from Llama, each as transformers computes it:
   ones; Gemma 3's local layers have their own rope (rope_parameters per layer type);
 - the MLP gates with GELU (tanh approximation).
 
-Each norm, the residual add and the next norm run as one kernel on the GPU (RMSNorm.forward_after:
-a sublayer's output normalized, added to the stream, normalized for the next sublayer), and the
-gated GELU as one (layers/activation.GeluTanhAndMul).
+Each norm, the residual add and the next norm run as one step (RMSNorm.defer_after: a sublayer's
+output normalized, added to the stream, normalized for the next sublayer), left pending for the
+next projection: at a few rows the small-batch GEMV takes all three into its prologue (and the
+gated GELU into gate_up's epilogue), else one norm kernel runs them (RMSNorm.forward_after), and
+the gated GELU another (layers/activation.GeluTanhAndMul).
 
 Windowed and soft-capped layers need an attention backend that takes them (torch or Triton;
 model_runner checks). A window at least as long as the served length (--max-model-len) is
@@ -31,7 +33,7 @@ from torch import nn
 
 from tokenspeed_worker.layers.activation import GeluTanhAndMul
 from tokenspeed_worker.layers.attention import Attention
-from tokenspeed_worker.layers.layernorm import GemmaRMSNorm
+from tokenspeed_worker.layers.layernorm import GemmaRMSNorm, PendingNorm
 from tokenspeed_worker.layers.linear import MergedLinear, ParallelLMHead, QKVLinear, RowParallelLinear, VocabParallelEmbedding
 from tokenspeed_worker.layers.rotary import RotaryEmbedding, get_rope, served_length
 from tokenspeed_worker.models.llama import LlamaForCausalLM
@@ -59,7 +61,7 @@ class GemmaAttention(nn.Module):
                               sliding_window=window if window and window < served else None,
                               logit_softcap=getattr(config, "attn_logit_softcapping", None))
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, attn_metadata: object) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor | PendingNorm, attn_metadata: object) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -79,7 +81,7 @@ class GemmaMLP(nn.Module):
         self.down_proj = RowParallelLinear(size, config.hidden_size, bias=False, prefix=f"{prefix}.down_proj")
         self.act_fn = GeluTanhAndMul()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:
         return self.down_proj(self.gate_up_proj(x, activation=self.act_fn))
 
 
@@ -94,15 +96,15 @@ class GemmaDecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
         self.post_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor,
-                attn_metadata: object) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden: this layer's input, already normalized by input_layernorm; residual: the stream
-        it was normalized from. Returns (the MLP's output before post_feedforward_layernorm, the
-        stream it is added to): the next layer (or the final norm) does the post norm, the add
-        and its own norm in one step (`RMSNorm.forward_after`)."""
+    def forward(self, positions: torch.Tensor, hidden: PendingNorm, attn_metadata: object) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden: this layer's input norm, pending (its `residual` is the stream once applied).
+        Returns (the MLP's output before post_feedforward_layernorm, the stream it is added to):
+        the next layer (or the final norm) does the post norm, the add and its own norm in one
+        step (`RMSNorm.defer_after`)."""
         attn = self.self_attn(positions, hidden, attn_metadata)
-        hidden, residual = self.pre_feedforward_layernorm.forward_after(self.post_attention_layernorm, attn, residual)
-        return self.mlp(hidden), residual
+        pending = self.pre_feedforward_layernorm.defer_after(self.post_attention_layernorm, attn, hidden.residual)
+        out = self.mlp(pending)
+        return out, pending.residual
 
 
 class GemmaModel(nn.Module):
@@ -121,14 +123,13 @@ class GemmaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: object) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        residual = x * torch.tensor(self.normalizer, dtype=x.dtype)
-        hidden = self.layers[0].input_layernorm(residual)
+        hidden = self.layers[0].input_layernorm.defer(x * torch.tensor(self.normalizer, dtype=x.dtype))
         for i, layer in enumerate(self.layers):
-            out, residual = layer(positions, hidden, residual, attn_metadata)
+            out, residual = layer(positions, hidden, attn_metadata)
             # x + post_feedforward_layernorm(out), normalized by the next layer's input norm (or the final one)
             after = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
-            hidden, residual = after.forward_after(layer.post_feedforward_layernorm, out, residual)
-        return hidden
+            hidden = after.defer_after(layer.post_feedforward_layernorm, out, residual)
+        return hidden.apply()
 
 
 class Gemma2ForCausalLM(LlamaForCausalLM):

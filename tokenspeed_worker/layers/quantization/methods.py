@@ -297,7 +297,8 @@ class Fp8LinearMethod:
         then quantize_rows), where the weight is FP8 with row scales and the norm kernel takes the
         norm (Llama's form, the fused kernels on); else None (the caller normalizes, then `apply`)."""
         x, norm = pending.x, pending.norm
-        if layer.weight.dtype != FP8_DTYPE or layer.weight_scale_blocks is not None or norm.unit_offset:
+        if (layer.weight.dtype != FP8_DTYPE or layer.weight_scale_blocks is not None or norm.unit_offset
+                or pending.x_norm is not None):
             return None
         kernels = use_fused(x, "norm")
         if kernels is None or norm.weight.dtype != x.dtype or not norm._fusable(x, pending.residual_in, kernels.MAX_HIDDEN):
