@@ -27,7 +27,10 @@ leaves in one store. Both read the weight strip with 16-byte vector loads on the
 next tile loaded before the current one is multiplied, as the dense small-batch GEMV does
 (kernels/gemv.py): at a few tokens a product is bound by the chosen experts' bytes, and padding
 pairs to tensor-core tiles or sorting them costs more than it saves. `route` is the router's
-softmax, top-k and renormalization in one kernel, one program per token.
+softmax, top-k and renormalization in one kernel, one program per token. The route and decode
+kernels launch with PDL (kernels/pdl.py) where it is on: each waits for its predecessor before
+reading anything (what they read is the routing, just computed), so PDL only hides their launch
+and ramp behind the previous kernel's tail.
 
 Importable without triton: AVAILABLE says whether the kernel can be used.
 """
@@ -38,6 +41,7 @@ from typing import NamedTuple
 
 import torch
 
+from tokenspeed_worker.kernels import pdl
 from tokenspeed_worker.kernels.activation import silu_and_mul
 
 try:
@@ -150,9 +154,12 @@ if AVAILABLE:
     @triton.jit
     def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_logits,
                       TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, BLOCK_E: tl.constexpr,
-                      RENORMALIZE: tl.constexpr):
+                      RENORMALIZE: tl.constexpr, PDL: tl.constexpr):
         # One token: softmax in float32 over its experts, then TOP_K rounds of "take the largest,
         # lowest index first among equals", then the chosen weights renormalized to sum to 1.
+        if PDL:  # kernels/pdl.py: everything here depends on the router's logits
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         token = tl.program_id(0)
         offs = tl.arange(0, BLOCK_E)
         ok = offs < num_experts
@@ -181,10 +188,13 @@ if AVAILABLE:
                                stride_x, stride_we, stride_wn, stride_out, stride_se, stride_sr,
                                TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                W_FP8: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
-                               COL_SCALES: tl.constexpr):
+                               COL_SCALES: tl.constexpr, PDL: tl.constexpr):
         # One pair (token, choice) and BLOCK_N of its expert's gate rows with the matching up
         # rows: out[pair, n] = silu(gate_n . x) * (up_n . x). A foreign expert (id >= the experts
         # held here) writes nothing: expert_down skips it too.
+        if PDL:  # which weights to read depends on the routing just computed: wait first
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         pair = tl.program_id(0)
         pid_n = tl.program_id(1)
         expert = tl.load(ids_ptr + pair)
@@ -235,10 +245,13 @@ if AVAILABLE:
                             stride_h, stride_we, stride_wn, stride_out, stride_se, stride_sr,
                             TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                             W_FP8: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
-                            COL_SCALES: tl.constexpr):
+                            COL_SCALES: tl.constexpr, PDL: tl.constexpr):
         # One token and BLOCK_N output columns: sum over its TOP_K choices of weight *
         # (down_e rows . h[pair]), one flat loop over (choice, K step) so the next tile, of the
         # same expert or the next, is always in flight. Foreign experts' loads are masked off.
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         token = tl.program_id(0)
         pid_n = tl.program_id(1)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -351,7 +364,8 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
     if tokens:
         _route_kernel[(tokens,)](logits, weights, ids, experts, logits.stride(0), TOP_K=top_k,
                                  TOP_K_POW2=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(experts),
-                                 RENORMALIZE=renormalize, num_warps=1 if experts <= 128 else 4)
+                                 RENORMALIZE=renormalize, num_warps=1 if experts <= 128 else 4,
+                                 **_pdl(logits.device))
     return weights, ids
 
 
@@ -424,15 +438,22 @@ def small_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
         x, w13, sc, ids, hidden_rows, inter, hidden, experts, x.stride(0), w13.stride(0), w13.stride(1),
         hidden_rows.stride(0), se, sr, TOP_K=top_k, BLOCK_N=gate_up_config.block_n, BLOCK_K=gate_up_config.block_k,
         W_FP8=w13_scales is not None, SCALE_ROWS=rows, SCALE_COLS=cols, COL_SCALES=col_scales,
-        num_warps=gate_up_config.num_warps)
+        num_warps=gate_up_config.num_warps, **_pdl(x.device))
     out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
     sc, se, sr, rows, cols, col_scales = down_scales
     _expert_down_kernel[(tokens, triton.cdiv(hidden, down_config.block_n))](
         hidden_rows, w2, sc, ids, weights.contiguous(), out, hidden, inter, experts, hidden_rows.stride(0),
         w2.stride(0), w2.stride(1), out.stride(0), se, sr, TOP_K=top_k, BLOCK_N=down_config.block_n,
         BLOCK_K=down_config.block_k, W_FP8=w2_scales is not None, SCALE_ROWS=rows, SCALE_COLS=cols,
-        COL_SCALES=col_scales, num_warps=down_config.num_warps)
+        COL_SCALES=col_scales, num_warps=down_config.num_warps, **_pdl(x.device))
     return out
+
+
+def _pdl(device: torch.device) -> dict:
+    """The PDL constexpr and launch option of the route and decode-expert kernels (kernels/pdl.py:
+    each waits before reading anything, so the next may start while it drains)."""
+    on = pdl.enabled(device)
+    return {"PDL": on, **pdl.launch_options(on)}
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
