@@ -15,7 +15,8 @@ A decode step of at most kernels.gemv.MAX_ROWS rows asks, at each projection (a 
 The weight is x's dtype, or FP8 e4m3 with one float32 scale per row (`Linear.weight_scale_rows`) or
 per tile (`Linear.weight_scale_blocks`, block-wise checkpoints: the one-shot configurations whose
 strips fit the tile rows); the kernel reads half the bytes and applies the scales in-register,
-activations stay 16-bit.
+activations 16-bit on the CUDA cores, or quantized per row in the kernel for the tensor-core
+configurations (Fp8Mma, per-row scales only).
 
 A `SmallBatchGemv` holds the choices of one model runner: the first time a (site, rows, weight
 shape, dtype, device) is seen outside a CUDA-graph capture, the unfused path and each kernel
