@@ -108,7 +108,7 @@ def test_the_log_reports_each_startup_phase_with_its_seconds(worker):
     import re
 
     log = worker.log()
-    for phase in ("model construction", "weight load", "memory profile and KV pool sizing", "KV cache allocation",
+    for phase in ("runtime setup", "model construction", "weight load", "memory profile and KV pool sizing", "KV cache allocation",
                   "attention timing", "CUDA graph capture", "kernel warm-up", "scheduler, sampler and grammar setup",
                   "interpreter start", "server setup", "engine process start", "engine start", "warm-up generation"):
         assert re.search(rf"startup: {re.escape(phase)} \d+\.\d s", log), (phase, log)

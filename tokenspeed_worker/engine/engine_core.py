@@ -111,15 +111,17 @@ def build_runner(cfg: EngineConfig, phases: StartupPhases | None = None):
     from tokenspeed_worker.model_executor.model_runner import ModelRunner
 
     phases = phases if phases is not None else StartupPhases()
+    setup_start = time.perf_counter()
     torch.manual_seed(cfg.model.seed)
     device = torch.device(cfg.rank_device)
     if device.type == "cuda" and device.index is not None:
         # Triton launches and CUDA-graph captures use the current device: a data-parallel replica
         # or tensor-parallel rank on cuda:1 must make it current, not just place its tensors there.
         torch.cuda.set_device(device)
+    setup_seconds = time.perf_counter() - setup_start  # the CUDA context, where set_device makes it
     runner = ModelRunner(cfg)
     for name, seconds, detail in runner.startup_timings:
-        phases.add(name, seconds, detail)
+        phases.add(name, seconds + (setup_seconds if name == "runtime setup" else 0.0), detail)
     device = torch.device(runner.device)
     with phases.phase("memory profile and KV pool sizing"):
         if cfg.cache.max_total_tokens:

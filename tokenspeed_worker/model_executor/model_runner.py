@@ -81,6 +81,7 @@ class ModelRunner:
         replaces it. `graph_class`: what captures and replays the decode steps (default
         cuda_graph.CudaGraph, CUDA only); CPU tests pass one that re-runs the step on the static
         buffers (tests/emulated_graph.py), which also turns the graph path on off CUDA."""
+        init_start = time.perf_counter()
         from transformers import AutoConfig
 
         self.model_path = config.model.path
@@ -104,8 +105,9 @@ class ModelRunner:
         self.choices_path = kernel_cache.choices_path(config.model.cache_dir, self.device)
         self.small_batch_gemv = small_batch_gemv.SmallBatchGemv(kernel_cache.load_choices(self.choices_path))
         # (phase, seconds, detail) of this constructor's startup phases (build_runner reports them: startup.py)
-        self.startup_timings: list[tuple[str, float, str]] = []
         start = time.perf_counter()
+        self.startup_timings: list[tuple[str, float, str]] = [
+            ("runtime setup", start - init_start, "transformers' config, the device's runtime, the attention backend")]
         with (torch.device(self.device), _default_dtype(self.dtype), small_batch_gemv.building(self.small_batch_gemv),
               quant_methods.building(config.model.quant_config), expert_parallel(config.parallel.expert_parallel_size),
               rotary.serving_length(config.scheduler.max_model_len)):
