@@ -118,10 +118,9 @@ def build_runner(cfg: EngineConfig, phases: StartupPhases | None = None):
         # Triton launches and CUDA-graph captures use the current device: a data-parallel replica
         # or tensor-parallel rank on cuda:1 must make it current, not just place its tensors there.
         torch.cuda.set_device(device)
-    setup_seconds = time.perf_counter() - setup_start  # the CUDA context, where set_device makes it
-    runner = ModelRunner(cfg)
+    runner = ModelRunner(cfg, setup_started=setup_start)  # the CUDA context above counts as runtime setup
     for name, seconds, detail in runner.startup_timings:
-        phases.add(name, seconds + (setup_seconds if name == "runtime setup" else 0.0), detail)
+        phases.add(name, seconds, detail)
     device = torch.device(runner.device)
     with phases.phase("memory profile and KV pool sizing"):
         if cfg.cache.max_total_tokens:

@@ -770,13 +770,8 @@ if AVAILABLE:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
         if SILU:  # as _epilogue: gate_up's output rounded, then silu, then the product
-            gate = acc.to(dtype).to(tl.float32)
             up = (acc_up * up_scale[:, None] * x_scale[None, :]).to(dtype).to(tl.float32)
-            if LIBDEVICE:
-                e = libdevice.exp(-gate)
-            else:
-                e = tl.exp(-gate)
-            acc = tl.math.div_rn(gate, 1.0 + e).to(dtype).to(tl.float32) * up
+            acc = _gated(acc.to(dtype).to(tl.float32), up, dtype, False, LIBDEVICE)
         tl.store(out_ptr + offs_m[None, :] * stride_out + offs_n[:, None], acc.to(dtype),
                  mask=m_ok[None, :] & n_ok[:, None])
 
@@ -797,8 +792,7 @@ if AVAILABLE:
                     tl.store(residual_out_ptr + offs_m[:, None] * stride_residual_out + kk[None, :], xt,
                              mask=mask & (pid_n == 0))
             nw = tl.load(norm_weight_ptr + kk, mask=k_ok, other=0.0)
-            normed = (xt.to(tl.float32) * rstd[:, None]).to(x_ptr.dtype.element_ty)
-            xt = (normed.to(tl.float32) * nw.to(tl.float32)[None, :]).to(x_ptr.dtype.element_ty)
+            xt = _normed(xt.to(tl.float32), rstd[:, None], nw[None, :], x_ptr.dtype.element_ty, False)
         return xt.to(tl.float32)
 
 
@@ -1058,7 +1052,7 @@ def small_batch_linear(
         W_BLOCK_COLS=weight_block_scales.cols if weight_block_scales is not None else 0,
         x_norm_weight_ptr=x_norm_weight if x_norm_weight is not None else weight,
         NORM_X=x_norm_weight is not None,
-        UNIT_OFFSET=unit_offset and norm_weight is not None,
+        UNIT_OFFSET=unit_offset,
         GELU=gelu,
         num_warps=num_warps,
         **pdl.launch_options(pdl_on),

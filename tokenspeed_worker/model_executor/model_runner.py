@@ -73,15 +73,17 @@ def _default_dtype(dtype: torch.dtype):
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, *, attention_backend: AttentionBackend | None = None,
-                 graph_class: type | None = None) -> None:
+                 graph_class: type | None = None, setup_started: float | None = None) -> None:
         """The runner of `config`'s model (its model, cache and scheduler sections) on this rank's
         device (`config.rank_device`); max_model_len sets the CUDA graphs' block table width. The
         model section's attention_backend is "torch", "triton", "flashinfer" or "auto" (triton on
         CUDA when its kernels can run, else torch); `attention_backend`, a backend instance,
         replaces it. `graph_class`: what captures and replays the decode steps (default
         cuda_graph.CudaGraph, CUDA only); CPU tests pass one that re-runs the step on the static
-        buffers (tests/emulated_graph.py), which also turns the graph path on off CUDA."""
-        init_start = time.perf_counter()
+        buffers (tests/emulated_graph.py), which also turns the graph path on off CUDA.
+        setup_started: the time.perf_counter() the caller's share of the runtime setup began (the
+        device made current), counted into this runner's "runtime setup" phase (default: now)."""
+        init_start = time.perf_counter() if setup_started is None else setup_started
         from transformers import AutoConfig
 
         self.model_path = config.model.path
