@@ -32,9 +32,18 @@ nb::object to_numpy(std::vector<T>&& values, size_t rows, size_t cols = 0) {
 }
 
 void add_request(Scheduler& self, int64_t req_id, InArray1D<int64_t> prompt, int32_t max_new_tokens,
-                 InArray1D<int64_t> stop_token_ids, int64_t wait_for) {
+                 InArray1D<int64_t> stop_token_ids, int64_t wait_for, bool speculates) {
   self.add_request(req_id, prompt.data(), prompt.shape(0), max_new_tokens, stop_token_ids.data(),
-                   stop_token_ids.shape(0), wait_for);
+                   stop_token_ids.shape(0), wait_for, speculates);
+}
+
+// The n-gram draft of `tokens` (scheduler.hpp), for tests.
+nb::object ngram_draft_of(InArray1D<int64_t> tokens, int32_t min_match, int32_t max_match, int32_t max_tokens) {
+  std::vector<int64_t> all(tokens.data(), tokens.data() + tokens.shape(0));
+  std::vector<int64_t> draft;
+  ngram_draft(all, min_match, max_match, max_tokens, draft);
+  const size_t n = draft.size();
+  return to_numpy(std::move(draft), n);
 }
 
 // Hashes cross as signed int64, the proto's type: the same 64 bits.
@@ -114,7 +123,8 @@ nb::object schedule(Scheduler& self) {
                         to_numpy(std::move(plan.positions), tokens),
                         to_numpy(std::move(plan.slot_mapping), tokens),
                         to_numpy(std::move(plan.block_tables), rows, plan.block_table_width),
-                        to_numpy(std::move(plan.sample_rows), samples));
+                        to_numpy(std::move(plan.sample_rows), samples),
+                        to_numpy(std::move(plan.draft_lens), rows));
 }
 
 nb::tuple advance(Scheduler& self, InArray1D<int64_t> sampled) {
@@ -131,6 +141,15 @@ nb::tuple resolve(Scheduler& self, InArray1D<int64_t> sampled) {
   return nb::make_tuple(to_numpy(std::move(outcome.finished_req_ids), finished),
                         to_numpy(std::move(outcome.finish_reasons), finished),
                         to_numpy(std::move(outcome.live), samples));
+}
+
+nb::tuple resolve_verified(Scheduler& self, InArray1D<int64_t> sampled, InArray1D<int32_t> counts) {
+  StepOutcome outcome = self.resolve_verified(sampled.data(), sampled.shape(0), counts.data(), counts.shape(0));
+  const size_t finished = outcome.finished_req_ids.size();
+  const size_t rows = outcome.live.size();
+  return nb::make_tuple(to_numpy(std::move(outcome.finished_req_ids), finished),
+                        to_numpy(std::move(outcome.finish_reasons), finished),
+                        to_numpy(std::move(outcome.live), rows), to_numpy(std::move(outcome.used), rows));
 }
 
 template <typename F>
@@ -153,25 +172,29 @@ NB_MODULE(_scheduler_core, m) {
           [](Scheduler* self, int32_t num_blocks, int32_t block_size, int32_t max_num_seqs,
              int32_t max_model_len, int32_t token_budget, bool chunked_prefill,
              int32_t max_prefill_tokens, bool enable_prefix_caching, bool enable_kv_events, int32_t hash_bits,
-             double schedule_conservativeness, int32_t sliding_window) {
+             double schedule_conservativeness, int32_t sliding_window, int32_t num_speculative_tokens,
+             int32_t ngram_min_match, int32_t ngram_max_match) {
             if (!(schedule_conservativeness >= 0))
               throw std::invalid_argument("schedule_conservativeness must be >= 0");
             if (sliding_window < 0) throw std::invalid_argument("sliding_window must be >= 0");
             new (self) Scheduler(SchedulerConfig{num_blocks, block_size, max_num_seqs, max_model_len, token_budget,
                                                  chunked_prefill, max_prefill_tokens, enable_prefix_caching,
                                                  enable_kv_events, hash_bits, schedule_conservativeness,
-                                                 sliding_window});
+                                                 sliding_window, num_speculative_tokens, ngram_min_match,
+                                                 ngram_max_match});
           },
           "num_blocks"_a, "block_size"_a, "max_num_seqs"_a, "max_model_len"_a, "token_budget"_a,
           "chunked_prefill"_a, "max_prefill_tokens"_a, "enable_prefix_caching"_a = true,
           "enable_kv_events"_a = false, "hash_bits"_a = 64, "schedule_conservativeness"_a = 0.0,
-          "sliding_window"_a = 0)
+          "sliding_window"_a = 0, "num_speculative_tokens"_a = 0, "ngram_min_match"_a = 1,
+          "ngram_max_match"_a = 0)
       .def("add_request", &add_request, "req_id"_a, "prompt_ids"_a, "max_new_tokens"_a, "stop_token_ids"_a,
-           "wait_for"_a = -1)
+           "wait_for"_a = -1, "speculates"_a = false)
       .def("schedule", &schedule)
       .def("advance", &advance, "sampled"_a)
       .def("commit", &Scheduler::commit)
       .def("resolve", &resolve, "sampled"_a)
+      .def("resolve_verified", &resolve_verified, "sampled"_a, "counts"_a)
       .def("drop_plan", &Scheduler::drop_plan)
       .def_prop_ro("num_unresolved", &Scheduler::num_unresolved)
       .def("abort", &Scheduler::abort, "req_id"_a)
@@ -217,6 +240,8 @@ NB_MODULE(_scheduler_core, m) {
       });
 
   // The bare pool, exposed so tests can prove its misuse checks.
+  m.def("ngram_draft", &ngram_draft_of, "tokens"_a, "min_match"_a, "max_match"_a, "max_tokens"_a);
+
   nb::class_<BlockAllocator>(m, "BlockAllocator")
       .def(nb::init<int32_t>(), "num_blocks"_a)
       .def_prop_ro("num_blocks", &BlockAllocator::num_blocks)

@@ -329,6 +329,15 @@ class BlockTable {
     while (size() < num_blocks) blocks_.push_back(allocator_->allocate());
   }
 
+  // Releases the trailing entries past num_blocks (slots of rejected draft tokens); never one
+  // released before or registered (the caller keeps every computed block).
+  void shrink_to(int32_t num_blocks) {
+    while (size() > std::max(num_blocks, released_)) {
+      allocator_->release(blocks_.back());
+      blocks_.pop_back();
+    }
+  }
+
   int32_t size() const { return static_cast<int32_t>(blocks_.size()); }
   const std::vector<BlockId>& ids() const { return blocks_; }
 

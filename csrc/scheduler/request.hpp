@@ -17,6 +17,10 @@
 // it is not admitted while that request is waiting or prefilling, then shares its
 // prompt blocks. The parent is identified by id and serial, as ids are reused.
 //
+// Speculative decoding (scheduler.hpp): a decoding request may carry a *draft*, tokens proposed
+// to follow its last one; a step computes them with it and keeps those the target model agrees
+// with. Drafts are never in `tokens` and never count as computed until accepted.
+//
 // Overlap scheduling (scheduler.hpp): a step's sampled token can be *pending*: the
 // step is committed (its tokens computed) before the sampled value reached the host.
 // The token is then kPendingToken in `tokens` until resolved; the next step may
@@ -183,6 +187,21 @@ class Request {
 
   void finish(FinishReason reason) { state_ = state::Finished{reason}; }
 
+  // Speculative decoding: this request may be given drafts (set at add_request).
+  bool speculates() const { return speculates_; }
+  void set_speculates(bool on) { speculates_ = on; }
+  // The tokens proposed to follow the last known one for the step being scheduled.
+  std::vector<int64_t>& draft() { return draft_; }
+  const std::vector<int64_t>& draft() const { return draft_; }
+
+  // After a verified step: the next of its accepted tokens. The token before it (the step's
+  // input at that position) is now computed, and `token` is known at once.
+  FinishReason append_accepted(int64_t token) {
+    record_computed(1);
+    append_pending(0);
+    return resolve_pending(token);
+  }
+
  private:
   void expect(bool ok, const char* what) const {
     if (!ok)
@@ -201,6 +220,8 @@ class Request {
   int32_t num_pending_ = 0;
   int32_t last_sample_index_ = 0;
   bool was_admitted_ = false;
+  bool speculates_ = false;
+  std::vector<int64_t> draft_;
   std::vector<int64_t> tokens_;
   std::vector<uint64_t> block_hashes_;
   std::vector<int64_t> stop_token_ids_;

@@ -26,11 +26,14 @@ Scheduler::Scheduler(const SchedulerConfig& config)
   require(config.chunked_prefill || config.max_prefill_tokens >= 1,
           "max_prefill_tokens must be >= 1 when chunked prefill is disabled");
   require(config.hash_bits >= 1 && config.hash_bits <= 64, "hash_bits must be in [1, 64]");
+  require(config.num_speculative_tokens >= 0, "num_speculative_tokens must be >= 0");
+  require(config.ngram_max_match == 0 || (config.ngram_min_match >= 1 && config.ngram_min_match <= config.ngram_max_match),
+          "ngram match window sizes must satisfy 1 <= min <= max");
 }
 
 void Scheduler::add_request(int64_t req_id, const int64_t* prompt, size_t prompt_len,
                             int32_t max_new_tokens, const int64_t* stop_token_ids,
-                            size_t num_stop, int64_t wait_for) {
+                            size_t num_stop, int64_t wait_for, bool speculates) {
   const std::string name = "request " + std::to_string(req_id) + ": ";
   require(!contains(req_id), name + "duplicate request id");
   require(wait_for != req_id, name + "cannot wait for itself");
@@ -53,6 +56,7 @@ void Scheduler::add_request(int64_t req_id, const int64_t* prompt, size_t prompt
   // An unknown parent (finished, aborted, never seen) leaves nothing to wait for.
   auto parent = requests_.find(wait_for);
   if (wait_for >= 0 && parent != requests_.end()) request->set_parent(wait_for, parent->second->serial());
+  request->set_speculates(speculates && config_.num_speculative_tokens > 0);
   waiting_.push_back(request.get());
   requests_.emplace(req_id, std::move(request));
 }
@@ -67,7 +71,8 @@ StepPlan Scheduler::schedule() {
   const int64_t preemptions_before = num_preemptions_;
   schedule_decodes(rows);
   // Decode rows are never starved: they may use up (even exceed) the budget.
-  int32_t budget = config_.token_budget - static_cast<int32_t>(rows.size());
+  int32_t budget = config_.token_budget;
+  for (const ScheduledRow& row : rows) budget -= row.query_len;
   budget = schedule_prefill_continuations(rows, budget);
   // After a preemption the pool is short: admitting now would only thrash.
   if (num_preemptions_ == preemptions_before) schedule_admissions(rows, budget);
@@ -84,7 +89,12 @@ void Scheduler::schedule_decodes(std::vector<ScheduledRow>& rows) {
   for (size_t i = 0; i < running_.size(); ++i) {
     Request* request = running_[i];
     if (!request->is_decoding()) continue;
-    const int32_t needed = blocks_for(request->num_tokens());
+    int32_t draft_len = propose_draft(*request);
+    int32_t needed = blocks_for(request->num_tokens() + draft_len);
+    if (draft_len > 0 && request->blocks()->size() + allocator_.num_available() < needed) {
+      draft_len = 0;  // a draft never preempts anyone
+      needed = blocks_for(request->num_tokens());
+    }
     bool preempted_self = false;
     while (request->blocks()->size() + allocator_.num_available() < needed) {
       preempted_self = running_.back() == request;
@@ -93,7 +103,55 @@ void Scheduler::schedule_decodes(std::vector<ScheduledRow>& rows) {
     }
     if (preempted_self) break;  // it was the newest: nothing after it remains
     request->blocks()->grow_to(needed);
-    rows.push_back({request, 1, true});
+    rows.push_back({request, 1 + draft_len, true, draft_len});
+  }
+}
+
+int32_t Scheduler::propose_draft(Request& request) {
+  std::vector<int64_t>& draft = request.draft();
+  draft.clear();
+  if (!request.speculates() || request.num_pending() > 0) return 0;
+  // The verify step yields up to draft + 1 tokens: never past max_new_tokens.
+  const int32_t room = request.max_new_tokens() - request.output_len() - 1;
+  const int32_t most = std::min(config_.num_speculative_tokens, room);
+  if (most <= 0) return 0;
+  if (config_.ngram_max_match > 0)
+    ngram_draft(request.tokens(), config_.ngram_min_match, config_.ngram_max_match, most, draft);
+  return static_cast<int32_t>(draft.size());
+}
+
+// One backward pass: positions holding the last token are candidate match ends, each extended
+// backwards while it agrees with the suffix; the first (most recent) of the longest wins. Linear
+// in the tokens plus the extensions (at most max_match each). Like vLLM's and SGLang's n-gram
+// proposers in what it proposes; no index kept between steps, as one pass costs microseconds
+// for the few thousand tokens of a request.
+void ngram_draft(const std::vector<int64_t>& tokens, int32_t min_match, int32_t max_match, int32_t max_tokens,
+                 std::vector<int64_t>& draft) {
+  draft.clear();
+  const int64_t n = static_cast<int64_t>(tokens.size());
+  if (max_tokens <= 0 || n < 2 || max_match <= 0) return;
+  const int64_t longest = std::min<int64_t>(max_match, n - 1);
+  const int64_t last = tokens[static_cast<size_t>(n - 1)];
+  int64_t best_end = -1;
+  int64_t best_len = 0;
+  for (int64_t end = n - 2; end >= 0; --end) {
+    if (tokens[static_cast<size_t>(end)] != last) continue;
+    int64_t len = 1;
+    while (len < longest && end - len >= 0 &&
+           tokens[static_cast<size_t>(end - len)] == tokens[static_cast<size_t>(n - 1 - len)])
+      ++len;
+    if (len > best_len) {
+      best_len = len;
+      best_end = end;
+      if (len == longest) break;
+    }
+  }
+  if (best_len < min_match) return;
+  // What followed the occurrence; where that runs into the end (an occurrence within the last
+  // max_tokens tokens: a repeating pattern), the pattern goes on: the draft continues itself.
+  for (int64_t i = 0; i < max_tokens; ++i) {
+    const int64_t source = best_end + 1 + i;
+    draft.push_back(source < n ? tokens[static_cast<size_t>(source)] : draft[static_cast<size_t>(source - n)]);
   }
 }
 
@@ -310,6 +368,7 @@ StepPlan Scheduler::build_plan(const std::vector<ScheduledRow>& rows) const {
   plan.slot_mapping.reserve(num_tokens);
   plan.block_tables.assign(num_rows * width, 0);
   plan.block_table_width = width;
+  plan.draft_lens.reserve(num_rows);
 
   const int64_t block_size = config_.block_size;
   for (size_t b = 0; b < num_rows; ++b) {
@@ -319,8 +378,10 @@ StepPlan Scheduler::build_plan(const std::vector<ScheduledRow>& rows) const {
     plan.req_ids.push_back(request.id());
     plan.query_lens.push_back(rows[b].query_len);
     plan.context_lens.push_back(context);
+    const int32_t known = request.num_tokens();
     for (int32_t pos = context; pos < context + rows[b].query_len; ++pos) {
-      int64_t token = request.tokens()[pos];
+      // Past the known tokens: the row's draft (schedule_decodes).
+      int64_t token = pos < known ? request.tokens()[pos] : request.draft()[static_cast<size_t>(pos - known)];
       // A pending token (only ever the newest, of the one unresolved step): read on the device.
       if (token == kPendingToken) token = -1 - static_cast<int64_t>(request.last_sample_index());
       plan.input_ids.push_back(token);
@@ -329,6 +390,7 @@ StepPlan Scheduler::build_plan(const std::vector<ScheduledRow>& rows) const {
     }
     std::replace_copy(blocks.begin(), blocks.end(), plan.block_tables.begin() + b * width, kReleasedBlock, 0);
     if (rows[b].samples) plan.sample_rows.push_back(static_cast<int32_t>(b));
+    plan.draft_lens.push_back(rows[b].draft_len);
   }
   return plan;
 }
@@ -357,7 +419,8 @@ void Scheduler::commit() {
     const int32_t index = row.samples ? sample_index++ : -1;
     Request* request = row.request;
     if (request == nullptr) continue;  // aborted after schedule()
-    request->record_computed(row.query_len);
+    // A draft's tokens count as computed only once accepted (resolve_verified).
+    request->record_computed(row.draft_len > 0 ? 1 : row.query_len);
     if (!row.samples) continue;
     request->append_pending(index);
     // Every output token is sampled: it only waits for resolve() now, and holds its blocks until then.
@@ -372,29 +435,73 @@ void Scheduler::commit() {
 StepOutcome Scheduler::resolve(const int64_t* sampled, size_t num_sampled) {
   if (pending_.empty()) throw std::runtime_error("resolve() called with no committed step unresolved");
   size_t num_sampling = 0;
-  for (const ScheduledRow& row : pending_.front()) num_sampling += row.samples;
+  for (const ScheduledRow& row : pending_.front()) {
+    num_sampling += row.samples;
+    if (row.draft_len > 0) throw std::runtime_error("resolve() of a step with drafts; use resolve_verified()");
+  }
   if (num_sampled != num_sampling)
     throw std::invalid_argument("resolve() got " + std::to_string(num_sampled) +
                                 " sampled tokens, the step has " + std::to_string(num_sampling) +
                                 " sample rows");
+  return resolve_rows(sampled, num_sampled, nullptr);
+}
+
+StepOutcome Scheduler::resolve_verified(const int64_t* sampled, size_t num_sampled, const int32_t* counts,
+                                        size_t num_rows) {
+  if (pending_.empty()) throw std::runtime_error("resolve_verified() called with no committed step unresolved");
+  size_t row_index = 0;
+  size_t total = 0;
+  for (const ScheduledRow& row : pending_.front()) {
+    if (!row.samples) continue;
+    if (row_index >= num_rows) break;
+    const int32_t count = counts[row_index++];
+    if (count < 1 || count > 1 + row.draft_len)
+      throw std::invalid_argument("resolve_verified(): sample row " + std::to_string(row_index - 1) + " kept " +
+                                  std::to_string(count) + " tokens, outside [1, 1 + its draft of " +
+                                  std::to_string(row.draft_len) + "]");
+    total += static_cast<size_t>(count);
+  }
+  size_t num_sampling = 0;
+  for (const ScheduledRow& row : pending_.front()) num_sampling += row.samples;
+  if (num_rows != num_sampling)
+    throw std::invalid_argument("resolve_verified() got counts for " + std::to_string(num_rows) +
+                                " rows, the step has " + std::to_string(num_sampling) + " sample rows");
+  if (num_sampled != total)
+    throw std::invalid_argument("resolve_verified() got " + std::to_string(num_sampled) +
+                                " tokens, the counts add up to " + std::to_string(total));
+  return resolve_rows(sampled, num_sampled, counts);
+}
+
+StepOutcome Scheduler::resolve_rows(const int64_t* sampled, size_t num_sampled, const int32_t* counts) {
   for (size_t i = 0; i < num_sampled; ++i) {
     if (sampled[i] < 0) throw std::invalid_argument("resolve() got a negative token id");
   }
   std::vector<ScheduledRow> rows = std::move(pending_.front());
   pending_.pop_front();
   StepOutcome outcome;
-  outcome.live.reserve(num_sampling);
   size_t next_sample = 0;
+  size_t sample_row = 0;
   for (const ScheduledRow& row : rows) {
-    const int64_t token = row.samples ? sampled[next_sample++] : 0;
+    const int32_t count = !row.samples ? 0 : counts != nullptr ? counts[sample_row] : 1;
+    const int64_t* tokens = sampled + next_sample;
+    next_sample += static_cast<size_t>(count);
     Request* request = row.request;
-    if (row.samples) outcome.live.push_back(request != nullptr);
-    if (request == nullptr) continue;  // aborted, or finished by an earlier step: its token is dropped
+    if (row.samples) {
+      ++sample_row;
+      outcome.live.push_back(request != nullptr);
+      outcome.used.push_back(0);
+    }
+    if (request == nullptr) continue;  // aborted, or finished by an earlier step: its tokens are dropped
     FinishReason reason = FinishReason::kNone;
     if (row.samples) {
-      reason = request->resolve_pending(token);
+      reason = request->resolve_pending(tokens[0]);
+      int32_t used = 1;
+      while (reason == FinishReason::kNone && used < count) reason = request->append_accepted(tokens[used++]);
+      outcome.used.back() = used;
     }
     if (request->blocks() != nullptr) {
+      // The slots past the known tokens held rejected drafts: their blocks go back.
+      if (row.draft_len > 0) request->blocks()->shrink_to(blocks_for(request->num_tokens()));
       register_computed_blocks(*request);  // first: registration reads the blocks' ids
       release_slid_out_blocks(*request);
     }

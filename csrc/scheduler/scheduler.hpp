@@ -24,6 +24,16 @@
 // Protocol: schedule -> commit -> (schedule -> commit ->) resolve -> ... with at most
 // two committed steps unresolved; advance() = commit() + resolve() with none pending.
 //
+// Speculative decoding (num_speculative_tokens > 0; only without overlap): schedule() gives a
+// decoding request that speculates a *draft* of up to num_speculative_tokens tokens proposed to
+// follow its last one, from its own tokens by n-gram match (ngram_max_match > 0: the longest
+// suffix of ngram_min_match..ngram_max_match tokens that occurred before, most recent occurrence
+// first, proposes what followed it). Its row then computes 1 + draft tokens (StepPlan::draft_lens)
+// and samples at each; resolve_verified() takes the tokens kept (the drafts the sampler agreed
+// with and the one sampled after the last of them), counts them as computed, and frees the
+// blocks of the rejected drafts' slots. A draft never passes max_new_tokens, and is dropped
+// rather than preempting anyone for its blocks.
+//
 // Prefix caching: admission (and re-admission after preemption) first matches the
 // longest chain of cached full blocks equal to the request's known tokens, leaving
 // at least one token to compute, so a request never writes into a shared block.
@@ -62,7 +72,17 @@ struct SchedulerConfig {
   // > 0: every layer of the model attends to the last sliding_window positions only, so a
   // running request's blocks wholly before every future query's window are released.
   int32_t sliding_window = 0;
+  // > 0: drafts of at most this many tokens for the requests that speculate (see above).
+  int32_t num_speculative_tokens = 0;
+  int32_t ngram_min_match = 1;
+  int32_t ngram_max_match = 0;  // 0: no n-gram drafts
 };
+
+// The draft n-gram matching proposes for `tokens`: the `max_tokens` tokens that followed the most
+// recent earlier occurrence of the longest suffix of min_match..max_match tokens (continued
+// periodically where they reach the end: a repeating pattern); empty if none.
+void ngram_draft(const std::vector<int64_t>& tokens, int32_t min_match, int32_t max_match, int32_t max_tokens,
+                 std::vector<int64_t>& draft);
 
 // Output tokens a request is expected to use at most when reserving room for it: its
 // max_new_tokens, clipped here (a client that leaves max_tokens unset asks for the whole context).
@@ -85,12 +105,15 @@ struct StepPlan {
   std::vector<int32_t> block_tables;
   int32_t block_table_width = 0;
   std::vector<int32_t> sample_rows;
+  std::vector<int32_t> draft_lens;  // per row: draft tokens after its first query token (0: none)
 };
 
 struct StepOutcome {
   std::vector<int64_t> finished_req_ids;
   std::vector<int32_t> finish_reasons;
   std::vector<uint8_t> live;  // per sampled token: its request is alive (not aborted or finished before)
+  // resolve_verified: per sample row, how many of its tokens were kept (up to a stop; 0 when not live).
+  std::vector<int32_t> used;
 };
 
 class Scheduler {
@@ -101,11 +124,14 @@ class Scheduler {
   // wait_for >= 0 makes the request a sibling of that live request (see request.hpp).
   void add_request(int64_t req_id, const int64_t* prompt, size_t prompt_len,
                    int32_t max_new_tokens, const int64_t* stop_token_ids, size_t num_stop,
-                   int64_t wait_for = -1);
+                   int64_t wait_for = -1, bool speculates = false);
   StepPlan schedule();
   StepOutcome advance(const int64_t* sampled, size_t num_sampled);
   void commit();
   StepOutcome resolve(const int64_t* sampled, size_t num_sampled);
+  // resolve() of a step with drafts: sample row i's tokens are the next counts[i] of `sampled`
+  // (1 <= counts[i] <= 1 + its draft length), kept in order up to a stop or max_new_tokens.
+  StepOutcome resolve_verified(const int64_t* sampled, size_t num_sampled, const int32_t* counts, size_t num_rows);
   // Forgets the scheduled, uncommitted plan after every request in it was aborted (a failed step).
   void drop_plan();
   int32_t num_unresolved() const { return static_cast<int32_t>(pending_.size()); }
@@ -150,6 +176,7 @@ class Scheduler {
     Request* request;  // null once aborted between schedule() and advance()
     int32_t query_len;
     bool samples;
+    int32_t draft_len = 0;  // of query_len, the draft tokens after the first
   };
 
   int32_t blocks_for(int64_t num_tokens) const {
@@ -167,6 +194,8 @@ class Scheduler {
   }
   const Request& find(int64_t req_id) const;
   void schedule_decodes(std::vector<ScheduledRow>& rows);
+  int32_t propose_draft(Request& request);
+  StepOutcome resolve_rows(const int64_t* sampled, size_t num_sampled, const int32_t* counts);
   int32_t schedule_prefill_continuations(std::vector<ScheduledRow>& rows, int32_t budget);
   void schedule_admissions(std::vector<ScheduledRow>& rows, int32_t budget);
   double reserve_ratio() const;

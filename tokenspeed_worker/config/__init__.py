@@ -20,6 +20,7 @@ from tokenspeed_worker.config.engine import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     resolve_dtype,
 )
 from tokenspeed_worker.config.parameters import GROUPS, OPTIONS, OPTIONS_BY_DEST, PROG, Option, ServerArgs, Status
@@ -47,6 +48,7 @@ __all__ = [
     "SchedulerConfig",
     "ServerArgs",
     "ServerConfig",
+    "SpeculativeConfig",
     "Status",
     "UnsupportedOptionError",
     "WorkerConfig",

@@ -5,6 +5,7 @@
       cache      CacheConfig      the paged KV pool, the prefix cache and its events
       scheduler  SchedulerConfig  what one step may hold: sequences, their length, its token budget
       parallel   ParallelConfig   the tensor-parallel ranks and where they meet
+      speculative SpeculativeConfig speculative decoding: the drafter and how far it drafts
 
 The server builds it from the parsed command line (config/worker.py); tests and benchmarks build
 it with `EngineConfig.build(model_path, **settings)`, each setting named as its section's field
@@ -185,8 +186,37 @@ class ParallelConfig:
         return self.tensor_parallel_size // max(1, self.nnodes)
 
 
-SECTIONS: tuple[str, ...] = ("model", "cache", "scheduler", "parallel")
-_SECTION_TYPES = (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig)
+SPECULATIVE_ALGORITHMS: tuple[str, ...] = ("NGRAM",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (engine/speculative.py): each step, a decoding request's next tokens are
+    proposed by a drafter and checked by one forward of the model over all of them."""
+
+    speculative_algorithm: str | None = None  # None: off; "NGRAM": drafts from the request's own tokens
+    num_speculative_tokens: int = 3  # draft tokens per request and step (the verify computes 1 + this)
+    ngram_min_match: int = 1  # NGRAM: the shortest suffix that may match earlier tokens
+    ngram_max_match: int = 12  # NGRAM: the longest suffix tried first
+
+    def __post_init__(self) -> None:
+        algorithm = self.speculative_algorithm
+        if algorithm is not None and algorithm not in SPECULATIVE_ALGORITHMS:
+            raise ValueError(f"speculative_algorithm {algorithm!r} is not supported "
+                             f"(supported: {', '.join(SPECULATIVE_ALGORITHMS)})")
+        if self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+        if not 1 <= self.ngram_min_match <= self.ngram_max_match:
+            raise ValueError(f"the n-gram match window must satisfy 1 <= min ({self.ngram_min_match}) "
+                             f"<= max ({self.ngram_max_match})")
+
+    @property
+    def enabled(self) -> bool:
+        return self.speculative_algorithm is not None
+
+
+SECTIONS: tuple[str, ...] = ("model", "cache", "scheduler", "parallel", "speculative")
+_SECTION_TYPES = (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig, SpeculativeConfig)
 # Every setting's section; `build` and `replace` route a flat setting by its name.
 SECTION_OF: dict[str, str] = {
     f.name: section for section, kind in zip(SECTIONS, _SECTION_TYPES) for f in dataclasses.fields(kind)
@@ -202,6 +232,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     @classmethod
     def build(cls, model_path: str, **settings: Any) -> EngineConfig:

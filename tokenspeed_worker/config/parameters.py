@@ -418,21 +418,37 @@ class ServerArgs:
 
     # ---- Speculative Decoding
     speculative_config: str | None = _not_yet(None, SPECULATIVE, "JSON speculative decoding configuration.")
-    speculative_algorithm: str | None = _not_yet(
-        None, SPECULATIVE, "Speculative algorithm.", choices=("EAGLE3", "MTP", "DFLASH", "DSPARK")
+    speculative_algorithm: str | None = _option(
+        None,
+        SPECULATIVE,
+        "Speculative algorithm. 'NGRAM': each decoding request's next tokens are proposed from its own "
+        "prompt and output (the tokens that followed the latest earlier occurrence of its last few "
+        "tokens; no draft model) and checked by one forward of the model over all of them; output "
+        "is unchanged (greedy and seeded sampling give the tokens they give without it). Unset: off.",
+        choices=("NGRAM", "EAGLE3", "EAGLE", "MTP", "DFLASH", "DSPARK"),
+        unsupported_values=("EAGLE3", "EAGLE", "MTP", "DFLASH", "DSPARK"),
     )
     speculative_draft_model_path: str | None = _not_yet(None, SPECULATIVE, "Draft model path.")
     speculative_draft_model_quantization: str = _not_yet("unquant", SPECULATIVE, "Draft model quantization.")
-    speculative_num_steps: int = _not_yet(3, SPECULATIVE, "Number of draft model steps.", parse=values.positive_int)
-    speculative_num_draft_tokens: int | None = _not_yet(
+    speculative_num_steps: int = _option(
+        3, SPECULATIVE, "Number of draft model steps. With NGRAM it only sets the default of "
+        "--speculative-num-draft-tokens.", parse=values.positive_int)
+    speculative_num_draft_tokens: int | None = _option(
         None,
         SPECULATIVE,
-        "Number of draft tokens.",
+        "Tokens each speculative verify step computes per request: the last accepted token and "
+        "this minus one draft tokens (at least 2).",
         parse=values.positive_int,
         default_doc="--speculative-num-steps + 1",
     )
     speculative_eagle_topk: int = _not_yet(1, SPECULATIVE, "EAGLE top-k.", parse=values.positive_int)
     eagle3_layers_to_capture: str | None = _not_yet(None, SPECULATIVE, "EAGLE3 layers to capture.")
+    speculative_ngram_min_match_window_size: int = _option(
+        1, SPECULATIVE, "NGRAM: the fewest trailing tokens that must have occurred before to propose a draft.",
+        parse=values.positive_int)
+    speculative_ngram_max_match_window_size: int = _option(
+        12, SPECULATIVE, "NGRAM: the most trailing tokens matched; the longest match, then the latest, wins.",
+        parse=values.positive_int)
 
     # ---- Observability
     log_level: str = _option("info", OBSERVABILITY, "Log level: " + ", ".join(LOG_LEVELS) + ".", parse=values.log_level)

@@ -24,6 +24,7 @@ from tokenspeed_worker.config.engine import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     resolve_dtype,
 )
 from tokenspeed_worker.config.parameters import ServerArgs
@@ -103,6 +104,12 @@ class WorkerConfig:
             nnodes=args.nnodes,
             dist_init_method=f"tcp://{args.dist_init_addr}" if args.dist_init_addr else None,
         )
+        speculative = SpeculativeConfig(
+            speculative_algorithm=args.speculative_algorithm,
+            num_speculative_tokens=_num_speculative_tokens(args),
+            ngram_min_match=args.speculative_ngram_min_match_window_size,
+            ngram_max_match=args.speculative_ngram_max_match_window_size,
+        ) if args.speculative_algorithm else SpeculativeConfig()
         server = ServerConfig(
             host=args.host,
             grpc_port=args.grpc_port,
@@ -113,7 +120,17 @@ class WorkerConfig:
             data_parallel_size=args.data_parallel_size,
             node_rank=args.node_rank,
         )
-        return cls(server=server, engine=EngineConfig(model, cache, scheduler, parallel))
+        return cls(server=server, engine=EngineConfig(model, cache, scheduler, parallel, speculative))
+
+
+def _num_speculative_tokens(args: ServerArgs) -> int:
+    """Draft tokens per request and step: --speculative-num-draft-tokens (default --speculative-num-steps
+    + 1) counts the verify step's tokens, the last accepted one included."""
+    width = args.speculative_num_draft_tokens or args.speculative_num_steps + 1
+    if width < 2:
+        raise ValueError(f"--speculative-num-draft-tokens {width}: a verify step needs at least 2 tokens "
+                         "(the last accepted one and a draft)")
+    return width - 1
 
 
 def expert_parallel_size(args: ServerArgs) -> int:

@@ -18,6 +18,12 @@ N+1 before completing step N, so the host's scheduling and output work for one s
 the device computes the other; a decode row of step N+1 reads its input token (sampled by step
 N) on the device (model_runner: negative input ids). `step()` is `complete(launch())`: the same
 without overlap.
+
+Speculative decoding (cfg.speculative): the scheduler gives decoding rows drafts, the step samples
+at every drafted position and `complete()` keeps what the model agrees with (engine/speculative.py),
+so a row may output several tokens in one step (its id repeats in the StepOutput, one entry per
+token, in order). Each step is completed before the next is scheduled (no overlap), since the
+next step's inputs depend on how many tokens were kept.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from tokenspeed_worker.engine.grammar import GrammarQueue, build_grammars
 from tokenspeed_worker.engine.kv_event_publisher import KvEventOutbox
 from tokenspeed_worker.engine.messages import AddRequest, EngineReady, KvEvents, Loads, StepOutput
 from tokenspeed_worker.engine.rows import RowTable
+from tokenspeed_worker.engine.speculative import Verify
 from tokenspeed_worker.engine.throughput import ThroughputWindow
 from tokenspeed_worker.sampling.sampler import SampleOutput
 from tokenspeed_worker.startup import StartupPhases
@@ -168,12 +175,19 @@ class EngineCore:
         setup_start = time.perf_counter()
         self.kv_cache_bytes = self.num_blocks * cfg.cache.block_size * self.runner.kv_bytes_per_token()
         self.tp_size = cfg.parallel.tensor_parallel_size
+        self.speculative = cfg.speculative if cfg.speculative.enabled else None
         self.scheduler = Scheduler.from_config(cfg.scheduler, cfg.cache, self.num_blocks,
-                                               sliding_window=self.runner.uniform_sliding_window)
+                                               sliding_window=self.runner.uniform_sliding_window,
+                                               speculative=self.speculative)
         cache = cfg.cache
         self.kv_events = KvEventOutbox(self.scheduler, self.loads, cache.kv_events, cache.report_kv_events,
                                        cache.kv_event_id_offset, cache.kv_event_id_stride)
-        self.overlap_schedule = resolve_overlap(cfg.scheduler.overlap_schedule, self.device)
+        # A speculative step's kept tokens decide the next step's inputs: it completes first.
+        self.overlap_schedule = self.speculative is None and resolve_overlap(cfg.scheduler.overlap_schedule,
+                                                                             self.device)
+        self.spec_draft_tokens = 0  # drafts verified since start, and of them kept
+        self.spec_accepted_tokens = 0
+        self.spec_steps = 0  # row-steps that verified a draft
         self.sampling_backend = cfg.model.sampling_backend or default_sampling_backend(self.device)
         self.sampler = Sampler(self.sampling_backend)
         self.grammars = build_grammars(cfg.model.grammar_backend, cfg.model.tokenizer_path, self.runner.vocab_size)
@@ -190,7 +204,7 @@ class EngineCore:
         self.startup.add("scheduler, sampler and grammar setup", time.perf_counter() - setup_start)
         logger.info(
             "engine ready: %s on %s (%s), attention %s, CUDA graphs %s, overlap scheduling %s, KV pool %d blocks x %d tokens (%.2f GiB), "
-            "weights %.2f GiB",
+            "weights %.2f GiB%s",
             cfg.model.path,
             self.device,
             self.runner.dtype,
@@ -201,6 +215,9 @@ class EngineCore:
             cfg.cache.block_size,
             self.kv_cache_bytes / _GIB,
             self.runner.weight_bytes() / _GIB,
+            "" if self.speculative is None else
+            f", speculative decoding {self.speculative.speculative_algorithm} with {self.speculative.num_speculative_tokens} "
+            f"draft tokens (overlap scheduling off: each step is verified before the next)",
         )
         if distributed.rank() == 0:
             logger.info("startup phases: %s", self.startup.summary())
@@ -246,6 +263,8 @@ class EngineCore:
             num_cached_blocks=s.num_cached_blocks,
             num_grammar_waiting=len(self.grammar_queue),
             num_retracted=s.num_retracted,
+            spec_accept_length=(1.0 + self.spec_accepted_tokens / self.spec_steps) if self.spec_steps else None,
+            spec_accept_rate=(self.spec_accepted_tokens / self.spec_draft_tokens) if self.spec_draft_tokens else None,
         )
 
     def has_work(self) -> bool:
@@ -306,7 +325,8 @@ class EngineCore:
         row = self.rows.add(req.req_id, prompt, params)
         try:
             self.scheduler.add_request(row, prompt, int(req.max_new_tokens), list(params.stop_token_ids),
-                                       wait_for=-1 if wait_row is None else wait_row)
+                                       wait_for=-1 if wait_row is None else wait_row,
+                                       speculates=self.speculative is not None and speculates(req))
         except Exception:
             self.rows.release(row)
             raise
@@ -390,6 +410,10 @@ class EngineCore:
         table = self.rows
         fresh = table.first_scheduled(plan.req_ids)  # requests whose first forward this is
         rows = plan.req_ids[plan.sample_rows]
+        verify = offsets = None
+        if plan.has_drafts:  # one entry per sampled position from here on
+            verify = Verify.of(plan)
+            rows, offsets = verify.expand(rows)
         out = StepOutput(
             req_ids=table.server_id[rows].copy(),
             tokens=np.zeros(0, dtype=np.int64),
@@ -399,7 +423,7 @@ class EngineCore:
             step_start_ts=start_ts,
         )
         try:
-            sampled = self._run(plan, rows)
+            sampled = self._run(plan, rows, offsets)
         except torch.OutOfMemoryError as exc:
             raise self._fail_step(plan, f"out of memory in a step: {exc}".splitlines()[0]) from exc
         event = None
@@ -409,25 +433,28 @@ class EngineCore:
         # Read before the step completes: a request that finishes in it is forgotten then.
         out.cached_tokens = self.scheduler.cached_tokens(rows) if rows.shape[0] else np.zeros(0, np.int32)
         self.scheduler.commit()
-        launched = LaunchedStep(out=out, rows=rows, sampled=sampled, event=event, t0=t0)
+        launched = LaunchedStep(out=out, rows=rows, sampled=sampled, event=event, t0=t0, verify=verify)
         self._last_launched = launched
         return launched
 
-    def _run(self, plan, rows: np.ndarray) -> SampleOutput | None:
+    def _run(self, plan, rows: np.ndarray, offsets: np.ndarray | None = None) -> SampleOutput | None:
         """The step's device work: the forward and, when rows sample, the sampling, whose host copies
-        it starts (ready once the step's event fired); None when no row samples."""
+        it starts (ready once the step's event fired); None when no row samples. `offsets`: a step
+        with drafts, `rows` one entry per sampled position and each its offset in its row."""
         if self.tp_size > 1:  # the other ranks run the same forward (engine/tp_worker.py)
-            distributed.broadcast_object(("step", plan, int(rows.shape[0])))
+            # A verified step's tokens are never a later plan's pending inputs: nothing to share.
+            distributed.broadcast_object(("step", plan, 0 if offsets is not None else int(rows.shape[0])))
         if rows.shape[0] == 0:
             self.runner.forward(plan)
             return None
         logits = self.runner.forward(plan)
-        return self._sample(logits, rows).to_host()
+        return self._sample(logits, rows, offsets).to_host()
 
-    def _sample(self, logits: torch.Tensor, rows: np.ndarray) -> SampleOutput:
+    def _sample(self, logits: torch.Tensor, rows: np.ndarray, offsets: np.ndarray | None = None) -> SampleOutput:
         """Sample the rows' next tokens (and logprobs if any row asked) on the device and keep the
-        tokens there for the next step's inputs."""
-        batch = self.sampling.batch(rows)
+        tokens there for the next step's inputs. With `offsets` (a step with drafts), each entry
+        samples its row's output token that many places further; `complete` keeps what it verifies."""
+        batch = self.sampling.batch(rows, offsets)
         if self.grammars is not None and self.grammars.active:
             # The previous step, possibly still pending (overlap): its tokens advance the matchers
             # this mask is built from. The device already has this step's forward queued behind it.
@@ -438,6 +465,8 @@ class EngineCore:
                 batch.grammar_bitmask, batch.grammar_positions = masks
         # A decode graph took the rows' argmax already: an all-greedy batch's tokens, no kernel here.
         result = self.sampler.sample(logits, batch, greedy=self.runner.greedy_tokens)
+        if offsets is not None:  # the rows advance by the tokens kept, in complete()
+            return result
         self.sampling.update(rows, result.tokens)
         self.runner.record_sampled(result.tokens)
         if self.tp_size > 1:  # the next plan's pending input ids read them on every rank
@@ -476,8 +505,11 @@ class EngineCore:
             tokens = np.zeros(0, dtype=np.int64)
         else:
             tokens = sampled.tokens.numpy().astype(np.int64, copy=False)
-        finished_rows, reasons, live = self.scheduler.resolve(tokens)
-        keep = None if live.all() else live
+        if launched.verify is not None:
+            finished_rows, reasons, keep = self._resolve_verified(launched, tokens)
+        else:
+            finished_rows, reasons, live = self.scheduler.resolve(tokens)
+            keep = None if live.all() else live
         if keep is not None:
             out.req_ids = out.req_ids[keep]
             out.cached_tokens = out.cached_tokens[keep]
@@ -496,6 +528,27 @@ class EngineCore:
             self.throughput.add(int(out.tokens.shape[0]))
         out.step_seconds = time.perf_counter() - launched.t0
         return out
+
+    def _resolve_verified(self, launched: "LaunchedStep", tokens: np.ndarray):
+        """A step with drafts: keep what the model agrees with (engine/speculative.py), advance the
+        scheduler and the rows' sampling state by it, count drafts and keeps. Returns (finished rows,
+        reasons, the entries of the step's positions that are output, in order)."""
+        verify = launched.verify
+        kept, kept_tokens = verify.accept(tokens)
+        finished_rows, reasons, live, used = self.scheduler.resolve_verified(kept_tokens, kept)
+        select = verify.select(used)
+        self.sampling.update(launched.rows[select], tokens[select], repeated=True)
+        drafted = live & (verify.draft_lens > 0)
+        accepted = np.maximum(used.astype(np.int64) - 1, 0)
+        self.spec_draft_tokens += int(verify.draft_lens[drafted].sum())
+        self.spec_accepted_tokens += int(accepted[drafted].sum())
+        self.spec_steps += int(drafted.sum())
+        out = launched.out
+        first = verify.starts[drafted]
+        out.spec_ids = out.req_ids[first].copy()
+        out.spec_draft_tokens = verify.draft_lens[drafted].astype(np.int32)
+        out.spec_accepted_tokens = accepted[drafted].astype(np.int32)
+        return finished_rows, reasons, select
 
     def _stop_completed_grammars(self, live_rows: np.ndarray, finished_rows: np.ndarray, reasons):
         """Rows whose grammar is complete end with "stop" now (added to the step's finished rows)."""
@@ -536,6 +589,7 @@ class LaunchedStep:
     event: object | None  # CUDA event after the step's copies; None on CPU
     t0: float
     grammar_accepted: bool = False  # its tokens advanced the grammar matchers (_accept_grammar_tokens)
+    verify: Verify | None = None  # a step with drafts: its layout (rows are then one per sampled position)
 
 
 def _put_logprobs(out: StepOutput, sampled: SampleOutput, keep: np.ndarray | None) -> None:
@@ -553,6 +607,13 @@ def _put_logprobs(out: StepOutput, sampled: SampleOutput, keep: np.ndarray | Non
     out.token_ids_logprobs = host(sampled.token_ids_logprobs)
     out.token_ids_logprob_ids = host(sampled.token_ids_logprob_ids)
     out.token_ids_logprob_counts = host(sampled.token_ids_logprob_counts)
+
+
+def speculates(req: AddRequest) -> bool:
+    """Whether a request may be given drafts. Not a constrained one (its grammar would have to walk
+    each draft) nor one with repetition, frequency or presence penalties (each drafted position
+    would need the counts of the drafts before it); those decode one token a step."""
+    return req.constraint is None and not req.sampling_params.uses_penalty
 
 
 def resolve_overlap(setting: bool | None, device: torch.device) -> bool:

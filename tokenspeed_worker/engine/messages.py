@@ -95,7 +95,7 @@ class StepOutput:
     """Everything one step produced. Rows of the arrays are sampling requests."""
 
     req_ids: np.ndarray  # int64 [S]
-    tokens: np.ndarray  # int64 [S]
+    tokens: np.ndarray  # int64 [S]; a request may appear several times (speculative decoding), in order
     finished_ids: np.ndarray  # int64 [F]
     finish_reasons: np.ndarray  # int32 [F]
     cached_tokens: np.ndarray | None = None  # int32 [S] prompt tokens served from the prefix cache
@@ -114,6 +114,11 @@ class StepOutput:
     scheduled_ids: np.ndarray | None = None  # int64 [N], None when N == 0
     step_start_ts: float = 0.0
     kv_events: "KvEvents | None" = None  # the turn's prefix-cache events, on its last output
+    # Speculative decoding: the requests that verified a draft in this step (each once), its
+    # length and how many of its tokens were kept and output. None when none did.
+    spec_ids: np.ndarray | None = None  # int64 [D]
+    spec_draft_tokens: np.ndarray | None = None  # int32 [D]
+    spec_accepted_tokens: np.ndarray | None = None  # int32 [D]
 
 
 @dataclass
@@ -138,6 +143,10 @@ class Loads:
     num_cached_blocks: int = 0
     num_grammar_waiting: int = 0  # requests waiting for their grammar to compile (not yet scheduled)
     num_retracted: int = 0  # waiting requests that were preempted and keep output to recompute
+    # Speculative decoding since start: tokens output per verified row-step (kept drafts + 1), and
+    # the fraction of draft tokens kept; None when off or before any draft.
+    spec_accept_length: float | None = None
+    spec_accept_rate: float | None = None
 
 
 @dataclass

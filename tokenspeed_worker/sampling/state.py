@@ -240,11 +240,15 @@ class SamplingState:
 
     # ---- per step ---------------------------------------------------------
 
-    def update(self, rows: np.ndarray, sampled: torch.Tensor | np.ndarray) -> None:
+    def update(self, rows: np.ndarray, sampled: torch.Tensor | np.ndarray, repeated: bool = False) -> None:
         """After a step: rows [S] sampled tokens [S] (device tensor or numpy). Advances every row's
-        output position and adds the tokens to the penalized rows' counts (one scatter)."""
+        output position and adds the tokens to the penalized rows' counts (one scatter). `repeated`:
+        a row may appear several times (a speculative step's kept tokens, in order)."""
         rows = np.asarray(rows, np.int64)
-        self._ints[rows, _I_OUT_POS] += 1
+        if repeated:
+            np.add.at(self._ints[:, _I_OUT_POS], rows, 1)
+        else:
+            self._ints[rows, _I_OUT_POS] += 1
         if self._num_penalty == 0 or rows.shape[0] == 0:
             return
         slots = self._slot[rows]
@@ -259,11 +263,15 @@ class SamplingState:
         ones = torch.ones(where.shape[0], dtype=torch.int32, device=self.device)
         self._output_counts.index_put_((slot_index, tokens), ones, accumulate=True)
 
-    def batch(self, rows: np.ndarray) -> SamplingBatch:
-        """The SamplingBatch of these rows, in this order (they must all be active)."""
+    def batch(self, rows: np.ndarray, offsets: np.ndarray | None = None) -> SamplingBatch:
+        """The SamplingBatch of these rows, in this order (they must all be active). `offsets`: each
+        entry draws its row's output token that many places past the next (a speculative step's
+        drafted positions; rows repeat then)."""
         rows = np.asarray(rows, np.int64)
         floats = self._floats[rows]
         ints = self._ints[rows]
+        if offsets is not None:
+            ints[:, _I_OUT_POS] += offsets
         flags = basic_flags(floats[:, _F_TEMPERATURE], ints[:, _I_TOP_K], floats[:, _F_TOP_P], floats[:, _F_MIN_P])
         if flags["all_greedy"]:  # nothing reads the basic tensors: no copies
             batch = SamplingBatch(None, None, None, None, None, None, **flags)

@@ -30,6 +30,9 @@ class SchedulePlan:
     slot_mapping: np.ndarray  # int64 [T] KV slot each new token's K/V is written to
     block_tables: np.ndarray  # int32 [B, W] blocks of each request, padded with 0 past its need
     sample_rows: np.ndarray  # int32 [S] rows b (into B) whose last query token yields a new token
+    # Speculative decoding: int32 [B] draft tokens ending each row's query (0: none), or None for
+    # none at all. A sample row with d > 0 samples at each of its last d + 1 tokens.
+    draft_lens: np.ndarray | None = None
 
     @property
     def num_reqs(self) -> int:
@@ -51,9 +54,26 @@ class SchedulePlan:
         return out
 
     @property
+    def has_drafts(self) -> bool:
+        return self.draft_lens is not None and bool(self.draft_lens.any())
+
+    @property
+    def sample_counts(self) -> np.ndarray:
+        """int64 [S] positions each sample row samples at: 1 + its draft length."""
+        if self.draft_lens is None:
+            return np.ones(self.sample_rows.shape[0], dtype=np.int64)
+        return 1 + self.draft_lens[self.sample_rows].astype(np.int64)
+
+    @property
     def sample_token_index(self) -> np.ndarray:
-        """int64 [S] index into the T tokens of each sampling request's last query token."""
-        return self.cu_query_lens[1:][self.sample_rows] - 1
+        """int64 [sum(sample_counts)] index into the T tokens of each position sampled at: each sample
+        row's last query token, or with a draft of d its last d + 1 tokens, in order."""
+        last = self.cu_query_lens[1:][self.sample_rows] - 1
+        if not self.has_drafts:
+            return last
+        counts = self.sample_counts
+        starts = np.repeat(last - counts + 1, counts)
+        return starts + (np.arange(starts.shape[0]) - np.repeat(np.cumsum(counts) - counts, counts))
 
     @staticmethod
     def empty() -> "SchedulePlan":

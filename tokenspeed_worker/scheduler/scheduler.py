@@ -25,10 +25,18 @@ from collections.abc import Iterable
 import numpy as np
 
 from tokenspeed_worker import _scheduler_core
-from tokenspeed_worker.config import CacheConfig, SchedulerConfig
+from tokenspeed_worker.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from tokenspeed_worker.scheduler.plan import SchedulePlan
 
 ROOT_BLOCK_HASH: int = _scheduler_core.ROOT_BLOCK_HASH
+
+
+def ngram_draft(tokens: np.ndarray, min_match: int, max_match: int, max_tokens: int) -> np.ndarray:
+    """int64: at most `max_tokens` tokens that followed the most recent earlier occurrence of the
+    longest suffix of `tokens` of min_match..max_match tokens; empty when no suffix of min_match
+    occurred before. The scheduler's n-gram drafter (csrc/scheduler/scheduler.cpp)."""
+    return _scheduler_core.ngram_draft(np.ascontiguousarray(tokens, dtype=np.int64).reshape(-1),
+                                       int(min_match), int(max_match), int(max_tokens))
 
 
 def block_hash(parent_hash: int | None, token_ids: np.ndarray | Iterable[int]) -> int:
@@ -72,6 +80,13 @@ class Scheduler:
     as it goes (the table keeps their places, shown as block 0 in plans): its KV grows with the
     window, not with its length. Released blocks that are cached stay matchable.
 
+    `num_speculative_tokens` > 0 (speculative decoding, without overlap scheduling): a decoding
+    request added with `speculates=True` gets a draft of up to that many tokens each step, from
+    its own tokens by n-gram match when `ngram_max_match` > 0 (`ngram_draft`); its plan row then
+    computes 1 + draft tokens (`SchedulePlan.draft_lens`) and the step is finished by
+    `resolve_verified` with the tokens the sampler kept. A draft never passes max_new_tokens and
+    is dropped rather than preempting anyone for its blocks.
+
     `schedule_conservativeness` > 0 (the engine's --schedule-conservativeness, default 1)
     makes admission keep room for the running requests' expected output: a waiting
     request is admitted only if its first chunk, plus the blocks its own rest and every
@@ -97,6 +112,9 @@ class Scheduler:
         _hash_bits: int = 64,
         schedule_conservativeness: float = 0.0,
         sliding_window: int = 0,
+        num_speculative_tokens: int = 0,
+        ngram_min_match: int = 1,
+        ngram_max_match: int = 0,
     ) -> None:
         self.block_size = block_size
         self._core = _scheduler_core.SchedulerCore(
@@ -112,11 +130,14 @@ class Scheduler:
             hash_bits=_hash_bits,
             schedule_conservativeness=float(schedule_conservativeness),
             sliding_window=int(sliding_window),
+            num_speculative_tokens=int(num_speculative_tokens),
+            ngram_min_match=int(ngram_min_match),
+            ngram_max_match=int(ngram_max_match),
         )
 
     @classmethod
     def from_config(cls, scheduler: SchedulerConfig, cache: CacheConfig, num_blocks: int,
-                    sliding_window: int = 0) -> Scheduler:
+                    sliding_window: int = 0, speculative: SpeculativeConfig | None = None) -> Scheduler:
         """The engine's scheduler: its limits from the scheduler section, the pool's block size,
         prefix caching and event recording from the cache section, over `num_blocks` blocks;
         sliding_window: the model's, where every layer has the same one (else 0)."""
@@ -132,6 +153,10 @@ class Scheduler:
             enable_kv_events=cache.records_kv_events,
             schedule_conservativeness=scheduler.schedule_conservativeness,
             sliding_window=sliding_window,
+            num_speculative_tokens=speculative.num_speculative_tokens if speculative and speculative.enabled else 0,
+            ngram_min_match=speculative.ngram_min_match if speculative else 1,
+            ngram_max_match=(speculative.ngram_max_match
+                             if speculative and speculative.speculative_algorithm == "NGRAM" else 0),
         )
 
     # -- requests -------------------------------------------------------------------
@@ -143,6 +168,7 @@ class Scheduler:
         max_new_tokens: int,
         stop_token_ids: Iterable[int] | np.ndarray = (),
         wait_for: int = -1,
+        speculates: bool = False,
     ) -> None:
         """Queues a request (FIFO). Raises ValueError for a duplicate id, an empty
         prompt, max_new_tokens < 1, a request that could never fit (more than
@@ -152,14 +178,16 @@ class Scheduler:
         samples of one prompt): it is not admitted while P is waiting or prefilling
         (requests queued behind it still are), and once P decodes it shares P's
         computed prompt blocks, even with prefix caching off, so the prompt is
-        prefilled once. An unknown, finished or aborted P leaves nothing to wait for."""
+        prefilled once. An unknown, finished or aborted P leaves nothing to wait for.
+
+        `speculates`: the request gets drafts (when the scheduler drafts at all)."""
         prompt = np.ascontiguousarray(prompt_ids, dtype=np.int64)
         if prompt.ndim != 1:
             raise ValueError(f"request {req_id}: prompt_ids must be 1-D, got shape {prompt.shape}")
         if not isinstance(stop_token_ids, np.ndarray):
             stop_token_ids = list(stop_token_ids)
         stops = np.ascontiguousarray(stop_token_ids, dtype=np.int64).reshape(-1)
-        self._core.add_request(int(req_id), prompt, int(max_new_tokens), stops, int(wait_for))
+        self._core.add_request(int(req_id), prompt, int(max_new_tokens), stops, int(wait_for), bool(speculates))
 
     def abort(self, req_id: int) -> bool:
         """Drops a request in any state and frees its blocks; False if unknown.
@@ -199,6 +227,18 @@ class Scheduler:
         was scheduled: that token must be dropped."""
         finished, reasons, live = self._core.resolve(np.ascontiguousarray(sampled, dtype=np.int64).reshape(-1))
         return finished, reasons, live.astype(bool, copy=False)
+
+    def resolve_verified(self, tokens: np.ndarray, counts: np.ndarray
+                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """`resolve` of a step with drafts: sample row i kept the next counts[i] of `tokens`
+        (1 <= counts[i] <= 1 + its draft length: the drafts the sampler agreed with, then the token
+        it sampled after them). Returns (finished_req_ids, reasons, live bool[S], used int32[S]):
+        used[i] of row i's tokens are output (fewer when a stop or max_new_tokens came first; 0 when
+        not live). Rejected drafts' blocks are freed."""
+        finished, reasons, live, used = self._core.resolve_verified(
+            np.ascontiguousarray(tokens, dtype=np.int64).reshape(-1),
+            np.ascontiguousarray(counts, dtype=np.int32).reshape(-1))
+        return finished, reasons, live.astype(bool, copy=False), used
 
     def drop_plan(self) -> None:
         """Forgets the scheduled, uncommitted plan once every request in it was aborted (a failed step)."""

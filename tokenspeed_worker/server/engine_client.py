@@ -80,6 +80,10 @@ class RequestState:
     finish_reason: int | None = None  # a FINISH_* code once finished
     error: tuple[str, str] | None = None  # (grpc status code name, message)
     num_output_tokens: int = 0
+    # Speculative decoding: drafts verified for it, of them kept, and the steps that verified one.
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_verify_steps: int = 0
     event: asyncio.Event = field(default_factory=asyncio.Event)
     # Host wall-clock timestamps, kept only with an observer (server/metrics.py).
     recv_ts: float = 0.0
@@ -340,6 +344,14 @@ class EngineClient:
                     if st.wants_logprobs:
                         st.new_logprobs.append(_logprob_entry(msg, i, st.top_logprobs_num))
                     touched.append(st)
+            if msg.spec_ids is not None:
+                for engine_id, drafted, kept in zip(msg.spec_ids.tolist(), msg.spec_draft_tokens.tolist(),
+                                                    msg.spec_accepted_tokens.tolist()):
+                    st = requests.get(engine_id)
+                    if st is not None:
+                        st.spec_draft_tokens += drafted
+                        st.spec_accepted_tokens += kept
+                        st.spec_verify_steps += 1
             if self.observer is not None:
                 self._observe_step(msg, touched)
             for engine_id, reason in zip(msg.finished_ids.tolist(), msg.finish_reasons.tolist()):
@@ -555,6 +567,9 @@ def combine_loads(loads: list[Loads]) -> Loads:
                  "num_grammar_waiting", "num_retracted"):
         setattr(total, name, sum(getattr(x, name) for x in loads))
     total.cache_hit_rate = sum(x.cache_hit_rate for x in loads) / len(loads)
+    for name in ("spec_accept_length", "spec_accept_rate"):
+        known = [getattr(x, name) for x in loads if getattr(x, name) is not None]
+        setattr(total, name, sum(known) / len(known) if known else None)
     return total
 
 

@@ -156,6 +156,9 @@ class KvEventHub:
             record.queues.CopyFrom(common_pb2.EngineQueues(
                 waiting=loads.num_waiting, grammar=loads.num_grammar_waiting, paused=0,
                 retracted=loads.num_retracted))
+            if loads.spec_accept_length is not None:
+                record.speculative.CopyFrom(common_pb2.EngineSpeculative(
+                    accept_length=loads.spec_accept_length, accept_rate=loads.spec_accept_rate or 0.0))
         if engine.requests:
             record.engine_silence_ms = min(_U32, int(max(0.0, now - engine.last_progress) * 1000))
             record.prefill_pending_tokens = min(_U32, engine.prefill_pending_tokens())

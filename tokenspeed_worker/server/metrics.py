@@ -94,6 +94,11 @@ class PrometheusMetrics:
         self.prefix_cache_hit_tokens = counter("tokenspeed:prefix_cache_hit_tokens",
                                                "Prompt tokens served from the prefix cache.").labels(**m)
         self.preemptions = counter("tokenspeed:num_preemptions", "Requests preempted by the scheduler.").labels(**m)
+        self.spec_draft_tokens = counter("tokenspeed:spec_draft_tokens",
+                                         "Draft tokens verified (speculative decoding).").labels(**m)
+        self.spec_accepted_tokens = counter("tokenspeed:spec_accepted_tokens",
+                                            "Draft tokens the model agreed with and output (speculative "
+                                            "decoding).").labels(**m)
         self.ttft = hist("tokenspeed:time_to_first_token_seconds", "Received -> first token.", _TTFT_BUCKETS)
         self.itl = hist("tokenspeed:inter_token_latency_seconds",
                         "Gap between two tokens of a request, as the server receives them.", _ITL_BUCKETS)
@@ -174,6 +179,9 @@ class RequestObserver:
             self.metrics.step.observe(msg.step_seconds)
             if num_tokens:
                 self.metrics.generation_tokens.inc(num_tokens)
+            if msg.spec_ids is not None:
+                self.metrics.spec_draft_tokens.inc(int(msg.spec_draft_tokens.sum()))
+                self.metrics.spec_accepted_tokens.inc(int(msg.spec_accepted_tokens.sum()))
 
     def on_token(self, st, token: int, now: float) -> None:
         """After `st.num_output_tokens` was incremented for `token`."""
@@ -240,8 +248,8 @@ class RequestObserver:
             preempt_ms=0.0,
             preempt_count=0,
             decode_tps=round((out - 1) / decode_s, 1) if out > 1 and decode_s > 0 else 0.0,
-            acc_len=None,
-            acc_rate=None,
+            acc_len=round(1.0 + st.spec_accepted_tokens / st.spec_verify_steps, 3) if st.spec_verify_steps else None,
+            acc_rate=round(st.spec_accepted_tokens / st.spec_draft_tokens, 3) if st.spec_draft_tokens else None,
             recv_ts=round(recv, 3),
             commit_ts=round(commit, 3),
             finish_ts=round(finish_ts, 3),

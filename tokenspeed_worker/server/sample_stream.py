@@ -95,6 +95,8 @@ class SampleStream:
             cached_tokens=st.cached_tokens if self.cache_report else 0,
             output_logprobs=self._logprobs(items),
             index=st.index,
+            spec_accepted_tokens=st.spec_accepted_tokens,
+            spec_draft_tokens=st.spec_draft_tokens,
         )
         if self.matched_str is not None:
             complete.matched_stop_str = self.matched_str

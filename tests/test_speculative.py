@@ -1,0 +1,390 @@
+"""Speculative decoding (NGRAM): the n-gram drafter, the scheduler's drafts and verified steps, and
+the engine's output, which must equal decoding without speculation token for token (greedy and
+seeded sampling), under concurrency, chunked prefill, prefix hits, preemption, stops, aborts,
+logprobs and n > 1, with every KV block back in the pool at the end."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from tokenspeed_worker.config import EngineConfig, SpeculativeConfig
+from tokenspeed_worker.engine.engine_core import EngineCore
+from tokenspeed_worker.engine.messages import AddRequest
+from tokenspeed_worker.sampling.params import SamplingParams
+from tokenspeed_worker.scheduler.scheduler import Scheduler, ngram_draft
+from test_scheduler_core import check_ownership
+from worker_harness import Worker, tiny_models
+
+DEVICE = os.environ.get("TOKENSPEED_TEST_DEVICE", "cpu")
+
+
+# -- the drafter ---------------------------------------------------------------------------------
+
+
+def draft(tokens, k=4, lo=1, hi=12):
+    return ngram_draft(np.asarray(tokens), lo, hi, k).tolist()
+
+
+def test_ngram_proposes_what_followed_the_longest_then_latest_match():
+    # Suffix [2, 3] occurred twice; [1, 2, 3] once (at the start): the longest wins.
+    assert draft([1, 2, 3, 9, 8, 5, 2, 3, 7, 1, 2, 3]) == [9, 8, 5, 2]
+    # Two occurrences of the same length: the latest.
+    assert draft([5, 1, 6, 0, 5, 2, 6, 0, 5], k=2, hi=1) == [2, 6]
+    # Nothing matches, or less than min_match does.
+    assert draft([1, 2, 3, 4]) == []
+    assert draft([1, 2, 9, 2], lo=2) == []
+    assert draft([1]) == [] and draft([1, 1], k=0) == []
+
+
+def test_ngram_continues_a_repeating_pattern():
+    assert draft([7, 7, 7], k=5) == [7, 7, 7, 7, 7]
+    assert draft([4, 1, 2, 1, 2], k=5) == [1, 2, 1, 2, 1]
+
+
+# -- the scheduler with a fake model -------------------------------------------------------------
+
+VOCAB = 12
+
+
+def fake_next(history: np.ndarray) -> int:
+    """A deterministic 'model' of the whole history that often repeats itself (so n-gram drafts are
+    often right, and sometimes wrong)."""
+    h = int((history * (np.arange(history.shape[0]) * 7 + 3)).sum())
+    if h % 5 and history.shape[0] >= 3:
+        return int(history[-3])
+    return h % VOCAB
+
+
+def requests_for(seed: int, n: int = 16):
+    rng = np.random.default_rng(seed)
+    out = []
+    for req_id in range(n):
+        prompt_ids = rng.integers(0, VOCAB, rng.integers(1, 30))
+        out.append((req_id, prompt_ids, int(rng.integers(1, 40)), [int(rng.integers(0, VOCAB))]))
+    return out
+
+
+def run_fake(sched: Scheduler, requests, speculative: bool, abort_at: dict[int, int] | None = None):
+    """Every step through a simulated KV pool read back by the plan's slots (a wrong slot, block or
+    draft position changes the outputs); verified steps keep drafts while the model agrees."""
+    bs = sched.block_size
+    kv = np.full(sched.num_total_blocks * bs, -1, dtype=np.int64)
+    outputs = {r[0]: [] for r in requests}
+    reasons: dict[int, int] = {}
+    for req in requests:
+        sched.add_request(*req, speculates=speculative)
+    live = {r[0] for r in requests}
+    steps = drafted = 0
+    while sched.has_work():
+        plan = sched.schedule()
+        kv[plan.slot_mapping] = plan.input_ids
+        cu = plan.cu_query_lens
+        tokens, counts = [], []
+        for b in plan.sample_rows:
+            d = int(plan.draft_lens[b])
+            drafted += d
+            kept = []
+            for j in range(d + 1):
+                pos = np.arange(plan.seq_lens[b] - d + j)
+                history = kv[plan.block_tables[b][pos // bs].astype(np.int64) * bs + pos % bs]
+                assert (history >= 0).all()
+                kept.append(fake_next(history))
+                if j == d or kept[-1] != plan.input_ids[cu[b + 1] - d + j]:
+                    break
+            tokens += kept
+            counts.append(len(kept))
+        if plan.has_drafts:
+            sched.commit()
+            done, why, _, used = sched.resolve_verified(np.asarray(tokens, np.int64), np.asarray(counts, np.int32))
+        else:
+            done, why = sched.advance(np.asarray(tokens, np.int64))
+            used = counts
+        at = 0
+        for b, c, u in zip(plan.sample_rows, counts, used):
+            outputs[int(plan.req_ids[b])] += tokens[at:at + int(u)]
+            at += c
+        reasons.update(zip(done.tolist(), why.tolist()))
+        live -= set(done.tolist())
+        for req_id in [r for r, s in (abort_at or {}).items() if s == steps and r in live]:
+            sched.abort(req_id)
+            live.discard(req_id)
+            reasons[req_id] = -1
+        check_ownership(sched, live)
+        steps += 1
+        assert steps < 5000
+    return outputs, reasons, steps, drafted
+
+
+def make_sched(num_blocks=40, speculative=True, **kw) -> Scheduler:
+    return Scheduler(num_blocks, 4, 8, 1024, kw.pop("token_budget", 16), enable_prefix_caching=True,
+                     num_speculative_tokens=3 if speculative else 0, ngram_max_match=4 if speculative else 0, **kw)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_verified_steps_give_the_tokens_of_plain_decoding(seed):
+    requests = requests_for(seed)
+    reference, ref_reasons, ref_steps, _ = run_fake(make_sched(10_000, speculative=False, token_budget=4096),
+                                                    requests, False)
+    # A small pool (preemption, drafts dropped for room), chunked prefill and prefix caching.
+    got, reasons, steps, drafted = run_fake(make_sched(), requests, True)
+    assert got == reference and reasons == ref_reasons
+    assert drafted > 0
+
+
+def test_aborts_and_finishes_return_every_block():
+    requests = requests_for(3, 12)
+    sched = make_sched()
+    _, reasons, _, _ = run_fake(sched, requests, True, abort_at={1: 2, 4: 5, 7: 9})
+    assert sched.num_free_blocks == sched.num_total_blocks
+    assert sum(1 for r in reasons.values() if r == -1) >= 1
+
+
+def test_resolve_verified_refuses_counts_outside_the_draft():
+    sched = make_sched()
+    sched.add_request(0, np.array([1, 2, 1, 2, 1, 2]), 10, [], speculates=True)
+    plan = sched.schedule()
+    sched.advance(np.array([1]))  # the prefill's token: [.., 2, 1] now has a draft
+    plan = sched.schedule()
+    assert plan.has_drafts and plan.draft_lens.tolist() == [3]
+    sched.commit()
+    with pytest.raises(ValueError, match="outside"):
+        sched.resolve_verified(np.array([2] * 5), np.array([5]))
+    with pytest.raises(ValueError, match="add up"):
+        sched.resolve_verified(np.array([2] * 3), np.array([2]))
+
+
+def test_drafts_never_pass_max_new_tokens():
+    sched = make_sched()
+    sched.add_request(0, np.array([3, 3, 3, 3]), 3, [], speculates=True)
+    sched.schedule()
+    sched.advance(np.array([3]))
+    plan = sched.schedule()
+    assert plan.draft_lens.tolist() == [1]  # 1 output so far; the verify may make 2 more
+    sched.commit()
+    done, why, _, used = sched.resolve_verified(np.array([3, 3]), np.array([2]))
+    assert done.tolist() == [0] and used.tolist() == [2]
+
+
+def test_a_request_without_speculation_gets_no_draft():
+    sched = make_sched()
+    sched.add_request(0, np.array([3, 3, 3, 3]), 9, [], speculates=False)
+    sched.schedule()
+    sched.advance(np.array([3]))
+    assert sched.schedule().draft_lens.tolist() == [0]
+
+
+# -- the engine, on a tiny Llama ----------------------------------------------------------------
+
+MODEL = "llama-gqa-tied"
+
+
+@pytest.fixture(autouse=True)
+def no_overlap_env(monkeypatch):
+    monkeypatch.delenv("TOKENSPEED_OVERLAP_SCHEDULE", raising=False)
+
+
+def make_core(speculative: bool, **overrides) -> EngineCore:
+    cfg = dict(model_path=str(tiny_models()[MODEL]), dtype="float32", device=DEVICE, block_size=4,
+               max_model_len=256, max_num_seqs=16, max_total_tokens=4096, chunked_prefill_size=33)
+    if speculative:
+        cfg.update(speculative_algorithm="NGRAM", num_speculative_tokens=4)
+    cfg.update(overrides)
+    return EngineCore(EngineConfig.build(**cfg))
+
+
+def request(req_id, prompt, max_new, **params):
+    wait_for = params.pop("wait_for", -1)
+    return AddRequest(req_id, np.asarray(prompt, dtype=np.int32), max_new, SamplingParams(**params),
+                      wait_for=wait_for)
+
+
+def run(core: EngineCore, requests, abort: dict[int, int] | None = None):
+    """Outputs (tokens and logprobs) per request, the finish reasons, the per-request draft counts."""
+    outputs = {r.req_id: [] for r in requests}
+    logprobs = {r.req_id: [] for r in requests}
+    reasons, spec = {}, {}
+    for r in requests:
+        core.add_request(r)
+    for step, out in enumerate(core.run_steps()):
+        for req_id, at in (abort or {}).items():
+            if at == step:
+                core.abort(req_id)
+                reasons[req_id] = "abort"
+        if out is None:
+            continue
+        for i, (rid, tok) in enumerate(zip(out.req_ids.tolist(), out.tokens.tolist())):
+            outputs[rid].append(tok)
+            if out.logprobs is not None:
+                logprobs[rid].append(float(out.logprobs[i]))
+        reasons.update(zip(out.finished_ids.tolist(), out.finish_reasons.tolist()))
+        if out.spec_ids is not None:
+            for rid, d, a in zip(out.spec_ids.tolist(), out.spec_draft_tokens.tolist(),
+                                 out.spec_accepted_tokens.tolist()):
+                assert 0 <= a <= d
+                spec[rid] = (spec.get(rid, (0, 0))[0] + d, spec.get(rid, (0, 0))[1] + a)
+    return outputs, logprobs, reasons, spec
+
+
+def mixed_requests():
+    rng = np.random.default_rng(5)
+    system = rng.integers(3, 500, 40).tolist()
+    reqs = []
+    for i in range(8):
+        prompt = (system if i % 2 else []) + rng.integers(3, 500, 5 + 9 * i).tolist()
+        params = {}
+        if i % 4 == 1:
+            params = dict(temperature=0.9, top_p=0.95, seed=100 + i)
+        if i % 4 == 2:
+            params = dict(temperature=0.7, top_k=20, seed=7, return_logprob=True, top_logprobs_num=2)
+        if i == 3:
+            params = dict(min_new_tokens=10, stop_token_ids=[int(prompt[-1])])
+        if i == 5:
+            params = dict(frequency_penalty=0.5)  # decodes without drafts
+        reqs.append(request(i, prompt, 30 + 5 * i, **params))
+    return reqs
+
+
+def test_engine_output_equals_decoding_without_speculation():
+    reference = run(make_core(False), mixed_requests())
+    core = make_core(True)
+    got = run(core, mixed_requests())
+    assert got[0] == reference[0]
+    for rid in (2, 6):  # the requests that asked for logprobs: every kept token's (another batch shape)
+        assert len(got[1][rid]) == len(reference[0][rid])
+        np.testing.assert_allclose(got[1][rid], reference[1][rid], atol=2e-4)
+    assert got[2] == reference[2]
+    spec = got[3]
+    assert 5 not in spec, "a penalized request got drafts"
+    assert sum(a for _, a in spec.values()) > 0, "no draft was ever kept"
+    assert core.spec_accepted_tokens == sum(a for _, a in spec.values())
+    assert core.scheduler.num_free_blocks == core.scheduler.num_total_blocks
+    loads = core.loads()
+    assert loads.spec_accept_rate == core.spec_accepted_tokens / core.spec_draft_tokens
+    assert loads.spec_accept_length > 1.0
+
+
+def test_engine_under_preemption_prefix_hits_and_aborts():
+    # A pool of 48 blocks of 4 for 8 requests of up to ~110 tokens: preemption by recompute.
+    reference = run(make_core(False, max_total_tokens=192, schedule_conservativeness=0.0), mixed_requests())
+    core = make_core(True, max_total_tokens=192, schedule_conservativeness=0.0)
+    got = run(core, mixed_requests())
+    assert got[0] == reference[0] and got[2] == reference[2]
+    assert core.scheduler.num_preemptions > 0
+    core = make_core(True, max_total_tokens=192, schedule_conservativeness=0.0)
+    outputs, _, reasons, _ = run(core, mixed_requests(), abort={2: 3, 6: 8})
+    assert reasons[2] == reasons[6] == "abort"
+    for rid in (0, 1, 3):
+        assert outputs[rid] == reference[0][rid]
+    assert core.scheduler.num_free_blocks == core.scheduler.num_total_blocks
+    assert core.num_requests == 0
+
+
+def test_n_samples_share_the_prompt_and_speculate_each():
+    def reqs():
+        prompt = list(range(10, 40))
+        return [request(0, prompt, 40, temperature=1.0, seed=3),
+                request(1, prompt, 40, temperature=1.0, seed=4, wait_for=0),
+                request(2, prompt, 40, temperature=0.0, wait_for=0)]
+    reference = run(make_core(False), reqs())
+    got = run(make_core(True), reqs())
+    assert got[0] == reference[0] and got[2] == reference[2]
+
+
+def test_speculative_config_is_checked():
+    with pytest.raises(ValueError, match="EAGLE3"):
+        SpeculativeConfig(speculative_algorithm="EAGLE3")
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        SpeculativeConfig(speculative_algorithm="NGRAM", num_speculative_tokens=0)
+    with pytest.raises(ValueError, match="window"):
+        SpeculativeConfig(speculative_algorithm="NGRAM", ngram_min_match=5, ngram_max_match=3)
+
+
+# -- through the real CLI and gRPC --------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def workers():
+    """The same tiny model served plainly and with `--speculative-algorithm NGRAM`."""
+    from test_metrics import free_port
+
+    model = tiny_models()[MODEL]
+    flags = ("--max-model-len", "256", "--max-total-tokens", "4096", "--sampling-backend", "torch")
+    port = free_port()
+    spec = Worker(model, *flags, "--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "5",
+                  "--enable-metrics", "--metrics-host", "127.0.0.1", "--metrics-port", str(port),
+                  "--enable-log-request-stats")
+    spec.metrics_url = f"http://127.0.0.1:{port}/metrics"
+    plain = Worker(model, *flags)
+    yield spec, plain
+    assert spec.stop() == 0, spec.log()
+    assert plain.stop() == 0, plain.log()
+
+
+def grpc_request(prompt, rid, stream=False, max_new_tokens=None, **sampling):
+    from tokenspeed_worker.proto import tokenspeed_scheduler_pb2 as pb
+
+    sp = pb.SamplingParams(**sampling)  # n left unset, as a raw client does (proto3's 0)
+    if max_new_tokens is not None:
+        sp.max_new_tokens = max_new_tokens
+    return pb.GenerateRequest(request_id=rid, tokenized=pb.TokenizedInput(input_ids=prompt), sampling_params=sp,
+                              stream=stream, return_logprob=True)
+
+
+def outputs_of(worker, request):
+    ids, logprobs, completes = {}, {}, []
+    for r in worker.stub.Generate(request, timeout=120):
+        which = r.chunk if r.HasField("chunk") else r.complete
+        ids.setdefault(which.index, []).extend(which.output_ids if r.HasField("complete") else which.token_ids)
+        logprobs.setdefault(which.index, []).extend(which.output_logprobs.token_logprobs)
+        if r.HasField("complete"):
+            completes.append(r.complete)
+    return ids, logprobs, completes
+
+
+def test_grpc_outputs_equal_the_plain_worker_and_report_drafts(workers):
+    import concurrent.futures
+
+    from test_metrics import scrape
+
+    spec, plain = workers
+    rng = np.random.default_rng(9)
+    prompt = rng.integers(3, 500, 24).tolist()
+    cases = [dict(temperature=0.0), dict(stream=True, temperature=0.0), dict(temperature=0.8, sampling_seed=11, n=2, max_new_tokens=60),
+             dict(stream=True, temperature=1.0, top_k=30, sampling_seed=5, max_new_tokens=40),
+             dict(temperature=0.0, max_new_tokens=1)]
+    with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:  # concurrent, as a gateway sends them
+        got = list(pool.map(lambda c: outputs_of(spec, grpc_request(prompt, f"spec-{id(c)}", **c)), cases))
+    for case, (ids, logprobs, completes) in zip(cases, got):
+        want_ids, want_logprobs, _ = outputs_of(plain, grpc_request(prompt, "plain", **case))
+        assert ids == want_ids, case
+        for index in want_logprobs:
+            np.testing.assert_allclose(logprobs[index], want_logprobs[index], atol=2e-4)
+        for c in completes:
+            assert 0 <= c.spec_accepted_tokens <= c.spec_draft_tokens
+    greedy = got[0][2][0]
+    assert greedy.spec_draft_tokens > 0 and greedy.spec_accepted_tokens > 0, greedy
+    assert got[4][2][0].spec_draft_tokens == 0  # one token: nothing to draft
+    samples = scrape(spec.metrics_url)
+    drafted = [v for (name, _), v in samples.items() if name == "tokenspeed:spec_draft_tokens_total"]
+    accepted = [v for (name, _), v in samples.items() if name == "tokenspeed:spec_accepted_tokens_total"]
+    assert drafted and accepted and 0 < accepted[0] <= drafted[0]
+    assert any("Finish!" in line and "acc_len=None" not in line for line in spec.log().splitlines())
+
+
+def test_grpc_bad_speculative_flags_are_refused_at_startup():
+    import subprocess
+    import sys
+
+    model = str(tiny_models()[MODEL])
+    for flags, needle in ((["--speculative-algorithm", "EAGLE3"], "--speculative-algorithm"),
+                          (["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "1"],
+                           "--speculative-num-draft-tokens"),
+                          (["--speculative-algorithm", "NGRAM", "--speculative-ngram-min-match-window-size", "5",
+                            "--speculative-ngram-max-match-window-size", "2"], "window")):
+        r = subprocess.run([sys.executable, "-m", "tokenspeed_worker", model, *flags], capture_output=True,
+                           text=True, timeout=120)
+        assert r.returncode != 0 and needle in r.stderr, (flags, r.stderr[-2000:])
+        assert "Traceback" not in r.stderr, r.stderr[-3000:]

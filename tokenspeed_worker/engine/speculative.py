@@ -1,0 +1,67 @@
+"""Speculative decoding's verification: which of a step's draft tokens the model keeps.
+
+A decoding row with a draft d_1..d_k computes k + 1 tokens in one forward (its last accepted token,
+then the draft) and samples at each of them as if each were an ordinary decode position: position
+j draws the request's output token number o + j with its own seed's noise (sampling/sampler.py
+keys the noise by seed and output position). Draft d_{j+1} is kept when the token drawn at
+position j equals it; the first position whose draw differs gives its draw instead, and the row
+ends there. So the tokens kept are exactly those the model would have produced one step at a
+time: greedy output, and seeded sampling's, are unchanged by speculation, and the output follows
+the model's distribution. For drafts proposed as single tokens (n-gram; a drafter's greedy
+chain) this is what rejection sampling reduces to: a draft d is kept with probability p(d), and
+the replacement is drawn from p (d excluded, since a draw equal to d was a keep).
+
+`Verify` holds one launched step's layout; `accept` turns its sampled tokens into the counts the
+scheduler takes (Scheduler.resolve_verified).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from tokenspeed_worker.scheduler.plan import SchedulePlan
+
+
+@dataclass
+class Verify:
+    """A step with drafts: its sample rows expanded to one entry per sampled position."""
+
+    counts: np.ndarray  # int64 [S] positions per sample row (1 + its draft length)
+    starts: np.ndarray  # int64 [S] each row's first entry among the expanded positions
+    drafts: np.ndarray  # int64 [E] the draft token each position is checked against (-1: the last of its row)
+    draft_lens: np.ndarray  # int64 [S]
+
+    @classmethod
+    def of(cls, plan: SchedulePlan) -> "Verify":
+        counts = plan.sample_counts
+        starts = np.cumsum(counts) - counts
+        index = plan.sample_token_index
+        last = np.zeros(index.shape[0], dtype=bool)
+        last[starts + counts - 1] = True
+        # Position j of a row checks the token computed after it: the draft at index + 1.
+        following = np.minimum(index + 1, plan.input_ids.shape[0] - 1)
+        drafts = np.where(last, -1, plan.input_ids[following])
+        return cls(counts=counts, starts=starts, drafts=drafts, draft_lens=counts - 1)
+
+    def expand(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(rows repeated once per position, each position's offset in its row) for [S] `rows`."""
+        expanded = np.repeat(rows, self.counts)
+        offsets = np.arange(expanded.shape[0], dtype=np.int64) - np.repeat(self.starts, self.counts)
+        return expanded, offsets
+
+    def accept(self, sampled: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(kept int32 [S]: each row's drafts kept plus one, the token drawn after them; tokens int64:
+        those kept, row after row) from the tokens drawn at every position, int64 [E]."""
+        stop = sampled != self.drafts  # a mismatch, or a row's last position (its draft is -1)
+        positions = np.where(stop, np.arange(sampled.shape[0]), sampled.shape[0])
+        first = np.minimum.reduceat(positions, self.starts) if self.starts.shape[0] else positions[:0]
+        kept = (first - self.starts + 1).astype(np.int32)
+        return kept, sampled[self.select(kept)]
+
+    def select(self, used: np.ndarray) -> np.ndarray:
+        """int64: the positions of each row's first used[i] entries, in order."""
+        used = np.asarray(used, dtype=np.int64)
+        total = int(used.sum())
+        return np.repeat(self.starts, used) + (np.arange(total) - np.repeat(np.cumsum(used) - used, used))
