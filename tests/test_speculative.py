@@ -168,6 +168,38 @@ def test_drafts_never_pass_max_new_tokens():
     assert done.tolist() == [0] and used.tolist() == [2]
 
 
+def test_a_large_batch_drafts_for_none():
+    sched = make_sched(max_speculative_batch=1)
+    for req_id in (0, 1):
+        sched.add_request(req_id, np.array([3, 3, 3, 3]), 9, [], speculates=True)
+    sched.schedule()
+    sched.advance(np.array([3, 3]))
+    assert sched.schedule().draft_lens.tolist() == [0, 0]
+    assert sched.num_undrafted_batches == 1
+    sched.advance(np.array([3, 3]))
+    sched.abort(1)
+    assert sched.schedule().draft_lens.tolist() == [3]
+    assert sched.num_undrafted_batches == 1
+
+
+def test_rejected_drafts_back_off():
+    sched = make_sched()
+    sched.add_request(0, np.array([3, 3, 3, 3]), 100, [], speculates=True)
+    sched.schedule()
+    sched.advance(np.array([3]))
+    drafted = []
+    for _ in range(20):  # the model never agrees: it samples 4 after each 3 drafted
+        plan = sched.schedule()
+        drafted.append(int(plan.draft_lens[0]))
+        if plan.has_drafts:
+            sched.commit()
+            sched.resolve_verified(np.array([5]), np.array([1]))
+        else:
+            sched.advance(np.array([3]))
+    # Drafts, then skips of 1, 3, 7, 15 steps (a 5 breaks the pattern until 3s repeat again).
+    assert [i for i, d in enumerate(drafted) if d] == [0, 2, 6, 14]
+
+
 def test_a_request_without_speculation_gets_no_draft():
     sched = make_sched()
     sched.add_request(0, np.array([3, 3, 3, 3]), 9, [], speculates=False)
@@ -388,3 +420,23 @@ def test_grpc_bad_speculative_flags_are_refused_at_startup():
                            text=True, timeout=120)
         assert r.returncode != 0 and needle in r.stderr, (flags, r.stderr[-2000:])
         assert "Traceback" not in r.stderr, r.stderr[-3000:]
+
+
+def test_tensor_parallel_speculation_equals_the_plain_worker(workers):
+    from worker_harness import needs_devices
+
+    needs_devices(2)
+    _, plain = workers
+    tp = Worker(tiny_models()[MODEL], "--max-model-len", "256", "--max-total-tokens", "4096", "--sampling-backend",
+                "torch", "--tensor-parallel-size", "2", "--speculative-algorithm", "NGRAM")
+    try:
+        rng = np.random.default_rng(4)
+        for i, case in enumerate([dict(temperature=0.0, max_new_tokens=50),
+                                  dict(temperature=0.9, sampling_seed=3, n=2, max_new_tokens=30)]):
+            prompt = rng.integers(3, 500, 12 + 5 * i).tolist()
+            ids, _, completes = outputs_of(tp, grpc_request(prompt, f"tp-{i}", **case))
+            assert ids == outputs_of(plain, grpc_request(prompt, "plain", **case))[0]
+            if i == 0:
+                assert completes[0].spec_accepted_tokens > 0
+    finally:
+        assert tp.stop() == 0, tp.log()

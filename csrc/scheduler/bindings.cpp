@@ -173,7 +173,7 @@ NB_MODULE(_scheduler_core, m) {
              int32_t max_model_len, int32_t token_budget, bool chunked_prefill,
              int32_t max_prefill_tokens, bool enable_prefix_caching, bool enable_kv_events, int32_t hash_bits,
              double schedule_conservativeness, int32_t sliding_window, int32_t num_speculative_tokens,
-             int32_t ngram_min_match, int32_t ngram_max_match) {
+             int32_t ngram_min_match, int32_t ngram_max_match, int32_t max_speculative_batch) {
             if (!(schedule_conservativeness >= 0))
               throw std::invalid_argument("schedule_conservativeness must be >= 0");
             if (sliding_window < 0) throw std::invalid_argument("sliding_window must be >= 0");
@@ -181,13 +181,13 @@ NB_MODULE(_scheduler_core, m) {
                                                  chunked_prefill, max_prefill_tokens, enable_prefix_caching,
                                                  enable_kv_events, hash_bits, schedule_conservativeness,
                                                  sliding_window, num_speculative_tokens, ngram_min_match,
-                                                 ngram_max_match});
+                                                 ngram_max_match, max_speculative_batch});
           },
           "num_blocks"_a, "block_size"_a, "max_num_seqs"_a, "max_model_len"_a, "token_budget"_a,
           "chunked_prefill"_a, "max_prefill_tokens"_a, "enable_prefix_caching"_a = true,
           "enable_kv_events"_a = false, "hash_bits"_a = 64, "schedule_conservativeness"_a = 0.0,
           "sliding_window"_a = 0, "num_speculative_tokens"_a = 0, "ngram_min_match"_a = 1,
-          "ngram_max_match"_a = 0)
+          "ngram_max_match"_a = 0, "max_speculative_batch"_a = 0)
       .def("add_request", &add_request, "req_id"_a, "prompt_ids"_a, "max_new_tokens"_a, "stop_token_ids"_a,
            "wait_for"_a = -1, "speculates"_a = false)
       .def("schedule", &schedule)
@@ -213,6 +213,7 @@ NB_MODULE(_scheduler_core, m) {
       .def_prop_ro("num_evictable_blocks", &Scheduler::num_evictable_blocks)
       .def_prop_ro("prefix_query_tokens", &Scheduler::prefix_query_tokens)
       .def_prop_ro("prefix_hit_tokens", &Scheduler::prefix_hit_tokens)
+      .def_prop_ro("num_undrafted_batches", &Scheduler::num_undrafted_batches)
       .def("cached_tokens", &cached_tokens, "req_ids"_a)
       .def("flush_prefix_cache", &Scheduler::flush_prefix_cache)
       .def("drain_kv_events", &drain_kv_events)

@@ -190,6 +190,21 @@ class Request {
   // Speculative decoding: this request may be given drafts (set at add_request).
   bool speculates() const { return speculates_; }
   void set_speculates(bool on) { speculates_ = on; }
+  // Back-off while drafts are rejected (scheduler.hpp): steps to skip before drafting again, and
+  // consecutive verified steps that kept none.
+  bool skip_draft() {
+    if (draft_skip_ <= 0) return false;
+    --draft_skip_;
+    return true;
+  }
+  void record_verified(int32_t kept_drafts, int32_t max_skip) {
+    if (kept_drafts > 0) {
+      draft_misses_ = 0;
+      return;
+    }
+    draft_misses_ = std::min(draft_misses_ + 1, 30);
+    draft_skip_ = std::min((1 << std::min(draft_misses_, 5)) - 1, max_skip);
+  }
   // The tokens proposed to follow the last known one for the step being scheduled.
   std::vector<int64_t>& draft() { return draft_; }
   const std::vector<int64_t>& draft() const { return draft_; }
@@ -221,6 +236,8 @@ class Request {
   int32_t last_sample_index_ = 0;
   bool was_admitted_ = false;
   bool speculates_ = false;
+  int32_t draft_skip_ = 0;
+  int32_t draft_misses_ = 0;
   std::vector<int64_t> draft_;
   std::vector<int64_t> tokens_;
   std::vector<uint64_t> block_hashes_;

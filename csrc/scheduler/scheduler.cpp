@@ -69,6 +69,13 @@ StepPlan Scheduler::schedule() {
   std::vector<ScheduledRow> rows;
   rows.reserve(running_.size() + 8);
   const int64_t preemptions_before = num_preemptions_;
+  draft_this_step_ = true;
+  if (config_.num_speculative_tokens > 0 && config_.max_speculative_batch > 0) {
+    int32_t decoding = 0;
+    for (const Request* request : running_) decoding += request->is_decoding();
+    draft_this_step_ = decoding <= config_.max_speculative_batch;
+    num_undrafted_batches_ += !draft_this_step_;
+  }
   schedule_decodes(rows);
   // Decode rows are never starved: they may use up (even exceed) the budget.
   int32_t budget = config_.token_budget;
@@ -110,7 +117,7 @@ void Scheduler::schedule_decodes(std::vector<ScheduledRow>& rows) {
 int32_t Scheduler::propose_draft(Request& request) {
   std::vector<int64_t>& draft = request.draft();
   draft.clear();
-  if (!request.speculates() || request.num_pending() > 0) return 0;
+  if (!request.speculates() || request.num_pending() > 0 || !draft_this_step_ || request.skip_draft()) return 0;
   // The verify step yields up to draft + 1 tokens: never past max_new_tokens.
   const int32_t room = request.max_new_tokens() - request.output_len() - 1;
   const int32_t most = std::min(config_.num_speculative_tokens, room);
@@ -498,6 +505,7 @@ StepOutcome Scheduler::resolve_rows(const int64_t* sampled, size_t num_sampled, 
       int32_t used = 1;
       while (reason == FinishReason::kNone && used < count) reason = request->append_accepted(tokens[used++]);
       outcome.used.back() = used;
+      if (row.draft_len > 0) request->record_verified(count - 1, kSpeculationMaxSkip);
     }
     if (request->blocks() != nullptr) {
       // The slots past the known tokens held rejected drafts: their blocks go back.

@@ -76,7 +76,15 @@ struct SchedulerConfig {
   int32_t num_speculative_tokens = 0;
   int32_t ngram_min_match = 1;
   int32_t ngram_max_match = 0;  // 0: no n-gram drafts
+  // More decoding requests than this in a step: no drafts in it (a large batch is compute-bound
+  // enough that verifying drafts costs more than it saves); 0: no limit.
+  int32_t max_speculative_batch = 0;
 };
+
+// Per request, speculation backs off while its drafts are rejected: after a verified step that
+// kept none, it skips 2^misses - 1 steps (at most kSpeculationMaxSkip) before drafting again,
+// probing whether its text became predictable.
+inline constexpr int32_t kSpeculationMaxSkip = 16;
 
 // The draft n-gram matching proposes for `tokens`: the `max_tokens` tokens that followed the most
 // recent earlier occurrence of the longest suffix of min_match..max_match tokens (continued
@@ -146,6 +154,8 @@ class Scheduler {
   int32_t num_evictable_blocks() const { return allocator_.num_evictable(); }
   int64_t prefix_query_tokens() const { return prefix_query_tokens_; }
   int64_t prefix_hit_tokens() const { return prefix_hit_tokens_; }
+  // Steps whose decoding batch was too large to draft for (max_speculative_batch).
+  int64_t num_undrafted_batches() const { return num_undrafted_batches_; }
   // Tokens matched at the first admission; 0 for an unknown id.
   int32_t cached_tokens(int64_t req_id) const;
   int32_t flush_prefix_cache();
@@ -221,6 +231,8 @@ class Scheduler {
   bool plan_outstanding_ = false;  // a non-empty plan awaits commit()
   bool advance_allowed_ = false;   // schedule() ran and commit() has not consumed it
   int64_t num_preemptions_ = 0;
+  int64_t num_undrafted_batches_ = 0;
+  bool draft_this_step_ = true;
   double output_ratio_ = 1.0;
   uint64_t next_request_serial_ = 1;
   uint64_t hash_mask_;

@@ -198,6 +198,9 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 3  # draft tokens per request and step (the verify computes 1 + this)
     ngram_min_match: int = 1  # NGRAM: the shortest suffix that may match earlier tokens
     ngram_max_match: int = 12  # NGRAM: the longest suffix tried first
+    # A step with more decoding requests than this drafts for none of them (0: no limit): a large
+    # batch gains little from drafts and pays for verifying them.
+    max_speculative_batch: int = 32
 
     def __post_init__(self) -> None:
         algorithm = self.speculative_algorithm
@@ -206,6 +209,8 @@ class SpeculativeConfig:
                              f"(supported: {', '.join(SPECULATIVE_ALGORITHMS)})")
         if self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+        if self.max_speculative_batch < 0:
+            raise ValueError(f"max_speculative_batch must be >= 0, got {self.max_speculative_batch}")
         if not 1 <= self.ngram_min_match <= self.ngram_max_match:
             raise ValueError(f"the n-gram match window must satisfy 1 <= min ({self.ngram_min_match}) "
                              f"<= max ({self.ngram_max_match})")

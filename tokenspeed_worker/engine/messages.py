@@ -147,6 +147,7 @@ class Loads:
     # the fraction of draft tokens kept; None when off or before any draft.
     spec_accept_length: float | None = None
     spec_accept_rate: float | None = None
+    spec_undrafted_batches: int = 0  # steps whose batch was too large to draft for
 
 
 @dataclass

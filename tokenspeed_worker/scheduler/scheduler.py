@@ -85,7 +85,9 @@ class Scheduler:
     its own tokens by n-gram match when `ngram_max_match` > 0 (`ngram_draft`); its plan row then
     computes 1 + draft tokens (`SchedulePlan.draft_lens`) and the step is finished by
     `resolve_verified` with the tokens the sampler kept. A draft never passes max_new_tokens and
-    is dropped rather than preempting anyone for its blocks.
+    is dropped rather than preempting anyone for its blocks. A step with more than
+    `max_speculative_batch` decoding requests (when > 0) drafts for none; a request whose drafts
+    were all rejected skips 2^misses - 1 steps (at most 16) before drafting again.
 
     `schedule_conservativeness` > 0 (the engine's --schedule-conservativeness, default 1)
     makes admission keep room for the running requests' expected output: a waiting
@@ -115,6 +117,7 @@ class Scheduler:
         num_speculative_tokens: int = 0,
         ngram_min_match: int = 1,
         ngram_max_match: int = 0,
+        max_speculative_batch: int = 0,
     ) -> None:
         self.block_size = block_size
         self._core = _scheduler_core.SchedulerCore(
@@ -133,6 +136,7 @@ class Scheduler:
             num_speculative_tokens=int(num_speculative_tokens),
             ngram_min_match=int(ngram_min_match),
             ngram_max_match=int(ngram_max_match),
+            max_speculative_batch=int(max_speculative_batch),
         )
 
     @classmethod
@@ -157,6 +161,7 @@ class Scheduler:
             ngram_min_match=speculative.ngram_min_match if speculative else 1,
             ngram_max_match=(speculative.ngram_max_match
                              if speculative and speculative.speculative_algorithm == "NGRAM" else 0),
+            max_speculative_batch=speculative.max_speculative_batch if speculative else 0,
         )
 
     # -- requests -------------------------------------------------------------------
@@ -322,6 +327,11 @@ class Scheduler:
     def prefix_hit_tokens(self) -> int:
         """Of prefix_query_tokens, those matched in the cache (or from a sibling's parent)."""
         return self._core.prefix_hit_tokens
+
+    @property
+    def num_undrafted_batches(self) -> int:
+        """Steps whose decoding batch was larger than max_speculative_batch: none of it drafted."""
+        return self._core.num_undrafted_batches
 
     @property
     def cache_hit_rate(self) -> float:

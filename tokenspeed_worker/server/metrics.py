@@ -99,6 +99,9 @@ class PrometheusMetrics:
         self.spec_accepted_tokens = counter("tokenspeed:spec_accepted_tokens",
                                             "Draft tokens the model agreed with and output (speculative "
                                             "decoding).").labels(**m)
+        self.spec_undrafted_batches = counter(
+            "tokenspeed:spec_undrafted_batches", "Steps whose decoding batch was too large to draft for "
+            "(speculative decoding off for the step).").labels(**m)
         self.ttft = hist("tokenspeed:time_to_first_token_seconds", "Received -> first token.", _TTFT_BUCKETS)
         self.itl = hist("tokenspeed:inter_token_latency_seconds",
                         "Gap between two tokens of a request, as the server receives them.", _ITL_BUCKETS)
@@ -112,6 +115,7 @@ class PrometheusMetrics:
         self.hit_rate = gauge("tokenspeed:prefix_cache_hit_rate",
                               "Prompt tokens served from the prefix cache / prompt tokens, 0-1.")
         self._last_preemptions: int | None = None
+        self._last_undrafted: int | None = None
 
     def error(self, code: str) -> None:
         self._errors.labels(model_name=self.model_name, code=code).inc()
@@ -125,6 +129,9 @@ class PrometheusMetrics:
         if self._last_preemptions is not None and loads.num_preemptions > self._last_preemptions:
             self.preemptions.inc(loads.num_preemptions - self._last_preemptions)
         self._last_preemptions = loads.num_preemptions
+        if self._last_undrafted is not None and loads.spec_undrafted_batches > self._last_undrafted:
+            self.spec_undrafted_batches.inc(loads.spec_undrafted_batches - self._last_undrafted)
+        self._last_undrafted = loads.spec_undrafted_batches
 
     def start_http_server(self, host: str, port: int):
         """Serve /metrics from a daemon thread; returns the server (shutdown() to stop)."""
