@@ -473,3 +473,55 @@ def test_each_graph_is_tuned_in_step_before_its_capture(llama_path, monkeypatch)
     graphs = runner.cuda_graphs  # the static buffers hold dummy rows again for the capture
     inputs = graphs.inputs[1]
     assert bool((inputs.seq_lens == 1).all()) and bool((inputs.block_tables[:, 0] == runner.dummy_block).all())
+
+
+# -- speculative verify steps through the decode graphs ------------------------------------------
+
+
+def test_verify_steps_replay_the_decode_graphs_as_one_row_per_token(llama_path):
+    """A verify step (each row's last token and its draft) replays the decode graphs flattened to one
+    row per token, with the decode kernel's own rotary off: the same logits as the eager extend
+    path, at every drafted position; a step with a prefill row still runs eagerly."""
+    from tokenspeed_worker.model_executor.model_runner import flatten_verify
+
+    eager = _runner(llama_path, enforce_eager=True, speculative_algorithm="NGRAM")
+    graphs = _runner(llama_path, emulate_cuda_graphs=True, speculative_algorithm="NGRAM")
+    assert graphs.attention_backend.fuse_rope_max_rows == 0
+    graphs.capture_cuda_graphs()
+    outputs = []
+    for runner in (eager, graphs):
+        seqs = random_seqs([9, 14, 5], seed=3)
+        plans = Plans(num_blocks=NUM_BLOCKS, seed=3)
+        runner.forward(plans.plan([(s, len(s.tokens)) for s in seqs]))
+        drafts = [3, 0, 2]
+        for seq, d in zip(seqs, drafts):
+            seq.tokens.extend(np.random.default_rng(d).integers(3, 500, 1 + d).tolist())
+        plan = plans.plan([(s, 1 + d) for s, d in zip(seqs, drafts)])
+        plan.draft_lens = np.asarray(drafts, dtype=np.int32)
+        assert flatten_verify(plan) is not None
+        outputs.append(runner.forward(plan).clone())
+        if runner is graphs:
+            assert runner.cuda_graphs.num_replays == 1 and runner.greedy_tokens is not None
+            torch.testing.assert_close(runner.greedy_tokens, outputs[-1].argmax(-1))
+    assert outputs[0].shape[0] == 4 + 1 + 3
+    torch.testing.assert_close(outputs[1], outputs[0], atol=1e-5, rtol=1e-5)
+
+
+def test_flatten_verify_refuses_steps_that_are_not_only_verify_rows():
+    from tokenspeed_worker.model_executor.model_runner import flatten_verify
+    from tokenspeed_worker.scheduler.plan import SchedulePlan
+
+    def plan(context_lens, query_lens, draft_lens, sample_rows=None):
+        n = int(sum(query_lens))
+        return SchedulePlan(np.arange(len(query_lens)), np.asarray(query_lens, np.int32),
+                            np.asarray(context_lens, np.int32), np.arange(n), np.arange(n), np.arange(n),
+                            np.zeros((len(query_lens), 2), np.int32),
+                            np.arange(len(query_lens), dtype=np.int32) if sample_rows is None else sample_rows,
+                            np.asarray(draft_lens, np.int32))
+
+    flat = flatten_verify(plan([5, 7], [3, 1], [2, 0]))
+    assert flat.query_lens.tolist() == [1, 1, 1, 1] and flat.context_lens.tolist() == [5, 6, 7, 7]
+    assert flat.req_ids.tolist() == [0, 0, 0, 1] and flat.sample_rows.tolist() == [0, 1, 2, 3]
+    assert flatten_verify(plan([0, 7], [3, 1], [0, 0])) is None  # a prefill
+    assert flatten_verify(plan([5, 7], [4, 1], [2, 0])) is None  # a chunk, not a draft
+    assert flatten_verify(plan([5, 7], [3, 1], [2, 0], np.array([0], np.int32))) is None

@@ -97,6 +97,12 @@ class ModelRunner:
             self.attention_backend = attention_backend
         else:
             self.attention_backend = get_attention_backend(config.model.attention_backend, self.device)
+        # Speculative decoding replays verify steps as decode graphs of one row per token
+        # (flatten_verify): a row then attends to keys other rows of the same kernel write, which
+        # the decode kernel's own rotary + KV write (attend_rotary) would race with.
+        self.verify_in_graphs = config.speculative.enabled
+        if self.verify_in_graphs and hasattr(self.attention_backend, "fuse_rope_max_rows"):
+            self.attention_backend.fuse_rope_max_rows = 0
         self.block_size = config.cache.block_size
         self.seed = config.model.seed
 
@@ -410,7 +416,10 @@ class ModelRunner:
         next forward. Sets greedy_tokens (above)."""
         self.greedy_tokens = None
         if self.cuda_graphs is not None:
-            logits = self.cuda_graphs.run(plan)
+            graph_plan = plan
+            if plan.has_drafts:
+                graph_plan = flatten_verify(plan) if self.verify_in_graphs else None
+            logits = self.cuda_graphs.run(graph_plan) if graph_plan is not None else None
             if logits is not None:
                 self.greedy_tokens = self.cuda_graphs.last_greedy
                 return logits
@@ -495,6 +504,31 @@ def _profile_plan(lengths: list[int], block_size: int, vocab_size: int) -> Sched
         slot_mapping=first_block[owner] * block_size + positions,
         block_tables=block_tables,
         sample_rows=np.arange(len(lengths), dtype=np.int32),
+    )
+
+
+def flatten_verify(plan: SchedulePlan) -> SchedulePlan | None:
+    """A speculative verify step (every row decoding: its last token and its draft, all sampled) as
+    a decode step of one row per token: token j of a row attends to the row's context and the j
+    tokens before it (its K/V written earlier in the same layer), so the decode graphs run it and
+    give logits in sample_token_index order. None for a step that is not only that (a prefill row,
+    a row that does not sample)."""
+    query_lens = plan.query_lens.astype(np.int64)
+    draft_lens = plan.draft_lens if plan.draft_lens is not None else np.zeros_like(plan.query_lens)
+    if (plan.sample_rows.shape[0] != plan.num_reqs or not bool((plan.context_lens > 0).all())
+            or not np.array_equal(query_lens, 1 + draft_lens.astype(np.int64))):
+        return None
+    starts = np.cumsum(query_lens) - query_lens
+    offsets = np.arange(plan.num_tokens, dtype=np.int64) - np.repeat(starts, query_lens)
+    return SchedulePlan(
+        req_ids=np.repeat(plan.req_ids, query_lens),
+        query_lens=np.ones(plan.num_tokens, dtype=np.int32),
+        context_lens=(np.repeat(plan.context_lens, query_lens) + offsets).astype(np.int32),
+        input_ids=plan.input_ids,
+        positions=plan.positions,
+        slot_mapping=plan.slot_mapping,
+        block_tables=np.repeat(plan.block_tables, query_lens, axis=0),
+        sample_rows=np.arange(plan.num_tokens, dtype=np.int32),
     )
 
 
