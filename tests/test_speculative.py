@@ -440,3 +440,28 @@ def test_tensor_parallel_speculation_equals_the_plain_worker(workers):
                 assert completes[0].spec_accepted_tokens > 0
     finally:
         assert tp.stop() == 0, tp.log()
+
+
+@pytest.mark.parametrize("accept", [1.0, 0.6])
+def test_oracle_drafter_keeps_what_is_right(tmp_path, monkeypatch, accept):
+    """The benchmarks' oracle: drafts of the recorded greedy continuation are all kept (accept 1),
+    or about `accept` of them per position; the output never changes."""
+    import json
+
+    def reqs():
+        rng = np.random.default_rng(2)
+        return [request(i, rng.integers(3, 500, 20 + i).tolist(), 40) for i in range(3)]
+
+    reference = run(make_core(False), reqs())[0]
+    path = tmp_path / "oracle.json"
+    path.write_text(json.dumps([r.prompt_ids.tolist() + reference[r.req_id] for r in reqs()]))
+    monkeypatch.setenv("TOKENSPEED_SPECULATIVE_ORACLE", str(path))
+    monkeypatch.setenv("TOKENSPEED_SPECULATIVE_ORACLE_ACCEPT", str(accept))
+    core = make_core(True)
+    got = run(core, reqs())[0]
+    assert got == reference
+    rate = core.spec_accepted_tokens / core.spec_draft_tokens
+    if accept == 1.0:
+        assert rate == 1.0 and core.spec_steps <= 3 * (1 + 39 // 5) + 3
+    else:
+        assert 0.2 < rate < 0.9

@@ -73,4 +73,14 @@ def triton_interpreter() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-ALL = (FUSED_KERNELS, OVERLAP_SCHEDULE, FAULT_INJECT, PROFILE_DIR, DIST_TIMEOUT_S)
+SPECULATIVE_ORACLE = EnvVar[str | None](
+    "TOKENSPEED_SPECULATIVE_ORACLE", None, str,
+    "Benchmarks only: a JSON file of token sequences (prompt + the model's greedy output, recorded "
+    "in a first pass); with --speculative-algorithm set, a request whose tokens begin one of them "
+    "is drafted that sequence's continuation (engine/speculative.OracleDrafter).")
+SPECULATIVE_ORACLE_ACCEPT = EnvVar(
+    "TOKENSPEED_SPECULATIVE_ORACLE_ACCEPT", 1.0, float,
+    "Benchmarks only: the fraction of the oracle's draft tokens left right (the rest are changed, "
+    "deterministically), for an acceptance curve below 100%.")
+ALL = (FUSED_KERNELS, OVERLAP_SCHEDULE, FAULT_INJECT, PROFILE_DIR, DIST_TIMEOUT_S, SPECULATIVE_ORACLE,
+       SPECULATIVE_ORACLE_ACCEPT)

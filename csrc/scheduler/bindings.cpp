@@ -195,6 +195,9 @@ NB_MODULE(_scheduler_core, m) {
       .def("commit", &Scheduler::commit)
       .def("resolve", &resolve, "sampled"_a)
       .def("resolve_verified", &resolve_verified, "sampled"_a, "counts"_a)
+      .def("set_draft", [](Scheduler& self, int64_t req_id, InArray1D<int64_t> tokens) {
+        self.set_draft(req_id, tokens.data(), tokens.shape(0));
+      }, "req_id"_a, "tokens"_a)
       .def("drop_plan", &Scheduler::drop_plan)
       .def_prop_ro("num_unresolved", &Scheduler::num_unresolved)
       .def("abort", &Scheduler::abort, "req_id"_a)

@@ -205,6 +205,18 @@ class Request {
     draft_misses_ = std::min(draft_misses_ + 1, 30);
     draft_skip_ = std::min((1 << std::min(draft_misses_, 5)) - 1, max_skip);
   }
+  // A drafter's draft for the schedule() numbered `step` (Scheduler::set_draft), used instead of
+  // the scheduler's own n-gram draft by that call only.
+  void give_draft(const int64_t* tokens, size_t n, uint64_t step) {
+    given_draft_.assign(tokens, tokens + n);
+    given_step_ = step;
+  }
+  bool take_given_draft(uint64_t step) {
+    if (given_step_ != step) return false;
+    draft_.swap(given_draft_);
+    given_step_ = 0;
+    return true;
+  }
   // The tokens proposed to follow the last known one for the step being scheduled.
   std::vector<int64_t>& draft() { return draft_; }
   const std::vector<int64_t>& draft() const { return draft_; }
@@ -239,6 +251,8 @@ class Request {
   int32_t draft_skip_ = 0;
   int32_t draft_misses_ = 0;
   std::vector<int64_t> draft_;
+  std::vector<int64_t> given_draft_;
+  uint64_t given_step_ = 0;
   std::vector<int64_t> tokens_;
   std::vector<uint64_t> block_hashes_;
   std::vector<int64_t> stop_token_ids_;

@@ -69,6 +69,7 @@ StepPlan Scheduler::schedule() {
   std::vector<ScheduledRow> rows;
   rows.reserve(running_.size() + 8);
   const int64_t preemptions_before = num_preemptions_;
+  ++schedule_serial_;
   draft_this_step_ = true;
   if (config_.num_speculative_tokens > 0 && config_.max_speculative_batch > 0) {
     int32_t decoding = 0;
@@ -114,6 +115,13 @@ void Scheduler::schedule_decodes(std::vector<ScheduledRow>& rows) {
   }
 }
 
+void Scheduler::set_draft(int64_t req_id, const int64_t* tokens, size_t n) {
+  auto it = requests_.find(req_id);
+  if (it == requests_.end()) throw std::out_of_range("unknown request " + std::to_string(req_id));
+  for (size_t i = 0; i < n; ++i) require(tokens[i] >= 0, "set_draft: a negative token id");
+  it->second->give_draft(tokens, n, schedule_serial_ + 1);
+}
+
 int32_t Scheduler::propose_draft(Request& request) {
   std::vector<int64_t>& draft = request.draft();
   draft.clear();
@@ -122,7 +130,9 @@ int32_t Scheduler::propose_draft(Request& request) {
   const int32_t room = request.max_new_tokens() - request.output_len() - 1;
   const int32_t most = std::min(config_.num_speculative_tokens, room);
   if (most <= 0) return 0;
-  if (config_.ngram_max_match > 0)
+  if (request.take_given_draft(schedule_serial_)) {
+    if (static_cast<int32_t>(draft.size()) > most) draft.resize(static_cast<size_t>(most));
+  } else if (config_.ngram_max_match > 0)
     ngram_draft(request.tokens(), config_.ngram_min_match, config_.ngram_max_match, most, draft);
   return static_cast<int32_t>(draft.size());
 }

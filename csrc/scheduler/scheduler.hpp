@@ -134,6 +134,10 @@ class Scheduler {
                    int32_t max_new_tokens, const int64_t* stop_token_ids, size_t num_stop,
                    int64_t wait_for = -1, bool speculates = false);
   StepPlan schedule();
+  // A draft for `req_id`'s next step, from a drafter outside the scheduler (a draft model; a
+  // benchmark's oracle): the next schedule() uses it (clipped as its own) instead of an n-gram
+  // draft, if the request decodes and speculates then; otherwise it is dropped.
+  void set_draft(int64_t req_id, const int64_t* tokens, size_t n);
   StepOutcome advance(const int64_t* sampled, size_t num_sampled);
   void commit();
   StepOutcome resolve(const int64_t* sampled, size_t num_sampled);
@@ -233,6 +237,7 @@ class Scheduler {
   int64_t num_preemptions_ = 0;
   int64_t num_undrafted_batches_ = 0;
   bool draft_this_step_ = true;
+  uint64_t schedule_serial_ = 0;  // schedule() calls so far
   double output_ratio_ = 1.0;
   uint64_t next_request_serial_ = 1;
   uint64_t hash_mask_;

@@ -43,7 +43,7 @@ from tokenspeed_worker.engine.grammar import GrammarQueue, build_grammars
 from tokenspeed_worker.engine.kv_event_publisher import KvEventOutbox
 from tokenspeed_worker.engine.messages import AddRequest, EngineReady, KvEvents, Loads, StepOutput
 from tokenspeed_worker.engine.rows import RowTable
-from tokenspeed_worker.engine.speculative import Verify
+from tokenspeed_worker.engine.speculative import OracleDrafter, Verify
 from tokenspeed_worker.engine.throughput import ThroughputWindow
 from tokenspeed_worker.sampling.sampler import SampleOutput
 from tokenspeed_worker.startup import StartupPhases
@@ -188,6 +188,13 @@ class EngineCore:
         self.spec_draft_tokens = 0  # drafts verified since start, and of them kept
         self.spec_accepted_tokens = 0
         self.spec_steps = 0  # row-steps that verified a draft
+        # A drafter outside the scheduler (the benchmarks' oracle); NGRAM drafts inside it.
+        oracle = env.SPECULATIVE_ORACLE.get()
+        self.drafter = None
+        if self.speculative is not None and oracle:
+            self.drafter = OracleDrafter(oracle, env.SPECULATIVE_ORACLE_ACCEPT.get(), self.runner.vocab_size,
+                                         self.speculative.num_speculative_tokens)
+            logger.warning("speculative decoding drafts from the oracle file %s (benchmarks only)", oracle)
         self.sampling_backend = cfg.model.sampling_backend or default_sampling_backend(self.device)
         self.sampler = Sampler(self.sampling_backend)
         self.grammars = build_grammars(cfg.model.grammar_backend, cfg.model.tokenizer_path, self.runner.vocab_size)
@@ -405,6 +412,8 @@ class EngineCore:
         start_ts = time.time()
         if self.grammar_queue:
             self.poll_grammars()
+        if self.drafter is not None:
+            self.drafter.propose(self.scheduler, self.rows.active_rows())
         plan = self.scheduler.schedule()
         if plan.num_reqs == 0:
             return None

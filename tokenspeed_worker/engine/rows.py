@@ -30,6 +30,9 @@ class RowTable:
     def __contains__(self, req_id: int) -> bool:
         return req_id in self._row_of
 
+    def active_rows(self) -> list[int]:
+        return list(self._row_of.values())
+
     def row_of(self, req_id: int) -> int | None:
         return self._row_of.get(req_id)
 

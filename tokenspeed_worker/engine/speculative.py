@@ -13,10 +13,15 @@ the replacement is drawn from p (d excluded, since a draw equal to d was a keep)
 
 `Verify` holds one launched step's layout; `accept` turns its sampled tokens into the counts the
 scheduler takes (Scheduler.resolve_verified).
+
+Drafts: NGRAM drafts are made inside the native scheduler (it holds the tokens). A drafter outside
+it hands the scheduler a draft per request before each schedule (Scheduler.set_draft): the
+benchmarks' `OracleDrafter` here; a draft model's drafter (EAGLE-3, MTP) fits the same call.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import numpy as np
@@ -65,3 +70,42 @@ class Verify:
         used = np.asarray(used, dtype=np.int64)
         total = int(used.sum())
         return np.repeat(self.starts, used) + (np.arange(total) - np.repeat(np.cumsum(used) - used, used))
+
+
+class OracleDrafter:
+    """Benchmarks only (env TOKENSPEED_SPECULATIVE_ORACLE): drafts each request the continuation
+    of a recorded token sequence its tokens begin (the model's own greedy output, recorded in a
+    first pass), so greedy requests keep every draft; with `accept` < 1 each draft token is
+    changed (to the next id) with probability 1 - accept, by a hash of its position, for an
+    acceptance curve. Requests matching no sequence get no draft from it."""
+
+    _KEY = 16  # sequences are indexed by their first tokens
+
+    def __init__(self, path: str, accept: float, vocab_size: int, num_tokens: int) -> None:
+        with open(path, encoding="utf-8") as f:
+            sequences = json.load(f)
+        self.index: dict[tuple[int, ...], list[np.ndarray]] = {}
+        for seq in sequences:
+            seq = np.asarray(seq, dtype=np.int64)
+            self.index.setdefault(tuple(seq[: self._KEY].tolist()), []).append(seq)
+        self.accept = float(accept)
+        self.vocab_size = vocab_size
+        self.num_tokens = num_tokens
+
+    def propose(self, scheduler, rows: list[int]) -> None:
+        for row in rows:
+            try:
+                tokens = scheduler.token_ids(row)
+            except KeyError:  # not in the scheduler (its grammar compiling): nothing to draft
+                continue
+            n = tokens.shape[0]
+            for seq in self.index.get(tuple(tokens[: self._KEY].tolist()), ()):
+                if seq.shape[0] > n and np.array_equal(seq[:n], tokens):
+                    draft = seq[n: n + self.num_tokens].copy()
+                    if self.accept < 1.0:
+                        positions = np.arange(n, n + draft.shape[0], dtype=np.uint64)
+                        u = ((positions * np.uint64(2654435761)) % np.uint64(1 << 20)).astype(np.float64) / (1 << 20)
+                        wrong = u >= self.accept
+                        draft[wrong] = (draft[wrong] + 1) % self.vocab_size
+                    scheduler.set_draft(row, draft)
+                    break

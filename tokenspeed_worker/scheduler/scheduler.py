@@ -233,6 +233,16 @@ class Scheduler:
         finished, reasons, live = self._core.resolve(np.ascontiguousarray(sampled, dtype=np.int64).reshape(-1))
         return finished, reasons, live.astype(bool, copy=False)
 
+    def set_draft(self, req_id: int, tokens: np.ndarray) -> None:
+        """A draft for the request's next step from a drafter outside the scheduler: the next
+        schedule() uses it (clipped to num_speculative_tokens and max_new_tokens) instead of an
+        n-gram draft, if the request decodes and speculates then; else it is dropped. KeyError for
+        an unknown request."""
+        try:
+            self._core.set_draft(int(req_id), np.ascontiguousarray(tokens, dtype=np.int64).reshape(-1))
+        except IndexError as error:
+            raise KeyError(str(error)) from None
+
     def resolve_verified(self, tokens: np.ndarray, counts: np.ndarray
                          ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """`resolve` of a step with drafts: sample row i kept the next counts[i] of `tokens`
