@@ -46,6 +46,16 @@ def figures(suite: str, r: dict) -> list[tuple[str, str, float, str]]:
     if suite == "sampler":
         return [(f"{run['backend']} {run['config']}", "ms", run["ms_per_step"],
                  f"{run['ratio_to_read_once']:.1f}x reading the logits once") for run in r["runs"]]
+    if suite == "speculative":
+        rows = [(f"accept {row['accept_forced']:g} batch {row['batch']}", "tok/s", row["speculative"]["output_tok_s"],
+                 f"x{row['speedup']:.2f} of {row['plain']['output_tok_s']:.0f} plain, acceptance "
+                 f"{row['speculative']['acceptance']}, same output {row['same_output']}")
+                for row in r.get("oracle", {}).get("rows", [])]
+        text = r.get("text")
+        if text:
+            rows += [(f"text {i}", "x", speedup, f"NGRAM acceptance {run['acceptance']}, same output {same}")
+                     for i, (speedup, run, same) in enumerate(zip(text["speedup"], text["ngram"], text["same_output"]))]
+        return rows
     raise SystemExit(f"unknown suite {suite!r}")
 
 

@@ -18,6 +18,9 @@
 #   sampler    bench_sampler.py, batch 256 x vocab 128,256
 #   moe        the MoE tests on CUDA, bench_moe.py (MOE_BENCH_ARGS), then bench_latency.py at MOE_MODELS
 #              (qwen3-30b-a3b; also mixtral-8x7b)
+#   speculative bench_speculative.py: NGRAM through the CLI and gRPC with the oracle drafter at forced
+#              acceptance (SPEC_ACCEPT) and batch sizes (SPEC_BATCH), 8B and 1B shapes (SPEC_MODELS), then the
+#              speculative tests on CUDA; the real-text part where SmolLM2 is carried (SPEC_TEXT_MODEL=DIR)
 #   fp8        the FP8 GPU tests (scaled GEMM, activation quantization, GEMV on FP8 weights), the FP8
 #              checkpoint and KV-scale tests on CUDA (block-scaled GEMM, kept-FP8 folds), then
 #              fp8_accuracy.py (FP8 against bf16 on the same weights) for FP8_MODELS (llama-3.1-8b)
@@ -46,7 +49,7 @@ mkdir -p "$OUT/logs" && OUT=$(cd "$OUT" && pwd)
 DRY_RUN=${DRY_RUN:-0}
 SERVING_MODEL=${SERVING_MODEL:-$REPO/scripts/model_configs/llama-3.2-1b}
 BENCH_SUITES=" latency offline serving prefix sampler "
-OTHER_SUITES=" tests kernels selfcheck fp8 moe "
+OTHER_SUITES=" tests kernels selfcheck fp8 moe speculative "
 suites=()
 while [ $# -gt 0 ] && [[ $1 != -* ]]; do
   case "$OTHER_SUITES$BENCH_SUITES" in
@@ -296,6 +299,18 @@ pyspy_worker() {
     [ -n "${pid:-}" ] && py-spy record --pid "$pid" --subprocesses --nonblocking --rate 100 --format raw \
       -d "$SERVING_PYSPY" -o "$1" >"$1.log" 2>&1 && gzip -f "$1"  # ~0.15 MB/s of stacks before gzip
   ) &
+}
+
+suite_speculative() {
+  pytest_run speculative_tests "${SPEC_TESTS_TIMEOUT:-240}" tests/test_speculative.py
+  local m
+  for m in ${SPEC_MODELS:-llama-3.1-8b llama-3.2-1b}; do
+    bench speculative "$m" "${SPEC_TIMEOUT:-420}" scripts/bench_speculative.py --parts oracle \
+      --model "$REPO/scripts/model_configs/$m" --batch ${SPEC_BATCH:-1 16 64} --accept ${SPEC_ACCEPT:-1.0 0.8 0.5 0} \
+      --draft-tokens "${SPEC_DRAFT_TOKENS:-5}" --prompt-len 128 --output-len 256 -- --load-format dummy ${SERVING_ARGS:-}
+  done
+  [ -n "${SPEC_TEXT_MODEL:-}" ] && bench speculative text "${SPEC_TIMEOUT:-420}" scripts/bench_speculative.py \
+    --parts text --text-model "$SPEC_TEXT_MODEL" --draft-tokens "${SPEC_DRAFT_TOKENS:-5}" -- ${SERVING_ARGS:-}
 }
 
 suite_prefix() {

@@ -82,13 +82,15 @@ class OracleDrafter:
     _KEY = 16  # sequences are indexed by their first tokens
 
     def __init__(self, path: str, accept: float, vocab_size: int, num_tokens: int) -> None:
+        """path: a JSON list whose entries are token lists, or {"tokens": [...], "accept": a} to give
+        that sequence its own acceptance (else `accept`)."""
         with open(path, encoding="utf-8") as f:
-            sequences = json.load(f)
-        self.index: dict[tuple[int, ...], list[np.ndarray]] = {}
-        for seq in sequences:
-            seq = np.asarray(seq, dtype=np.int64)
-            self.index.setdefault(tuple(seq[: self._KEY].tolist()), []).append(seq)
-        self.accept = float(accept)
+            entries = json.load(f)
+        self.index: dict[tuple[int, ...], list[tuple[np.ndarray, float]]] = {}
+        for entry in entries:
+            tokens, rate = (entry["tokens"], entry.get("accept", accept)) if isinstance(entry, dict) else (entry, accept)
+            seq = np.asarray(tokens, dtype=np.int64)
+            self.index.setdefault(tuple(seq[: self._KEY].tolist()), []).append((seq, float(rate)))
         self.vocab_size = vocab_size
         self.num_tokens = num_tokens
 
@@ -99,13 +101,13 @@ class OracleDrafter:
             except KeyError:  # not in the scheduler (its grammar compiling): nothing to draft
                 continue
             n = tokens.shape[0]
-            for seq in self.index.get(tuple(tokens[: self._KEY].tolist()), ()):
+            for seq, rate in self.index.get(tuple(tokens[: self._KEY].tolist()), ()):
                 if seq.shape[0] > n and np.array_equal(seq[:n], tokens):
                     draft = seq[n: n + self.num_tokens].copy()
-                    if self.accept < 1.0:
+                    if rate < 1.0:
                         positions = np.arange(n, n + draft.shape[0], dtype=np.uint64)
                         u = ((positions * np.uint64(2654435761)) % np.uint64(1 << 20)).astype(np.float64) / (1 << 20)
-                        wrong = u >= self.accept
+                        wrong = u >= rate
                         draft[wrong] = (draft[wrong] + 1) % self.vocab_size
                     scheduler.set_draft(row, draft)
                     break
