@@ -241,3 +241,41 @@ def test_each_model_family_serves_through_the_gateway(name):
             gateway.stop()
     finally:
         assert worker.stop() == 0, worker.log()
+
+
+def test_ngram_speculation_behind_the_gateway(stack, model_dir):
+    """A worker with `--speculative-algorithm NGRAM` behind the real gateway answers a copy-heavy chat
+    as the plain worker does (non-streaming and streaming, a stop string cut inside a burst of kept
+    drafts, seeded n=2 sampling), keeping drafts."""
+    _, plain_gateway = stack
+    worker = Worker(model_dir, "--served-model-name", "smollm2", "--max-model-len", "2048",
+                    "--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "5",
+                    "--enable-log-request-stats")
+    try:
+        gateway = Gateway(model_dir, [worker.address])
+        try:
+            passage = ("The committee met on Tuesday to review the proposal for the new library. The members "
+                       "agreed that the building should be finished within two years.")
+            copy = [{"role": "user", "content": f"Repeat this text exactly: {passage}"}]
+            bodies = [{"model": "smollm2", "messages": copy, "max_tokens": 60, "temperature": 0},
+                      {"model": "smollm2", "messages": copy, "max_tokens": 60, "temperature": 0,
+                       "stop": ["two years"]},
+                      {"model": "smollm2", "messages": copy, "max_tokens": 30, "temperature": 0.8, "seed": 7,
+                       "n": 2}]
+            for body in bodies:
+                want, got = post(plain_gateway, "/v1/chat/completions", body), post(gateway, "/v1/chat/completions",
+                                                                                      body)
+                texts = [sorted((c["index"], c["message"]["content"], c["finish_reason"]) for c in r["choices"])
+                         for r in (want, got)]
+                assert texts[1] == texts[0], body
+                assert got["usage"]["completion_tokens"] == want["usage"]["completion_tokens"]
+            events = list(stream_events(gateway, "/v1/chat/completions", bodies[0]))
+            text = "".join((e["choices"][0].get("delta") or {}).get("content") or "" for e in events
+                           if e.get("choices"))
+            assert text == post(plain_gateway, "/v1/chat/completions", bodies[0])["choices"][0]["message"]["content"]
+        finally:
+            gateway.stop()
+        stats = [line for line in worker.log().splitlines() if "Finish!" in line]
+        assert any("acc_rate=None" not in line and "acc_rate=0.0," not in line for line in stats), stats[-3:]
+    finally:
+        assert worker.stop() == 0, worker.log()

@@ -465,3 +465,49 @@ def test_oracle_drafter_keeps_what_is_right(tmp_path, monkeypatch, accept):
         assert rate == 1.0 and core.spec_steps <= 3 * (1 + 39 // 5) + 3
     else:
         assert 0.2 < rate < 0.9
+
+
+# -- the kept tokens follow the model's distribution ----------------------------------------------
+
+
+def chi_square(counts: np.ndarray, probs: np.ndarray) -> float:
+    expected = counts.sum() * probs
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+def test_kept_tokens_follow_the_target_distribution():
+    """Seeded draws at each drafted position, kept while they equal the draft: over many seeds the
+    first output token follows the model's distribution at position 0 (chi-square), the first draft
+    is kept with its probability there, and after a kept draft the next token follows position 1's
+    distribution; each seed's first token is the one plain decoding draws."""
+    import torch
+
+    from tokenspeed_worker.engine.speculative import Verify
+    from tokenspeed_worker.sampling.sampler import Sampler, SamplingBatch
+
+    n, vocab = 6000, 6
+    logits = torch.tensor([[1.0, 0.2, 1.4, -0.5, 0.3, 0.0],   # position 0: the draft d1 = 2 is likely
+                           [0.1, 0.0, -1.0, 0.5, 1.2, 0.4],   # position 1: d2 = 4
+                           [0.0] * vocab])
+    drafts = [2, 4]
+    probs = torch.softmax(logits, -1).numpy().astype(np.float64)
+    seeds = np.arange(n) * 7919 + 11
+    rows = np.repeat(seeds, 3)
+    positions = np.tile(np.arange(3), n)
+    batch = SamplingBatch.from_lists([1.0] * 3 * n, [0] * 3 * n, [1.0] * 3 * n, [0.0] * 3 * n, rows.tolist(),
+                                     positions.tolist())
+    sampled = Sampler("torch").sample(logits.repeat(n, 1), batch).tokens.numpy().astype(np.int64)
+    counts = np.full(n, 3, dtype=np.int64)
+    verify = Verify(counts=counts, starts=np.arange(n) * 3, drafts=np.tile(np.array(drafts + [-1]), n),
+                    draft_lens=counts - 1)
+    kept, tokens = verify.accept(sampled)
+    first = tokens[np.concatenate([[0], np.cumsum(kept)[:-1]])]
+    # 5 degrees of freedom: 20.5 is the 0.1 % critical value.
+    assert chi_square(np.bincount(first, minlength=vocab), probs[0]) < 20.5
+    kept_first = kept >= 2
+    p = probs[0][drafts[0]]
+    assert abs(kept_first.mean() - p) < 4 * np.sqrt(p * (1 - p) / n)
+    second = tokens[np.concatenate([[0], np.cumsum(kept)[:-1]])[kept_first] + 1]
+    assert chi_square(np.bincount(second, minlength=vocab), probs[1]) < 20.5
+    plain = SamplingBatch.from_lists([1.0] * n, [0] * n, [1.0] * n, [0.0] * n, seeds.tolist(), [0] * n)
+    assert np.array_equal(Sampler("torch").sample(logits[:1].repeat(n, 1), plain).tokens.numpy(), first)

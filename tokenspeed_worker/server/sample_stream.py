@@ -49,7 +49,10 @@ class SampleStream:
             self.ready.extend(self.pending[:released])
             del self.pending[:released]
             if result.matched is not None:
-                # The stop string ends the sample right here: free it in the engine.
+                # The stop string ends the sample right here: free it in the engine. Tokens that came
+                # after it in the same step (speculative decoding keeps several; steps can pile up
+                # before this runs) are not output: not counted either.
+                st.num_output_tokens -= result.unused
                 self.matched_str = result.matched
                 self.matched_token = None
                 self.pending.clear()

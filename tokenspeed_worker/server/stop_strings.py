@@ -121,10 +121,13 @@ class StopResult:
     tokens to send under the trim rule; nothing else will ever be emitted).
     matched: the stop string that matched, reported once (on the push where it
     completed); None otherwise.
+    unused: on a match, how many of the push's tokens came after the completing one
+    (never part of the output: the sample ended before them).
     """
 
     emit: list[int] = field(default_factory=list)
     matched: str | None = None
+    unused: int = 0
 
 
 class StopStringMatcher:
@@ -217,13 +220,15 @@ class StopStringMatcher:
         (an engine may have produced a few more before it learned of the finish)."""
         if self._finished:
             return StopResult()
-        for t in token_ids:
+        for i, t in enumerate(token_ids):
             t = int(t)
             # Token j starts where the text stood after token j - 1.
             self._held.append((t, self._len))
             found = self._feed(t)
             if found is not None:
-                return self._finish_match(*found)
+                result = self._finish_match(*found)
+                result.unused = len(token_ids) - i - 1
+                return result
         return StopResult(emit=self._release())
 
     def flush(self) -> list[int]:
