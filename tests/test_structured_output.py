@@ -420,3 +420,36 @@ def test_gateway_maps_structured_output_off_to_501():
             g.stop()
     finally:
         assert w.stop() == 0, w.log()
+
+
+def test_speculative_drafts_follow_the_grammar(core, tok):
+    """With NGRAM speculation, a constrained row's drafted positions are masked by its grammar after
+    the drafts before them: every constraint gives the tokens it gives without speculation, drafts
+    are kept (a repetitive schema), and the grammar's end stops a burst of kept drafts."""
+    m = str(smollm2_dir())
+    spec = EngineCore(EngineConfig.build(m, dtype="float32", max_model_len=1024, max_num_seqs=8,
+                                         max_total_tokens=16384, tokenizer_path=m, speculative_algorithm="NGRAM",
+                                         num_speculative_tokens=4))
+    listing = {"type": "array", "items": {"type": "object", "properties": {"id": {"type": "integer"},
+                                                                          "ok": {"type": "boolean"}},
+                                          "required": ["id", "ok"], "additionalProperties": False},
+               "minItems": 6, "maxItems": 6}
+
+    def reqs():
+        return [
+            request(tok, 1, chat(tok, "Describe a person as JSON."), ("json_schema", json.dumps(PERSON))),
+            request(tok, 2, chat(tok, "List six items with ids 1 to 6, all ok."), ("json_schema", json.dumps(listing)),
+                    max_new=160),
+            request(tok, 3, chat(tok, "Give me a phone number."), ("regex", r"([0-9]{3}-){3}[0-9]{4}")),
+            request(tok, 4, chat(tok, "Tell me a story."), None, max_new=24),
+            request(tok, 5, chat(tok, "Describe a person as JSON."), ("json_schema", json.dumps(PERSON)),
+                    temperature=0.9),
+        ]
+
+    want, want_reasons, failures, _ = run(core, reqs())
+    assert failures == []
+    got, got_reasons, failures, _ = run(spec, reqs())
+    assert failures == [] and got == want and got_reasons == want_reasons
+    json.loads(text(tok, got[2]))
+    assert spec.spec_accepted_tokens > 0
+    assert not spec.grammars.active and spec.scheduler.num_used_tokens == 0

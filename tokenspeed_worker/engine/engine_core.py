@@ -197,7 +197,8 @@ class EngineCore:
             logger.warning("speculative decoding drafts from the oracle file %s (benchmarks only)", oracle)
         self.sampling_backend = cfg.model.sampling_backend or default_sampling_backend(self.device)
         self.sampler = Sampler(self.sampling_backend)
-        self.grammars = build_grammars(cfg.model.grammar_backend, cfg.model.tokenizer_path, self.runner.vocab_size)
+        self.grammars = build_grammars(cfg.model.grammar_backend, cfg.model.tokenizer_path, self.runner.vocab_size,
+                                       draft_tokens=cfg.speculative.num_speculative_tokens if cfg.speculative.enabled else 0)
         self.grammar_queue = GrammarQueue()
         self._failures: list[tuple[int, str, str]] = []  # (req_id, status code name, message) to report
         self.sampling = SamplingState(64, self.runner.vocab_size, self.device)
@@ -420,10 +421,10 @@ class EngineCore:
         table = self.rows
         fresh = table.first_scheduled(plan.req_ids)  # requests whose first forward this is
         rows = plan.req_ids[plan.sample_rows]
-        verify = offsets = None
+        verify = None
         if plan.has_drafts:  # one entry per sampled position from here on
             verify = Verify.of(plan)
-            rows, offsets = verify.expand(rows)
+            rows, _ = verify.expand(rows)
         out = StepOutput(
             req_ids=table.server_id[rows].copy(),
             tokens=np.zeros(0, dtype=np.int64),
@@ -433,7 +434,7 @@ class EngineCore:
             step_start_ts=start_ts,
         )
         try:
-            sampled = self._run(plan, rows, offsets)
+            sampled = self._run(plan, rows, verify)
         except torch.OutOfMemoryError as exc:
             raise self._fail_step(plan, f"out of memory in a step: {exc}".splitlines()[0]) from exc
         event = None
@@ -447,35 +448,36 @@ class EngineCore:
         self._last_launched = launched
         return launched
 
-    def _run(self, plan, rows: np.ndarray, offsets: np.ndarray | None = None) -> SampleOutput | None:
+    def _run(self, plan, rows: np.ndarray, verify: Verify | None = None) -> SampleOutput | None:
         """The step's device work: the forward and, when rows sample, the sampling, whose host copies
-        it starts (ready once the step's event fired); None when no row samples. `offsets`: a step
-        with drafts, `rows` one entry per sampled position and each its offset in its row."""
+        it starts (ready once the step's event fired); None when no row samples. `verify`: a step
+        with drafts, `rows` one entry per sampled position."""
         if self.tp_size > 1:  # the other ranks run the same forward (engine/tp_worker.py)
             # A verified step's tokens are never a later plan's pending inputs: nothing to share.
-            distributed.broadcast_object(("step", plan, 0 if offsets is not None else int(rows.shape[0])))
+            distributed.broadcast_object(("step", plan, 0 if verify is not None else int(rows.shape[0])))
         if rows.shape[0] == 0:
             self.runner.forward(plan)
             return None
         logits = self.runner.forward(plan)
-        return self._sample(logits, rows, offsets).to_host()
+        return self._sample(logits, rows, verify).to_host()
 
-    def _sample(self, logits: torch.Tensor, rows: np.ndarray, offsets: np.ndarray | None = None) -> SampleOutput:
+    def _sample(self, logits: torch.Tensor, rows: np.ndarray, verify: Verify | None = None) -> SampleOutput:
         """Sample the rows' next tokens (and logprobs if any row asked) on the device and keep the
-        tokens there for the next step's inputs. With `offsets` (a step with drafts), each entry
-        samples its row's output token that many places further; `complete` keeps what it verifies."""
-        batch = self.sampling.batch(rows, offsets)
+        tokens there for the next step's inputs. With `verify` (a step with drafts), each entry
+        samples its row's output token as many places further as its offset, under the grammar's
+        mask after the drafts before it; `complete` keeps what it verifies."""
+        batch = self.sampling.batch(rows, None if verify is None else verify.offsets)
         if self.grammars is not None and self.grammars.active:
             # The previous step, possibly still pending (overlap): its tokens advance the matchers
             # this mask is built from. The device already has this step's forward queued behind it.
             if self._last_launched is not None:
                 self._accept_grammar_tokens(self._last_launched)
-            masks = self.grammars.fill_bitmask(rows)
+            masks = self.grammars.fill_bitmask(rows, None if verify is None else verify.inputs)
             if masks is not None:
                 batch.grammar_bitmask, batch.grammar_positions = masks
         # A decode graph took the rows' argmax already: an all-greedy batch's tokens, no kernel here.
         result = self.sampler.sample(logits, batch, greedy=self.runner.greedy_tokens)
-        if offsets is not None:  # the rows advance by the tokens kept, in complete()
+        if verify is not None:  # the rows advance by the tokens kept, in complete()
             return result
         self.sampling.update(rows, result.tokens)
         self.runner.record_sampled(result.tokens)
@@ -508,7 +510,8 @@ class EngineCore:
         finished by the previous step) are left out of the output."""
         if launched.event is not None:
             launched.event.synchronize()
-        self._accept_grammar_tokens(launched)  # before out.req_ids is narrowed to the live rows
+        if launched.verify is None:  # a verified step's kept tokens: _resolve_verified
+            self._accept_grammar_tokens(launched)  # before out.req_ids is narrowed to the live rows
         out = launched.out
         sampled = launched.sampled
         if sampled is None:
@@ -545,6 +548,9 @@ class EngineCore:
         reasons, the entries of the step's positions that are output, in order)."""
         verify = launched.verify
         kept, kept_tokens = verify.accept(tokens)
+        if self.grammars is not None and self.grammars.active:
+            kept = self._accept_kept_by_grammars(launched, tokens, kept)
+            kept_tokens = tokens[verify.select(kept)]
         finished_rows, reasons, live, used = self.scheduler.resolve_verified(kept_tokens, kept)
         select = verify.select(used)
         self.sampling.update(launched.rows[select], tokens[select], repeated=True)
@@ -559,6 +565,22 @@ class EngineCore:
         out.spec_draft_tokens = verify.draft_lens[drafted].astype(np.int32)
         out.spec_accepted_tokens = accepted[drafted].astype(np.int32)
         return finished_rows, reasons, select
+
+    def _accept_kept_by_grammars(self, launched: "LaunchedStep", tokens: np.ndarray, kept: np.ndarray) -> np.ndarray:
+        """Advance the constrained rows' matchers by their kept tokens, in order; a row whose grammar
+        ends (accepts its stop token) keeps nothing after that token, as decoding one at a time would."""
+        launched.grammar_accepted = True
+        verify, kept = launched.verify, kept.copy()
+        for i, start in enumerate(verify.starts.tolist()):
+            row = int(launched.rows[start])
+            if row not in self.grammars.matchers:
+                continue
+            for j in range(int(kept[i])):
+                self.grammars.accept(np.array([row]), tokens[start + j: start + j + 1])
+                if self.grammars.is_terminated(row):
+                    kept[i] = j + 1
+                    break
+        return kept
 
     def _stop_completed_grammars(self, live_rows: np.ndarray, finished_rows: np.ndarray, reasons):
         """Rows whose grammar is complete end with "stop" now (added to the step's finished rows)."""
@@ -620,10 +642,10 @@ def _put_logprobs(out: StepOutput, sampled: SampleOutput, keep: np.ndarray | Non
 
 
 def speculates(req: AddRequest) -> bool:
-    """Whether a request may be given drafts. Not a constrained one (its grammar would have to walk
-    each draft) nor one with repetition, frequency or presence penalties (each drafted position
-    would need the counts of the drafts before it); those decode one token a step."""
-    return req.constraint is None and not req.sampling_params.uses_penalty
+    """Whether a request may be given drafts: not one with repetition, frequency or presence
+    penalties (each drafted position would need the counts of the drafts before it); those decode
+    one token a step. A constrained one may (its grammar masks each drafted position)."""
+    return not req.sampling_params.uses_penalty
 
 
 def resolve_overlap(setting: bool | None, device: torch.device) -> bool:

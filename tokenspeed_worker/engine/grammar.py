@@ -14,6 +14,9 @@ the model's tokenizer into a `CompiledGrammar` (thread-safe, cached by its text)
 - `accept` advances each row's matcher by the token it sampled. The next mask needs that state;
   the engine (engine/engine_core.py) keeps overlap scheduling: inside step N+1's launch, after its
   forward is enqueued, it waits for step N's tokens, accepts them and fills N+1's mask.
+- Speculative decoding: a constrained row's drafted positions each get the mask of the matcher
+  after the drafts before them (accepted, filled, then rolled back: `fill_bitmask`'s `inputs`), so a
+  draft the grammar forbids is never kept; the engine then accepts the tokens kept.
 - The request still ends as any other: the grammar allows only a stop token (EOS) once complete,
   which finishes it with "stop". max_new_tokens still applies.
 
@@ -71,8 +74,18 @@ class Grammars:
     NARROW_MIN_PADDING = 1024
 
     def __init__(self, tokenizer_path: str, vocab_size: int, stop_token_ids: list[int] | None = None,
-                 threads: int = 2) -> None:
-        """threads: grammar compilations at once."""
+                 threads: int = 2, draft_tokens: int = 0) -> None:
+        """threads: grammar compilations at once; draft_tokens: the most a matcher walks ahead and
+        rolls back in one step (speculative decoding's drafts)."""
+        self.draft_tokens = draft_tokens
+        import inspect
+
+        import xgrammar
+
+        # xgrammar before 0.2 keeps no history unless asked (max_rollback_tokens 0 by default);
+        # later ones always can roll back and deprecate the argument.
+        rollback = inspect.signature(xgrammar.GrammarMatcher.__init__).parameters.get("max_rollback_tokens")
+        self._bounded_rollback = rollback is not None and rollback.default == 0
         import xgrammar as xgr
         from transformers import AutoTokenizer
 
@@ -111,7 +124,10 @@ class Grammars:
 
     def start(self, row: int, compiled) -> None:
         """The row's matcher, from its compiled grammar (the request enters the scheduler now)."""
-        self.matchers[row] = self._xgr.GrammarMatcher(compiled)
+        if self.draft_tokens and self._bounded_rollback:
+            self.matchers[row] = self._xgr.GrammarMatcher(compiled, max_rollback_tokens=self.draft_tokens)
+        else:
+            self.matchers[row] = self._xgr.GrammarMatcher(compiled)
 
     def release(self, row: int) -> None:
         self.matchers.pop(row, None)
@@ -122,9 +138,12 @@ class Grammars:
 
     # -- per step ----------------------------------------------------------------------------
 
-    def fill_bitmask(self, rows) -> tuple[torch.Tensor, list[int]] | None:
+    def fill_bitmask(self, rows, inputs=None) -> tuple[torch.Tensor, list[int]] | None:
         """(bitmask int32 [S, ceil(V/32)] on the host, batch positions constrained) for the step's
-        sampled rows, or None when none of them is constrained."""
+        sampled rows, or None when none of them is constrained. `inputs` (a step with drafts, rows
+        repeating once per drafted position): per position, the draft token it follows, or -1 at a
+        row's first position; each position's mask is then the matcher's after those drafts (a draft
+        the grammar rejects leaves the rest of its row unmasked: the mask before it already forbids it)."""
         row_list = rows.tolist()
         positions = [i for i, row in enumerate(row_list) if row in self.matchers]
         if not positions:
@@ -135,6 +154,8 @@ class Grammars:
             self._row_masks = [self._bitmask[i, :self._words] for i in range(self._bitmask.shape[0])]
             self._written = set()
         bitmask = self._bitmask[:size]
+        if inputs is not None:
+            return self._fill_drafted(bitmask, row_list, positions, inputs), positions
         # A finished grammar is ended by the engine, never masked.
         work = [(self.matchers[row_list[i]], i) for i in positions if not self.matchers[row_list[i]].is_terminated()]
         # Rows hold a matcher's mask or all-allowed. A fill rewrites a row's first self._words words
@@ -151,6 +172,37 @@ class Grammars:
         for matcher, i in work:
             matcher.fill_next_token_bitmask(self._row_masks[i], 0)
         return bitmask, positions
+
+    def _fill_drafted(self, bitmask: torch.Tensor, row_list: list[int], positions: list[int], inputs) -> torch.Tensor:
+        if self._written:
+            self._bitmask[sorted(self._written)] = -1
+        written: set[int] = set()
+        walked: dict[int, int] = {}  # row -> drafts its matcher accepted (rolled back after)
+        stuck: set[int] = set()  # rows whose grammar rejected a draft, or ended
+        for i in positions:
+            row = row_list[i]
+            matcher = self.matchers[row]
+            if row in stuck:
+                continue
+            if inputs[i] >= 0:
+                if matcher.is_terminated() or not matcher.accept_token(int(inputs[i])):
+                    stuck.add(row)
+                    continue
+                walked[row] = walked.get(row, 0) + 1
+            if matcher.is_terminated():
+                continue
+            if self._words < bitmask.shape[1]:
+                bitmask[i, self._words:] = 0
+            matcher.fill_next_token_bitmask(self._row_masks[i], 0)
+            written.add(i)
+        for row, count in walked.items():
+            self.matchers[row].rollback(count)
+        self._written = written
+        return bitmask
+
+    def is_terminated(self, row: int) -> bool:
+        matcher = self.matchers.get(row)
+        return matcher is not None and matcher.is_terminated()
 
     def accept(self, rows, tokens) -> None:
         """Advance each constrained row's matcher by its sampled token."""
@@ -203,14 +255,15 @@ class GrammarQueue:
             yield req, compiled, None
 
 
-def build_grammars(grammar_backend: str, tokenizer_path: str | None, vocab_size: int) -> Grammars | None:
+def build_grammars(grammar_backend: str, tokenizer_path: str | None, vocab_size: int,
+                   draft_tokens: int = 0) -> Grammars | None:
     """The engine's Grammars over the model's `vocab_size` logits, or None when constraints are not
     served here. The server decided whether they are (launch.structured_output_available) and set
     grammar_backend "none" if not; engines built directly (tests, benchmarks) check here."""
     if grammar_backend == "none" or not tokenizer_path or not xgrammar_available():
         return None
     try:
-        return Grammars(tokenizer_path, vocab_size)
+        return Grammars(tokenizer_path, vocab_size, draft_tokens=draft_tokens)
     except Exception as exc:  # a tokenizer xgrammar cannot read: constraints are refused upstream
         logger.warning("structured output unavailable: %s", exc)
         return None
