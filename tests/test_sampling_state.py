@@ -157,3 +157,28 @@ def test_preempted_rows_keep_their_state_without_re_adding():
     batch = state.batch(np.array([0]))  # ... preempted and resumed here: same call, same state
     assert batch.output_positions.tolist() == [2]
     assert state.output_counts(0)[5].item() == 2
+
+
+def test_drafted_positions_count_the_drafts_before_them():
+    """A speculative step's positions 1..k of a penalized row see the drafts before them as output
+    tokens (and min_new_tokens counts them): the processed logits equal those of decoding the
+    drafts one step at a time."""
+    vocab = 40
+    params = SamplingParams(temperature=0.7, seed=1, frequency_penalty=0.5, presence_penalty=0.2,
+                            repetition_penalty=1.3, min_new_tokens=2, stop_token_ids=[9])
+    prompt = np.array([3, 4, 5])
+    logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(0))
+    drafts = [7, 7, 9]
+    spec = SamplingState(4, vocab)
+    spec.add_row(1, prompt, params)
+    spec.update(np.array([1]), np.array([4]))  # one output token so far
+    batch = spec.batch(np.array([1, 1, 1, 1]), offsets=np.array([0, 1, 2, 3]), inputs=np.array([-1] + drafts))
+    got = Sampler.process_logits(logits.repeat(4, 1), batch)
+    plain = SamplingState(4, vocab)
+    plain.add_row(1, prompt, params)
+    plain.update(np.array([1]), np.array([4]))
+    for j in range(4):
+        if j:
+            plain.update(np.array([1]), np.array([drafts[j - 1]]))
+        want = Sampler.process_logits(logits, plain.batch(np.array([1])))
+        torch.testing.assert_close(got[j:j + 1], want)

@@ -335,7 +335,7 @@ class EngineCore:
         try:
             self.scheduler.add_request(row, prompt, int(req.max_new_tokens), list(params.stop_token_ids),
                                        wait_for=-1 if wait_row is None else wait_row,
-                                       speculates=self.speculative is not None and speculates(req))
+                                       speculates=self.speculative is not None)
         except Exception:
             self.rows.release(row)
             raise
@@ -466,7 +466,8 @@ class EngineCore:
         tokens there for the next step's inputs. With `verify` (a step with drafts), each entry
         samples its row's output token as many places further as its offset, under the grammar's
         mask after the drafts before it; `complete` keeps what it verifies."""
-        batch = self.sampling.batch(rows, None if verify is None else verify.offsets)
+        batch = self.sampling.batch(rows, None if verify is None else verify.offsets,
+                                    None if verify is None else verify.inputs)
         if self.grammars is not None and self.grammars.active:
             # The previous step, possibly still pending (overlap): its tokens advance the matchers
             # this mask is built from. The device already has this step's forward queued behind it.
@@ -639,13 +640,6 @@ def _put_logprobs(out: StepOutput, sampled: SampleOutput, keep: np.ndarray | Non
     out.token_ids_logprobs = host(sampled.token_ids_logprobs)
     out.token_ids_logprob_ids = host(sampled.token_ids_logprob_ids)
     out.token_ids_logprob_counts = host(sampled.token_ids_logprob_counts)
-
-
-def speculates(req: AddRequest) -> bool:
-    """Whether a request may be given drafts: not one with repetition, frequency or presence
-    penalties (each drafted position would need the counts of the drafts before it); those decode
-    one token a step. A constrained one may (its grammar masks each drafted position)."""
-    return not req.sampling_params.uses_penalty
 
 
 def resolve_overlap(setting: bool | None, device: torch.device) -> bool:

@@ -120,6 +120,10 @@ class SamplingBatch:
     repetition_penalty: torch.Tensor | None = None  # float32 [P]; 1 = off
     frequency_penalty: torch.Tensor | None = None  # float32 [P]
     presence_penalty: torch.Tensor | None = None  # float32 [P]
+    # Speculative decoding: tokens a penalized position counts beyond its slot's (the drafts before
+    # it): penalty_extra_rows [N] index the P penalized positions, penalty_extra_tokens [N] the ids.
+    penalty_extra_rows: torch.Tensor | None = None
+    penalty_extra_tokens: torch.Tensor | None = None
     any_repetition: bool = False
     any_frequency_presence: bool = False
     # min_new_tokens: rows at stop_positions [Q] (still under their minimum) get -inf at stop_token_ids [Q, Ms].
@@ -355,6 +359,9 @@ class Sampler:
         if batch.penalty_positions is not None:
             sub = scores.index_select(0, batch.penalty_positions)
             counts = batch.output_counts.index_select(0, batch.penalty_slots)
+            if batch.penalty_extra_rows is not None:
+                counts.index_put_((batch.penalty_extra_rows, batch.penalty_extra_tokens),
+                                  counts.new_ones(()).expand(batch.penalty_extra_rows.shape[0]), accumulate=True)
             if batch.any_repetition:
                 seen = (counts > 0) | batch.prompt_mask.index_select(0, batch.penalty_slots)
                 penalty = batch.repetition_penalty[:, None]

@@ -263,10 +263,12 @@ class SamplingState:
         ones = torch.ones(where.shape[0], dtype=torch.int32, device=self.device)
         self._output_counts.index_put_((slot_index, tokens), ones, accumulate=True)
 
-    def batch(self, rows: np.ndarray, offsets: np.ndarray | None = None) -> SamplingBatch:
+    def batch(self, rows: np.ndarray, offsets: np.ndarray | None = None,
+              inputs: np.ndarray | None = None) -> SamplingBatch:
         """The SamplingBatch of these rows, in this order (they must all be active). `offsets`: each
         entry draws its row's output token that many places past the next (a speculative step's
-        drafted positions; rows repeat then)."""
+        drafted positions; rows repeat then); `inputs`, with them, the draft each entry follows (its
+        row's earlier entries' drafts count as output tokens for its penalties)."""
         rows = np.asarray(rows, np.int64)
         floats = self._floats[rows]
         ints = self._ints[rows]
@@ -309,6 +311,8 @@ class SamplingState:
                 batch.presence_penalty = coefficients_dev[:, _P_PRESENCE]
                 batch.any_repetition = bool((coefficients[:, _P_REPETITION] != 1.0).any())
                 batch.any_frequency_presence = bool((coefficients[:, _P_FREQUENCY:] != 0.0).any())
+                if offsets is not None and inputs is not None:
+                    self._draft_counts(batch, positions, offsets, inputs)
         if self._num_min_tokens:
             positions = np.flatnonzero(self._min_new_tokens[rows] > ints[:, _I_OUT_POS])
             if positions.shape[0]:
@@ -324,6 +328,21 @@ class SamplingState:
                 batch.token_ids_logprob = self._to_device(ids)
                 batch.token_ids_logprob_counts = self._to_device(counts.copy())
         return batch
+
+    def _draft_counts(self, batch: SamplingBatch, positions: np.ndarray, offsets: np.ndarray,
+                      inputs: np.ndarray) -> None:
+        """For penalized entries past their row's first: the drafts before them, as extra counts."""
+        later = np.flatnonzero(offsets[positions] > 0)
+        if not later.shape[0]:
+            return
+        depth = offsets[positions[later]]
+        extra_rows = np.repeat(later, depth)
+        # Entry b at offset j follows the drafts at entries b - j + 1 .. b (inputs: the draft each follows).
+        ends = np.repeat(positions[later], depth)
+        back = np.arange(extra_rows.shape[0]) - np.repeat(np.cumsum(depth) - depth, depth)
+        tokens = inputs[ends - back]
+        batch.penalty_extra_rows = self._to_device(extra_rows.astype(np.int64))
+        batch.penalty_extra_tokens = self._to_device(tokens.astype(np.int64))
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, non_blocking=True)
