@@ -6,9 +6,11 @@ logprobs and n > 1, with every KV block back in the pool at the end."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from tokenspeed_worker.config import EngineConfig, SpeculativeConfig
 from tokenspeed_worker.engine.engine_core import EngineCore
@@ -328,8 +330,8 @@ def test_n_samples_share_the_prompt_and_speculate_each():
 
 
 def test_speculative_config_is_checked():
-    with pytest.raises(ValueError, match="EAGLE3"):
-        SpeculativeConfig(speculative_algorithm="EAGLE3")
+    with pytest.raises(ValueError, match="MTP"):
+        SpeculativeConfig(speculative_algorithm="MTP")
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         SpeculativeConfig(speculative_algorithm="NGRAM", num_speculative_tokens=0)
     with pytest.raises(ValueError, match="window"):
@@ -413,7 +415,7 @@ def test_grpc_bad_speculative_flags_are_refused_at_startup():
     import sys
 
     model = str(tiny_models()[MODEL])
-    for flags, needle in ((["--speculative-algorithm", "EAGLE3"], "--speculative-algorithm"),
+    for flags, needle in ((["--speculative-algorithm", "MTP"], "--speculative-algorithm"),
                           (["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "1"],
                            "--speculative-num-draft-tokens"),
                           (["--speculative-algorithm", "NGRAM", "--speculative-ngram-min-match-window-size", "5",
@@ -513,3 +515,244 @@ def test_kept_tokens_follow_the_target_distribution():
     assert chi_square(np.bincount(second, minlength=vocab), probs[1]) < 20.5
     plain = SamplingBatch.from_lists([1.0] * n, [0] * n, [1.0] * n, [0.0] * n, seeds.tolist(), [0] * n)
     assert np.array_equal(Sampler("torch").sample(logits[:1].repeat(n, 1), plain).tokens.numpy(), first)
+
+
+# -- EAGLE-3 --------------------------------------------------------------------------------------
+
+
+def make_eagle3_head(target: Path, out: Path, copying: bool = True) -> Path:
+    """A tiny EAGLE-3 head for `target` in the published layout (config.json, safetensors with the
+    published names, d2t over a draft vocabulary). copying=True makes it draft what the history
+    is mostly made of: q and k are zero (attention averages the context), v carries the normed
+    token embedding, the LM head is the target's embedding, fc and the MLP's output are zero; so a
+    greedy run stuck on one token gets its drafts kept. Else every weight is random."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    cfg = json.loads((target / "config.json").read_text())
+    hidden, heads, kv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim = hidden // heads
+    vocab = cfg["vocab_size"]
+    draft_vocab = vocab if copying else vocab // 2
+    config = {k: cfg[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "rms_norm_eps",
+                                  "max_position_embeddings", "vocab_size") if k in cfg}
+    config.update(architectures=["LlamaForCausalLMEagle3"], num_hidden_layers=1, intermediate_size=2 * hidden,
+                  draft_vocab_size=draft_vocab, tie_word_embeddings=False, hidden_act="silu",
+                  rope_parameters=cfg.get("rope_parameters") or {"rope_type": "default", "rope_theta": 10000.0})
+    g = torch.Generator().manual_seed(11)
+    rnd = lambda *shape: torch.randn(*shape, generator=g) * 0.2  # noqa: E731
+    w = {
+        "fc.weight": rnd(hidden, 3 * hidden),
+        "midlayer.input_layernorm.weight": torch.ones(hidden),
+        "midlayer.hidden_norm.weight": torch.ones(hidden),
+        "midlayer.post_attention_layernorm.weight": torch.ones(hidden),
+        "midlayer.self_attn.q_proj.weight": rnd(heads * head_dim, 2 * hidden),
+        "midlayer.self_attn.k_proj.weight": rnd(kv * head_dim, 2 * hidden),
+        "midlayer.self_attn.v_proj.weight": rnd(kv * head_dim, 2 * hidden),
+        "midlayer.self_attn.o_proj.weight": rnd(hidden, heads * head_dim),
+        "midlayer.mlp.gate_proj.weight": rnd(2 * hidden, hidden),
+        "midlayer.mlp.up_proj.weight": rnd(2 * hidden, hidden),
+        "midlayer.mlp.down_proj.weight": rnd(hidden, 2 * hidden),
+        "norm.weight": torch.ones(hidden),
+        "lm_head.weight": rnd(draft_vocab, hidden),
+        "d2t": torch.zeros(draft_vocab, dtype=torch.int64),
+        "t2d": torch.ones(vocab, dtype=torch.bool),
+    }
+    if copying:
+        embed = load_file(str(next(target.glob("*.safetensors"))))["model.embed_tokens.weight"].float()
+        group = heads // kv
+        for name in ("fc.weight", "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight",
+                     "midlayer.mlp.down_proj.weight"):
+            w[name].zero_()
+        v = torch.zeros(kv * head_dim, 2 * hidden)
+        v[:, : kv * head_dim] = torch.eye(kv * head_dim)  # the first kv*head_dim dims of norm(embedding)
+        o = torch.zeros(hidden, heads * head_dim)
+        for k in range(kv):  # the first head of each kv group writes its kv head's dims back in place
+            o[k * head_dim:(k + 1) * head_dim, k * group * head_dim:(k * group + 1) * head_dim] = torch.eye(head_dim)
+        w["midlayer.self_attn.v_proj.weight"], w["midlayer.self_attn.o_proj.weight"] = v, o
+        lm = embed.clone()
+        lm[:, kv * head_dim:] = 0
+        w["lm_head.weight"] = lm
+    else:  # a draft vocabulary of every other target id
+        w["d2t"] = torch.arange(draft_vocab, dtype=torch.int64)  # draft id i -> target id 2i
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config))
+    save_file({k: v.contiguous() for k, v in w.items()}, str(out / "model.safetensors"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def eagle_heads(tmp_path_factory):
+    target = tiny_models()[MODEL]
+    base = tmp_path_factory.mktemp("eagle3")
+    return {"copying": make_eagle3_head(target, base / "copying"),
+            "random": make_eagle3_head(target, base / "random", copying=False)}
+
+
+def eagle_core(head: Path, **overrides) -> EngineCore:
+    cfg = dict(speculative_algorithm="EAGLE3", draft_model_path=str(head))
+    cfg.update(overrides)
+    core = make_core(False, **cfg)
+    return core
+
+
+@pytest.mark.parametrize("head", ["copying", "random"])
+def test_eagle3_output_equals_decoding_without_speculation(eagle_heads, head):
+    reference = run(make_core(False), mixed_requests())
+    core = eagle_core(eagle_heads[head], num_speculative_tokens=3)
+    got = run(core, mixed_requests())
+    assert got[0] == reference[0] and got[2] == reference[2]
+    for rid in (2, 6):
+        np.testing.assert_allclose(got[1][rid], reference[1][rid], atol=2e-4)
+    assert core.spec_draft_tokens > 0
+    if head == "copying":
+        assert core.spec_accepted_tokens > 0
+    assert core.scheduler.num_free_blocks == core.scheduler.num_total_blocks
+    assert core.runner.cuda_graphs is None  # eager while EAGLE-3 reads the hidden states
+
+
+def test_eagle3_under_preemption_and_prefix_hits(eagle_heads):
+    reference = run(make_core(False, max_total_tokens=192, schedule_conservativeness=0.0), mixed_requests())
+    core = eagle_core(eagle_heads["copying"], max_total_tokens=192, schedule_conservativeness=0.0)
+    got = run(core, mixed_requests())
+    assert got[0] == reference[0] and got[2] == reference[2]
+    assert core.scheduler.num_preemptions > 0 and core.spec_accepted_tokens > 0
+
+
+def test_eagle3_drafts_equal_a_dense_reference(eagle_heads):
+    """The drafts the paged, incremental drafter proposes equal the head run densely from scratch
+    over the request's whole history (the target's hidden states recomputed in one prefill)."""
+    from tokenspeed_worker.models.llama_eagle3 import Eagle3Head, read_config
+
+    head_dir = eagle_heads["random"]
+    core = eagle_core(head_dir, num_speculative_tokens=3, chunked_prefill_size=7)
+    proposed = []
+    original = core.scheduler.set_draft
+
+    def spy(row, tokens):
+        proposed.append((core.scheduler.token_ids(row).copy(), np.asarray(tokens).copy()))
+        original(row, tokens)
+
+    core.scheduler.set_draft = spy
+    rng = np.random.default_rng(8)
+    run(core, [request(0, rng.integers(3, 500, 19).tolist(), 12)])
+    assert len(proposed) >= 3
+    ref_head = Eagle3Head(read_config(str(head_dir)), core.runner.hf_config.hidden_size)
+    ref_head.load(str(head_dir))
+    embed = core.runner.model.model.embed_tokens
+    for tokens, draft in proposed[:4]:
+        n = tokens.shape[0]
+        aux = target_aux(core, tokens[: n - 1])  # the target's states at positions 0..n-2
+        want = dense_chain(ref_head, embed, tokens, aux, len(draft))
+        assert draft.tolist() == want, (n, draft, want)
+
+
+def target_aux(core: EngineCore, tokens: np.ndarray) -> torch.Tensor:
+    """The target's captured states at every position of `tokens`, from one fresh prefill."""
+    from tokenspeed_worker.scheduler.plan import SchedulePlan
+
+    runner = core.runner
+    n = tokens.shape[0]
+    blocks = -(-n // runner.block_size)
+    base = core.num_blocks - blocks  # the pool's last blocks: free at the end of a run
+    table = np.arange(base, base + blocks, dtype=np.int32)[None]
+    positions = np.arange(n, dtype=np.int64)
+    plan = SchedulePlan(np.zeros(1, np.int64), np.array([n], np.int32), np.zeros(1, np.int32), tokens.astype(np.int64),
+                        positions, (table[0][positions // runner.block_size].astype(np.int64) * runner.block_size
+                                    + positions % runner.block_size), table, np.zeros(1, np.int32))
+    runner.forward(plan)
+    aux = runner.model.model.aux_hidden
+    runner.model.model.aux_hidden = None
+    return aux
+
+
+def dense_chain(head, embed, tokens: np.ndarray, aux: torch.Tensor, k: int) -> list[int]:
+    """EAGLE-3's chain computed densely: pairs (token p + 1, target state p) for p = 0..n-2, causal
+    attention over them in plain torch, then k - 1 steps on the head's own states."""
+    layer = head.midlayer
+    a = layer.self_attn
+    keys, values, out_tokens = [], [], []
+
+    def step(e, hidden, positions):
+        x = torch.cat([layer.input_layernorm(e), layer.hidden_norm(hidden)], dim=-1)
+        q = a.q_proj(x).view(-1, layer.num_heads, layer.head_dim)
+        kk = a.k_proj(x).view(-1, layer.num_kv_heads, layer.head_dim)
+        q, kk = layer.rotary_emb(positions, q, kk)
+        keys.append(kk)
+        values.append(a.v_proj(x).view(-1, layer.num_kv_heads, layer.head_dim))
+        K, V = torch.cat(keys), torch.cat(values)
+        rep = layer.num_heads // layer.num_kv_heads
+        K, V = K.repeat_interleave(rep, 1), V.repeat_interleave(rep, 1)
+        total, new = K.shape[0], q.shape[0]
+        mask = torch.ones(new, total, dtype=torch.bool).tril(total - new)
+        scores = torch.einsum("qhd,khd->hqk", q, K) * layer.head_dim ** -0.5
+        attn = torch.einsum("hqk,khd->qhd", scores.masked_fill(~mask, float("-inf")).softmax(-1), V)
+        out = a.o_proj(attn.reshape(new, -1))
+        y, residual = layer.post_attention_layernorm(out, hidden)
+        m = layer.mlp
+        y = m.down_proj(torch.nn.functional.silu(m.gate_proj(y)) * m.up_proj(y))
+        normed, pre = head.norm(y, residual)
+        return head.lm_head(normed), pre
+
+    with torch.inference_mode():
+        ids = torch.from_numpy(tokens[1:].astype(np.int64))
+        hidden = head.fc(aux.float())
+        e = embed(ids).float()
+        logits, pre = step(e, hidden, torch.arange(ids.shape[0]))
+        token = int(head.target_ids(logits[-1:].argmax(-1))[0])
+        out_tokens.append(token)
+        g, position = pre[-1:], ids.shape[0]
+        for _ in range(k - 1):
+            logits, g = step(embed(torch.tensor([token])).float(), g, torch.tensor([position]))
+            token = int(head.target_ids(logits.argmax(-1))[0])
+            out_tokens.append(token)
+            position += 1
+    return out_tokens
+
+
+def test_eagle3_checks_its_head(tmp_path, eagle_heads):
+    import json
+
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    with pytest.raises(ValueError, match="not an EAGLE-3 Llama head"):
+        eagle_core(bad)
+    with pytest.raises(ValueError, match="needs a draft model"):
+        SpeculativeConfig(speculative_algorithm="EAGLE3")
+
+
+def test_grpc_eagle3_worker_equals_the_plain_worker(workers, eagle_heads):
+    _, plain = workers
+    w = Worker(tiny_models()[MODEL], "--max-model-len", "256", "--max-total-tokens", "4096", "--sampling-backend",
+               "torch", "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path",
+               str(eagle_heads["copying"]), "--speculative-num-steps", "3")
+    try:
+        rng = np.random.default_rng(6)
+        for i, case in enumerate([dict(temperature=0.0, max_new_tokens=60), dict(stream=True, temperature=0.0),
+                                  dict(temperature=0.9, sampling_seed=3, n=2, max_new_tokens=30)]):
+            prompt = rng.integers(3, 500, 10 + 7 * i).tolist()
+            ids, _, completes = outputs_of(w, grpc_request(prompt, f"e3-{i}", **case))
+            assert ids == outputs_of(plain, grpc_request(prompt, "plain", **case))[0], case
+            if i == 0:
+                assert completes[0].spec_draft_tokens > 0
+        assert "EAGLE-3 draft head" in w.log()
+    finally:
+        assert w.stop() == 0, w.log()
+
+
+def test_grpc_bad_eagle3_flags_are_refused_at_startup():
+    import subprocess
+    import sys
+
+    model = str(tiny_models()[MODEL])
+    for flags, needle in ((["--speculative-algorithm", "EAGLE3"], "--speculative-draft-model-path"),
+                          (["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", model],
+                           "not an EAGLE-3 Llama head"),
+                          (["--speculative-algorithm", "EAGLE3", "--speculative-eagle-topk", "4"],
+                           "--speculative-eagle-topk 4")):
+        r = subprocess.run([sys.executable, "-m", "tokenspeed_worker", model, *flags], capture_output=True,
+                           text=True, timeout=180)
+        assert r.returncode != 0 and needle in r.stderr, (flags, r.stderr[-2000:])
+        assert "Traceback" not in r.stderr, r.stderr[-3000:]

@@ -186,7 +186,7 @@ class ParallelConfig:
         return self.tensor_parallel_size // max(1, self.nnodes)
 
 
-SPECULATIVE_ALGORITHMS: tuple[str, ...] = ("NGRAM",)
+SPECULATIVE_ALGORITHMS: tuple[str, ...] = ("NGRAM", "EAGLE3")
 
 
 @dataclass(frozen=True)
@@ -194,7 +194,10 @@ class SpeculativeConfig:
     """Speculative decoding (engine/speculative.py): each step, a decoding request's next tokens are
     proposed by a drafter and checked by one forward of the model over all of them."""
 
-    speculative_algorithm: str | None = None  # None: off; "NGRAM": drafts from the request's own tokens
+    # None: off; "NGRAM": drafts from the request's own tokens; "EAGLE3": from a draft head
+    # (draft_model_path) reading the model's hidden states (engine/eagle3.py)
+    speculative_algorithm: str | None = None
+    draft_model_path: str | None = None
     num_speculative_tokens: int = 3  # draft tokens per request and step (the verify computes 1 + this)
     ngram_min_match: int = 1  # NGRAM: the shortest suffix that may match earlier tokens
     ngram_max_match: int = 12  # NGRAM: the longest suffix tried first
@@ -207,6 +210,10 @@ class SpeculativeConfig:
         if algorithm is not None and algorithm not in SPECULATIVE_ALGORITHMS:
             raise ValueError(f"speculative_algorithm {algorithm!r} is not supported "
                              f"(supported: {', '.join(SPECULATIVE_ALGORITHMS)})")
+        if algorithm == "EAGLE3" and not self.draft_model_path:
+            raise ValueError("speculative_algorithm EAGLE3 needs a draft model (--speculative-draft-model-path)")
+        if algorithm != "EAGLE3" and self.draft_model_path:
+            raise ValueError(f"a draft model path is only used with EAGLE3, not with {algorithm}")
         if self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
         if self.max_speculative_batch < 0:

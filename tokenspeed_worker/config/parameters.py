@@ -424,11 +424,16 @@ class ServerArgs:
         "Speculative algorithm. 'NGRAM': each decoding request's next tokens are proposed from its own "
         "prompt and output (the tokens that followed the latest earlier occurrence of its last few "
         "tokens; no draft model) and checked by one forward of the model over all of them; output "
-        "is unchanged (greedy and seeded sampling give the tokens they give without it). Unset: off.",
+        "is unchanged (greedy and seeded sampling give the tokens they give without it). 'EAGLE3': "
+        "the drafts come from an EAGLE-3 draft head (--speculative-draft-model-path) reading the "
+        "model's hidden states (Llama-family models, one GPU or CPU, without CUDA graphs for now). "
+        "Unset: off.",
         choices=("NGRAM", "EAGLE3", "EAGLE", "MTP", "DFLASH", "DSPARK"),
-        unsupported_values=("EAGLE3", "EAGLE", "MTP", "DFLASH", "DSPARK"),
+        unsupported_values=("EAGLE", "MTP", "DFLASH", "DSPARK"),
     )
-    speculative_draft_model_path: str | None = _not_yet(None, SPECULATIVE, "Draft model path.")
+    speculative_draft_model_path: str | None = _option(
+        None, SPECULATIVE, "Draft model path: with EAGLE3, a local folder holding an EAGLE-3 Llama head as its "
+        "authors publish it (config.json with architectures LlamaForCausalLMEagle3; safetensors or .bin weights).")
     speculative_draft_model_quantization: str = _not_yet("unquant", SPECULATIVE, "Draft model quantization.")
     speculative_num_steps: int = _option(
         3, SPECULATIVE, "Number of draft model steps. With NGRAM it only sets the default of "
@@ -441,7 +446,9 @@ class ServerArgs:
         parse=values.positive_int,
         default_doc="--speculative-num-steps + 1",
     )
-    speculative_eagle_topk: int = _not_yet(1, SPECULATIVE, "EAGLE top-k.", parse=values.positive_int)
+    speculative_eagle_topk: int = _option(
+        1, SPECULATIVE, "EAGLE top-k: 1 (a chain of drafts); more (draft trees) is refused: not supported yet.",
+        parse=values.positive_int)
     eagle3_layers_to_capture: str | None = _not_yet(None, SPECULATIVE, "EAGLE3 layers to capture.")
     speculative_ngram_min_match_window_size: int = _option(
         1, SPECULATIVE, "NGRAM: the fewest trailing tokens that must have occurred before to propose a draft.",

@@ -109,6 +109,7 @@ class WorkerConfig:
             num_speculative_tokens=_num_speculative_tokens(args),
             ngram_min_match=args.speculative_ngram_min_match_window_size,
             ngram_max_match=args.speculative_ngram_max_match_window_size,
+            draft_model_path=args.speculative_draft_model_path,
         ) if args.speculative_algorithm else SpeculativeConfig()
         server = ServerConfig(
             host=args.host,
@@ -126,6 +127,9 @@ class WorkerConfig:
 def _num_speculative_tokens(args: ServerArgs) -> int:
     """Draft tokens per request and step: --speculative-num-draft-tokens (default --speculative-num-steps
     + 1) counts the verify step's tokens, the last accepted one included."""
+    if args.speculative_eagle_topk != 1:
+        raise ValueError(f"--speculative-eagle-topk {args.speculative_eagle_topk}: only 1 (a chain of drafts) is "
+                         "supported yet; draft trees are not")
     width = args.speculative_num_draft_tokens or args.speculative_num_steps + 1
     if width < 2:
         raise ValueError(f"--speculative-num-draft-tokens {width}: a verify step needs at least 2 tokens "

@@ -191,6 +191,14 @@ class EngineCore:
         # A drafter outside the scheduler (the benchmarks' oracle); NGRAM drafts inside it.
         oracle = env.SPECULATIVE_ORACLE.get()
         self.drafter = None
+        self.eagle = None
+        if self.speculative is not None and self.speculative.speculative_algorithm == "EAGLE3":
+            if self.tp_size > 1:
+                raise ValueError("--speculative-algorithm EAGLE3 with --tensor-parallel-size > 1 is not supported yet")
+            from tokenspeed_worker.engine.eagle3 import Eagle3Drafter
+
+            self.eagle = Eagle3Drafter(self.speculative.draft_model_path, self.runner, self.num_blocks,
+                                       cfg.scheduler.max_num_seqs, self.speculative.num_speculative_tokens)
         if self.speculative is not None and oracle:
             self.drafter = OracleDrafter(oracle, env.SPECULATIVE_ORACLE_ACCEPT.get(), self.runner.vocab_size,
                                          self.speculative.num_speculative_tokens)
@@ -444,7 +452,8 @@ class EngineCore:
         # Read before the step completes: a request that finishes in it is forgotten then.
         out.cached_tokens = self.scheduler.cached_tokens(rows) if rows.shape[0] else np.zeros(0, np.int32)
         self.scheduler.commit()
-        launched = LaunchedStep(out=out, rows=rows, sampled=sampled, event=event, t0=t0, verify=verify)
+        launched = LaunchedStep(out=out, rows=rows, sampled=sampled, event=event, t0=t0, verify=verify,
+                                plan=plan if self.eagle is not None else None)
         self._last_launched = launched
         return launched
 
@@ -524,6 +533,7 @@ class EngineCore:
         else:
             finished_rows, reasons, live = self.scheduler.resolve(tokens)
             keep = None if live.all() else live
+            launched.used = live.astype(np.int64)
         if keep is not None:
             out.req_ids = out.req_ids[keep]
             out.cached_tokens = out.cached_tokens[keep]
@@ -536,6 +546,8 @@ class EngineCore:
             finished_rows, reasons = self._stop_completed_grammars(live_rows, finished_rows, reasons)
         out.finished_ids = self.rows.server_id[finished_rows].copy()
         out.finish_reasons = np.asarray(reasons, dtype=np.int32)
+        if self.eagle is not None:
+            self._draft_eagle(launched, finished_rows)
         for row in finished_rows.tolist():
             self._release(row)
         if out.tokens.shape[0]:
@@ -554,6 +566,7 @@ class EngineCore:
             kept_tokens = tokens[verify.select(kept)]
         finished_rows, reasons, live, used = self.scheduler.resolve_verified(kept_tokens, kept)
         select = verify.select(used)
+        launched.used = used.astype(np.int64)
         self.sampling.update(launched.rows[select], tokens[select], repeated=True)
         drafted = live & (verify.draft_lens > 0)
         accepted = np.maximum(used.astype(np.int64) - 1, 0)
@@ -582,6 +595,17 @@ class EngineCore:
                     kept[i] = j + 1
                     break
         return kept
+
+    def _draft_eagle(self, launched: "LaunchedStep", finished_rows: np.ndarray) -> None:
+        """Hand the EAGLE-3 drafter the positions this step computed for good: a row's whole query
+        unless it sampled, else its query less its draft plus the drafts kept (engine/eagle3.py)."""
+        plan = launched.plan
+        final = plan.query_lens.astype(np.int64)
+        rows = plan.sample_rows
+        drafts = plan.draft_lens[rows].astype(np.int64) if plan.draft_lens is not None else 0
+        used = launched.used if launched.used is not None else np.zeros(rows.shape[0], dtype=np.int64)
+        final[rows] = np.where(used > 0, final[rows] - drafts + used - 1, 0)
+        self.eagle.after_step(plan, final, self.scheduler, set(finished_rows.tolist()))
 
     def _stop_completed_grammars(self, live_rows: np.ndarray, finished_rows: np.ndarray, reasons):
         """Rows whose grammar is complete end with "stop" now (added to the step's finished rows)."""
@@ -623,6 +647,8 @@ class LaunchedStep:
     t0: float
     grammar_accepted: bool = False  # its tokens advanced the grammar matchers (_accept_grammar_tokens)
     verify: Verify | None = None  # a step with drafts: its layout (rows are then one per sampled position)
+    plan: object | None = None  # the step's plan, kept for the EAGLE-3 drafter
+    used: np.ndarray | None = None  # per sample row: tokens output (set at completion)
 
 
 def _put_logprobs(out: StepOutput, sampled: SampleOutput, keep: np.ndarray | None) -> None:

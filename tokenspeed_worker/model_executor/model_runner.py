@@ -170,6 +170,7 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs = config.scheduler.max_num_seqs
         self.cudagraph_sizes = capture_sizes(max_num_seqs, config.model.cudagraph_capture_sizes,
                                              config.model.max_cudagraph_capture_size)
+        self.eagle3 = config.speculative.speculative_algorithm == "EAGLE3"
         self.cuda_graphs_off_reason = self._cuda_graphs_off_reason(config.model.enforce_eager)
         self.use_cuda_graphs = self.cuda_graphs_off_reason is None
         self.cuda_graphs: DecodeGraphs | None = None
@@ -209,6 +210,8 @@ class ModelRunner:
     def _cuda_graphs_off_reason(self, enforce_eager: bool) -> str | None:
         if enforce_eager:
             return "--enforce-eager"
+        if self.eagle3:
+            return "EAGLE3 reads the model's hidden states after each forward (not from CUDA graphs yet)"
         if self.device.type != "cuda" and self.graph_class in (None, CudaGraph):
             return f"device is {self.device.type}"
         if any(isinstance(m, FusedMoE) and not m.supports_cuda_graphs for m in self.model.modules()):

@@ -155,10 +155,20 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
+    # Layers whose incoming residual stream each forward keeps in `aux_hidden` ([T, len x hidden],
+    # in this order), for an EAGLE-3 draft head (engine/eagle3.py); empty: none kept.
+    aux_layers: tuple[int, ...] = ()
+    aux_hidden: torch.Tensor | None = None
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: object) -> torch.Tensor:
         hidden_states, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
+        aux = []
+        for i, layer in enumerate(self.layers):
+            for _ in range(self.aux_layers.count(i)):
+                aux.append(hidden_states if residual is None else hidden_states + residual)
             hidden_states, residual = layer(positions, hidden_states, residual, attn_metadata)
+        if self.aux_layers:
+            self.aux_hidden = torch.cat(aux, dim=-1)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
