@@ -756,3 +756,30 @@ def test_grpc_bad_eagle3_flags_are_refused_at_startup():
                            text=True, timeout=180)
         assert r.returncode != 0 and needle in r.stderr, (flags, r.stderr[-2000:])
         assert "Traceback" not in r.stderr, r.stderr[-3000:]
+
+
+def test_speculative_config_json_fills_the_flags_it_stands_for(eagle_heads):
+    from tokenspeed_worker.config import WorkerConfig, parse_args
+
+    model = str(tiny_models()[MODEL])
+    args = parse_args([model, "--speculative-config",
+                       json_text({"method": "eagle3", "model": str(eagle_heads["random"]), "num_speculative_tokens": 5}),
+                       "--eagle3-layers-to-capture", "0,1,2"])
+    spec = WorkerConfig.from_args(args).engine.speculative
+    assert (spec.speculative_algorithm, spec.draft_model_path, spec.num_speculative_tokens, spec.eagle3_layers) == (
+        "EAGLE3", str(eagle_heads["random"]), 5, (0, 1, 2))
+    # An explicit flag wins over the JSON.
+    args = parse_args([model, "--speculative-config", json_text({"method": "eagle3"}), "--speculative-algorithm",
+                       "NGRAM", "--speculative-num-draft-tokens", "3"])
+    spec = WorkerConfig.from_args(args).engine.speculative
+    assert (spec.speculative_algorithm, spec.num_speculative_tokens) == ("NGRAM", 2)
+    core = eagle_core(eagle_heads["random"], eagle3_layers=(0, 0, 2))
+    assert core.runner.model.model.aux_layers == (0, 0, 2)
+    with pytest.raises(ValueError, match="three of the model's 3 layers"):
+        eagle_core(eagle_heads["random"], eagle3_layers=(0, 5, 2))
+
+
+def json_text(value) -> str:
+    import json
+
+    return json.dumps(value)

@@ -198,6 +198,7 @@ class SpeculativeConfig:
     # (draft_model_path) reading the model's hidden states (engine/eagle3.py)
     speculative_algorithm: str | None = None
     draft_model_path: str | None = None
+    eagle3_layers: tuple[int, ...] | None = None  # EAGLE3: the layers the head reads (None: 2, L/2, L-3)
     num_speculative_tokens: int = 3  # draft tokens per request and step (the verify computes 1 + this)
     ngram_min_match: int = 1  # NGRAM: the shortest suffix that may match earlier tokens
     ngram_max_match: int = 12  # NGRAM: the longest suffix tried first

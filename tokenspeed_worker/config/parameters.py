@@ -417,7 +417,11 @@ class ServerArgs:
     enable_custom_logit_processor: bool = _not_yet(False, REASONING, "Allow custom logit processors.")
 
     # ---- Speculative Decoding
-    speculative_config: str | None = _not_yet(None, SPECULATIVE, "JSON speculative decoding configuration.")
+    speculative_config: str | None = _option(
+        None, SPECULATIVE, "JSON speculative decoding configuration, as TokenSpeed takes it: "
+        '{"method": "ngram" | "eagle3", "model": DRAFT_PATH, "num_speculative_tokens": N} fills '
+        "--speculative-algorithm, --speculative-draft-model-path and --speculative-num-steps (N draft "
+        "tokens per step) where those flags are not given.")
     speculative_algorithm: str | None = _option(
         None,
         SPECULATIVE,
@@ -449,7 +453,9 @@ class ServerArgs:
     speculative_eagle_topk: int = _option(
         1, SPECULATIVE, "EAGLE top-k: 1 (a chain of drafts); more (draft trees) is refused: not supported yet.",
         parse=values.positive_int)
-    eagle3_layers_to_capture: str | None = _not_yet(None, SPECULATIVE, "EAGLE3 layers to capture.")
+    eagle3_layers_to_capture: str | None = _option(
+        None, SPECULATIVE, "EAGLE3: the model's layers (comma-separated indices) whose incoming hidden "
+        "states the draft head reads.", default_doc="2, L/2, L-3 of the model's L layers")
     speculative_ngram_min_match_window_size: int = _option(
         1, SPECULATIVE, "NGRAM: the fewest trailing tokens that must have occurred before to propose a draft.",
         parse=values.positive_int)

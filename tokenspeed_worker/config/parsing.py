@@ -19,6 +19,7 @@ from tokenspeed_worker.config.parameters import (
     GROUPS,
     MODEL_LOADING,
     OPTIONS,
+    OPTIONS_BY_DEST,
     PROG,
     Option,
     ServerArgs,
@@ -166,8 +167,50 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+_SPECULATIVE_CONFIG_KEYS = ("method", "model", "num_speculative_tokens")
+
+
+def _resolve_speculative_config(args: ServerArgs) -> None:
+    """--speculative-config's JSON into the flags it stands for (explicit flags win), as TokenSpeed
+    reads it: method -> --speculative-algorithm, model -> --speculative-draft-model-path,
+    num_speculative_tokens -> --speculative-num-steps."""
+    try:
+        config = json.loads(args.speculative_config)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"argument --speculative-config: not valid JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise ValueError("argument --speculative-config: expected a JSON object")
+    unknown = sorted(set(config) - set(_SPECULATIVE_CONFIG_KEYS))
+    if unknown:
+        raise ValueError(f"argument --speculative-config: unknown key(s) {', '.join(unknown)} "
+                         f"(known: {', '.join(_SPECULATIVE_CONFIG_KEYS)})")
+    if config.get("method") is not None and args.speculative_algorithm is None:
+        method = str(config["method"]).upper()
+        choices = OPTIONS_BY_DEST["speculative_algorithm"].spec.choices
+        if method not in choices:
+            raise ValueError(f"argument --speculative-config: method {config['method']!r} is not one of "
+                             f"{', '.join(c.lower() for c in choices)}")
+        args.speculative_algorithm = method
+    if config.get("model") is not None and args.speculative_draft_model_path is None:
+        args.speculative_draft_model_path = str(config["model"])
+    if config.get("num_speculative_tokens") is not None:
+        count = config["num_speculative_tokens"]
+        if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+            raise ValueError(f"argument --speculative-config: num_speculative_tokens must be a positive integer, "
+                             f"got {count!r}")
+        args.speculative_num_steps = count
+
+
 def _resolve(args: ServerArgs) -> None:
     """Fill the defaults that depend on other values or on the machine."""
+    if args.speculative_config is not None:
+        _resolve_speculative_config(args)
+    if args.eagle3_layers_to_capture is not None:
+        try:
+            [int(x) for x in args.eagle3_layers_to_capture.split(",")]
+        except ValueError:
+            raise ValueError(f"argument --eagle3-layers-to-capture: expected comma-separated layer indices, got "
+                             f"{args.eagle3_layers_to_capture!r}") from None
     if args.tokenizer is None:
         args.tokenizer = args.model
     if args.served_model_name is None:

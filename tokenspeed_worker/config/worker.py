@@ -110,6 +110,8 @@ class WorkerConfig:
             ngram_min_match=args.speculative_ngram_min_match_window_size,
             ngram_max_match=args.speculative_ngram_max_match_window_size,
             draft_model_path=args.speculative_draft_model_path,
+            eagle3_layers=(tuple(int(x) for x in args.eagle3_layers_to_capture.split(","))
+                           if args.eagle3_layers_to_capture else None),
         ) if args.speculative_algorithm else SpeculativeConfig()
         server = ServerConfig(
             host=args.host,

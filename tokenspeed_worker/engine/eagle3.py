@@ -35,9 +35,11 @@ logger = logging.getLogger(__name__)
 
 
 class Eagle3Drafter:
-    def __init__(self, path: str, runner, num_blocks: int, max_num_seqs: int, num_tokens: int) -> None:
+    def __init__(self, path: str, runner, num_blocks: int, max_num_seqs: int, num_tokens: int,
+                 layers: tuple[int, ...] | None = None) -> None:
         """path: the head's folder; runner: the target's ModelRunner (its KV pool allocated);
-        num_tokens: drafts per request and step."""
+        num_tokens: drafts per request and step; layers: the target layers the head reads
+        (--eagle3-layers-to-capture; None: 2, L/2, L-3)."""
         from tokenspeed_worker.models.llama import LlamaModel
 
         target = getattr(runner.model, "model", None)
@@ -55,7 +57,12 @@ class Eagle3Drafter:
         self.head.to(device=self.device, dtype=self.dtype)
         self.head.d2t = self.head.d2t.to(device=self.device, dtype=torch.int64)
         self.embed = target.embed_tokens
-        target.aux_layers = tuple(aux_layers(runner.hf_config.num_hidden_layers))
+        num_layers = runner.hf_config.num_hidden_layers
+        chosen = tuple(layers) if layers else tuple(aux_layers(num_layers))
+        if len(chosen) != 3 or not all(0 <= i < num_layers for i in chosen):
+            raise ValueError(f"--eagle3-layers-to-capture {','.join(map(str, chosen))}: the head fuses three of the "
+                             f"model's {num_layers} layers (indices 0..{num_layers - 1})")
+        target.aux_layers = chosen
         self.target = target
         self.backend = runner.attention_backend
         self.block_size = runner.block_size
