@@ -19,8 +19,9 @@
 #   moe        the MoE tests on CUDA, bench_moe.py (MOE_BENCH_ARGS), then bench_latency.py at MOE_MODELS
 #              (qwen3-30b-a3b; also mixtral-8x7b)
 #   speculative bench_speculative.py: NGRAM through the CLI and gRPC with the oracle drafter at forced
-#              acceptance (SPEC_ACCEPT) and batch sizes (SPEC_BATCH), 8B and 1B shapes (SPEC_MODELS), then the
-#              speculative tests on CUDA; the real-text part where SmolLM2 is carried (SPEC_TEXT_MODEL=DIR)
+#              acceptance (SPEC_ACCEPT), batch sizes (SPEC_BATCH) and verify widths (SPEC_DRAFT_TOKENS), 8B and
+#              1B shapes (SPEC_MODELS), after the speculative tests on CUDA; the real-text part where SmolLM2
+#              is carried (SPEC_TEXT_MODEL=DIR)
 #   fp8        the FP8 GPU tests (scaled GEMM, activation quantization, GEMV on FP8 weights), the FP8
 #              checkpoint and KV-scale tests on CUDA (block-scaled GEMM, kept-FP8 folds), then
 #              fp8_accuracy.py (FP8 against bf16 on the same weights) for FP8_MODELS (llama-3.1-8b)
@@ -303,11 +304,13 @@ pyspy_worker() {
 
 suite_speculative() {
   pytest_run speculative_tests "${SPEC_TESTS_TIMEOUT:-240}" tests/test_speculative.py
-  local m
+  local m k
   for m in ${SPEC_MODELS:-llama-3.1-8b llama-3.2-1b}; do
-    bench speculative "$m" "${SPEC_TIMEOUT:-420}" scripts/bench_speculative.py --parts oracle \
-      --model "$REPO/scripts/model_configs/$m" --batch ${SPEC_BATCH:-1 16 64} --accept ${SPEC_ACCEPT:-1.0 0.8 0.5 0} \
-      --draft-tokens "${SPEC_DRAFT_TOKENS:-5}" --prompt-len 128 --output-len 256 -- --load-format dummy ${SERVING_ARGS:-}
+    for k in ${SPEC_DRAFT_TOKENS:-5}; do  # tokens per verify step (the last one + drafts)
+      bench speculative "${m}_k$k" "${SPEC_TIMEOUT:-420}" scripts/bench_speculative.py --parts oracle \
+        --model "$REPO/scripts/model_configs/$m" --batch ${SPEC_BATCH:-1 16 64} --accept ${SPEC_ACCEPT:-1.0 0.8 0.5 0} \
+        --draft-tokens "$k" --prompt-len 128 --output-len 256 -- --load-format dummy ${SERVING_ARGS:-}
+    done
   done
   [ -n "${SPEC_TEXT_MODEL:-}" ] && bench speculative text "${SPEC_TIMEOUT:-420}" scripts/bench_speculative.py \
     --parts text --text-model "$SPEC_TEXT_MODEL" --draft-tokens "${SPEC_DRAFT_TOKENS:-5}" -- ${SERVING_ARGS:-}
