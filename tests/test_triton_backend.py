@@ -609,3 +609,33 @@ def test_tune_decode_on_cuda_picks_a_candidate_for_each_split_batch():
     for batch in (1, 4):
         assert chosen[batch] in (0, *SINGLE_SPLIT_CANDIDATES)
         assert all(split > 0 and single > 0 for split, single in backend.tuning[batch].values())
+
+
+def test_verify_steps_flattened_to_decode_rows_match_the_torch_backend(tiny_model_paths):
+    # Speculative decoding's verify step (each row's last token and its draft) run as one decode row
+    # per token (model_runner.flatten_verify) through the real kernels (Triton's interpreter on CPU),
+    # the fused kernels forced and the decode kernel's own rotary off, as while speculating: the
+    # logits at every drafted position equal the torch backend's extend of the same step.
+    from tokenspeed_worker.layers.fused_kernels import fused_kernels
+    from tokenspeed_worker.model_executor.model_runner import flatten_verify
+
+    path = str(tiny_model_paths["llama-gqa-tied"])
+    backend, runners = _torch_and_real_kernel_runners(path, triton_kernels.paged_decode_attention)
+    backend.fuse_rope_max_rows = 0
+    seqs = random_seqs([40, 23, 61], seed=7)
+    plans = Plans(seed=7)
+    drafts = [3, 0, 4]
+    with fused_kernels("force"):
+        prefill = plans.plan([(s, len(s.tokens)) for s in seqs])
+        for runner in runners:
+            runner.forward(prefill)
+        for s, d in zip(seqs, drafts):
+            s.tokens.extend(np.random.default_rng(d).integers(3, 500, 1 + d).tolist())
+        verify = plans.plan([(s, 1 + d) for s, d in zip(seqs, drafts)])
+        verify.draft_lens = np.asarray(drafts, dtype=np.int32)
+        expected = runners[0].forward(verify)
+        flat = flatten_verify(verify)
+        assert flat.num_reqs == verify.num_tokens and backend.build_metadata(_inputs(flat)).decode_only
+        got = runners[1].forward(flat)
+    assert got.shape[0] == sum(1 + d for d in drafts)
+    torch.testing.assert_close(got, expected, atol=2e-4, rtol=1e-3)
