@@ -525,3 +525,24 @@ def test_flatten_verify_refuses_steps_that_are_not_only_verify_rows():
     assert flatten_verify(plan([0, 7], [3, 1], [0, 0])) is None  # a prefill
     assert flatten_verify(plan([5, 7], [4, 1], [2, 0])) is None  # a chunk, not a draft
     assert flatten_verify(plan([5, 7], [3, 1], [2, 0], np.array([0], np.int32))) is None
+
+
+def test_decode_graphs_hand_eagle3_the_states_the_model_kept(llama_path):
+    """With EAGLE3, every forward keeps the residual streams entering three layers; a decode graph's
+    replay copies them into a static buffer and hands the replayed rows back as the model's
+    aux_hidden, equal to the eager forward's."""
+    eager_e3 = _runner(llama_path, enforce_eager=True, speculative_algorithm="EAGLE3", draft_model_path="/unused")
+    graphs = _runner(llama_path, emulate_cuda_graphs=True, speculative_algorithm="EAGLE3", draft_model_path="/unused")
+    assert graphs.model.model.aux_layers == (0, 1, 2)  # 2, L/2, L-3 of 3 layers, clamped
+    graphs.capture_cuda_graphs()
+    states = []
+    for runner in (eager_e3, graphs):
+        seqs = random_seqs([9, 14, 5], seed=4)
+        plans = Plans(num_blocks=NUM_BLOCKS, seed=4)
+        runner.forward(plans.plan([(s, len(s.tokens)) for s in seqs]))
+        for s in seqs:
+            s.tokens.append(7)
+        runner.forward(plans.plan([(s, 1) for s in seqs]))
+        states.append(runner.model.model.aux_hidden.clone())
+    assert graphs.cuda_graphs.num_replays == 1 and states[1].shape == (3, 3 * 64)
+    torch.testing.assert_close(states[1], states[0], atol=1e-5, rtol=1e-5)

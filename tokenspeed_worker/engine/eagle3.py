@@ -15,9 +15,9 @@ computed for good (`after_step`):
 The drafts go to the scheduler (`Scheduler.set_draft`), which the next schedule() uses.
 
 A cached prefix block carries the head's K/V of its positions too (same block ids), written when
-the request that computed it extended over them. Runs on the engine's device, eagerly (the target
-runs without CUDA graphs meanwhile: its hidden states are read after each forward); on rank 0
-only under tensor parallelism (drafts are plain tokens in the plan).
+the request that computed it extended over them. Runs on the engine's device, eagerly; the target's
+states come from each forward, a decode graph's from its static copy (model_executor/cuda_graph.py).
+One GPU for now (the head would run on rank 0 only, its embedding is the sharded target's).
 """
 
 from __future__ import annotations
@@ -28,24 +28,20 @@ import numpy as np
 import torch
 
 from tokenspeed_worker.layers.attention import AttentionInputs
-from tokenspeed_worker.models.llama_eagle3 import Eagle3Head, aux_layers, read_config
+from tokenspeed_worker.models.llama_eagle3 import Eagle3Head, read_config
 from tokenspeed_worker.scheduler.plan import SchedulePlan
 
 logger = logging.getLogger(__name__)
 
 
 class Eagle3Drafter:
-    def __init__(self, path: str, runner, num_blocks: int, max_num_seqs: int, num_tokens: int,
-                 layers: tuple[int, ...] | None = None) -> None:
-        """path: the head's folder; runner: the target's ModelRunner (its KV pool allocated);
-        num_tokens: drafts per request and step; layers: the target layers the head reads
-        (--eagle3-layers-to-capture; None: 2, L/2, L-3)."""
-        from tokenspeed_worker.models.llama import LlamaModel
-
-        target = getattr(runner.model, "model", None)
-        if not isinstance(target, LlamaModel):
-            raise ValueError(f"--speculative-algorithm EAGLE3 needs a Llama-family target (Llama, Qwen2/3, Mistral); "
-                             f"{type(runner.model).__name__} is not one")
+    def __init__(self, path: str, runner, num_blocks: int, max_num_seqs: int, num_tokens: int) -> None:
+        """path: the head's folder; runner: the target's ModelRunner, built for EAGLE3 (it keeps the
+        states the head reads: --eagle3-layers-to-capture) with its KV pool allocated; num_tokens:
+        drafts per request and step."""
+        target = runner.model.model  # a LlamaModel keeping the states the head reads (ModelRunner, EAGLE3)
+        if not getattr(target, "aux_layers", ()):
+            raise ValueError("the model runner was not built for EAGLE3 (speculative_algorithm) and keeps no states")
         config = read_config(path)
         target_hidden = runner.hf_config.hidden_size
         if getattr(config, "target_hidden_size", None) not in (None, target_hidden):
@@ -57,12 +53,6 @@ class Eagle3Drafter:
         self.head.to(device=self.device, dtype=self.dtype)
         self.head.d2t = self.head.d2t.to(device=self.device, dtype=torch.int64)
         self.embed = target.embed_tokens
-        num_layers = runner.hf_config.num_hidden_layers
-        chosen = tuple(layers) if layers else tuple(aux_layers(num_layers))
-        if len(chosen) != 3 or not all(0 <= i < num_layers for i in chosen):
-            raise ValueError(f"--eagle3-layers-to-capture {','.join(map(str, chosen))}: the head fuses three of the "
-                             f"model's {num_layers} layers (indices 0..{num_layers - 1})")
-        target.aux_layers = chosen
         self.target = target
         self.backend = runner.attention_backend
         self.block_size = runner.block_size

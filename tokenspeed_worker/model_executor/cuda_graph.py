@@ -227,6 +227,7 @@ class DecodeGraphs:
         last_sampled: torch.Tensor | None = None,
         graph_class: type = CudaGraph,
         step_tuner: Callable[[int, Callable[[], float]], dict] | None = None,
+        aux_width: int = 0,
     ) -> None:
         """last_sampled: the runner's device buffer of the previous step's sampled tokens; an input
         id -1 - i reads entry i of it inside the graph (overlap scheduling), and each replay writes
@@ -266,6 +267,9 @@ class DecodeGraphs:
             self.greedy_tokens = last_sampled if last_sampled is not None else torch.zeros(
                 self.max_batch, dtype=torch.int64, device=device)
             self._argmax_workspace = greedy_workspace(self.max_batch, vocab_size, device)
+            # EAGLE-3 (aux_width > 0): each replay copies the states the model kept (LlamaModel.aux_hidden)
+            # here, and run() hands the replayed rows back as the model's aux_hidden.
+            self.aux = torch.zeros((self.max_batch, aux_width), dtype=dtype, device=device) if aux_width else None
             # The host mirrors of the packed buffer, used in turn; each copy's event guards its reuse.
             self._host = [torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
         # Recorded after each mirror's copy; waiting on one never recorded returns at once.
@@ -342,6 +346,8 @@ class DecodeGraphs:
             # After the last read of last_sampled above: it may be the same buffer.
             widen_and_greedy(self.model.compute_logits(hidden_states), self.logits[:size], self.greedy_tokens[:size],
                              self._argmax_workspace)
+            if self.aux is not None:
+                self.aux[:size].copy_(self.model.model.aux_hidden)
 
         return step
 
@@ -396,6 +402,8 @@ class DecodeGraphs:
             plan_replay(self.metadata[size], host.seq_lens, np.ascontiguousarray(host.block_tables[:, :width]))
         self.graphs[size].replay()
         self.num_replays += 1
+        if self.aux is not None:
+            self.model.model.aux_hidden = self.aux[: plan.num_reqs]
         rows = np.asarray(plan.sample_rows)
         if rows.shape[0] == plan.num_reqs and np.array_equal(rows, np.arange(plan.num_reqs)):
             self.last_greedy = self.greedy_tokens[: plan.num_reqs]

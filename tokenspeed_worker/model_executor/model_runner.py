@@ -101,6 +101,7 @@ class ModelRunner:
         # (flatten_verify): a row then attends to keys other rows of the same kernel write, which
         # the decode kernel's own rotary + KV write (attend_rotary) would race with.
         self.verify_in_graphs = config.speculative.enabled
+        self.eagle3 = config.speculative.speculative_algorithm == "EAGLE3"
         if self.verify_in_graphs and hasattr(self.attention_backend, "fuse_rope_max_rows"):
             self.attention_backend.fuse_rope_max_rows = 0
         self.block_size = config.cache.block_size
@@ -120,6 +121,8 @@ class ModelRunner:
               quant_methods.building(config.model.quant_config), expert_parallel(config.parallel.expert_parallel_size),
               rotary.serving_length(config.scheduler.max_model_len)):
             self.model = model_class(self.hf_config)
+        if self.eagle3:
+            self._capture_eagle3_states(config.speculative.eagle3_layers)
         self.startup_timings.append(("model construction", time.perf_counter() - start, ""))
         start = time.perf_counter()
         self.load_format = load_model_weights(self.model, config.model)
@@ -170,7 +173,6 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs = config.scheduler.max_num_seqs
         self.cudagraph_sizes = capture_sizes(max_num_seqs, config.model.cudagraph_capture_sizes,
                                              config.model.max_cudagraph_capture_size)
-        self.eagle3 = config.speculative.speculative_algorithm == "EAGLE3"
         self.cuda_graphs_off_reason = self._cuda_graphs_off_reason(config.model.enforce_eager)
         self.use_cuda_graphs = self.cuda_graphs_off_reason is None
         self.cuda_graphs: DecodeGraphs | None = None
@@ -207,11 +209,26 @@ class ModelRunner:
                     min(ks), max(ks), min(vs), max(vs))
         return source
 
+    def _capture_eagle3_states(self, layers: tuple[int, ...] | None) -> None:
+        """Make every forward keep the residual streams an EAGLE-3 draft head reads (engine/eagle3.py):
+        entering `layers`, or layers 2, L/2 and L-3."""
+        from tokenspeed_worker.models.llama import LlamaModel
+        from tokenspeed_worker.models.llama_eagle3 import aux_layers
+
+        target = getattr(self.model, "model", None)
+        if not isinstance(target, LlamaModel):
+            raise ValueError(f"--speculative-algorithm EAGLE3 needs a Llama-family model (Llama, Qwen2/3, Mistral); "
+                             f"{type(self.model).__name__} is not one")
+        num_layers = self.hf_config.num_hidden_layers
+        chosen = tuple(layers) if layers else tuple(aux_layers(num_layers))
+        if len(chosen) != 3 or not all(0 <= i < num_layers for i in chosen):
+            raise ValueError(f"--eagle3-layers-to-capture {','.join(map(str, chosen))}: the head fuses three of the "
+                             f"model's {num_layers} layers (indices 0..{num_layers - 1})")
+        target.aux_layers = chosen
+
     def _cuda_graphs_off_reason(self, enforce_eager: bool) -> str | None:
         if enforce_eager:
             return "--enforce-eager"
-        if self.eagle3:
-            return "EAGLE3 reads the model's hidden states after each forward (not from CUDA graphs yet)"
         if self.device.type != "cuda" and self.graph_class in (None, CudaGraph):
             return f"device is {self.device.type}"
         if any(isinstance(m, FusedMoE) and not m.supports_cuda_graphs for m in self.model.modules()):
@@ -385,6 +402,7 @@ class ModelRunner:
             device=self.device,
             last_sampled=self.last_sampled,
             graph_class=self.graph_class or CudaGraph,
+            aux_width=3 * self.hf_config.hidden_size if self.eagle3 else 0,
             step_tuner=step_tuner(self.small_batch_gemv, self.device),
         )
         report = graphs.capture()
