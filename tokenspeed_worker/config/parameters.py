@@ -430,7 +430,7 @@ class ServerArgs:
         "tokens; no draft model) and checked by one forward of the model over all of them; output "
         "is unchanged (greedy and seeded sampling give the tokens they give without it). 'EAGLE3': "
         "the drafts come from an EAGLE-3 draft head (--speculative-draft-model-path) reading the "
-        "model's hidden states (Llama-family models, one GPU or CPU, without CUDA graphs for now). "
+        "model's hidden states (Llama-family models, one GPU or CPU). "
         "Unset: off.",
         choices=("NGRAM", "EAGLE3", "EAGLE", "MTP", "DFLASH", "DSPARK"),
         unsupported_values=("EAGLE", "MTP", "DFLASH", "DSPARK"),
