@@ -35,10 +35,13 @@ logger = logging.getLogger(__name__)
 
 
 class Eagle3Drafter:
-    def __init__(self, path: str, runner, num_blocks: int, max_num_seqs: int, num_tokens: int) -> None:
+    def __init__(self, path: str, runner, num_blocks: int, max_num_seqs: int, num_tokens: int,
+                 max_batch: int = 0) -> None:
         """path: the head's folder; runner: the target's ModelRunner, built for EAGLE3 (it keeps the
         states the head reads: --eagle3-layers-to-capture) with its KV pool allocated; num_tokens:
-        drafts per request and step."""
+        drafts per request and step; max_batch: with more running requests than this, no chain (the
+        scheduler would not draft for them: SpeculativeConfig.max_speculative_batch; 0: no limit)."""
+        self.max_batch = max_batch
         target = runner.model.model  # a LlamaModel keeping the states the head reads (ModelRunner, EAGLE3)
         if not getattr(target, "aux_layers", ()):
             raise ValueError("the model runner was not built for EAGLE3 (speculative_algorithm) and keeps no states")
@@ -103,8 +106,8 @@ class Eagle3Drafter:
         last = np.cumsum(counts) - 1
         decoding = [i for i, row in enumerate(rows)
                     if starts[i] + counts[i] + 1 == scheduler.token_ids(row).shape[0] and scheduler.output_len(row) > 0]
-        if not decoding:
-            return
+        if not decoding or (self.max_batch and scheduler.num_running > self.max_batch):
+            return  # the head's K/V is extended regardless: later steps may draft
         pick = torch.from_numpy(last[decoding]).to(self.device)
         drafts = [self.head.target_ids(logits[pick].argmax(-1))]
         g = pre_norm[pick]

@@ -198,7 +198,8 @@ class EngineCore:
             from tokenspeed_worker.engine.eagle3 import Eagle3Drafter
 
             self.eagle = Eagle3Drafter(self.speculative.draft_model_path, self.runner, self.num_blocks,
-                                       cfg.scheduler.max_num_seqs, self.speculative.num_speculative_tokens)
+                                       cfg.scheduler.max_num_seqs, self.speculative.num_speculative_tokens,
+                                       self.speculative.max_speculative_batch)
         if self.speculative is not None and oracle:
             self.drafter = OracleDrafter(oracle, env.SPECULATIVE_ORACLE_ACCEPT.get(), self.runner.vocab_size,
                                          self.speculative.num_speculative_tokens)
