@@ -257,11 +257,12 @@ def test_ngram_speculation_behind_the_gateway(stack, model_dir):
             passage = ("The committee met on Tuesday to review the proposal for the new library. The members "
                        "agreed that the building should be finished within two years.")
             copy = [{"role": "user", "content": f"Repeat this text exactly: {passage}"}]
-            bodies = [{"model": "smollm2", "messages": copy, "max_tokens": 60, "temperature": 0},
-                      {"model": "smollm2", "messages": copy, "max_tokens": 60, "temperature": 0,
-                       "stop": ["two years"]},
-                      {"model": "smollm2", "messages": copy, "max_tokens": 30, "temperature": 0.8, "seed": 7,
+            bodies = [{"model": "smollm2", "messages": copy, "max_tokens": 36, "temperature": 0},
+                      {"model": "smollm2", "messages": copy, "max_tokens": 36, "temperature": 0,
+                       "stop": ["review the"]},
+                      {"model": "smollm2", "messages": copy, "max_tokens": 12, "temperature": 0.8, "seed": 7,
                        "n": 2}]
+            answers = []
             for body in bodies:
                 want, got = post(plain_gateway, "/v1/chat/completions", body), post(gateway, "/v1/chat/completions",
                                                                                       body)
@@ -269,10 +270,12 @@ def test_ngram_speculation_behind_the_gateway(stack, model_dir):
                          for r in (want, got)]
                 assert texts[1] == texts[0], body
                 assert got["usage"]["completion_tokens"] == want["usage"]["completion_tokens"]
+                answers.append(texts[0])
+            assert answers[1][0][2] == "stop" and "review the" not in answers[1][0][1]
             events = list(stream_events(gateway, "/v1/chat/completions", bodies[0]))
             text = "".join((e["choices"][0].get("delta") or {}).get("content") or "" for e in events
                            if e.get("choices"))
-            assert text == post(plain_gateway, "/v1/chat/completions", bodies[0])["choices"][0]["message"]["content"]
+            assert text == answers[0][0][1]
         finally:
             gateway.stop()
         stats = [line for line in worker.log().splitlines() if "Finish!" in line]
