@@ -802,3 +802,27 @@ def json_text(value) -> str:
     import json
 
     return json.dumps(value)
+
+
+def test_data_parallel_replicas_speculate_and_push_their_acceptance(workers):
+    """Two data-parallel replicas, each speculating: outputs as the plain worker's, and the pushed load
+    record (SubscribeKvEvents, as the gateway holds it) carries the speculative accept length and rate."""
+    from test_kv_events import StreamReader
+
+    _, plain = workers
+    w = Worker(tiny_models()[MODEL], "--max-model-len", "256", "--max-total-tokens", "4096", "--sampling-backend",
+               "torch", "--dp-size", "2", "--speculative-algorithm", "NGRAM")
+    stream = StreamReader(w.stub, load_records_before_first_batch=True)
+    try:
+        rng = np.random.default_rng(12)
+        for i in range(4):
+            prompt = rng.integers(3, 500, 15 + i).tolist()
+            case = dict(temperature=0.0, max_new_tokens=40)
+            assert outputs_of(w, grpc_request(prompt, f"dp-{i}", **case))[0] == \
+                outputs_of(plain, grpc_request(prompt, "plain", **case))[0]
+        got = stream.until(lambda got: any(b.load.HasField("speculative") for _, b in got), timeout=30)
+        record = [b.load.speculative for _, b in got if b.load.HasField("speculative")][-1]
+        assert record.accept_length > 1.0 and 0.0 < record.accept_rate <= 1.0
+    finally:
+        stream.close()
+        assert w.stop() == 0, w.log()
