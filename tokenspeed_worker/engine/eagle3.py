@@ -84,7 +84,7 @@ class Eagle3Drafter:
             return
         self.target.aux_hidden = None
         cu = plan.cu_query_lens
-        rows, tables, starts, counts, ids, hidden_index = [], [], [], [], [], []
+        rows, tables, starts, counts, ids, hidden_index, known = [], [], [], [], [], [], []
         for b in range(plan.num_reqs):
             row, count = int(plan.req_ids[b]), int(final[b])
             if count <= 0 or row in finished or not scheduler.contains(row):
@@ -96,6 +96,7 @@ class Eagle3Drafter:
             starts.append(ctx)
             counts.append(count)
             ids.append(tokens[ctx + 1: ctx + 1 + count])  # the token after each position
+            known.append(tokens.shape[0])
             hidden_index.append(np.arange(cu[b], cu[b] + count))
         if not rows:
             return
@@ -105,7 +106,7 @@ class Eagle3Drafter:
         # Rows now decoding: their last final position is the one before their newest token.
         last = np.cumsum(counts) - 1
         decoding = [i for i, row in enumerate(rows)
-                    if starts[i] + counts[i] + 1 == scheduler.token_ids(row).shape[0] and scheduler.output_len(row) > 0]
+                    if starts[i] + counts[i] + 1 == known[i] and scheduler.output_len(row) > 0]
         if not decoding or (self.max_batch and scheduler.num_running > self.max_batch):
             return  # the head's K/V is extended regardless: later steps may draft
         pick = torch.from_numpy(last[decoding]).to(self.device)

@@ -534,7 +534,8 @@ class EngineCore:
         else:
             finished_rows, reasons, live = self.scheduler.resolve(tokens)
             keep = None if live.all() else live
-            launched.used = live.astype(np.int64)
+            if self.eagle is not None:
+                launched.used = live.astype(np.int64)
         if keep is not None:
             out.req_ids = out.req_ids[keep]
             out.cached_tokens = out.cached_tokens[keep]
@@ -585,16 +586,9 @@ class EngineCore:
         """Advance the constrained rows' matchers by their kept tokens, in order; a row whose grammar
         ends (accepts its stop token) keeps nothing after that token, as decoding one at a time would."""
         launched.grammar_accepted = True
-        verify, kept = launched.verify, kept.copy()
-        for i, start in enumerate(verify.starts.tolist()):
-            row = int(launched.rows[start])
-            if row not in self.grammars.matchers:
-                continue
-            for j in range(int(kept[i])):
-                self.grammars.accept(np.array([row]), tokens[start + j: start + j + 1])
-                if self.grammars.is_terminated(row):
-                    kept[i] = j + 1
-                    break
+        kept = kept.copy()
+        for i, start in enumerate(launched.verify.starts.tolist()):
+            kept[i] = self.grammars.accept_kept(int(launched.rows[start]), tokens[start: start + int(kept[i])])
         return kept
 
     def _draft_eagle(self, launched: "LaunchedStep", finished_rows: np.ndarray) -> None:

@@ -200,9 +200,18 @@ class Grammars:
         self._written = written
         return bitmask
 
-    def is_terminated(self, row: int) -> bool:
+    def accept_kept(self, row: int, tokens) -> int:
+        """Advance a constrained row's matcher by a speculative step's kept tokens, in order, stopping
+        after the one that ends its grammar; returns how many it took (all for an unconstrained row)."""
         matcher = self.matchers.get(row)
-        return matcher is not None and matcher.is_terminated()
+        if matcher is None:
+            return len(tokens)
+        for j, token in enumerate(tokens.tolist()):
+            if not matcher.is_terminated() and not matcher.accept_token(int(token)):
+                logger.warning("grammar rejected token %d of row %d (it was masked in)", token, row)
+            if matcher.is_terminated():
+                return j + 1
+        return len(tokens)
 
     def accept(self, rows, tokens) -> None:
         """Advance each constrained row's matcher by its sampled token."""

@@ -38,15 +38,9 @@ class Verify:
     drafts: np.ndarray  # int64 [E] the draft token each position is checked against (-1: the last of its row)
     draft_lens: np.ndarray  # int64 [S]
     offsets: np.ndarray | None = None  # int64 [E] each position's place in its row (set by expand)
-
-    @property
-    def inputs(self) -> np.ndarray:
-        """int64 [E]: the draft token each position follows (the one checked at the position before
-        it), -1 at a row's first position."""
-        inputs = np.empty_like(self.drafts)
-        inputs[1:] = self.drafts[:-1]
-        inputs[self.starts] = -1
-        return inputs
+    # int64 [E]: the draft token each position follows (the one checked at the position before it),
+    # -1 at a row's first position (set by expand).
+    inputs: np.ndarray | None = None
 
     @classmethod
     def of(cls, plan: SchedulePlan) -> "Verify":
@@ -64,6 +58,9 @@ class Verify:
         """(rows repeated once per position, each position's offset in its row) for [S] `rows`."""
         expanded = np.repeat(rows, self.counts)
         self.offsets = np.arange(expanded.shape[0], dtype=np.int64) - np.repeat(self.starts, self.counts)
+        self.inputs = np.empty_like(self.drafts)
+        self.inputs[1:] = self.drafts[:-1]
+        self.inputs[self.starts] = -1
         return expanded, self.offsets
 
     def accept(self, sampled: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
