@@ -4,9 +4,13 @@
 Two parts (random weights accept nothing, so acceptance is forced where it is not real):
   oracle    a plain worker first serves every prompt greedily and its outputs are recorded; a
             speculative worker then drafts each request the recorded continuation
-            (TOKENSPEED_SPECULATIVE_ORACLE), corrupted to a per-prompt acceptance (--accept):
-            tokens/s per acceptance level and batch size, outputs checked equal to the plain run.
-            At acceptance 0 the figure is the cost of verifying drafts that all fail.
+            (TOKENSPEED_SPECULATIVE_ORACLE) and its verification keeps each draft token with
+            the forced probability --accept (engine/speculative.py OracleDrafter): tokens/s per
+            acceptance level and batch size, each step computing and sampling every drafted
+            position as a real one does. At acceptance 0 the figure is the cost of verifying
+            drafts that all fail (and of the back-off after them). `same_output` (outputs equal
+            to the plain run's) holds on exact arithmetic; random bf16 weights flip near-tied
+            greedy choices when the batch shape changes, so there it is information only.
   text      real text (--text-model, e.g. SmolLM2-135M-Instruct) on a copy-heavy task (a passage
             and code to repeat with small edits): NGRAM's measured acceptance and its speedup.
 
@@ -129,7 +133,7 @@ def part_oracle(args) -> dict:
             results, wall = wave(plain.stub, prompts, args.output_len, "plain")
             rows[(a, b)] = {"accept_forced": a, "batch": b, "plain": figures(results, wall, args.output_len),
                             "_ids": [r["ids"] for r in results]}
-            oracle += [{"tokens": p + r["ids"], "accept": a} for p, r in zip(prompts, results)]
+            oracle += [{"tokens": p + r["ids"], "prompt_len": len(p), "accept": a} for p, r in zip(prompts, results)]
             print(f"  plain  batch {b:4d}: {rows[(a, b)]['plain']['output_tok_s']:9.1f} tok/s", flush=True)
     finally:
         plain.stop()
@@ -142,7 +146,9 @@ def part_oracle(args) -> dict:
             results, wall = wave(spec.stub, prompts, args.output_len, "spec")
             row = rows[(a, b)]
             row["speculative"] = figures(results, wall, args.output_len)
-            row["same_output"] = [r["ids"] for r in results] == row.pop("_ids")
+            ids = row.pop("_ids")
+            row["same_output"] = [r["ids"] for r in results] == ids
+            row["same_output_tokens"] = float(np.mean([np.mean(np.equal(r["ids"], i)) for r, i in zip(results, ids)]))
             row["speedup"] = row["speculative"]["output_tok_s"] / row["plain"]["output_tok_s"]
             print(f"  accept {a:.2f} batch {b:4d}: {row['speculative']['output_tok_s']:9.1f} tok/s "
                   f"(x{row['speedup']:.2f}, measured acceptance {row['speculative']['acceptance']}, "

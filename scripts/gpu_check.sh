@@ -20,8 +20,8 @@
 #              (qwen3-30b-a3b; also mixtral-8x7b)
 #   speculative bench_speculative.py: NGRAM through the CLI and gRPC with the oracle drafter at forced
 #              acceptance (SPEC_ACCEPT), batch sizes (SPEC_BATCH) and verify widths (SPEC_DRAFT_TOKENS), 8B and
-#              1B shapes (SPEC_MODELS), after the speculative tests on CUDA; the real-text part where SmolLM2
-#              is carried (SPEC_TEXT_MODEL=DIR)
+#              1B shapes (SPEC_MODELS); the real-text part where SmolLM2 is carried (SPEC_TEXT_MODEL=DIR);
+#              then the speculative tests on CUDA
 #   fp8        the FP8 GPU tests (scaled GEMM, activation quantization, GEMV on FP8 weights), the FP8
 #              checkpoint and KV-scale tests on CUDA (block-scaled GEMM, kept-FP8 folds), then
 #              fp8_accuracy.py (FP8 against bf16 on the same weights) for FP8_MODELS (llama-3.1-8b)
@@ -125,7 +125,9 @@ pytest_run() {  # NAME SECONDS PYTEST_ARGS...: in this tree, with pytest's summa
   shift 2
   # -rfE names the failures in the summary; -v names each as it happens (a run cut by its limit
   # prints no summary, but its log still says which tests failed).
-  step "$name" "$seconds" "$REPO" python3 -m pytest -v -rfE -p no:cacheprovider "$@"
+  # Each failure's traceback goes to logs/NAME_failures.txt as it happens (tests/conftest.py).
+  TOKENSPEED_TEST_FAILURE_LOG=$OUT/logs/${name}_failures.txt \
+    step "$name" "$seconds" "$REPO" python3 -m pytest -v -rfE -p no:cacheprovider "$@"
   local status=$?
   dry && return 0
   grep -E " passed| failed|FAILED|ERROR" "$OUT/logs/$name.log" | grep -v "PASSED" | tail -40 | cut -c1-300
@@ -303,7 +305,6 @@ pyspy_worker() {
 }
 
 suite_speculative() {
-  pytest_run speculative_tests "${SPEC_TESTS_TIMEOUT:-240}" tests/test_speculative.py
   local m k
   for m in ${SPEC_MODELS:-llama-3.1-8b llama-3.2-1b}; do
     for k in ${SPEC_DRAFT_TOKENS:-5}; do  # tokens per verify step (the last one + drafts)
@@ -314,6 +315,7 @@ suite_speculative() {
   done
   [ -n "${SPEC_TEXT_MODEL:-}" ] && bench speculative text "${SPEC_TIMEOUT:-420}" scripts/bench_speculative.py \
     --parts text --text-model "$SPEC_TEXT_MODEL" --draft-tokens "${SPEC_DRAFT_TOKENS:-5}" -- ${SERVING_ARGS:-}
+  pytest_run speculative_tests "${SPEC_TESTS_TIMEOUT:-240}" tests/test_speculative.py
 }
 
 suite_prefix() {

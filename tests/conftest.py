@@ -39,3 +39,12 @@ def pytest_collection_modifyitems(config, items):
         uses_smol = "smol" in getattr(item, "fixturenames", ()) or "smollm2" in item.name
         if uses_smol or item.module.__name__ in ("test_gateway_e2e",):
             item.add_marker(pytest.mark.smollm2)
+
+
+def pytest_runtest_logreport(report):
+    """TOKENSPEED_TEST_FAILURE_LOG=FILE: each failure's traceback appended to FILE as it happens (the
+    GPU machine's runs can be cut by a time limit before pytest prints its summary)."""
+    path = os.environ.get("TOKENSPEED_TEST_FAILURE_LOG")
+    if path and report.failed:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(f"===== {report.nodeid} ({report.when})\n{report.longreprtext[-6000:]}\n")

@@ -536,7 +536,7 @@ def _fp8_block_weight(n: int, k: int, rows: int, cols: int, seed: int, scale: fl
     tile_scales = padded.view(tiles[0], rows, tiles[1], cols).abs().amax(dim=(1, 3)) / 448
     full = expand_scales(tile_scales, rows, cols, (n, k))
     q = (w / full).to(FP8)
-    return q.to(DEVICE), gemv.BlockScales(tile_scales.to(DEVICE), rows, cols), q.double() * full.double()
+    return q.to(DEVICE), gemv.BlockScales(tile_scales.to(DEVICE), rows, cols), (q.double() * full.double()).to(DEVICE)
 
 
 def _quantized(x: torch.Tensor) -> torch.Tensor:

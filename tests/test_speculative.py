@@ -222,6 +222,33 @@ def test_rejected_drafts_back_off():
     assert [i for i, d in enumerate(drafted) if d] == [0, 2, 6, 14]
 
 
+def test_may_draft_says_whether_the_next_step_can_draft():
+    """False while the decoding batch is too large or every request backs off, so the engine can
+    overlap those steps; a pending step's rows get no draft, but their back-off still counts down."""
+    sched = make_sched(max_speculative_batch=1)
+    assert not sched.may_draft()  # nothing decodes
+    for req_id in (0, 1):
+        sched.add_request(req_id, np.array([3, 3, 3, 3]), 100, [], speculates=True)
+    sched.schedule()
+    sched.advance(np.array([3, 3]))
+    assert not sched.may_draft()  # two decode, one may speculate
+    sched.abort(1)
+    assert sched.may_draft()
+    plan = sched.schedule()
+    assert plan.has_drafts
+    sched.commit()
+    sched.resolve_verified(np.array([5]), np.array([1]))  # nothing kept: skip 1 step
+    assert not sched.may_draft()
+    sched.schedule()  # skips (the back-off's one step), then overlapped: its token is pending
+    sched.commit()
+    assert sched.may_draft()
+    assert not sched.schedule().has_drafts  # its last token is not known yet
+    sched.commit()
+    sched.resolve(np.array([3]))
+    sched.resolve(np.array([3]))
+    assert sched.schedule().has_drafts
+
+
 def test_a_request_without_speculation_gets_no_draft():
     sched = make_sched()
     sched.add_request(0, np.array([3, 3, 3, 3]), 9, [], speculates=False)
@@ -320,6 +347,30 @@ def test_engine_output_equals_decoding_without_speculation():
     loads = core.loads()
     assert loads.spec_accept_rate == core.spec_accepted_tokens / core.spec_draft_tokens
     assert loads.spec_accept_length > 1.0
+
+
+@pytest.mark.parametrize("max_batch", [3, 32])
+def test_overlapped_steps_between_verified_ones_give_the_same_tokens(max_batch):
+    """Overlap scheduling on: the steps that cannot draft (more than max_batch decoding, every
+    request backing off) launch before the pending one completes, those that may draft wait for
+    it; the output is that of plain decoding, and every block comes back."""
+    reference = run(make_core(False), mixed_requests())
+    core = make_core(True, overlap_schedule=True, max_speculative_batch=max_batch)
+    assert core.overlap_schedule
+    overlapped = []
+    launch = core.launch
+
+    def spy():
+        overlapped.append(core.scheduler.num_unresolved > 0)
+        return launch()
+
+    core.launch = spy
+    got = run(core, mixed_requests())
+    assert got[0] == reference[0] and got[2] == reference[2]
+    for rid in (2, 6):
+        np.testing.assert_allclose(got[1][rid], reference[1][rid], atol=2e-4)
+    assert any(overlapped) and core.spec_accepted_tokens > 0
+    assert core.scheduler.num_free_blocks == core.scheduler.num_total_blocks
 
 
 def test_engine_under_preemption_prefix_hits_and_aborts():
@@ -491,6 +542,28 @@ def test_oracle_drafter_keeps_what_is_right(tmp_path, monkeypatch, accept):
         assert 0.2 < rate < 0.9
 
 
+def test_oracle_forces_its_acceptance_whatever_the_model_draws(tmp_path, monkeypatch):
+    """At forced acceptance 1 the oracle's drafts are kept even where the model would draw
+    otherwise (a benchmark's random weights): the output is the recorded continuation at every
+    drafted position and the model's own token after each burst."""
+    import json
+
+    rng = np.random.default_rng(3)
+    prompt = rng.integers(3, 500, 24).tolist()
+    recorded = rng.integers(3, 500, 40).tolist()  # not what the model computes
+    path = tmp_path / "oracle.json"
+    path.write_text(json.dumps([{"tokens": prompt + recorded, "prompt_len": len(prompt), "accept": 1.0}]))
+    monkeypatch.setenv("TOKENSPEED_SPECULATIVE_ORACLE", str(path))
+    core = make_core(True)
+    got = run(core, [request(0, prompt, 40)])[0][0]
+    assert core.spec_draft_tokens > 0 and core.spec_accepted_tokens == core.spec_draft_tokens
+    # The prefill's token is the model's; then bursts of 4 kept drafts and the model's next token
+    # (the last burst is shorter: no draft passes max_new_tokens).
+    drafted = [i for i in range(1, 35) if i % 5 != 0] + [36, 37, 38]
+    assert [got[i] for i in drafted] == [recorded[i] for i in drafted]
+    assert core.scheduler.num_free_blocks == core.scheduler.num_total_blocks
+
+
 # -- the kept tokens follow the model's distribution ----------------------------------------------
 
 
@@ -659,6 +732,7 @@ def test_eagle3_drafts_equal_a_dense_reference(eagle_heads):
     assert len(proposed) >= 3
     ref_head = Eagle3Head(read_config(str(head_dir)), core.runner.hf_config.hidden_size)
     ref_head.load(str(head_dir))
+    ref_head.to(core.runner.device)
     embed = core.runner.model.model.embed_tokens
     for tokens, draft in proposed[:4]:
         n = tokens.shape[0]
@@ -704,7 +778,7 @@ def dense_chain(head, embed, tokens: np.ndarray, aux: torch.Tensor, k: int) -> l
         rep = layer.num_heads // layer.num_kv_heads
         K, V = K.repeat_interleave(rep, 1), V.repeat_interleave(rep, 1)
         total, new = K.shape[0], q.shape[0]
-        mask = torch.ones(new, total, dtype=torch.bool).tril(total - new)
+        mask = torch.ones(new, total, dtype=torch.bool, device=q.device).tril(total - new)
         scores = torch.einsum("qhd,khd->hqk", q, K) * layer.head_dim ** -0.5
         attn = torch.einsum("hqk,khd->qhd", scores.masked_fill(~mask, float("-inf")).softmax(-1), V)
         out = a.o_proj(attn.reshape(new, -1))
@@ -714,16 +788,18 @@ def dense_chain(head, embed, tokens: np.ndarray, aux: torch.Tensor, k: int) -> l
         normed, pre = head.norm(y, residual)
         return head.lm_head(normed), pre
 
+    device = aux.device
     with torch.inference_mode():
-        ids = torch.from_numpy(tokens[1:].astype(np.int64))
+        ids = torch.from_numpy(tokens[1:].astype(np.int64)).to(device)
         hidden = head.fc(aux.float())
         e = embed(ids).float()
-        logits, pre = step(e, hidden, torch.arange(ids.shape[0]))
+        logits, pre = step(e, hidden, torch.arange(ids.shape[0], device=device))
         token = int(head.target_ids(logits[-1:].argmax(-1))[0])
         out_tokens.append(token)
         g, position = pre[-1:], ids.shape[0]
         for _ in range(k - 1):
-            logits, g = step(embed(torch.tensor([token])).float(), g, torch.tensor([position]))
+            logits, g = step(embed(torch.tensor([token], device=device)).float(), g,
+                             torch.tensor([position], device=device))
             token = int(head.target_ids(logits.argmax(-1))[0])
             out_tokens.append(token)
             position += 1
@@ -809,6 +885,9 @@ def test_data_parallel_replicas_speculate_and_push_their_acceptance(workers):
     record (SubscribeKvEvents, as the gateway holds it) carries the speculative accept length and rate."""
     from test_kv_events import StreamReader
 
+    from worker_harness import needs_devices
+
+    needs_devices(2)
     _, plain = workers
     w = Worker(tiny_models()[MODEL], "--max-model-len", "256", "--max-total-tokens", "4096", "--sampling-backend",
                "torch", "--dp-size", "2", "--speculative-algorithm", "NGRAM")

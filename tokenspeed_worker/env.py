@@ -76,11 +76,12 @@ def triton_interpreter() -> bool:
 SPECULATIVE_ORACLE = EnvVar[str | None](
     "TOKENSPEED_SPECULATIVE_ORACLE", None, str,
     "Benchmarks only: a JSON file of token sequences (prompt + the model's greedy output, recorded "
-    "in a first pass); with --speculative-algorithm set, a request whose tokens begin one of them "
-    "is drafted that sequence's continuation (engine/speculative.OracleDrafter).")
+    "in a first pass); with --speculative-algorithm set, a request whose prompt begins one of them "
+    "is drafted that sequence's continuation by position, and the verification keeps the right "
+    "draft tokens whatever the model draws (forced acceptance; engine/speculative.OracleDrafter).")
 SPECULATIVE_ORACLE_ACCEPT = EnvVar(
     "TOKENSPEED_SPECULATIVE_ORACLE_ACCEPT", 1.0, float,
-    "Benchmarks only: the fraction of the oracle's draft tokens left right (the rest are changed, "
-    "deterministically), for an acceptance curve below 100%.")
+    "Benchmarks only: the fraction of the oracle's draft tokens right (kept; the rest are changed "
+    "and rejected, by a hash of their position), for an acceptance curve below 100%.")
 ALL = (FUSED_KERNELS, OVERLAP_SCHEDULE, FAULT_INJECT, PROFILE_DIR, DIST_TIMEOUT_S, SPECULATIVE_ORACLE,
        SPECULATIVE_ORACLE_ACCEPT)

@@ -216,6 +216,7 @@ NB_MODULE(_scheduler_core, m) {
       .def_prop_ro("num_evictable_blocks", &Scheduler::num_evictable_blocks)
       .def_prop_ro("prefix_query_tokens", &Scheduler::prefix_query_tokens)
       .def_prop_ro("prefix_hit_tokens", &Scheduler::prefix_hit_tokens)
+      .def("may_draft", &Scheduler::may_draft)
       .def_prop_ro("num_undrafted_batches", &Scheduler::num_undrafted_batches)
       .def("cached_tokens", &cached_tokens, "req_ids"_a)
       .def("flush_prefix_cache", &Scheduler::flush_prefix_cache)

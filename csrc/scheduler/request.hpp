@@ -197,6 +197,7 @@ class Request {
     --draft_skip_;
     return true;
   }
+  int32_t draft_skip() const { return draft_skip_; }
   void record_verified(int32_t kept_drafts, int32_t max_skip) {
     if (kept_drafts > 0) {
       draft_misses_ = 0;

@@ -115,6 +115,20 @@ void Scheduler::schedule_decodes(std::vector<ScheduledRow>& rows) {
   }
 }
 
+bool Scheduler::may_draft() const {
+  if (config_.num_speculative_tokens <= 0) return false;
+  int32_t decoding = 0;
+  bool candidate = false;
+  for (const Request* request : running_) {
+    if (!request->is_decoding()) continue;
+    ++decoding;
+    candidate = candidate || (request->speculates() && request->draft_skip() == 0 &&
+                              request->max_new_tokens() - request->output_len() - 1 > 0);
+  }
+  if (config_.max_speculative_batch > 0 && decoding > config_.max_speculative_batch) return false;
+  return candidate;
+}
+
 void Scheduler::set_draft(int64_t req_id, const int64_t* tokens, size_t n) {
   auto it = requests_.find(req_id);
   if (it == requests_.end()) throw std::out_of_range("unknown request " + std::to_string(req_id));
@@ -125,7 +139,9 @@ void Scheduler::set_draft(int64_t req_id, const int64_t* tokens, size_t n) {
 int32_t Scheduler::propose_draft(Request& request) {
   std::vector<int64_t>& draft = request.draft();
   draft.clear();
-  if (!request.speculates() || request.num_pending() > 0 || !draft_this_step_ || request.skip_draft()) return 0;
+  // A step that skips counts towards the back-off even when the request's last token is pending
+  // (overlapped steps): the back-off is measured in steps.
+  if (!request.speculates() || !draft_this_step_ || request.skip_draft() || request.num_pending() > 0) return 0;
   // The verify step yields up to draft + 1 tokens: never past max_new_tokens.
   const int32_t room = request.max_new_tokens() - request.output_len() - 1;
   const int32_t most = std::min(config_.num_speculative_tokens, room);

@@ -24,7 +24,7 @@
 // Protocol: schedule -> commit -> (schedule -> commit ->) resolve -> ... with at most
 // two committed steps unresolved; advance() = commit() + resolve() with none pending.
 //
-// Speculative decoding (num_speculative_tokens > 0; only without overlap): schedule() gives a
+// Speculative decoding (num_speculative_tokens > 0): schedule() gives a
 // decoding request that speculates a *draft* of up to num_speculative_tokens tokens proposed to
 // follow its last one, from its own tokens by n-gram match (ngram_max_match > 0: the longest
 // suffix of ngram_min_match..ngram_max_match tokens that occurred before, most recent occurrence
@@ -32,7 +32,9 @@
 // and samples at each; resolve_verified() takes the tokens kept (the drafts the sampler agreed
 // with and the one sampled after the last of them), counts them as computed, and frees the
 // blocks of the rejected drafts' slots. A draft never passes max_new_tokens, and is dropped
-// rather than preempting anyone for its blocks.
+// rather than preempting anyone for its blocks. A request with a pending token gets no draft (its
+// last token is not known yet), so a caller that overlaps steps resolves the pending step before
+// scheduling one that may_draft().
 //
 // Prefix caching: admission (and re-admission after preemption) first matches the
 // longest chain of cached full blocks equal to the request's known tokens, leaving
@@ -158,6 +160,11 @@ class Scheduler {
   int32_t num_evictable_blocks() const { return allocator_.num_evictable(); }
   int64_t prefix_query_tokens() const { return prefix_query_tokens_; }
   int64_t prefix_hit_tokens() const { return prefix_hit_tokens_; }
+  // Whether the next schedule() could give some request a draft if no step were pending: a
+  // decoding request that speculates, out of back-off, with room for a draft, in a decoding batch
+  // no larger than max_speculative_batch. False: the next step drafts for none, so it can be
+  // scheduled while the previous one is unresolved (overlap) at no loss.
+  bool may_draft() const;
   // Steps whose decoding batch was too large to draft for (max_speculative_batch).
   int64_t num_undrafted_batches() const { return num_undrafted_batches_; }
   // Tokens matched at the first admission; 0 for an unknown id.

@@ -22,8 +22,11 @@ without overlap.
 Speculative decoding (cfg.speculative): the scheduler gives decoding rows drafts, the step samples
 at every drafted position and `complete()` keeps what the model agrees with (engine/speculative.py),
 so a row may output several tokens in one step (its id repeats in the StepOutput, one entry per
-token, in order). Each step is completed before the next is scheduled (no overlap), since the
-next step's inputs depend on how many tokens were kept.
+token, in order). A step with drafts is completed before the next is scheduled, since the next
+step's inputs depend on how many tokens were kept, and a request drafts only from known tokens:
+so before launching a step that may draft (Scheduler.may_draft) the pending step is completed.
+Steps that cannot draft (a batch too large to speculate, every request backing off) keep the
+overlap. EAGLE-3 completes every step first: its head drafts from each step's hidden states.
 """
 
 from __future__ import annotations
@@ -182,9 +185,10 @@ class EngineCore:
         cache = cfg.cache
         self.kv_events = KvEventOutbox(self.scheduler, self.loads, cache.kv_events, cache.report_kv_events,
                                        cache.kv_event_id_offset, cache.kv_event_id_stride)
-        # A speculative step's kept tokens decide the next step's inputs: it completes first.
-        self.overlap_schedule = self.speculative is None and resolve_overlap(cfg.scheduler.overlap_schedule,
-                                                                             self.device)
+        # A verified step's kept tokens decide the next step's inputs: it completes first
+        # (pipeline_step); EAGLE-3's head drafts after every step, so it never overlaps.
+        self.overlap_schedule = resolve_overlap(cfg.scheduler.overlap_schedule, self.device) and not (
+            self.speculative is not None and self.speculative.speculative_algorithm == "EAGLE3")
         self.spec_draft_tokens = 0  # drafts verified since start, and of them kept
         self.spec_accepted_tokens = 0
         self.spec_steps = 0  # row-steps that verified a draft
@@ -234,7 +238,7 @@ class EngineCore:
             self.runner.weight_bytes() / _GIB,
             "" if self.speculative is None else
             f", speculative decoding {self.speculative.speculative_algorithm} with {self.speculative.num_speculative_tokens} "
-            f"draft tokens (overlap scheduling off: each step is verified before the next)",
+            f"draft tokens (steps with drafts complete before the next is scheduled)",
         )
         if distributed.rank() == 0:
             logger.info("startup phases: %s", self.startup.summary())
@@ -388,12 +392,17 @@ class EngineCore:
         scheduling, launch step N+1 before completing step N, the `pending` one; without it, complete
         every step first. Constrained requests keep the overlap: step N+1's mask waits, inside its
         launch, only for step N's tokens (`_accept_grammar_tokens`), while N+1's forward runs.
+        Speculating, a step that may draft is launched only once the pending step is complete (a
+        draft follows known tokens), and a step with drafts completes before the next launch.
         Returns (outputs completed, in order; the step now pending or None; StepFailed if the launch
         failed (its requests already freed) or None; whether a step was launched)."""
         outputs: list[StepOutput] = []
         failed = None
         launched = None
         if self.has_work():
+            if pending is not None and self.speculative is not None and self.scheduler.may_draft():
+                outputs.append(self.complete(pending))
+                pending = None
             try:
                 launched = self.launch()
             except StepFailed as exc:
@@ -402,7 +411,7 @@ class EngineCore:
             outputs.append(self.complete(pending))
             pending = None
         if launched is not None:
-            if self.overlap_schedule:
+            if self.overlap_schedule and launched.verify is None:
                 pending = launched
             else:
                 outputs.append(self.complete(launched))
@@ -530,7 +539,7 @@ class EngineCore:
         else:
             tokens = sampled.tokens.numpy().astype(np.int64, copy=False)
         if launched.verify is not None:
-            finished_rows, reasons, keep = self._resolve_verified(launched, tokens)
+            finished_rows, reasons, keep, tokens = self._resolve_verified(launched, tokens)
         else:
             finished_rows, reasons, live = self.scheduler.resolve(tokens)
             keep = None if live.all() else live
@@ -560,8 +569,11 @@ class EngineCore:
     def _resolve_verified(self, launched: "LaunchedStep", tokens: np.ndarray):
         """A step with drafts: keep what the model agrees with (engine/speculative.py), advance the
         scheduler and the rows' sampling state by it, count drafts and keeps. Returns (finished rows,
-        reasons, the entries of the step's positions that are output, in order)."""
+        reasons, the entries of the step's positions that are output, in order; the step's tokens,
+        as the oracle forced them)."""
         verify = launched.verify
+        if self.drafter is not None:  # the benchmarks' oracle forces its acceptance
+            tokens = self.drafter.force(verify, launched.rows, tokens)
         kept, kept_tokens = verify.accept(tokens)
         if self.grammars is not None and self.grammars.active:
             kept = self._accept_kept_by_grammars(launched, tokens, kept)
@@ -580,7 +592,7 @@ class EngineCore:
         out.spec_ids = out.req_ids[first].copy()
         out.spec_draft_tokens = verify.draft_lens[drafted].astype(np.int32)
         out.spec_accepted_tokens = accepted[drafted].astype(np.int32)
-        return finished_rows, reasons, select
+        return finished_rows, reasons, select, tokens
 
     def _accept_kept_by_grammars(self, launched: "LaunchedStep", tokens: np.ndarray, kept: np.ndarray) -> np.ndarray:
         """Advance the constrained rows' matchers by their kept tokens, in order; a row whose grammar

@@ -80,41 +80,64 @@ class Verify:
 
 
 class OracleDrafter:
-    """Benchmarks only (env TOKENSPEED_SPECULATIVE_ORACLE): drafts each request the continuation
-    of a recorded token sequence its tokens begin (the model's own greedy output, recorded in a
-    first pass), so greedy requests keep every draft; with `accept` < 1 each draft token is
-    changed (to the next id) with probability 1 - accept, by a hash of its position, for an
-    acceptance curve. Requests matching no sequence get no draft from it."""
+    """Benchmarks only (env TOKENSPEED_SPECULATIVE_ORACLE): forced acceptance over a recorded
+    continuation. Each request whose prompt a recorded sequence begins with (the model's own
+    greedy output, recorded in a first pass) is drafted that sequence's next tokens by position;
+    each draft token is right with probability `accept` (by a hash of its position; a wrong one is
+    changed to the next id), and `force` makes the verification keep exactly the right ones, up
+    to the first wrong one, whatever the model computed there. The step still computes and
+    samples every drafted position, so its cost is the real one at that acceptance; the output is
+    the recorded tokens where kept (a benchmark's random weights make a different batch shape
+    flip near-tied greedy choices, so the model's own draws would end the drafts by chance).
+    Requests matching no sequence get no draft from it."""
 
     _KEY = 16  # sequences are indexed by their first tokens
 
     def __init__(self, path: str, accept: float, vocab_size: int, num_tokens: int) -> None:
-        """path: a JSON list whose entries are token lists, or {"tokens": [...], "accept": a} to give
-        that sequence its own acceptance (else `accept`)."""
+        """path: a JSON list whose entries are {"tokens": prompt + output, "prompt_len": n} (or a
+        bare token list: prompt_len 16), with "accept": a to give that sequence its own acceptance
+        (else `accept`)."""
         with open(path, encoding="utf-8") as f:
             entries = json.load(f)
-        self.index: dict[tuple[int, ...], list[tuple[np.ndarray, float]]] = {}
+        self.index: dict[tuple[int, ...], list[tuple[np.ndarray, int, float]]] = {}
         for entry in entries:
-            tokens, rate = (entry["tokens"], entry.get("accept", accept)) if isinstance(entry, dict) else (entry, accept)
-            seq = np.asarray(tokens, dtype=np.int64)
-            self.index.setdefault(tuple(seq[: self._KEY].tolist()), []).append((seq, float(rate)))
+            if not isinstance(entry, dict):
+                entry = {"tokens": entry}
+            seq = np.asarray(entry["tokens"], dtype=np.int64)
+            prompt_len = int(entry.get("prompt_len", self._KEY))
+            self.index.setdefault(tuple(seq[: self._KEY].tolist()), []).append(
+                (seq, prompt_len, float(entry.get("accept", accept))))
         self.vocab_size = vocab_size
         self.num_tokens = num_tokens
+        self.right: dict[int, np.ndarray] = {}  # row -> bool per draft token given this step
 
     def propose(self, scheduler, rows: list[int]) -> None:
+        self.right.clear()
         for row in rows:
             try:
                 tokens = scheduler.token_ids(row)
             except KeyError:  # not in the scheduler (its grammar compiling): nothing to draft
                 continue
             n = tokens.shape[0]
-            for seq, rate in self.index.get(tuple(tokens[: self._KEY].tolist()), ()):
-                if seq.shape[0] > n and np.array_equal(seq[:n], tokens):
+            for seq, prompt_len, rate in self.index.get(tuple(tokens[: self._KEY].tolist()), ()):
+                if seq.shape[0] > n and n >= prompt_len and np.array_equal(seq[:prompt_len], tokens[:prompt_len]):
                     draft = seq[n: n + self.num_tokens].copy()
-                    if rate < 1.0:
-                        positions = np.arange(n, n + draft.shape[0], dtype=np.uint64)
-                        u = ((positions * np.uint64(2654435761)) % np.uint64(1 << 20)).astype(np.float64) / (1 << 20)
-                        wrong = u >= rate
-                        draft[wrong] = (draft[wrong] + 1) % self.vocab_size
+                    positions = np.arange(n, n + draft.shape[0], dtype=np.uint64)
+                    u = ((positions * np.uint64(2654435761)) % np.uint64(1 << 20)).astype(np.float64) / (1 << 20)
+                    right = u < rate
+                    draft[~right] = (draft[~right] + 1) % self.vocab_size
+                    self.right[row] = right
                     scheduler.set_draft(row, draft)
                     break
+
+    def force(self, verify: Verify, rows: np.ndarray, sampled: np.ndarray) -> np.ndarray:
+        """`sampled` (int64 [E], one per position of the step `verify`, `rows` its expanded rows) with
+        each right draft token drawn where it is checked, so `verify.accept` keeps the right ones."""
+        sampled = sampled.copy()
+        for start, length in zip(verify.starts.tolist(), verify.draft_lens.tolist()):
+            right = self.right.get(int(rows[start]))
+            if right is None or length == 0:
+                continue
+            at = np.flatnonzero(right[:length])
+            sampled[start + at] = verify.drafts[start + at]
+        return sampled

@@ -80,14 +80,16 @@ class Scheduler:
     as it goes (the table keeps their places, shown as block 0 in plans): its KV grows with the
     window, not with its length. Released blocks that are cached stay matchable.
 
-    `num_speculative_tokens` > 0 (speculative decoding, without overlap scheduling): a decoding
+    `num_speculative_tokens` > 0 (speculative decoding): a decoding
     request added with `speculates=True` gets a draft of up to that many tokens each step, from
     its own tokens by n-gram match when `ngram_max_match` > 0 (`ngram_draft`); its plan row then
     computes 1 + draft tokens (`SchedulePlan.draft_lens`) and the step is finished by
     `resolve_verified` with the tokens the sampler kept. A draft never passes max_new_tokens and
     is dropped rather than preempting anyone for its blocks. A step with more than
     `max_speculative_batch` decoding requests (when > 0) drafts for none; a request whose drafts
-    were all rejected skips 2^misses - 1 steps (at most 16) before drafting again.
+    were all rejected skips 2^misses - 1 steps (at most 16) before drafting again. A request
+    whose last token is pending (overlap) gets no draft: `may_draft` says whether the next step
+    could draft once the pending step is resolved.
 
     `schedule_conservativeness` > 0 (the engine's --schedule-conservativeness, default 1)
     makes admission keep room for the running requests' expected output: a waiting
@@ -337,6 +339,12 @@ class Scheduler:
     def prefix_hit_tokens(self) -> int:
         """Of prefix_query_tokens, those matched in the cache (or from a sibling's parent)."""
         return self._core.prefix_hit_tokens
+
+    def may_draft(self) -> bool:
+        """Whether the next schedule() could draft for some request were no step pending (a
+        speculating decoding request out of back-off, with room, in a batch no larger than
+        max_speculative_batch). False: the next step drafts for none whatever is pending."""
+        return self._core.may_draft()
 
     @property
     def num_undrafted_batches(self) -> int:
