@@ -40,6 +40,8 @@
 # Results: $OUT/SUITE_CASE[_TREE_rROUND].json, their logs in $OUT/logs, an index in $OUT/results.tsv
 # (`python3 scripts/bench_summary.py OUT` prints the table again). DRY_RUN=1 prints what would run and
 # checks that each script, test file and option exists in its tree.
+# A folder too large for one call (a real model) travels in pieces over several calls of one warm lease:
+# scripts/carry_pieces.sh.
 # Carry .whl (grpcio-health-checking and grpcio-reflection 1.84.0 for Python 3.12: the machine lacks
 # them; .whl/*/ for more, e.g. flashinfer) and .cache/triton (below).
 set -uo pipefail

@@ -863,3 +863,55 @@ def test_gemma_forms_at_gemma_3_12b_shapes(rows):
         _close(out, expected_qkv)
         act = gemv.small_batch_linear(x, w_gu, gelu=True, config=config, **forms)[0]
         torch.testing.assert_close(act, expected_act, atol=3e-2, rtol=3e-2)
+
+
+# -- compile-only mode: the configurations a site times compile side by side ----------------------
+
+
+def test_compile_only_mode_submits_compiles_and_launches_nothing(monkeypatch):
+    """gemv._launch launches a kernel, or in compile-only mode hands it to Triton's warmup (which
+    AsyncCompileMode turns into a compile on the pool); compiling() is a no-op in the interpreter."""
+    calls = []
+
+    class Kernel:
+        def warmup(self, *args, grid, **meta):
+            calls.append(("warmup", grid, args, meta))
+
+        def __getitem__(self, grid):
+            return lambda *args, **meta: calls.append(("launch", grid, args, meta))
+
+    kernel = Kernel()
+    gemv._launch(kernel, (3,), 1, 2, ROWS=4)
+    monkeypatch.setattr(gemv, "_compile_only", True)
+    gemv._launch(kernel, (3,), 1, 2, ROWS=4)
+    assert calls == [("launch", (3,), (1, 2), {"ROWS": 4}), ("warmup", (3,), (1, 2), {"ROWS": 4})]
+    monkeypatch.setattr(gemv, "_compile_only", False)
+    if not ON_CUDA:  # the interpreter compiles nothing: the mode stays off and kernels run
+        with gemv.compiling():
+            assert not gemv._compile_only
+            x, w = _randn(2, 64, seed=1), _randn(32, 64, seed=2)
+            _close(gemv.small_batch_linear(x, w, config=gemv.CONFIGS[0])[0], _matmul_reference(x, w))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_CUDA, reason="needs CUDA")
+def test_compiling_fills_the_kernel_cache_before_the_first_launch():
+    """Under compiling(), small_batch_linear's kernels for several configurations compile on the pool
+    and land in Triton's cache: the launches after it compile nothing and compute the product."""
+    x, w = _randn(3, 320, seed=5, dtype=torch.float16), _randn(96, 320, seed=6, scale=0.05, dtype=torch.float16)
+    norm = RMSNorm(320, eps=1e-5).to(DEVICE, torch.float16)
+    configs = [c for c in gemv.NORM_CONFIGS if not isinstance(c, gemv.Persistent)][:4]
+    cache = gemv._gemv_kernel.device_caches[torch.cuda.current_device()][0]
+    before = len(cache)
+    with gemv.compiling():
+        for config in configs:
+            gemv.small_batch_linear(x, w, norm_weight=norm.weight, eps=norm.eps, config=config)
+        assert gemv._compile_only
+    assert not gemv._compile_only
+    compiled = len(cache) - before
+    assert compiled == len(configs), (before, len(cache))
+    expected = _matmul_reference(norm(x), w)
+    for config in configs:
+        out = gemv.small_batch_linear(x, w, norm_weight=norm.weight, eps=norm.eps, config=config)[0]
+        torch.testing.assert_close(out.double(), expected, atol=2e-2, rtol=1.6e-2)
+    assert len(cache) - before == compiled

@@ -31,6 +31,8 @@ Importable without triton: AVAILABLE says whether the kernel can be used.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import NamedTuple
@@ -798,6 +800,48 @@ if AVAILABLE:
 
 _spills: dict[tuple, int] = {}
 
+# Compile-only mode (`compiling`): small_batch_linear hands each kernel it would launch to Triton's
+# asynchronous compilation (triton.runtime._async_compile.AsyncCompileMode: `warmup` submits the
+# compile to an executor and launches nothing), so the configurations a site is about to time
+# compile side by side in threads instead of one after another at their first launch. Triton
+# ships the mode but no pool: hence this context. Its output is never meaningful.
+_compile_only = False
+_pool = None
+COMPILE_THREADS = 8  # at most os.cpu_count(); LLVM and ptxas work outside the GIL
+
+
+@contextmanager
+def compiling() -> Iterator[None]:
+    """Within the block, small_batch_linear compiles what it would launch and launches nothing (its
+    outputs are garbage); on leaving, every compile submitted has finished (one that failed is
+    left for the real launch to compile and report). A no-op where Triton cannot compile (the
+    interpreter) or is not installed."""
+    global _compile_only, _pool
+    if not AVAILABLE or interpreting() or _compile_only:
+        yield
+        return
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    from triton.runtime._async_compile import AsyncCompileMode
+
+    if _pool is None:
+        _pool = ThreadPoolExecutor(max(1, min(COMPILE_THREADS, os.cpu_count() or 1)), thread_name_prefix="gemv-compile")
+    _compile_only = True
+    try:
+        with AsyncCompileMode(_pool, ignore_errors=True):
+            yield
+    finally:
+        _compile_only = False
+
+
+def _launch(kernel, grid: tuple, *args, **meta) -> None:
+    """kernel[grid](*args, **meta), or (compile-only mode) its compile submitted."""
+    if _compile_only:
+        kernel.warmup(*args, grid=grid, **meta)
+    else:
+        kernel[grid](*args, **meta)
+
 
 def spilled_registers(args: tuple, meta: dict, shape_key: tuple) -> int:
     """Registers the persistent kernel spills for these arguments (compiled, not launched; cached
@@ -805,7 +849,7 @@ def spilled_registers(args: tuple, meta: dict, shape_key: tuple) -> int:
     in registers; where that is too much the compiler spills to local memory, which the driver then
     reserves at launch for every thread the GPU can hold: memory the KV pool was sized without.
     0 in the interpreter."""
-    if interpreting():
+    if interpreting() or _compile_only:  # compile-only: checked at the real launch, from the cache
         return 0
     key = (*shape_key, *sorted(meta.items()))
     if key not in _spills:
@@ -977,7 +1021,8 @@ def small_batch_linear(
     pdl_on = pdl.enabled(x.device)
     if mma:
         out_rows = out.view(-1, n)
-        _gemv_fp8_mma_kernel[(triton.cdiv(n, block_n),)](
+        _launch(
+            _gemv_fp8_mma_kernel, (triton.cdiv(n, block_n),),
             rows, residual_rows, residual_out_rows, norm_weight if norm_weight is not None else weight, weight,
             weight_scale, bias if bias is not None else weight, out_rows,
             n, k, n if silu else 0,
@@ -1004,7 +1049,7 @@ def small_batch_linear(
         if spills:
             raise ValueError(f"{config} spills {spills} registers at {m} rows x K {k}: refused (a spilling kernel "
                              f"makes the driver reserve local memory for every resident thread)")
-        _gemv_persistent_kernel[(programs,)](*args, **meta)
+        _launch(_gemv_persistent_kernel, (programs,), *args, **meta)
         return out, residual_out
     scales = weight if weight_scale is None and weight_block_scales is None else (
         weight_scale if weight_block_scales is None else weight_block_scales.scales)
@@ -1023,7 +1068,8 @@ def small_batch_linear(
         stride_kc_slot, stride_kc_h = k_slots.stride(0), k_slots.stride(1)
         stride_vc_slot, stride_vc_h = v_slots.stride(0), v_slots.stride(1)
         heads = (rotary.num_heads, rotary.num_kv_heads, rotary.head_dim)
-    _gemv_kernel[(grid,)](
+    _launch(
+        _gemv_kernel, (grid,),
         rows, residual_rows, residual_out_rows,
         norm_weight if norm_weight is not None else weight, weight,
         scales, bias if bias is not None else weight, out_rows,
@@ -1060,5 +1106,5 @@ def small_batch_linear(
     return out, residual_out
 
 
-__all__ = ["AVAILABLE", "BlockScales", "takes_block_scales", "CONFIGS", "FP8_CONFIGS", "FP8_MMA_CONFIGS", "Fp8Mma", "supports_rotary", "FP8_NORM_CONFIGS", "MAX_ROWS", "takes_gemma_forms", "NORM_CONFIGS", "configs_for", "PERSISTENT_MAX_ELEMENTS", "Persistent", "RotaryKV",
+__all__ = ["AVAILABLE", "BlockScales", "COMPILE_THREADS", "compiling", "takes_block_scales", "CONFIGS", "FP8_CONFIGS", "FP8_MMA_CONFIGS", "Fp8Mma", "supports_rotary", "FP8_NORM_CONFIGS", "MAX_ROWS", "takes_gemma_forms", "NORM_CONFIGS", "configs_for", "PERSISTENT_MAX_ELEMENTS", "Persistent", "RotaryKV",
            "small_batch_linear"]

@@ -354,15 +354,22 @@ class SmallBatchGemv:
             if choice is not None:
                 self.reused += 1
             else:
-                choice = self._choose(key, x, fused, plain, configs, margin)
+                choice = self._choose(key, x, fused, plain, configs, margin, kernels)
             self.decisions[key] = choice
         return plain() if choice == UNFUSED else fused(choice)
 
     def _choose(self, key: tuple, x: torch.Tensor, fused: Callable[[tuple], Any], plain: Callable[[], Any], configs,
-                margin: float = MARGIN) -> Any:
+                margin: float = MARGIN, kernels=None) -> Any:
         flush = l2_flush_buffer(x.device)
         self._choosing = True
         try:
+            if kernels is not None:  # every configuration's kernel compiled side by side, then each timed
+                with kernels.compiling():
+                    for config in configs:
+                        try:
+                            fused(config)
+                        except Exception:  # noqa: S112 (refused here; the timing loop below says why)
+                            continue
             timings = {UNFUSED: time_us(plain, flush)}
             options = self.options[key] = {UNFUSED: UNFUSED}
             best, best_us = UNFUSED, timings[UNFUSED] * margin
