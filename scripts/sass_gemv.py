@@ -46,10 +46,11 @@ def sass(config: tuple, weight: str, rows: int, site: str) -> str:
     norm = site in ("norm_linear", "gate_up")
     common = dict(ROWS=rows, NORM=norm, ADD_RESIDUAL=norm, SILU=site == "gate_up", HAS_BIAS=False, LIBDEVICE=True,
                   PDL=True)
-    if isinstance(config, gemv.Fp8Mma):
-        kernel, num_warps = gemv._gemv_fp8_mma_kernel, config.num_warps
+    if isinstance(config, (gemv.Fp8Mma, gemv.Mma)):
+        kernel, num_warps = gemv._gemv_mma_kernel, config.num_warps
         consts = dict(common, BLOCK_N=config.block_n, BLOCK_K=config.block_k, NUM_STAGES=config.num_stages,
-                      DOT_F16=False, FP8_MAX=448.0, MIN_SCALE=1.0 / (448.0 * 512.0))
+                      DOT_F32=False, QUANT=isinstance(config, gemv.Fp8Mma), W_SCALE=weight == "fp8", FP8_MAX=448.0,
+                      MIN_SCALE=1.0 / (448.0 * 512.0))
     else:
         kernel = gemv._gemv_kernel
         block_n, block_k, num_warps, *one_pass = config
@@ -108,22 +109,23 @@ def summary(text: str, config: tuple, weight: str) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--weight", choices=("fp8", "fp8-block", "bf16"), default="fp8")
-    parser.add_argument("--rows", type=int, default=1, choices=range(1, gemv.MAX_ROWS + 1))
+    parser.add_argument("--rows", type=int, default=1, choices=range(1, gemv.MMA_MAX_ROWS + 1))
     parser.add_argument("--site", choices=("linear", "norm_linear", "gate_up", "gemma_norm_linear", "gemma_gate_up"),
                         default="linear")
     parser.add_argument("--configs", default="all",
                         help="'all' (the weight's one-shot and tensor-core configurations) or one, e.g. 8,1024,4 "
-                        "(four numbers: an Fp8Mma one, block_n,block_k,num_warps,num_stages)")
+                        "(four numbers: a tensor-core one, Mma for bf16 or Fp8Mma, block_n,block_k,num_warps,num_stages)")
     args = parser.parse_args(argv)
     if args.configs == "all":
         configs = [c for c in gemv.configs_for(gemv.torch.bfloat16 if args.weight == "bf16" else gemv.torch.float8_e4m3fn,
                                                norm=args.site != "linear",
                                                block_rows=128 if args.weight == "fp8-block" else None,
-                                               gemma=args.site.startswith("gemma_"))
+                                               gemma=args.site.startswith("gemma_"), rows=args.rows)
                    if not isinstance(c, gemv.Persistent)]
     else:
         values = tuple(int(v) for v in args.configs.split(","))
-        configs = [gemv.Fp8Mma(*values) if len(values) == 4 else values]
+        mma = gemv.Mma if args.weight == "bf16" else gemv.Fp8Mma
+        configs = [mma(*values) if len(values) == 4 else values]
     print(f"{args.weight} weights, {args.rows} row(s), site {args.site}, sm_90")
     for config in configs:
         s = summary(sass(config, args.weight, args.rows, args.site), config, args.weight)

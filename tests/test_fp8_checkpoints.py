@@ -355,7 +355,8 @@ def _spy_small_batch_linear(mp: pytest.MonkeyPatch) -> list[dict]:
 
 def test_kept_fp8_layer_takes_the_small_batch_kernel_for_few_rows():
     """A kept-FP8 layer hands few rows to the small-batch GEMV kernel (the interpreter here, in its
-    first FP8 configuration) with its per-row scales; more rows take the scaled GEMM."""
+    first FP8 configuration) with its per-row scales, 5 to 16 rows to its tensor-core configurations;
+    more rows take the scaled GEMM."""
     import torch
 
     from tokenspeed_worker.kernels import gemv
@@ -373,8 +374,10 @@ def test_kept_fp8_layer_takes_the_small_batch_kernel_for_few_rows():
         out = layer(x.to(device)).cpu()
         assert [kwargs["config"] for kwargs in calls] == [gemv.FP8_CONFIGS[0]]
         torch.testing.assert_close(out.double(), x.double() @ expected.double().t(), rtol=2e-2, atol=2e-2)
-        layer(torch.randn(9, 48).to(torch.bfloat16).to(device))  # past MAX_ROWS: the scaled GEMM
-        assert len(calls) == 1
+        layer(torch.randn(9, 48).to(torch.bfloat16).to(device))  # past MAX_ROWS: a tensor-core configuration
+        assert [kwargs["config"] for kwargs in calls[1:]] == [gemv.FP8_MMA_CONFIGS[0]]
+        layer(torch.randn(17, 48).to(torch.bfloat16).to(device))  # past MMA_MAX_ROWS: the scaled GEMM
+        assert len(calls) == 2
 
 
 @pytest.mark.parametrize("sizes,gemv_rows", [((64, 96), True), ((48, 74), False)], ids=["whole-tiles", "partial"])

@@ -184,18 +184,19 @@ def test_the_layers_take_the_kernel_only_when_told_and_for_few_rows(monkeypatch)
     with torch.no_grad():
         layer.weight.copy_(_randn(32, 64, seed=14, scale=0.1))
         unchosen.weight.copy_(layer.weight)
-    few, many = _randn(4, 64, seed=15), _randn(5, 64, seed=16)
+    few, more, many = _randn(4, 64, seed=15), _randn(5, 64, seed=16), _randn(17, 64, seed=17)
     with fused_mode("off"):
         layer(few)
     assert calls == []
     with fused_mode("force"):
         _close(layer(few), _matmul_reference(few, layer.weight))
-        layer(many)  # more rows than the kernel takes: F.linear
+        _close(layer(more), _matmul_reference(more, layer.weight))  # a tensor-core configuration
+        layer(many)  # more rows than any configuration takes: F.linear
         unchosen(few)
-    assert calls == [few.shape]
+    assert calls == [few.shape, more.shape]
     if not ON_CUDA:  # "auto" never fuses on a CPU
         layer(few)
-        assert calls == [few.shape] and chooser.report() == {}
+        assert calls == [few.shape, more.shape] and chooser.report() == {}
 
 
 @pytest.mark.parametrize("fused_over_unfused, margin, chosen", [
@@ -915,3 +916,104 @@ def test_compiling_fills_the_kernel_cache_before_the_first_launch():
         out = gemv.small_batch_linear(x, w, norm_weight=norm.weight, eps=norm.eps, config=config)[0]
         torch.testing.assert_close(out.double(), expected, atol=2e-2, rtol=1.6e-2)
     assert len(cache) - before == compiled
+
+
+# -- past MAX_ROWS: the tensor-core configurations up to MMA_MAX_ROWS rows ---------------------------
+
+
+@pytest.mark.parametrize("rows", [1, 5, 8, 16])
+@pytest.mark.parametrize("config", [gemv.Mma(16, 64, 4, 2), gemv.Mma(32, 128, 4, 2)])
+def test_mma_plain_product_with_ragged_shapes_and_bias(rows, config):
+    # A 16-bit weight on the tensor cores: the rows in the weight's dtype, float32 sums.
+    k, n = 300, 90
+    x, b = _randn(rows, k, seed=180), _randn(n, seed=181)
+    w = _randn(n, k, seed=182, scale=0.05)
+    out, residual_out = gemv.small_batch_linear(x, w, b, config=config)
+    assert out.shape == (rows, n) and out.dtype == DTYPE and residual_out is None
+    _close(out, _matmul_reference(x, w, b))
+
+
+@pytest.mark.parametrize("rows", [5, 12])
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_mma_under_the_norm_prologue_and_silu(rows, with_residual):
+    k, inter = 264, 48
+    norm = _norm(k, seed=183)
+    x, residual = _randn(rows, k, seed=184, scale=2.0), _randn(rows, k, seed=185)
+    w = _randn(2 * inter, k, seed=186, scale=0.05)
+    config = gemv.Mma(16, 64, 4, 2)
+    out, residual_out = gemv.small_batch_linear(x, w, norm_weight=norm.weight,
+                                                residual=residual if with_residual else None, eps=norm.eps,
+                                                config=config)
+    with fused_mode("off"):
+        normed, expected_residual = norm(x, residual) if with_residual else (norm(x), x)
+    assert torch.equal(residual_out, expected_residual)
+    _close(out, _matmul_reference(normed, w))
+    act, _ = gemv.small_batch_linear(x, w, norm_weight=norm.weight, residual=residual if with_residual else None,
+                                     eps=norm.eps, silu=True, config=config)
+    expected = SiluAndMul()(F.linear(normed.double(), w.double()).to(DTYPE))
+    torch.testing.assert_close(act.double(), expected.double(), atol=2e-2, rtol=2e-2)
+
+
+def test_fp8_mma_at_more_rows_than_the_cuda_core_configurations():
+    rows, k, n = 9, 300, 42
+    x, b = _randn(rows, k, seed=187), _randn(n, seed=188)
+    w, w_scale, w_ref = _fp8_weight(n, k, seed=189)
+    config = gemv.Fp8Mma(16, 64, 4, 2)
+    out = gemv.small_batch_linear(x, w, b, weight_scale=w_scale, config=config)[0]
+    _close(out, _matmul_reference(_quantized(x), w_ref, b))
+
+
+def test_rows_past_the_cuda_core_limit_take_only_tensor_core_configurations():
+    x, w = _randn(5, 64, seed=190), _randn(32, 64, seed=191)
+    with pytest.raises(ValueError, match="at most 4 rows"):
+        gemv.small_batch_linear(x, w, config=gemv.CONFIGS[0])
+    with pytest.raises(ValueError, match="at most 4 rows"):
+        gemv.small_batch_linear(_randn(17, 64, seed=192), w, config=gemv.Mma(16, 64, 4, 2))
+    fp8_w, fp8_scale, _ = _fp8_weight(32, 64, seed=193)
+    with pytest.raises(ValueError, match="weights of x's dtype"):
+        gemv.small_batch_linear(x, fp8_w, weight_scale=fp8_scale, config=gemv.Mma(16, 64, 4, 2))
+    assert gemv.configs_for(torch.bfloat16, rows=5) == gemv.MMA_CONFIGS
+    assert gemv.configs_for(torch.bfloat16, norm=True, rows=16) == gemv.MMA_CONFIGS
+    assert gemv.configs_for(FP8, rows=8) == gemv.FP8_MMA_CONFIGS
+    assert gemv.configs_for(FP8, rows=8, block_rows=128) == () and gemv.configs_for(torch.bfloat16, rows=17) == ()
+    assert gemv.configs_for(torch.bfloat16, rows=8, gemma=True) == ()
+    assert gemv.configs_for(torch.bfloat16, rows=4) == gemv.CONFIGS
+    assert not any(gemv.supports_rotary(c) or gemv.takes_gemma_forms(c) for c in gemv.MMA_CONFIGS)
+
+
+def test_a_chooser_runs_eight_rows_through_a_tensor_core_configuration():
+    # Forced fused kernels (the interpreter): a site at 8 rows takes its first configuration, an Mma one.
+    torch.manual_seed(0)
+    with fused_mode("force"), small_batch_gemv.building(SmallBatchGemv()) as chooser:
+        proj = Linear(64, 48, bias=False).to(DEVICE, DTYPE)
+    x = _randn(8, 64, seed=194)
+    with fused_mode("force"):
+        out = chooser.linear(x, proj)
+    _close(out, _matmul_reference(x, proj.weight))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("rows", [5, 8, 16])
+def test_mma_at_llama_8b_shapes(rows):
+    # A speculative verify step's or a mid-sized batch's rows through Llama-3.1-8B's q/k/v (norm
+    # prologue), gate_up (norm, SiLU) and down_proj sites on the tensor cores, against float64.
+    hidden, qkv_out, inter = 4096, 6144, 14336
+    norm = _norm(hidden, seed=195)
+    x, residual, h = _randn(rows, hidden, seed=196), _randn(rows, hidden, seed=197), _randn(rows, inter, seed=198)
+    w_qkv = _randn(qkv_out, hidden, seed=199, scale=0.02)
+    w_gate_up = _randn(2 * inter, hidden, seed=200, scale=0.02)
+    w_down = _randn(hidden, inter, seed=201, scale=0.02)
+    normed, expected_residual = norm(x, residual)
+    expected_qkv, expected_down = _matmul_reference(normed, w_qkv), _matmul_reference(h, w_down)
+    expected_act = SiluAndMul()(F.linear(normed.double(), w_gate_up.double()).to(DTYPE))
+    for config in gemv.configs_for(DTYPE, norm=True, rows=rows):
+        out, new_residual = gemv.small_batch_linear(x, w_qkv, norm_weight=norm.weight, residual=residual,
+                                                    eps=norm.eps, config=config)
+        assert torch.equal(new_residual, expected_residual)
+        _close(out, expected_qkv)
+        out = gemv.small_batch_linear(x, w_gate_up, norm_weight=norm.weight, residual=residual, eps=norm.eps,
+                                      silu=True, config=config)[0]
+        torch.testing.assert_close(out, expected_act, atol=3e-2, rtol=3e-2)
+    for config in gemv.configs_for(DTYPE, rows=rows):
+        _close(gemv.small_batch_linear(h, w_down, config=config)[0], expected_down)

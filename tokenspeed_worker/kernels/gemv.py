@@ -16,7 +16,10 @@ W is x's dtype or float8 e4m3 with one float32 scale per row (per output channel
 to float32 exactly, and each finished sum is multiplied once by its weight row's scale, before the
 bias and the epilogue (W_SCALE; without scales the kernel is compiled without them). FP8 weights
 also have tensor-core configurations (Fp8Mma, W8A8): the input rows quantized to e4m3 per row in
-the kernel, one FP8 warpgroup MMA per K step, no weight widened on the CUDA cores.
+the kernel, one FP8 warpgroup MMA per K step, no weight widened on the CUDA cores. Past MAX_ROWS
+rows (a speculative verify step, a decode batch of 5 to 16) only tensor-core configurations run:
+Fp8Mma, and Mma for 16-bit weights (the rows in the weight's dtype, one warpgroup MMA per K step),
+up to MMA_MAX_ROWS rows.
 
 At so few rows the product is bound by the weight bytes: each program streams a strip of weight
 rows once for all input rows, on the CUDA cores (each row its own accumulator). One-shot
@@ -58,7 +61,8 @@ except ImportError:  # pragma: no cover - depends on the machine
     libdevice = None
     AVAILABLE = False
 
-MAX_ROWS = 4  # rows (tokens) the kernel takes: each row is its own accumulator (CUDA cores, not tensor cores)
+MAX_ROWS = 4  # rows (tokens) the CUDA-core configurations take: each row is its own accumulator
+MMA_MAX_ROWS = 16  # rows the tensor-core configurations (Mma, Fp8Mma) take: the MMA's narrow side
 
 
 class Persistent(NamedTuple):
@@ -87,6 +91,18 @@ class Fp8Mma(NamedTuple):
     num_stages: int
 
 
+class Mma(NamedTuple):
+    """A tensor-core configuration for 16-bit weights (x's dtype): as Fp8Mma, with the input rows
+    (normalized) in the weight's dtype instead of quantized, one 16-bit warpgroup MMA per K step.
+    For 5 to MMA_MAX_ROWS rows, where one accumulator per row on the CUDA cores would cost more
+    instructions per weight byte than the bandwidth leaves."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
 class BlockScales(NamedTuple):
     """Block-wise FP8 weight scales: scales[i, j] (float32, contiguous) multiplies the weight's rows
     [i * rows, (i + 1) * rows) and columns [j * cols, (j + 1) * cols) (the edge tiles cut)."""
@@ -99,7 +115,7 @@ class BlockScales(NamedTuple):
 def takes_block_scales(config: tuple, block_rows: int) -> bool:
     """Whether a configuration can read weights with block scales of `block_rows`-row tiles: a
     one-shot one whose strips of BLOCK_N rows never straddle two tile rows."""
-    return not isinstance(config, (Persistent, Fp8Mma)) and block_rows % config[0] == 0
+    return not isinstance(config, (Persistent, Fp8Mma, Mma)) and block_rows % config[0] == 0
 
 
 def _check_block_scales(blocks: BlockScales, weight: torch.Tensor, weight_scale, config: tuple) -> None:
@@ -146,25 +162,32 @@ def _wider(config: tuple) -> tuple:
 FP8_MMA_CONFIGS = (Fp8Mma(64, 256, 4, 4), Fp8Mma(64, 512, 4, 3), Fp8Mma(128, 256, 8, 3))
 FP8_CONFIGS = tuple(_wider(c) for c in CONFIGS) + FP8_MMA_CONFIGS
 FP8_NORM_CONFIGS = tuple(_wider(c) for c in NORM_CONFIGS) + FP8_MMA_CONFIGS
+# 16-bit weights past MAX_ROWS rows (the same tile bytes as the FP8 ones: half the K per step).
+MMA_CONFIGS = (Mma(64, 128, 4, 4), Mma(64, 256, 4, 3), Mma(128, 128, 8, 3))
 
 
 def supports_rotary(config: tuple) -> bool:
     """Whether a configuration has the rotary + KV-write epilogue (the one-shot ones)."""
-    return not isinstance(config, (Persistent, Fp8Mma))
+    return not isinstance(config, (Persistent, Fp8Mma, Mma))
 
 
 def takes_gemma_forms(config: tuple) -> bool:
     """Whether a configuration has Gemma's prologue and epilogue forms (unit_offset, x_norm_weight,
     gelu): the one-shot two-pass ones."""
-    return not isinstance(config, (Persistent, Fp8Mma)) and not (len(config) > 3 and config[3])
+    return not isinstance(config, (Persistent, Fp8Mma, Mma)) and not (len(config) > 3 and config[3])
 
 
 def configs_for(weight_dtype: torch.dtype, norm: bool = False, block_rows: int | None = None,
-                gemma: bool = False) -> tuple:
+                gemma: bool = False, rows: int = 1) -> tuple:
     """The configurations to time for a weight of this dtype: NORM_CONFIGS / CONFIGS, or their FP8
     forms for float8 e4m3 weights; norm: the site has the RMSNorm prologue (adds the one-pass ones);
     block_rows: the weight has block scales of tiles this many rows high (those that take them);
-    gemma: the site uses Gemma's forms (those that take them)."""
+    gemma: the site uses Gemma's forms (those that take them); rows past MAX_ROWS (up to
+    MMA_MAX_ROWS): the tensor-core ones only (MMA_CONFIGS, FP8_MMA_CONFIGS)."""
+    if rows > MAX_ROWS:
+        if rows > MMA_MAX_ROWS or gemma or (weight_dtype == torch.float8_e4m3fn and block_rows is not None):
+            return ()
+        return FP8_MMA_CONFIGS if weight_dtype == torch.float8_e4m3fn else MMA_CONFIGS
     if weight_dtype == torch.float8_e4m3fn:
         configs = FP8_NORM_CONFIGS if norm else FP8_CONFIGS
         if block_rows is not None:
@@ -694,7 +717,7 @@ if AVAILABLE:
         return _rstd_of(sum_sq, K, eps, LIBDEVICE, 1)
 
     @triton.jit
-    def _gemv_fp8_mma_kernel(
+    def _gemv_mma_kernel(
         x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr,
         N, K, up_offset,
         stride_x, stride_residual, stride_residual_out, stride_w, stride_out,
@@ -709,16 +732,19 @@ if AVAILABLE:
         BLOCK_K: tl.constexpr,
         PDL: tl.constexpr,
         NUM_STAGES: tl.constexpr,
-        DOT_F16: tl.constexpr,
+        DOT_F32: tl.constexpr,
+        QUANT: tl.constexpr,
+        W_SCALE: tl.constexpr,
         FP8_MAX: tl.constexpr,
         MIN_SCALE: tl.constexpr,
     ):
-        # An Fp8Mma configuration: out^T[BLOCK_N, 16 (ROWS used)] = W[BLOCK_N, K] @ Q[16, K]^T on the
-        # tensor cores, both operands e4m3, float32 accumulators; Q is the input rows (after the
-        # residual add and RMSNorm, rounded as kernels/norm.py rounds them) quantized per row as
-        # kernels/fp8.quantize_rows does, recomputed by every program from the rows (L2-resident)
-        # instead of a separate launch. The weight is the dot's first operand so that its strip is
-        # the 64-row side a warpgroup MMA needs and the few rows the narrow one (swap-AB).
+        # A tensor-core configuration: out^T[BLOCK_N, 16 (ROWS used)] = W[BLOCK_N, K] @ Q[16, K]^T,
+        # float32 accumulators. Q is the input rows (after the residual add and RMSNorm, rounded as
+        # kernels/norm.py rounds them), recomputed by every program from the rows (L2-resident)
+        # instead of a separate launch: with QUANT (Fp8Mma: W is e4m3) quantized per row as
+        # kernels/fp8.quantize_rows does, else (Mma) in W's 16-bit dtype. The weight is the dot's
+        # first operand so that its strip is the 64-row side a warpgroup MMA needs and the few rows
+        # the narrow one (swap-AB).
         dtype = out_ptr.dtype.element_ty
         pid_n = tl.program_id(0)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -726,10 +752,12 @@ if AVAILABLE:
         offs_m = tl.arange(0, 16)
         m_ok = offs_m < ROWS
         offs_k = tl.arange(0, BLOCK_K)
-        scale = tl.load(w_scale_ptr + offs_n, mask=n_ok, other=0.0)
+        scale = tl.full([BLOCK_N], 1.0, dtype=tl.float32)
         up_scale = scale
-        if SILU:
-            up_scale = tl.load(w_scale_ptr + up_offset + offs_n, mask=n_ok, other=0.0)
+        if W_SCALE:
+            scale = tl.load(w_scale_ptr + offs_n, mask=n_ok, other=0.0)
+            if SILU:
+                up_scale = tl.load(w_scale_ptr + up_offset + offs_n, mask=n_ok, other=0.0)
         if PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
@@ -737,16 +765,19 @@ if AVAILABLE:
         if NORM:
             rstd = _rows_rstd(x_ptr, residual_ptr, offs_m, m_ok, K, stride_x, stride_residual, eps, ADD_RESIDUAL,
                               LIBDEVICE, BLOCK_K)
-        # Each row's scale: the largest |input| over the whole row (a pass over the rows first).
-        amax = tl.zeros([16, BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            xt = _rows_in(x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, offs_m, m_ok, k0 + offs_k, K, rstd,
-                          pid_n, stride_x, stride_residual, stride_residual_out, NORM, ADD_RESIDUAL, False)
-            amax = tl.maximum(amax, tl.abs(xt))
-        x_scale = tl.maximum(tl.max(amax, axis=1) / FP8_MAX, MIN_SCALE)
-        # Times the reciprocal, not divided (quantize_rows divides): a division per element would
-        # cost more instructions than the weight bytes allow; at most one e4m3 rounding apart.
-        x_inv = tl.math.div_rn(tl.full([16], 1.0, dtype=tl.float32), x_scale)
+        x_scale = tl.full([16], 1.0, dtype=tl.float32)
+        x_inv = x_scale
+        if QUANT:
+            # Each row's scale: the largest |input| over the whole row (a pass over the rows first).
+            amax = tl.zeros([16, BLOCK_K], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                xt = _rows_in(x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, offs_m, m_ok, k0 + offs_k, K,
+                              rstd, pid_n, stride_x, stride_residual, stride_residual_out, NORM, ADD_RESIDUAL, False)
+                amax = tl.maximum(amax, tl.abs(xt))
+            x_scale = tl.maximum(tl.max(amax, axis=1) / FP8_MAX, MIN_SCALE)
+            # Times the reciprocal, not divided (quantize_rows divides): a division per element would
+            # cost more instructions than the weight bytes allow; at most one e4m3 rounding apart.
+            x_inv = tl.math.div_rn(tl.full([16], 1.0, dtype=tl.float32), x_scale)
         acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
         w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w
@@ -757,15 +788,18 @@ if AVAILABLE:
             w = tl.load(w_rows + kk[None, :], mask=w_mask, other=0.0)
             xt = _rows_in(x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, offs_m, m_ok, kk, K, rstd, pid_n,
                           stride_x, stride_residual, stride_residual_out, NORM, ADD_RESIDUAL, True)
-            q = tl.clamp(xt * x_inv[:, None], -FP8_MAX, FP8_MAX).to(w_ptr.dtype.element_ty)
-            if DOT_F16:  # the interpreter: the same exact products (e4m3 values are f16 values), float32 sums
-                acc = tl.dot(w.to(tl.float16), tl.trans(q.to(tl.float16)), acc)
+            if QUANT:
+                q = tl.clamp(xt * x_inv[:, None], -FP8_MAX, FP8_MAX).to(w_ptr.dtype.element_ty)
+            else:
+                q = xt.to(w_ptr.dtype.element_ty)
+            if DOT_F32:  # the interpreter: the same exact products (e4m3 and 16-bit values are f32 values)
+                acc = tl.dot(w.to(tl.float32), tl.trans(q.to(tl.float32)), acc, input_precision="ieee")
             else:
                 acc = tl.dot(w, tl.trans(q), acc)
             if SILU:
                 wu = tl.load(up_rows + kk[None, :], mask=w_mask, other=0.0)
-                if DOT_F16:
-                    acc_up = tl.dot(wu.to(tl.float16), tl.trans(q.to(tl.float16)), acc_up)
+                if DOT_F32:
+                    acc_up = tl.dot(wu.to(tl.float32), tl.trans(q.to(tl.float32)), acc_up, input_precision="ieee")
                 else:
                     acc_up = tl.dot(wu, tl.trans(q), acc_up)
         acc = acc * scale[:, None] * x_scale[None, :]
@@ -946,8 +980,10 @@ def small_batch_linear(
     k = x.shape[-1]
     rows = _rows(x, k)
     m = rows.shape[0]
-    if m > MAX_ROWS:
-        raise ValueError(f"small_batch_linear takes at most {MAX_ROWS} rows, got {m}")
+    mma = isinstance(config, (Fp8Mma, Mma))
+    if m > (MMA_MAX_ROWS if mma else MAX_ROWS):
+        raise ValueError(f"small_batch_linear takes at most {MAX_ROWS} rows ({MMA_MAX_ROWS} in a tensor-core "
+                         f"configuration), got {m}")
     if weight.dim() != 2 or weight.shape[1] != k or weight.stride(1) != 1:
         raise ValueError(f"weight {tuple(weight.shape)} does not fit x {tuple(x.shape)} (or is not contiguous along K)")
     if weight.dtype not in (x.dtype, torch.float8_e4m3fn):
@@ -969,13 +1005,14 @@ def small_batch_linear(
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
     persistent = isinstance(config, Persistent)
-    mma = isinstance(config, Fp8Mma)
     if mma:
         block_n, block_k, num_warps = config.block_n, config.block_k, config.num_warps
         if rotary is not None:
             raise ValueError(f"{config} has no rotary epilogue: use a one-shot configuration")
-        if weight.dtype != torch.float8_e4m3fn:
+        if isinstance(config, Fp8Mma) and weight.dtype != torch.float8_e4m3fn:
             raise ValueError(f"{config} takes FP8 weights (with their scales), got {weight.dtype}")
+        if isinstance(config, Mma) and weight.dtype != x.dtype:
+            raise ValueError(f"{config} takes weights of x's dtype ({x.dtype}), got {weight.dtype}")
     elif persistent:
         block_n, num_warps, block_k = config.block_n, config.num_warps, triton.next_power_of_2(k)
         if rotary is not None:
@@ -1022,15 +1059,16 @@ def small_batch_linear(
     if mma:
         out_rows = out.view(-1, n)
         _launch(
-            _gemv_fp8_mma_kernel, (triton.cdiv(n, block_n),),
+            _gemv_mma_kernel, (triton.cdiv(n, block_n),),
             rows, residual_rows, residual_out_rows, norm_weight if norm_weight is not None else weight, weight,
-            weight_scale, bias if bias is not None else weight, out_rows,
+            weight_scale if weight_scale is not None else weight, bias if bias is not None else weight, out_rows,
             n, k, n if silu else 0,
             rows.stride(0), residual_rows.stride(0), residual_out_rows.stride(0), weight.stride(0),
             out_rows.stride(0), float(eps),
             ROWS=m, NORM=norm_weight is not None, ADD_RESIDUAL=norm_weight is not None and residual is not None,
             SILU=silu, HAS_BIAS=bias is not None, LIBDEVICE=not interpreting(), BLOCK_N=block_n, BLOCK_K=block_k,
-            PDL=pdl_on, NUM_STAGES=config.num_stages, DOT_F16=interpreting(), FP8_MAX=_FP8_MAX,
+            PDL=pdl_on, NUM_STAGES=config.num_stages, DOT_F32=interpreting(), QUANT=isinstance(config, Fp8Mma),
+            W_SCALE=weight_scale is not None, FP8_MAX=_FP8_MAX,
             MIN_SCALE=_FP8_MIN_SCALE, num_warps=num_warps, **pdl.launch_options(pdl_on))
         return out, residual_out
     if persistent:
@@ -1106,5 +1144,5 @@ def small_batch_linear(
     return out, residual_out
 
 
-__all__ = ["AVAILABLE", "BlockScales", "COMPILE_THREADS", "compiling", "takes_block_scales", "CONFIGS", "FP8_CONFIGS", "FP8_MMA_CONFIGS", "Fp8Mma", "supports_rotary", "FP8_NORM_CONFIGS", "MAX_ROWS", "takes_gemma_forms", "NORM_CONFIGS", "configs_for", "PERSISTENT_MAX_ELEMENTS", "Persistent", "RotaryKV",
+__all__ = ["AVAILABLE", "BlockScales", "COMPILE_THREADS", "compiling", "takes_block_scales", "CONFIGS", "FP8_CONFIGS", "FP8_MMA_CONFIGS", "Fp8Mma", "MMA_CONFIGS", "MMA_MAX_ROWS", "Mma", "supports_rotary", "FP8_NORM_CONFIGS", "MAX_ROWS", "takes_gemma_forms", "NORM_CONFIGS", "configs_for", "PERSISTENT_MAX_ELEMENTS", "Persistent", "RotaryKV",
            "small_batch_linear"]

@@ -1,6 +1,6 @@
 """Which path runs a projection of a few rows: a small-batch GEMV kernel (kernels/gemv.py) or the unfused layers.
 
-A decode step of at most kernels.gemv.MAX_ROWS rows asks, at each projection (a "site"):
+A decode step of at most kernels.gemv.MMA_MAX_ROWS rows asks, at each projection (a "site"):
 - `linear`: x @ W^T (+ b) (o_proj, down_proj, any Linear);
 - `norm_linear`: (add +) RMSNorm, then the projection (a PendingNorm given to qkv_proj);
 - `norm_gate_up_silu` / `norm_gate_up_gelu`: (add +) RMSNorm, gate_up_proj, SiLU·mul or GELU-tanh·mul
@@ -16,7 +16,9 @@ The weight is x's dtype, or FP8 e4m3 with one float32 scale per row (`Linear.wei
 per tile (`Linear.weight_scale_blocks`, block-wise checkpoints: the one-shot configurations whose
 strips fit the tile rows); the kernel reads half the bytes and applies the scales in-register,
 activations 16-bit on the CUDA cores, or quantized per row in the kernel for the tensor-core
-configurations (Fp8Mma, per-row scales only).
+configurations (Fp8Mma, per-row scales only). Past kernels.gemv.MAX_ROWS rows (5 to MMA_MAX_ROWS: a
+speculative verify step, a mid-sized decode batch) only the tensor-core configurations are timed
+(Mma for 16-bit weights, Fp8Mma), without the rotary epilogue or Gemma's forms.
 
 A `SmallBatchGemv` holds the choices of one model runner: the first time a (site, rows, weight
 shape, dtype, device) is seen outside a CUDA-graph capture, the unfused path and each kernel
@@ -150,9 +152,12 @@ class SmallBatchGemv:
         if kernels is None:  # the common case (many rows): no closures on the eager path
             return proj.dense_product(x, bias)
         scales = _scale_args(kernels, proj)
+        configs = _configs(kernels, proj, rows=_rows_of(x))
+        if not configs:
+            return proj.dense_product(x, bias)
         return self._run("linear", x, proj.weight, kernels,
                          lambda config: kernels.small_batch_linear(x, proj.weight, bias, config=config, **scales)[0],
-                         lambda: proj.dense_product(x, bias), _configs(kernels, proj))
+                         lambda: proj.dense_product(x, bias), configs)
 
     def norm_linear(self, pending: PendingNorm, proj: Linear) -> tuple[torch.Tensor, torch.Tensor]:
         """(proj(norm(x + residual)), x + residual) of a pending norm; without a residual (proj(norm(x)), x).
@@ -167,9 +172,9 @@ class SmallBatchGemv:
         kernels = self._kernels(x, proj)
         if kernels is None:  # many rows: the layer's own product (FP8: the norm in its quantization)
             return proj.norm_product(pending)
-        configs = _configs(kernels, proj, norm=True, pending=pending)
-        if not configs:
-            return plain()
+        configs = _configs(kernels, proj, norm=True, pending=pending, rows=_rows_of(x))
+        if not configs:  # past MAX_ROWS as for many rows
+            return plain() if _rows_of(x) <= kernels.MAX_ROWS else proj.norm_product(pending)
 
         def fused(config):
             return kernels.small_batch_linear(x, proj.weight, proj.bias, config=config, **_norm_args(pending),
@@ -192,9 +197,12 @@ class SmallBatchGemv:
             out, new_residual = gate_up.norm_product(pending)
             return act(out), new_residual
         gelu = bool(act.GELU_TANH)
-        configs = _configs(kernels, gate_up, norm=True, pending=pending, gelu=gelu)
+        configs = _configs(kernels, gate_up, norm=True, pending=pending, gelu=gelu, rows=_rows_of(x))
         if not configs:
-            return plain()
+            if _rows_of(x) <= kernels.MAX_ROWS:
+                return plain()
+            out, new_residual = gate_up.norm_product(pending)
+            return act(out), new_residual
 
         def fused(config):
             return kernels.small_batch_linear(x, gate_up.weight, silu=not gelu, gelu=gelu, config=config,
@@ -218,7 +226,7 @@ class SmallBatchGemv:
                 or attn.fuses_rope(rope, x, attn_metadata)):  # the attention kernel rotates: nothing to fold
             return None
         half = attn.head_dim // 2
-        configs = tuple(c for c in _configs(kernels, proj, norm=True, pending=pending)
+        configs = tuple(c for c in _configs(kernels, proj, norm=True, pending=pending, rows=_rows_of(x))
                         if kernels.supports_rotary(c) and half % c[0] == 0)
         if not configs:
             return None
@@ -326,7 +334,7 @@ class SmallBatchGemv:
         if self._choosing or x.dim() == 0 or x.dtype not in (torch.bfloat16, torch.float16):
             return None
         kernels = use_fused(x, "gemv")
-        if kernels is None or x.numel() // max(1, x.shape[-1]) > kernels.MAX_ROWS:
+        if kernels is None or x.numel() // max(1, x.shape[-1]) > kernels.MMA_MAX_ROWS:
             return None
         weight = proj.weight
         if weight.dtype != x.dtype and not (weight.dtype == torch.float8_e4m3fn
@@ -404,12 +412,18 @@ def _scale_args(kernels, proj: Linear) -> dict[str, Any]:
     return {"weight_scale": proj.weight_scale_rows}
 
 
-def _configs(kernels, proj: Linear, norm: bool = False, pending: PendingNorm | None = None, gelu: bool = False) -> tuple:
-    """The configurations to time for proj's weight (those that read its block scales, if it has them,
-    and those with Gemma's forms where the pending norm or the activation is Gemma's)."""
+def _configs(kernels, proj: Linear, norm: bool = False, pending: PendingNorm | None = None, gelu: bool = False,
+             rows: int = 1) -> tuple:
+    """The configurations to time for proj's weight at `rows` rows (those that read its block scales,
+    if it has them, those with Gemma's forms where the pending norm or the activation is Gemma's,
+    the tensor-core ones past kernels.MAX_ROWS)."""
     block_rows = proj.weight_block_rows if proj.weight_scale_blocks is not None else None
     return kernels.configs_for(proj.weight.dtype, norm=norm, block_rows=block_rows,
-                               gemma=gelu or (pending is not None and _gemma_form(pending)))
+                               gemma=gelu or (pending is not None and _gemma_form(pending)), rows=rows)
+
+
+def _rows_of(x: torch.Tensor) -> int:
+    return x.numel() // max(1, x.shape[-1])
 
 
 def _gemma_form(pending: PendingNorm) -> bool:
