@@ -3,7 +3,8 @@
 #   bash scripts/gpu_check.sh [SUITE...] [PYTEST_ARGS...]       (no suite: tests)
 # Suites:
 #   tests      the test suite on CUDA, without the SmolLM2 and smg gateway tests (neither can travel)
-#              and the proto-contract test (needs grpcio-tools and a registry); PYTEST_ARGS go here
+#              and the proto-contract test (needs grpcio-tools and a registry); PYTEST_ARGS go here;
+#              TESTS_SHARD=I/N runs the I-th of N slices of the test files (a suite longer than a call)
 #   kernels    the kernel, backend and CUDA-graph GPU tests, then bench_kernels.py (KERNELS_ARGS)
 #   selfcheck  scripts/gpu_selfcheck.py
 #   latency    batch-1 decode of the engine alone, 8B and 1B shapes (LATENCY_MODELS), bench_latency.py
@@ -162,8 +163,19 @@ sys.exit(not os.path.realpath(p.__file__).startswith(os.path.realpath(sys.argv[1
 }
 
 suite_tests() {
-  pytest_run tests "${TESTS_TIMEOUT:-540}" -m "not e2e and not smollm2" --ignore=tests/test_proto_contract.py \
-    ${pytest_args[@]+"${pytest_args[@]}"}
+  # TESTS_SHARD=I/N: the I-th of N interleaved slices of the test files (by name), so that a suite longer
+  # than one call runs whole over N calls.
+  local files=()
+  if [ -n "${TESTS_SHARD:-}" ]; then
+    local i=${TESTS_SHARD%/*} n=${TESTS_SHARD#*/} j=0 f
+    for f in tests/test_*.py; do
+      [ "$f" = tests/test_proto_contract.py ] && continue
+      [ $((j % n)) = $((i - 1)) ] && files+=("$f")
+      j=$((j + 1))
+    done
+  fi
+  pytest_run tests${TESTS_SHARD:+_${TESTS_SHARD%/*}of${TESTS_SHARD#*/}} "${TESTS_TIMEOUT:-540}" -m "not e2e and not smollm2" \
+    --ignore=tests/test_proto_contract.py ${files[@]+"${files[@]}"} ${pytest_args[@]+"${pytest_args[@]}"}
 }
 
 suite_kernels() {
