@@ -112,8 +112,8 @@ def start(model: str, args, extra: tuple[str, ...] = (), env: dict | None = None
     return worker
 
 
-def spec_flags(args) -> tuple[str, ...]:
-    return ("--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", str(args.draft_tokens))
+def spec_flags(width: int) -> tuple[str, ...]:
+    return ("--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", str(width))
 
 
 def part_oracle(args) -> dict:
@@ -139,24 +139,31 @@ def part_oracle(args) -> dict:
         plain.stop()
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(oracle, f)
-    spec = start(args.model, args, spec_flags(args), env={"TOKENSPEED_SPECULATIVE_ORACLE": f.name})
+    out = []
     try:
-        wave(spec.stub, sets[(args.accept[0], args.batch[0])][:1], 4, "warm")
-        for (a, b), prompts in sets.items():
-            results, wall = wave(spec.stub, prompts, args.output_len, "spec")
-            row = rows[(a, b)]
-            row["speculative"] = figures(results, wall, args.output_len)
-            ids = row.pop("_ids")
-            row["same_output"] = [r["ids"] for r in results] == ids
-            row["same_output_tokens"] = float(np.mean([np.mean(np.equal(r["ids"], i)) for r, i in zip(results, ids)]))
-            row["speedup"] = row["speculative"]["output_tok_s"] / row["plain"]["output_tok_s"]
-            print(f"  accept {a:.2f} batch {b:4d}: {row['speculative']['output_tok_s']:9.1f} tok/s "
-                  f"(x{row['speedup']:.2f}, measured acceptance {row['speculative']['acceptance']}, "
-                  f"same output {row['same_output']})", flush=True)
+        for width in args.draft_tokens:  # one speculative worker per verify width, against the one plain run
+            spec = start(args.model, args, spec_flags(width), env={"TOKENSPEED_SPECULATIVE_ORACLE": f.name})
+            try:
+                wave(spec.stub, sets[(args.accept[0], args.batch[0])][:1], 4, "warm")
+                for (a, b), prompts in sets.items():
+                    results, wall = wave(spec.stub, prompts, args.output_len, "spec")
+                    row = {k: v for k, v in rows[(a, b)].items() if k != "_ids"}
+                    ids = rows[(a, b)]["_ids"]
+                    row["draft_tokens"] = width
+                    row["speculative"] = figures(results, wall, args.output_len)
+                    row["same_output"] = [r["ids"] for r in results] == ids
+                    row["same_output_tokens"] = float(np.mean([np.mean(np.equal(r["ids"], i))
+                                                               for r, i in zip(results, ids)]))
+                    row["speedup"] = row["speculative"]["output_tok_s"] / row["plain"]["output_tok_s"]
+                    out.append(row)
+                    print(f"  width {width} accept {a:.2f} batch {b:4d}: {row['speculative']['output_tok_s']:9.1f} "
+                          f"tok/s (x{row['speedup']:.2f}, measured acceptance {row['speculative']['acceptance']}, "
+                          f"same output {row['same_output']})", flush=True)
+            finally:
+                spec.stop()
     finally:
-        spec.stop()
         os.unlink(f.name)
-    return {"rows": list(rows.values())}
+    return {"rows": out}
 
 
 def part_text(args) -> dict:
@@ -167,7 +174,7 @@ def part_text(args) -> dict:
     prompts = [tokenizer(p)["input_ids"] for p in TEXT_PROMPTS]
     out = {}
     texts = {}
-    for name, extra in (("plain", ()), ("ngram", spec_flags(args))):
+    for name, extra in (("plain", ()), ("ngram", spec_flags(args.draft_tokens[0]))):
         worker = start(model, args, extra)
         try:
             wave(worker.stub, prompts[:1], 4, "warm")
@@ -196,8 +203,9 @@ def main() -> int:
     ap.add_argument("--parts", nargs="+", default=["oracle", "text"], choices=["oracle", "text"])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--accept", type=float, nargs="+", default=[1.0, 0.8, 0.5, 0.0])
-    ap.add_argument("--draft-tokens", type=int, default=5,
-                    help="--speculative-num-draft-tokens: tokens per verify step (the last one + drafts)")
+    ap.add_argument("--draft-tokens", type=int, nargs="+", default=[5],
+                    help="--speculative-num-draft-tokens: tokens per verify step (the last one + drafts); several "
+                    "widths: one speculative worker each against one plain run (the text part takes the first)")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--text-output-len", type=int, default=96)

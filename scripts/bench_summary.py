@@ -47,7 +47,8 @@ def figures(suite: str, r: dict) -> list[tuple[str, str, float, str]]:
         return [(f"{run['backend']} {run['config']}", "ms", run["ms_per_step"],
                  f"{run['ratio_to_read_once']:.1f}x reading the logits once") for run in r["runs"]]
     if suite == "speculative":
-        rows = [(f"accept {row['accept_forced']:g} batch {row['batch']}", "tok/s", row["speculative"]["output_tok_s"],
+        rows = [(f"width {row.get('draft_tokens', r.get('draft_tokens'))} accept {row['accept_forced']:g} batch "
+                 f"{row['batch']}", "tok/s", row["speculative"]["output_tok_s"],
                  f"x{row['speedup']:.2f} of {row['plain']['output_tok_s']:.0f} plain, acceptance "
                  f"{row['speculative']['acceptance']}, same output {row['same_output']}")
                 for row in r.get("oracle", {}).get("rows", [])]
