@@ -220,6 +220,7 @@ def test_rejected_drafts_back_off():
             sched.advance(np.array([3]))
     # Drafts, then skips of 1, 3, 7, 15 steps (a 5 breaks the pattern until 3s repeat again).
     assert [i for i, d in enumerate(drafted) if d] == [0, 2, 6, 14]
+    assert sched.num_backoff_steps == 1 + 3 + 7 + 5  # the last skip cut by the 20 steps
 
 
 def test_may_draft_says_whether_the_next_step_can_draft():
@@ -478,6 +479,8 @@ def test_grpc_outputs_equal_the_plain_worker_and_report_drafts(workers):
     drafted = [v for (name, _), v in samples.items() if name == "tokenspeed:spec_draft_tokens_total"]
     accepted = [v for (name, _), v in samples.items() if name == "tokenspeed:spec_accepted_tokens_total"]
     assert drafted and accepted and 0 < accepted[0] <= drafted[0]
+    names = {name for name, _ in samples}
+    assert {"tokenspeed:spec_undrafted_batches_total", "tokenspeed:spec_backoff_steps_total"} <= names
     assert any("Finish!" in line and "acc_len=None" not in line for line in spec.log().splitlines())
 
 

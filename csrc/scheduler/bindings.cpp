@@ -218,6 +218,7 @@ NB_MODULE(_scheduler_core, m) {
       .def_prop_ro("prefix_hit_tokens", &Scheduler::prefix_hit_tokens)
       .def("may_draft", &Scheduler::may_draft)
       .def_prop_ro("num_undrafted_batches", &Scheduler::num_undrafted_batches)
+      .def_prop_ro("num_backoff_steps", &Scheduler::num_backoff_steps)
       .def("cached_tokens", &cached_tokens, "req_ids"_a)
       .def("flush_prefix_cache", &Scheduler::flush_prefix_cache)
       .def("drain_kv_events", &drain_kv_events)

@@ -141,7 +141,12 @@ int32_t Scheduler::propose_draft(Request& request) {
   draft.clear();
   // A step that skips counts towards the back-off even when the request's last token is pending
   // (overlapped steps): the back-off is measured in steps.
-  if (!request.speculates() || !draft_this_step_ || request.skip_draft() || request.num_pending() > 0) return 0;
+  if (!request.speculates() || !draft_this_step_) return 0;
+  if (request.skip_draft()) {
+    ++num_backoff_steps_;
+    return 0;
+  }
+  if (request.num_pending() > 0) return 0;
   // The verify step yields up to draft + 1 tokens: never past max_new_tokens.
   const int32_t room = request.max_new_tokens() - request.output_len() - 1;
   const int32_t most = std::min(config_.num_speculative_tokens, room);

@@ -167,6 +167,8 @@ class Scheduler {
   bool may_draft() const;
   // Steps whose decoding batch was too large to draft for (max_speculative_batch).
   int64_t num_undrafted_batches() const { return num_undrafted_batches_; }
+  // Request-steps that drafted nothing because the request was backing off after rejected drafts.
+  int64_t num_backoff_steps() const { return num_backoff_steps_; }
   // Tokens matched at the first admission; 0 for an unknown id.
   int32_t cached_tokens(int64_t req_id) const;
   int32_t flush_prefix_cache();
@@ -243,6 +245,7 @@ class Scheduler {
   bool advance_allowed_ = false;   // schedule() ran and commit() has not consumed it
   int64_t num_preemptions_ = 0;
   int64_t num_undrafted_batches_ = 0;
+  int64_t num_backoff_steps_ = 0;
   bool draft_this_step_ = true;
   uint64_t schedule_serial_ = 0;  // schedule() calls so far
   double output_ratio_ = 1.0;

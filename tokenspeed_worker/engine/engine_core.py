@@ -287,6 +287,7 @@ class EngineCore:
             spec_accept_length=(1.0 + self.spec_accepted_tokens / self.spec_steps) if self.spec_steps else None,
             spec_accept_rate=(self.spec_accepted_tokens / self.spec_draft_tokens) if self.spec_draft_tokens else None,
             spec_undrafted_batches=s.num_undrafted_batches,
+            spec_backoff_steps=s.num_backoff_steps,
         )
 
     def has_work(self) -> bool:

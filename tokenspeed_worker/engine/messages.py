@@ -148,6 +148,7 @@ class Loads:
     spec_accept_length: float | None = None
     spec_accept_rate: float | None = None
     spec_undrafted_batches: int = 0  # steps whose batch was too large to draft for
+    spec_backoff_steps: int = 0  # request-steps not drafted: backing off after rejected drafts
 
 
 @dataclass

@@ -352,6 +352,12 @@ class Scheduler:
         return self._core.num_undrafted_batches
 
     @property
+    def num_backoff_steps(self) -> int:
+        """Request-steps that drafted nothing because the request was backing off after a verified
+        step that kept none of its drafts."""
+        return self._core.num_backoff_steps
+
+    @property
     def cache_hit_rate(self) -> float:
         """prefix_hit_tokens / prefix_query_tokens; 0.0 before any admission."""
         query = self._core.prefix_query_tokens

@@ -564,7 +564,7 @@ def combine_loads(loads: list[Loads]) -> Loads:
     total = dataclasses.replace(loads[0])
     for name in ("num_running", "num_waiting", "num_used_tokens", "num_free_blocks", "num_total_blocks",
                  "waiting_tokens", "num_preemptions", "gen_throughput", "num_cached_blocks",
-                 "num_grammar_waiting", "num_retracted", "spec_undrafted_batches"):
+                 "num_grammar_waiting", "num_retracted", "spec_undrafted_batches", "spec_backoff_steps"):
         setattr(total, name, sum(getattr(x, name) for x in loads))
     total.cache_hit_rate = sum(x.cache_hit_rate for x in loads) / len(loads)
     for name in ("spec_accept_length", "spec_accept_rate"):

@@ -102,6 +102,9 @@ class PrometheusMetrics:
         self.spec_undrafted_batches = counter(
             "tokenspeed:spec_undrafted_batches", "Steps whose decoding batch was too large to draft for "
             "(speculative decoding off for the step).").labels(**m)
+        self.spec_backoff_steps = counter(
+            "tokenspeed:spec_backoff_steps", "Request-steps that drafted nothing because the request was "
+            "backing off after a verified step that kept none of its drafts (speculative decoding).").labels(**m)
         self.ttft = hist("tokenspeed:time_to_first_token_seconds", "Received -> first token.", _TTFT_BUCKETS)
         self.itl = hist("tokenspeed:inter_token_latency_seconds",
                         "Gap between two tokens of a request, as the server receives them.", _ITL_BUCKETS)
@@ -116,6 +119,7 @@ class PrometheusMetrics:
                               "Prompt tokens served from the prefix cache / prompt tokens, 0-1.")
         self._last_preemptions: int | None = None
         self._last_undrafted: int | None = None
+        self._last_backoff: int | None = None
 
     def error(self, code: str) -> None:
         self._errors.labels(model_name=self.model_name, code=code).inc()
@@ -132,6 +136,9 @@ class PrometheusMetrics:
         if self._last_undrafted is not None and loads.spec_undrafted_batches > self._last_undrafted:
             self.spec_undrafted_batches.inc(loads.spec_undrafted_batches - self._last_undrafted)
         self._last_undrafted = loads.spec_undrafted_batches
+        if self._last_backoff is not None and loads.spec_backoff_steps > self._last_backoff:
+            self.spec_backoff_steps.inc(loads.spec_backoff_steps - self._last_backoff)
+        self._last_backoff = loads.spec_backoff_steps
 
     def start_http_server(self, host: str, port: int):
         """Serve /metrics from a daemon thread; returns the server (shutdown() to stop)."""
