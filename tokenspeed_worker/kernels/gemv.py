@@ -841,7 +841,7 @@ _spills: dict[tuple, int] = {}
 # ships the mode but no pool: hence this context. Its output is never meaningful.
 _compile_only = False
 _pool = None
-COMPILE_THREADS = 8  # at most os.cpu_count(); LLVM and ptxas work outside the GIL
+COMPILE_THREADS = 8  # at most os.cpu_count(); ptxas runs as its own process, so compiles overlap at least there
 
 
 @contextmanager
