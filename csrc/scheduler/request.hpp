@@ -198,6 +198,8 @@ class Request {
     return true;
   }
   int32_t draft_skip() const { return draft_skip_; }
+  // Draft tokens a verify step may carry: its draft + 1 tokens never pass max_new_tokens.
+  int32_t draft_room() const { return max_new_tokens() - output_len() - 1; }
   void record_verified(int32_t kept_drafts, int32_t max_skip) {
     if (kept_drafts > 0) {
       draft_misses_ = 0;

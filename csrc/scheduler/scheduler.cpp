@@ -72,9 +72,7 @@ StepPlan Scheduler::schedule() {
   ++schedule_serial_;
   draft_this_step_ = true;
   if (config_.num_speculative_tokens > 0 && config_.max_speculative_batch > 0) {
-    int32_t decoding = 0;
-    for (const Request* request : running_) decoding += request->is_decoding();
-    draft_this_step_ = decoding <= config_.max_speculative_batch;
+    draft_this_step_ = num_decoding() <= config_.max_speculative_batch;
     num_undrafted_batches_ += !draft_this_step_;
   }
   schedule_decodes(rows);
@@ -115,18 +113,19 @@ void Scheduler::schedule_decodes(std::vector<ScheduledRow>& rows) {
   }
 }
 
+int32_t Scheduler::num_decoding() const {
+  int32_t decoding = 0;
+  for (const Request* request : running_) decoding += request->is_decoding();
+  return decoding;
+}
+
 bool Scheduler::may_draft() const {
   if (config_.num_speculative_tokens <= 0) return false;
-  int32_t decoding = 0;
-  bool candidate = false;
-  for (const Request* request : running_) {
-    if (!request->is_decoding()) continue;
-    ++decoding;
-    candidate = candidate || (request->speculates() && request->draft_skip() == 0 &&
-                              request->max_new_tokens() - request->output_len() - 1 > 0);
-  }
-  if (config_.max_speculative_batch > 0 && decoding > config_.max_speculative_batch) return false;
-  return candidate;
+  if (config_.max_speculative_batch > 0 && num_decoding() > config_.max_speculative_batch) return false;
+  for (const Request* request : running_)
+    if (request->is_decoding() && request->speculates() && request->draft_skip() == 0 && request->draft_room() > 0)
+      return true;
+  return false;
 }
 
 void Scheduler::set_draft(int64_t req_id, const int64_t* tokens, size_t n) {
@@ -147,9 +146,7 @@ int32_t Scheduler::propose_draft(Request& request) {
     return 0;
   }
   if (request.num_pending() > 0) return 0;
-  // The verify step yields up to draft + 1 tokens: never past max_new_tokens.
-  const int32_t room = request.max_new_tokens() - request.output_len() - 1;
-  const int32_t most = std::min(config_.num_speculative_tokens, room);
+  const int32_t most = std::min(config_.num_speculative_tokens, request.draft_room());
   if (most <= 0) return 0;
   if (request.take_given_draft(schedule_serial_)) {
     if (static_cast<int32_t>(draft.size()) > most) draft.resize(static_cast<size_t>(most));

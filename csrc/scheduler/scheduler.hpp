@@ -218,6 +218,7 @@ class Scheduler {
   const Request& find(int64_t req_id) const;
   void schedule_decodes(std::vector<ScheduledRow>& rows);
   int32_t propose_draft(Request& request);
+  int32_t num_decoding() const;  // running requests in their decode phase
   StepOutcome resolve_rows(const int64_t* sampled, size_t num_sampled, const int32_t* counts);
   int32_t schedule_prefill_continuations(std::vector<ScheduledRow>& rows, int32_t budget);
   void schedule_admissions(std::vector<ScheduledRow>& rows, int32_t budget);
