@@ -986,6 +986,8 @@ def test_a_chooser_runs_eight_rows_through_a_tensor_core_configuration():
     torch.manual_seed(0)
     with fused_mode("force"), small_batch_gemv.building(SmallBatchGemv()) as chooser:
         proj = Linear(64, 48, bias=False).to(DEVICE, DTYPE)
+    with torch.no_grad():  # a Linear's weight is empty until loaded
+        proj.weight.copy_(_randn(48, 64, seed=195, scale=0.1))
     x = _randn(8, 64, seed=194)
     with fused_mode("force"):
         out = chooser.linear(x, proj)
