@@ -23,6 +23,11 @@
 #              acceptance (SPEC_ACCEPT), batch sizes (SPEC_BATCH) and verify widths (SPEC_DRAFT_TOKENS), 8B and
 #              1B shapes (SPEC_MODELS); the real-text part where SmolLM2 is carried (SPEC_TEXT_MODEL=DIR);
 #              then the speculative tests on CUDA
+#   tp         several GPUs (nvidia-h200-x2/-x4): the all-reduce and tensor-parallel tests on CUDA,
+#              bench_allreduce.py (NCCL against the one-shot path by message size, TP_GPUS), then
+#              batch-1 decode at TP_MODELS (llama-3.1-8b) for each of TP_SIZES (1 2), the TP>1 ones also
+#              with every all-reduce on NCCL (custom_all_reduce=false); TP_OFFLINE=LEN adds offline
+#              1000 x LEN/LEN at each size; TP_SERVING=1 adds batch 1 through the CLI and gRPC (--tp N)
 #   fp8        the FP8 GPU tests (scaled GEMM, activation quantization, GEMV on FP8 weights), the FP8
 #              checkpoint and KV-scale tests on CUDA (block-scaled GEMM, kept-FP8 folds), then
 #              fp8_accuracy.py (FP8 against bf16 on the same weights) for FP8_MODELS (llama-3.1-8b)
@@ -53,7 +58,7 @@ mkdir -p "$OUT/logs" && OUT=$(cd "$OUT" && pwd)
 DRY_RUN=${DRY_RUN:-0}
 SERVING_MODEL=${SERVING_MODEL:-$REPO/scripts/model_configs/llama-3.2-1b}
 BENCH_SUITES=" latency offline serving prefix sampler "
-OTHER_SUITES=" tests kernels selfcheck fp8 moe speculative "
+OTHER_SUITES=" tests kernels selfcheck fp8 moe speculative tp "
 suites=()
 while [ $# -gt 0 ] && [[ $1 != -* ]]; do
   case "$OTHER_SUITES$BENCH_SUITES" in
@@ -277,6 +282,31 @@ suite_moe() {
   for m in ${MOE_MODELS:-qwen3-30b-a3b}; do
     bench latency "$m" "${LATENCY_TIMEOUT:-150}" scripts/bench_latency.py --model "$m" --prompt-len 128 --new-tokens 128 \
       ${BENCH_ARGS:-}
+  done
+}
+
+suite_tp() {
+  pytest_run tp_tests "${TP_TESTS_TIMEOUT:-300}" tests/test_peer_all_reduce.py tests/test_tensor_parallel.py
+  step tp_allreduce "${TP_BENCH_TIMEOUT:-300}" "$REPO" python3 scripts/bench_allreduce.py --gpus "${TP_GPUS:-2}" \
+    --out "$OUT/tp_allreduce.json"
+  local status=$?
+  dry || { grep -E "^ +[0-9]+ x|path chosen" "$OUT/logs/tp_allreduce.log" | cut -c1-200; [ $status = 0 ] || failed tp_allreduce $status; }
+  local m n nccl
+  for m in ${TP_MODELS:-llama-3.1-8b}; do
+    for n in ${TP_SIZES:-1 2}; do
+      for nccl in 0 1; do
+        [ "$n" = 1 ] && [ $nccl = 1 ] && continue
+        local flags=(--engine-arg tensor_parallel_size="$n") case=${m}_tp$n
+        [ $nccl = 1 ] && { flags+=(--engine-arg custom_all_reduce=false); case=${case}_nccl; }
+        bench latency "$case" "${LATENCY_TIMEOUT:-300}" scripts/bench_latency.py --model "$m" --prompt-len 128 \
+          --new-tokens 128 "${flags[@]}" ${BENCH_ARGS:-}
+        [ "${TP_SERVING:-0}" = 1 ] && bench serving "$case" "${SERVING_TIMEOUT:-400}" scripts/bench_serving.py \
+          --model "scripts/model_configs/$m" --concurrency 1 --prompt-len 128 --output-len 128 --rounds 4 -- \
+          --load-format dummy --tp "$n" $([ $nccl = 1 ] && echo --disable-custom-all-reduce) ${SERVING_ARGS:-}
+        [ -n "${TP_OFFLINE:-}" ] && bench offline "$case" "${OFFLINE_TIMEOUT:-400}" scripts/bench_offline.py --model "$m" \
+          --num-requests 1000 --input-len "$TP_OFFLINE" --output-len "$TP_OFFLINE" "${flags[@]}" ${BENCH_ARGS:-}
+      done
+    done
   done
 }
 

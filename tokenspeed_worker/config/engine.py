@@ -169,6 +169,9 @@ class ParallelConfig:
     # this many groups of tensor_parallel_size / expert_parallel_size ranks, which split each of
     # their experts' intermediate rows; attention and dense layers stay tensor parallel.
     expert_parallel_size: int = 1
+    # Small all-reduces through the one-shot kernel over peer memory where the ranks can take it
+    # (distributed.setup_peer_all_reduce); False: every all-reduce through NCCL.
+    custom_all_reduce: bool = True
 
     def __post_init__(self) -> None:
         ep, tp = self.expert_parallel_size, self.tensor_parallel_size

@@ -368,6 +368,11 @@ class ServerArgs:
         "order); for several workers, or several nodes played by one machine, on one host.",
         parse=values.non_negative_int,
     )
+    disable_custom_all_reduce: bool = _option(
+        False, PARALLELISM, "Send every tensor-parallel all-reduce through NCCL. By default a small one (a decode "
+        "step's rows) takes a one-shot all-reduce over peer GPU memory where the ranks share a host and their "
+        "GPUs reach each other's memory (the startup log says which was chosen).",
+    )
     dist_init_addr: str | None = _option(
         None, PARALLELISM, "Address (host:port) where the ranks meet; node 0 listens there. Required with "
         "--nnodes > 1; default for one node: a free loopback port.", default_doc="a free loopback port",

@@ -102,6 +102,7 @@ class WorkerConfig:
             tensor_parallel_size=args.tensor_parallel_size,
             expert_parallel_size=expert_parallel_size(args),
             nnodes=args.nnodes,
+            custom_all_reduce=not args.disable_custom_all_reduce,
             dist_init_method=f"tcp://{args.dist_init_addr}" if args.dist_init_addr else None,
         )
         speculative = SpeculativeConfig(

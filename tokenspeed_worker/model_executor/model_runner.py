@@ -144,6 +144,11 @@ class ModelRunner:
             for m in experts:
                 m.use_kernels = False
         self.model.eval()
+        # Before any graph is captured: the all-reduce kernels the graphs will hold are chosen here.
+        self.all_reduce_choice = distributed.setup_peer_all_reduce(
+            self.dtype, self.device, enabled=config.parallel.custom_all_reduce, one_host=config.parallel.nnodes == 1)
+        if distributed.size() > 1 and distributed.rank() == 0:
+            logger.info("tensor parallel all-reduce: %s", self.all_reduce_choice)
 
         self.vocab_size: int = self.hf_config.vocab_size
         self.num_layers: int = self.hf_config.num_hidden_layers
