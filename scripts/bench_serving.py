@@ -74,14 +74,59 @@ def client_wave(address, jobs, output_len):
     return results
 
 
-def run_level(stub, concurrency, prompt_len, output_len, rounds, vocab, seed, address=None, pool=None):
-    """`rounds` waves of `concurrency` streams. With a process pool (--client-procs) each wave is split
-    across the client processes, so one Python client's GIL does not cap the message rate."""
+def client_loop(address, queues, output_len):
+    """Closed loop in this (client) process: one thread per queue of (rid, prompt), each running its
+    requests back to back, so each thread is one stream that starts its next request as soon as the
+    last one ended."""
+    stub = _client_stub(address)
+    results: list[dict] = []
+
+    def run(jobs) -> None:
+        for rid, prompt in jobs:
+            one_stream(stub, rid, prompt, output_len, results)
+
+    threads = [threading.Thread(target=run, args=(jobs,)) for jobs in queues]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+def _loop_here(stub, queues, output_len):
+    """client_loop on this process's own channel."""
+    global _CLIENT_STUB
+    saved, _CLIENT_STUB = _CLIENT_STUB, stub
+    try:
+        return client_loop(None, queues, output_len)
+    finally:
+        _CLIENT_STUB = saved
+
+
+def run_level(stub, concurrency, prompt_len, output_len, rounds, vocab, seed, address=None, pool=None,
+              closed_loop=False):
+    """`rounds` waves of `concurrency` streams (each wave starts when the last one has ended), or with
+    closed_loop `concurrency` streams that each run `rounds` requests back to back (a stream starts
+    its next request as soon as its last one ends, as an engine with `concurrency` running requests
+    keeps them: the comparison with bench_offline at --max-num-seqs `concurrency`). With a process
+    pool (--client-procs) the streams are split across the client processes, so one Python
+    client's GIL does not cap the message rate."""
     rng = np.random.default_rng(seed)
     results: list[dict] = []
     total = concurrency * rounds
     t0 = time.perf_counter()
-    for r in range(rounds):
+    if closed_loop:
+        queues = [[(f"bench-{concurrency}-{i}-{r}", rng.integers(10, vocab - 10, prompt_len).tolist())
+                   for r in range(rounds)] for i in range(concurrency)]
+        procs = pool.procs if pool is not None else 1
+        parts = [queues[k::procs] for k in range(procs)]
+        if pool is None:
+            results = _loop_here(stub, parts[0], output_len)
+        else:
+            for part in pool.map(client_loop, [address] * procs, parts, [output_len] * procs):
+                results.extend(part)
+        print(f"  concurrency {concurrency}: {len(results)}/{total} requests done (closed loop)", flush=True)
+    for r in range(0 if closed_loop else rounds):
         jobs = [(f"bench-{concurrency}-{r}-{i}", rng.integers(10, vocab - 10, prompt_len).tolist())
                 for i in range(concurrency)]
         if pool is None:
@@ -100,7 +145,8 @@ def run_level(stub, concurrency, prompt_len, output_len, rounds, vocab, seed, ad
     tokens = sum(x["tokens"] for x in results)
     itl = [v for x in results for v in x["itl"]]
     return {
-        "concurrency": concurrency, "requests": len(results), "prompt_len": prompt_len, "output_len": output_len,
+        "concurrency": concurrency, "closed_loop": closed_loop, "requests": len(results), "prompt_len": prompt_len,
+        "output_len": output_len,
         "wall_s": wall, "output_tok_s": tokens / wall,
         "per_stream_tok_s": statistics.mean(x["tokens"] / x["e2e"] for x in results),
         "ttft_ms_median": 1000 * statistics.median(x["ttft"] for x in results),
@@ -205,7 +251,10 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=2, help="waves of C requests per level")
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="waves of C requests per level (with --closed-loop: requests per stream)")
+    ap.add_argument("--closed-loop", action="store_true",
+                    help="C streams each running --rounds requests back to back, instead of waves of C")
     ap.add_argument("--out", default=str(REPO / ".cache" / "bench_serving.json"))
     ap.add_argument("--hf-baseline", action="store_true",
                     help="also time transformers generate at the same lengths (batch 1 and the largest C)")
@@ -256,8 +305,8 @@ def main() -> int:
         run_level(stub, 1, args.prompt_len, 4, 1, info.vocab_size, 0)
         if pool is not None:
             run_level(stub, args.client_procs, args.prompt_len, 4, 1, info.vocab_size, 0, address, pool)
-        levels = [run_level(stub, c, args.prompt_len, args.output_len, args.rounds, info.vocab_size, 1, address, pool)
-                  for c in args.concurrency]
+        levels = [run_level(stub, c, args.prompt_len, args.output_len, args.rounds, info.vocab_size, 1, address, pool,
+                            args.closed_loop) for c in args.concurrency]
     finally:
         if subscription is not None:
             subscription.close()

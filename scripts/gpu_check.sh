@@ -14,7 +14,8 @@
 #              names (qwen3-30b-a3b, mixtral-8x7b, mistral-7b, gemma-3-12b) and llama-3.1-8b-fp8-block
 #   serving    bench_serving.py through the CLI and gRPC, 1B shape (SERVING_MODEL), C=1 64 256 (SERVING_C)
 #              from 8 client processes, a SubscribeKvEvents stream held open (SERVING_SUBSCRIBE=0: none);
-#              the JSON has the launch-to-healthy startup_s
+#              the JSON has the launch-to-healthy startup_s; SERVING_CLOSED=1: each of the C streams runs
+#              SERVING_ROUNDS requests back to back (closed loop) instead of waves of C
 #   prefix     bench_prefix.py, 1B shape (SERVING_MODEL), prefix cache on and off
 #   sampler    bench_sampler.py, batch 256 x vocab 128,256
 #   moe        the MoE tests on CUDA, bench_moe.py (MOE_BENCH_ARGS), then bench_latency.py at MOE_MODELS
@@ -27,7 +28,8 @@
 #              bench_allreduce.py (NCCL against the one-shot path by message size, TP_GPUS), then
 #              batch-1 decode at TP_MODELS (llama-3.1-8b) for each of TP_SIZES (1 2), the TP>1 ones also
 #              with every all-reduce on NCCL (custom_all_reduce=false); TP_OFFLINE=LEN adds offline
-#              1000 x LEN/LEN at each size; TP_SERVING=1 adds batch 1 through the CLI and gRPC (--tp N)
+#              1000 x LEN/LEN at each size; TP_SERVING=1 adds batch 1 through the CLI and gRPC (--tp N);
+#              TP_EP=1 adds expert parallelism over the N ranks (MoE models: qwen3-30b-a3b)
 #   fp8        the FP8 GPU tests (scaled GEMM, activation quantization, GEMV on FP8 weights), the FP8
 #              checkpoint and KV-scale tests on CUDA (block-scaled GEMM, kept-FP8 folds), then
 #              fp8_accuracy.py (FP8 against bf16 on the same weights) for FP8_MODELS (llama-3.1-8b)
@@ -294,15 +296,18 @@ suite_tp() {
   local m n nccl
   for m in ${TP_MODELS:-llama-3.1-8b}; do
     for n in ${TP_SIZES:-1 2}; do
-      for nccl in 0 1; do
-        [ "$n" = 1 ] && [ $nccl = 1 ] && continue
+      for nccl in 0 1 ep; do
+        [ "$n" = 1 ] && [ $nccl != 0 ] && continue
+        [ $nccl = ep ] && [ "${TP_EP:-0}" != 1 ] && continue
         local flags=(--engine-arg tensor_parallel_size="$n") case=${m}_tp$n
         [ $nccl = 1 ] && { flags+=(--engine-arg custom_all_reduce=false); case=${case}_nccl; }
+        [ $nccl = ep ] && { flags+=(--engine-arg expert_parallel_size="$n"); case=${case}_ep$n; }
         bench latency "$case" "${LATENCY_TIMEOUT:-300}" scripts/bench_latency.py --model "$m" --prompt-len 128 \
           --new-tokens 128 "${flags[@]}" ${BENCH_ARGS:-}
         [ "${TP_SERVING:-0}" = 1 ] && bench serving "$case" "${SERVING_TIMEOUT:-400}" scripts/bench_serving.py \
           --model "scripts/model_configs/$m" --concurrency 1 --prompt-len 128 --output-len 128 --rounds 4 -- \
-          --load-format dummy --tp "$n" $([ $nccl = 1 ] && echo --disable-custom-all-reduce) ${SERVING_ARGS:-}
+          --load-format dummy --tp "$n" $([ $nccl = 1 ] && echo --disable-custom-all-reduce) \
+          $([ $nccl = ep ] && echo --ep-size "$n") ${SERVING_ARGS:-}
         [ -n "${TP_OFFLINE:-}" ] && bench offline "$case" "${OFFLINE_TIMEOUT:-400}" scripts/bench_offline.py --model "$m" \
           --num-requests 1000 --input-len "$TP_OFFLINE" --output-len "$TP_OFFLINE" "${flags[@]}" ${BENCH_ARGS:-}
       done
@@ -316,7 +321,7 @@ suite_serving() {
   [ -n "${SERVING_PYSPY:-}" ] && ! dry && pyspy_worker "$OUT/logs/pyspy_serving_${case}${tag:+_$tag}.txt"
   bench serving "$case" "${SERVING_TIMEOUT:-300}" scripts/bench_serving.py --model "$SERVING_MODEL" \
     --concurrency ${SERVING_C:-1 64 256} --prompt-len 128 --output-len 128 --rounds "${SERVING_ROUNDS:-2}" \
-    --client-procs 8 $sub -- --load-format dummy ${SERVING_ARGS:-}
+    --client-procs 8 $sub $([ "${SERVING_CLOSED:-0}" = 1 ] && echo --closed-loop) -- --load-format dummy ${SERVING_ARGS:-}
   # Where the startup went: the worker's own log lines of its phases (its log stays on the machine).
   dry || grep -hE "startup|CUDA graphs: captured|KV pool sizing|engine ready|warm-up|serving .* on|first seen while" \
     "$(ls -t "$tree"/.cache/logs/worker-*.log 2>/dev/null | head -1)" 2>/dev/null | cut -c1-300 \

@@ -107,6 +107,11 @@ class PeerAllReduce:
             device = torch.device("cuda", torch.cuda.current_device())
         self.dtype, self.device, self.max_bytes = dtype, device, int(max_bytes)
         self.group_name = group.group_name
+        try:  # peer memory through the CUDA driver's IPC (not NVSHMEM, where torch has it): one host
+            if symm_mem.get_backend(device) is None:
+                symm_mem.set_backend("CUDA")
+        except (AttributeError, RuntimeError):  # an older torch has one backend
+            pass
         self.buffer = symm_mem.empty(self.max_bytes // dtype.itemsize, dtype=dtype, device=device)
         self.handle = symm_mem.rendezvous(self.buffer, group)  # collective: every rank of the group
 
