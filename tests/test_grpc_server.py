@@ -9,6 +9,7 @@ import io
 import json
 import time
 import zipfile
+from pathlib import Path
 
 import grpc
 import pytest
@@ -116,6 +117,24 @@ def test_the_log_reports_each_startup_phase_with_its_seconds(worker):
     summary = re.search(r"startup phases: (.*) = (\d+\.\d) s", log)
     assert summary and "weight load" in summary.group(1)
     assert re.search(r"serving tiny-llama on 127\.0\.0\.1:\d+ \(port \d+\), ready \d+\.\d s after launch", log)
+
+
+def test_the_server_process_never_imports_torch(worker):
+    """torch is the engine processes' (seconds to import, more on a fresh GPU machine): the server
+    process resolves the device through the CUDA driver and serves without it, so its part of
+    startup stays short. Checked in its memory map after a request went through it."""
+    assert run(worker, gen(PROMPT, max_new_tokens=2))[-1].HasField("complete")
+    maps = Path(f"/proc/{worker.proc.pid}/maps").read_text()
+    assert "libtorch" not in maps and "libc10" not in maps
+
+
+def test_the_device_count_without_torch_is_torchs():
+    import torch
+
+    from tokenspeed_worker.config import parsing
+
+    assert parsing._torch_is_a_cuda_build() == (torch.version.cuda is not None)
+    assert parsing._cuda_device_count() == torch.cuda.device_count()
 
 
 def test_reflection_lists_the_service(worker):

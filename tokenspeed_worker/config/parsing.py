@@ -1,8 +1,9 @@
 """From the command line to resolved `ServerArgs`: the argparse parser, the --config YAML file,
 the defaults that depend on other values or on the machine, and the support check.
 
-Imports only the standard library (PyYAML only when --config is given, torch only to resolve
-`--device auto`), so `tokenspeed-worker --help` stays fast.
+Imports only the standard library (PyYAML only when --config is given; never torch, which the
+server process does not need: the GPUs are counted through the CUDA driver, `_cuda_device_count`),
+so `tokenspeed-worker --help` and the server's part of startup stay fast.
 """
 
 from __future__ import annotations
@@ -161,10 +162,46 @@ def load_config_file(path: str) -> dict[str, Any]:
 # --------------------------------------------------------------------------- parse_args
 
 
-def _cuda_available() -> bool:
-    import torch  # deferred: torch takes seconds to import
+def _torch_is_a_cuda_build() -> bool:
+    """Whether the installed torch was built for CUDA, read from its version file (torch.version.cuda)
+    without importing torch. True where the file cannot be read (the driver then decides)."""
+    import importlib.util
+    from pathlib import Path
 
-    return torch.cuda.is_available()
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    try:
+        text = (Path(next(iter(spec.submodule_search_locations))) / "version.py").read_text()
+    except OSError:
+        return True
+    found = re.search(r"^cuda\b[^=\n]*=\s*(\S+)", text, re.MULTILINE)
+    return found is None or found.group(1) != "None"
+
+
+def _cuda_device_count() -> int:
+    """The CUDA devices torch will see in the engine processes (CUDA_VISIBLE_DEVICES applies), counted
+    here without importing torch: 0 where torch is not a CUDA build, where the NVIDIA driver's
+    library is missing, or where it finds no device. The server process needs nothing else of torch,
+    whose import takes seconds (more on a fresh GPU machine), so it asks the driver itself, as
+    torch.cuda.device_count() does underneath (cuInit, cuDeviceGetCount; no context is created).
+    Written here because the library that wraps this (NVML's nvidia-ml-py) is not a dependency."""
+    if not _torch_is_a_cuda_build():
+        return 0
+    import ctypes
+
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return 0
+    count = ctypes.c_int(0)
+    if driver.cuInit(0) != 0 or driver.cuDeviceGetCount(ctypes.byref(count)) != 0:
+        return 0
+    return count.value
+
+
+def _cuda_available() -> bool:
+    return _cuda_device_count() > 0
 
 
 _SPECULATIVE_CONFIG_KEYS = ("method", "model", "num_speculative_tokens")
@@ -238,12 +275,10 @@ def _resolve(args: ServerArgs) -> None:
         raise ValueError(f"argument --dist-init-addr: expected host:port, got {args.dist_init_addr!r}")
     per_node = args.tensor_parallel_size // args.nnodes
     if args.device == "cuda" and per_node * args.data_parallel_size > 1:
-        import torch
-
-        if torch.cuda.device_count() < args.base_gpu_id + per_node * args.data_parallel_size:
+        visible = _cuda_device_count()
+        if visible < args.base_gpu_id + per_node * args.data_parallel_size:
             raise ValueError(f"argument --tensor-parallel-size: {per_node * args.data_parallel_size} ranks on this "
-                             f"node from --base-gpu-id {args.base_gpu_id} need as many GPUs, "
-                             f"{torch.cuda.device_count()} visible")
+                             f"node from --base-gpu-id {args.base_gpu_id} need as many GPUs, {visible} visible")
 
 
 def _flashinfer_importable() -> bool:

@@ -127,17 +127,13 @@ class _Replica:
 def replica_config(cfg, index: int, count: int = 1):
     """Replica `index` of `count`'s engine config: on GPUs its own block of tensor_parallel_size
     devices; KV event ids of its own (index, index + count, ...)."""
-    import torch
-
     if count > 1:
         cfg = cfg.replace(kv_event_id_offset=index, kv_event_id_stride=count)
     if index == 0:
         return cfg
-    device = torch.device(cfg.model.device)
-    if device.type == "cuda":
-        device = f"cuda:{(device.index or 0) + index * cfg.parallel.tensor_parallel_size}"
-    else:
-        device = cfg.model.device
+    device = cfg.model.device  # "cpu", "cuda" or "cuda:N" (no torch here: the server process never imports it)
+    if device.startswith("cuda"):
+        device = f"cuda:{int(device.partition(':')[2] or 0) + index * cfg.parallel.tensor_parallel_size}"
     return cfg.replace(device=device, dist_init_method=None)
 
 

@@ -314,7 +314,7 @@ def run_server(args: ServerArgs, launched: float | None = None) -> int:
     try:
         try:
             engine_start = time.monotonic()
-            logger.info("startup: server setup %.1f s (torch and grpc imported, configuration and model read)",
+            logger.info("startup: server setup %.1f s (grpc imported, configuration and model read)",
                         engine_start - launched)
             ready = engine.start()
             logger.info("startup: engine start %.1f s (its processes spawned, their imports, the engine's phases)",
