@@ -327,6 +327,23 @@ def test_batched_rows_with_extras_equal_each_row_alone():
         logits = torch.randn(len(rows), vocab)
 
 
+def test_a_later_row_with_more_stop_ids_leaves_the_earlier_rows_stops_alone():
+    # Found by the hypothesis test below: a row whose stop list widened the padded table gave the
+    # rows set before it zeros in the new columns, so their min_new_tokens masked token 0 too.
+    vocab = 40
+    first = SamplingParams(temperature=0.5, top_k=3, seed=2, min_new_tokens=1, stop_token_ids=[1])
+    second = SamplingParams(temperature=0.0, min_new_tokens=1, stop_token_ids=[0, 1, 7])
+    state = make_state(vocab, [([], first, []), ([], second, [])])
+    batch = state.batch(np.arange(2))
+    logits = torch.zeros(2, vocab)
+    scores = Sampler.process_logits(logits, batch)
+    assert torch.isinf(scores[0]).nonzero().flatten().tolist() == [1]
+    assert torch.isinf(scores[1]).nonzero().flatten().tolist() == [0, 1, 7]
+    logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(126383)) * 2
+    together = Sampler().sample(logits, batch).tokens
+    assert together[0] == Sampler().sample(logits[:1], state.batch(np.array([0]))).tokens[0]
+
+
 @st.composite
 def row_options(draw, vocab):
     token = st.integers(0, vocab - 1)

@@ -59,7 +59,10 @@ class _Ragged:
         n = ids.shape[0]
         if n > self.ids.shape[1]:
             width = max(n, 2 * self.ids.shape[1])
-            self.ids = np.pad(self.ids, ((0, 0), (0, width - self.ids.shape[1])))
+            # The other rows' new columns repeat their last entry (one of their ids), not 0: a zero
+            # there would be a real token id in their padding (a stop id masked that is not theirs).
+            self.ids = np.pad(self.ids, ((0, 0), (0, width - self.ids.shape[1])),
+                              mode="edge" if self.ids.shape[1] else "constant")
             if self.values is not None:
                 self.values = np.pad(self.values, ((0, 0), (0, width - self.values.shape[1])))
         self.counts[row] = n
