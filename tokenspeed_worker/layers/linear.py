@@ -122,7 +122,7 @@ class Linear(nn.Module):
             if fused is not None:
                 return fused
         hidden, residual = pending.normalize()
-        return self(hidden), residual
+        return self._product(hidden, self.bias), residual  # forward's plain-tensor path, without a second module call
 
     def dense_product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x W^T (+ bias) without the small-batch kernels: the quantization method's product, or F.linear."""
