@@ -62,23 +62,9 @@ def _client_stub(address: str):
     return _CLIENT_STUB
 
 
-def client_wave(address, jobs, output_len):
-    """Run streams (rid, prompt) concurrently, one thread each, in this (client) process."""
-    stub = _client_stub(address)
-    results: list[dict] = []
-    threads = [threading.Thread(target=one_stream, args=(stub, rid, prompt, output_len, results)) for rid, prompt in jobs]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return results
-
-
-def client_loop(address, queues, output_len):
-    """Closed loop in this (client) process: one thread per queue of (rid, prompt), each running its
-    requests back to back, so each thread is one stream that starts its next request as soon as the
-    last one ended."""
-    stub = _client_stub(address)
+def run_streams(stub, queues, output_len):
+    """One thread per queue of (rid, prompt), each running its requests back to back (a queue of one:
+    a plain stream): the results of all of them."""
     results: list[dict] = []
 
     def run(jobs) -> None:
@@ -93,14 +79,9 @@ def client_loop(address, queues, output_len):
     return results
 
 
-def _loop_here(stub, queues, output_len):
-    """client_loop on this process's own channel."""
-    global _CLIENT_STUB
-    saved, _CLIENT_STUB = _CLIENT_STUB, stub
-    try:
-        return client_loop(None, queues, output_len)
-    finally:
-        _CLIENT_STUB = saved
+def client_streams(address, queues, output_len):
+    """run_streams in a client process (--client-procs), on its own channel."""
+    return run_streams(_client_stub(address), queues, output_len)
 
 
 def run_level(stub, concurrency, prompt_len, output_len, rounds, vocab, seed, address=None, pool=None,
@@ -118,27 +99,21 @@ def run_level(stub, concurrency, prompt_len, output_len, rounds, vocab, seed, ad
     if closed_loop:
         queues = [[(f"bench-{concurrency}-{i}-{r}", rng.integers(10, vocab - 10, prompt_len).tolist())
                    for r in range(rounds)] for i in range(concurrency)]
-        procs = pool.procs if pool is not None else 1
-        parts = [queues[k::procs] for k in range(procs)]
         if pool is None:
-            results = _loop_here(stub, parts[0], output_len)
+            results = run_streams(stub, queues, output_len)
         else:
-            for part in pool.map(client_loop, [address] * procs, parts, [output_len] * procs):
+            parts = [queues[k::pool.procs] for k in range(pool.procs)]
+            for part in pool.map(client_streams, [address] * pool.procs, parts, [output_len] * pool.procs):
                 results.extend(part)
         print(f"  concurrency {concurrency}: {len(results)}/{total} requests done (closed loop)", flush=True)
     for r in range(0 if closed_loop else rounds):
         jobs = [(f"bench-{concurrency}-{r}-{i}", rng.integers(10, vocab - 10, prompt_len).tolist())
                 for i in range(concurrency)]
         if pool is None:
-            threads = [threading.Thread(target=one_stream, args=(stub, rid, prompt, output_len, results))
-                       for rid, prompt in jobs]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
+            results.extend(run_streams(stub, [[job] for job in jobs], output_len))
         else:
-            parts = [jobs[k::pool.procs] for k in range(pool.procs)]
-            for part in pool.map(client_wave, [address] * len(parts), parts, [output_len] * len(parts)):
+            parts = [[[job] for job in jobs[k::pool.procs]] for k in range(pool.procs)]
+            for part in pool.map(client_streams, [address] * len(parts), parts, [output_len] * len(parts)):
                 results.extend(part)
         print(f"  concurrency {concurrency}: {len(results)}/{total} requests done", flush=True)
     wall = time.perf_counter() - t0
