@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 from tokenspeed_worker.sampling.sampler import Sampler
 from tokenspeed_worker.sampling.params import SamplingParams
@@ -182,3 +183,32 @@ def test_drafted_positions_count_the_drafts_before_them():
             plain.update(np.array([1]), np.array([drafts[j - 1]]))
         want = Sampler.process_logits(logits, plain.batch(np.array([1])))
         torch.testing.assert_close(got[j:j + 1], want)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 7), st.lists(st.integers(0, 99), max_size=9)), min_size=1, max_size=25),
+       st.lists(st.integers(0, 7), min_size=1, max_size=8, unique=True))
+def test_ragged_padding_is_always_the_rows_own_ids(ops, gathered):
+    """Whatever order rows are set, cleared and widened in, a gathered row's padding holds only its
+    own ids (and value 0): a scatter over the whole padded row sets or adds nothing else."""
+    from tokenspeed_worker.sampling.state import _Ragged
+
+    ragged = _Ragged(2, with_values=True)
+    own: dict[int, list[int]] = {}
+    for row, ids in ops:
+        if row >= ragged.counts.shape[0]:
+            ragged.grow_rows(row + 1)
+        if ids:
+            ragged.set(row, np.asarray(ids, np.int64), np.arange(1, len(ids) + 1, dtype=np.float32))
+            own[row] = ids
+        else:
+            ragged.clear(row)
+            own.pop(row, None)
+    rows = np.asarray([r for r in gathered if r in own], np.int64)
+    if not rows.size:
+        return
+    ids, values = ragged.gather(rows)
+    for i, row in enumerate(rows):
+        n = len(own[row])
+        assert ids[i, :n].tolist() == own[row] and values[i, :n].tolist() == list(range(1, n + 1))
+        assert set(ids[i, n:].tolist()) <= set(own[row]) and not values[i, n:].any()
