@@ -39,8 +39,9 @@ _P_REPETITION, _P_FREQUENCY, _P_PRESENCE = 0, 1, 2
 class _Ragged:
     """Per-row lists padded to a common width on the host: ids int64 (+ optional float32 values).
 
-    Padding repeats the row's first id with value 0, so a scatter (add 0 / set the same value)
-    over the whole padded row is harmless; counts say how many entries are real.
+    Padding repeats the row's own ids with value 0 (its first id when it is set, its last entry when
+    another row widens the table), so a scatter (add 0 / set the same value) over the whole padded
+    row is harmless; counts say how many entries are real.
     """
 
     def __init__(self, capacity: int, with_values: bool) -> None:
