@@ -17,7 +17,6 @@ import json
 import multiprocessing
 import os
 import platform
-import socket
 import statistics
 import sys
 import time
@@ -27,12 +26,6 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 CALLS = 20
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _graph_us(torch, fn, x, replays: int) -> float:
@@ -102,12 +95,14 @@ def main() -> int:
     ap.add_argument("--replays", type=int, default=50)
     ap.add_argument("--out", default=str(REPO / ".cache" / "bench_allreduce.json"))
     args = ap.parse_args()
-    for name, value in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                        "NVSHMEM_DISABLE_NVLS": "1"}.items():
+    from tokenspeed_worker.distributed import MULTICAST_OFF
+    from tokenspeed_worker.engine.tp_worker import free_port
+
+    for name, value in MULTICAST_OFF.items():
         os.environ.setdefault(name, value)  # inherited by the ranks
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=rank_main, args=(rank, args.gpus, port, args, results)) for rank in range(args.gpus)]
     for p in procs:
         p.start()

@@ -293,21 +293,21 @@ suite_tp() {
     --out "$OUT/tp_allreduce.json"
   local status=$?
   dry || { grep -E "^ +[0-9]+ x|path chosen" "$OUT/logs/tp_allreduce.log" | cut -c1-200; [ $status = 0 ] || failed tp_allreduce $status; }
-  local m n nccl
+  local m n variant
   for m in ${TP_MODELS:-llama-3.1-8b}; do
     for n in ${TP_SIZES:-1 2}; do
-      for nccl in 0 1 ep; do
-        [ "$n" = 1 ] && [ $nccl != 0 ] && continue
-        [ $nccl = ep ] && [ "${TP_EP:-0}" != 1 ] && continue
+      for variant in one-shot nccl ep; do
+        [ "$n" = 1 ] && [ $variant != one-shot ] && continue
+        [ $variant = ep ] && [ "${TP_EP:-0}" != 1 ] && continue
         local flags=(--engine-arg tensor_parallel_size="$n") case=${m}_tp$n
-        [ $nccl = 1 ] && { flags+=(--engine-arg custom_all_reduce=false); case=${case}_nccl; }
-        [ $nccl = ep ] && { flags+=(--engine-arg expert_parallel_size="$n"); case=${case}_ep$n; }
+        [ $variant = nccl ] && { flags+=(--engine-arg custom_all_reduce=false); case=${case}_nccl; }
+        [ $variant = ep ] && { flags+=(--engine-arg expert_parallel_size="$n"); case=${case}_ep$n; }
         bench latency "$case" "${LATENCY_TIMEOUT:-300}" scripts/bench_latency.py --model "$m" --prompt-len 128 \
           --new-tokens 128 "${flags[@]}" ${BENCH_ARGS:-}
         [ "${TP_SERVING:-0}" = 1 ] && bench serving "$case" "${SERVING_TIMEOUT:-400}" scripts/bench_serving.py \
           --model "scripts/model_configs/$m" --concurrency 1 --prompt-len 128 --output-len 128 --rounds 4 -- \
-          --load-format dummy --tp "$n" $([ $nccl = 1 ] && echo --disable-custom-all-reduce) \
-          $([ $nccl = ep ] && echo --ep-size "$n") ${SERVING_ARGS:-}
+          --load-format dummy --tp "$n" $([ $variant = nccl ] && echo --disable-custom-all-reduce) \
+          $([ $variant = ep ] && echo --ep-size "$n") ${SERVING_ARGS:-}
         [ -n "${TP_OFFLINE:-}" ] && bench offline "$case" "${OFFLINE_TIMEOUT:-400}" scripts/bench_offline.py --model "$m" \
           --num-requests 1000 --input-len "$TP_OFFLINE" --output-len "$TP_OFFLINE" "${flags[@]}" ${BENCH_ARGS:-}
       done

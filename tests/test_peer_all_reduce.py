@@ -10,20 +10,13 @@ from __future__ import annotations
 
 import multiprocessing
 import queue
-import socket
 import traceback
 
 import pytest
 import torch
 
 from tokenspeed_worker import distributed
-from worker_harness import needs_devices
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from worker_harness import free_port, needs_devices
 
 
 def _rank_main(rank: int, size: int, port: int, device: str, scenario: str, results) -> None:
@@ -41,7 +34,7 @@ def run_ranks(scenario: str, size: int = 2, device: str = "cpu", timeout: float 
     """Each rank's return value of `scenario(rank, size, device)`, run in `size` processes."""
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(rank, size, port, device, scenario, results))
              for rank in range(size)]
     for p in procs:

@@ -117,9 +117,10 @@ class PrometheusMetrics:
         self.kv_usage = gauge("tokenspeed:kv_cache_usage_perc", "KV cache usage, 0-1 (1 = full).")
         self.hit_rate = gauge("tokenspeed:prefix_cache_hit_rate",
                               "Prompt tokens served from the prefix cache / prompt tokens, 0-1.")
-        self._last_preemptions: int | None = None
-        self._last_undrafted: int | None = None
-        self._last_backoff: int | None = None
+        # The engine reports these counters as running totals: each load's increase is added.
+        self._totals = {"num_preemptions": self.preemptions, "spec_undrafted_batches": self.spec_undrafted_batches,
+                        "spec_backoff_steps": self.spec_backoff_steps}
+        self._last_totals: dict[str, int] = {}
 
     def error(self, code: str) -> None:
         self._errors.labels(model_name=self.model_name, code=code).inc()
@@ -130,15 +131,11 @@ class PrometheusMetrics:
         capacity = loads.num_total_blocks * loads.block_size
         self.kv_usage.set(loads.num_used_tokens / capacity if capacity else 0.0)
         self.hit_rate.set(loads.cache_hit_rate)
-        if self._last_preemptions is not None and loads.num_preemptions > self._last_preemptions:
-            self.preemptions.inc(loads.num_preemptions - self._last_preemptions)
-        self._last_preemptions = loads.num_preemptions
-        if self._last_undrafted is not None and loads.spec_undrafted_batches > self._last_undrafted:
-            self.spec_undrafted_batches.inc(loads.spec_undrafted_batches - self._last_undrafted)
-        self._last_undrafted = loads.spec_undrafted_batches
-        if self._last_backoff is not None and loads.spec_backoff_steps > self._last_backoff:
-            self.spec_backoff_steps.inc(loads.spec_backoff_steps - self._last_backoff)
-        self._last_backoff = loads.spec_backoff_steps
+        for name, counter in self._totals.items():
+            total, last = getattr(loads, name), self._last_totals.get(name)
+            if last is not None and total > last:
+                counter.inc(total - last)
+            self._last_totals[name] = total
 
     def start_http_server(self, host: str, port: int):
         """Serve /metrics from a daemon thread; returns the server (shutdown() to stop)."""
