@@ -23,7 +23,7 @@
 #   speculative bench_speculative.py: NGRAM through the CLI and gRPC with the oracle drafter at forced
 #              acceptance (SPEC_ACCEPT), batch sizes (SPEC_BATCH) and verify widths (SPEC_DRAFT_TOKENS), 8B and
 #              1B shapes (SPEC_MODELS); the real-text part where SmolLM2 is carried (SPEC_TEXT_MODEL=DIR);
-#              then the speculative tests on CUDA
+#              then the speculative tests on CUDA (SPEC_TESTS=0: not them)
 #   tp         several GPUs (nvidia-h200-x2/-x4): the all-reduce and tensor-parallel tests on CUDA,
 #              bench_allreduce.py (NCCL against the one-shot path by message size, TP_GPUS), then
 #              batch-1 decode at TP_MODELS (llama-3.1-8b) for each of TP_SIZES (1 2), the TP>1 ones also
@@ -363,7 +363,8 @@ suite_speculative() {
   done
   [ -n "${SPEC_TEXT_MODEL:-}" ] && bench speculative text "${SPEC_TIMEOUT:-420}" scripts/bench_speculative.py \
     --parts text --text-model "$SPEC_TEXT_MODEL" --draft-tokens ${SPEC_DRAFT_TOKENS:-4 5} -- ${SERVING_ARGS:-}
-  pytest_run speculative_tests "${SPEC_TESTS_TIMEOUT:-240}" tests/test_speculative.py
+  # SPEC_TESTS=0: the benches only (the tests suite runs tests/test_speculative.py too).
+  [ "${SPEC_TESTS:-1}" = 0 ] || pytest_run speculative_tests "${SPEC_TESTS_TIMEOUT:-240}" tests/test_speculative.py
 }
 
 suite_prefix() {
