@@ -72,6 +72,17 @@ def ignores_stop_signals(pid: int) -> bool:
     return False
 
 
+def describe(pid: int) -> str:
+    """A process's command line and signal masks, for a failure message."""
+    try:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:200]
+        masks = [line for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                 if line.startswith(("SigBlk:", "SigIgn:", "State:", "PPid:"))]
+    except OSError as error:
+        return f"{pid}: {error}"
+    return f"{pid}: {cmd} {' '.join(masks)}"
+
+
 def wait_not_serving(w: Worker, within: float) -> None:
     """grpc.health.v1 says NOT_SERVING (or the port is already closed) within `within` s."""
     health = health_pb2_grpc.HealthStub(w.channel)
@@ -92,7 +103,7 @@ def drain_under_group_signal(w: Worker, sig: int, streams: int, max_new: int) ->
     """`streams` streams in flight when `sig` goes to the whole group; all finish normally, health
     goes NOT_SERVING, the worker exits 0 and no child is left."""
     kids = descendants(w.proc.pid)
-    assert kids and all(ignores_stop_signals(k) for k in kids), (kids, w.log())
+    assert kids and all(ignores_stop_signals(k) for k in kids), ([describe(k) for k in kids], w.log())
     calls = [Collector(w.stub, gen(max_new_tokens=max_new)) for _ in range(streams)]
     for c in calls:
         assert c.first.wait(60), w.log()
@@ -265,7 +276,7 @@ def test_other_node_waits_for_node_0_to_drain(model_dir):
             w = Worker(model_dir, *FLAGS, *dist, "--node-rank", "0", "--drain-timeout", "30", new_session=True)
             try:
                 kids = descendants(node1.pid)
-                c = Collector(w.stub, gen(max_new_tokens=60))
+                c = Collector(w.stub, gen(max_new_tokens=400))  # still streaming 1 s after the signal
                 assert c.first.wait(60), w.log()
                 os.killpg(node1.pid, signal.SIGTERM)
                 time.sleep(1.0)

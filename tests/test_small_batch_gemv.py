@@ -22,6 +22,7 @@ if not ON_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import triton  # noqa: E402,F401  (no skip: CI must have triton)
+from triton.runtime.errors import OutOfResources  # noqa: E402
 
 from tokenspeed_worker.kernels import gemv  # noqa: E402
 from tokenspeed_worker.kernels.fp8 import quantize_rows_reference  # noqa: E402
@@ -731,6 +732,10 @@ def test_fp8_weights_at_llama_8b_shapes(rows):
             assert isinstance(config, gemv.Persistent) and ("spills" in str(error) or "input elements" in str(error))
             refused.append(config)
             return None
+        except OutOfResources:  # the chooser skips it there: gate_up's two weight tiles overflow shared memory
+            assert isinstance(config, gemv.Fp8Mma)
+            refused.append(config)
+            return None
         ran += 1
         return result
 
@@ -1009,13 +1014,19 @@ def test_mma_at_llama_8b_shapes(rows):
     normed, expected_residual = norm(x, residual)
     expected_qkv, expected_down = _matmul_reference(normed, w_qkv), _matmul_reference(h, w_down)
     expected_act = SiluAndMul()(F.linear(normed.double(), w_gate_up.double()).to(DTYPE))
+    gated = []
     for config in gemv.configs_for(DTYPE, norm=True, rows=rows):
         out, new_residual = gemv.small_batch_linear(x, w_qkv, norm_weight=norm.weight, residual=residual,
                                                     eps=norm.eps, config=config)
         assert torch.equal(new_residual, expected_residual)
         _close(out, expected_qkv)
-        out = gemv.small_batch_linear(x, w_gate_up, norm_weight=norm.weight, residual=residual, eps=norm.eps,
-                                      silu=True, config=config)[0]
+        try:
+            out = gemv.small_batch_linear(x, w_gate_up, norm_weight=norm.weight, residual=residual, eps=norm.eps,
+                                          silu=True, config=config)[0]
+        except OutOfResources:  # the chooser skips it there: two weight tiles per stage overflow shared memory
+            continue
+        gated.append(config)
         torch.testing.assert_close(out, expected_act, atol=3e-2, rtol=3e-2)
+    assert gated, "no tensor-core configuration fits the gate_up site"
     for config in gemv.configs_for(DTYPE, rows=rows):
         _close(gemv.small_batch_linear(h, w_down, config=config)[0], expected_down)

@@ -125,14 +125,19 @@ class SmallBatchGemv:
             return UNFUSED
         config = next((c for c in configs if str(c) == name), None)
         if config is None:
+            logger.info("small-batch GEMV %s: the kept choice %s is not a configuration of this version: timed",
+                        key, name)
             return None
         self._choosing = True
         try:
             agrees = _agrees(fused(config), plain())
-        except Exception:  # a configuration that cannot run here any more: time the site
-            agrees = False
+        except Exception as error:  # a configuration that cannot run here any more: time the site
+            logger.info("small-batch GEMV %s: the kept choice %s fails here (%s): timed", key, name, error)
+            return None
         finally:
             self._choosing = False
+        if not agrees:
+            logger.info("small-batch GEMV %s: the kept choice %s disagrees with the unfused path: timed", key, name)
         return config if agrees else None
 
     def report(self) -> dict[str, dict[str, Any]]:
