@@ -4,7 +4,8 @@
 # Suites:
 #   tests      the test suite on CUDA, without the SmolLM2 and smg gateway tests (neither can travel)
 #              and the proto-contract test (needs grpcio-tools and a registry); PYTEST_ARGS go here;
-#              TESTS_SHARD=I/N runs the I-th of N slices of the test files (a suite longer than a call)
+#              TESTS_SHARD=I/N runs the I-th of N slices of the test files (a suite longer than a call:
+#              with -n 12 --dist loadfile on one H200 the whole suite needs N=3 at TESTS_TIMEOUT=430)
 #   kernels    the kernel, backend and CUDA-graph GPU tests, then bench_kernels.py (KERNELS_ARGS)
 #   selfcheck  scripts/gpu_selfcheck.py
 #   latency    batch-1 decode of the engine alone, 8B and 1B shapes (LATENCY_MODELS), bench_latency.py
@@ -45,7 +46,8 @@
 # call lasts at most 600 s: one 8b_1000 run takes about 130 s, a latency run about 30 s, so give each
 # call what fits (e.g. `AB_TREE=.cache/ab_old bash scripts/gpu_check.sh latency`, then the same with
 # `OFFLINE_CASES=8b_1000 ... offline`).
-# Results: $OUT/SUITE_CASE[_TREE_rROUND].json, their logs in $OUT/logs, an index in $OUT/results.tsv
+# Results: $OUT/SUITE_CASE[_TREE_rROUND].json, their logs in $OUT/logs (with the startup lines of each
+# worker a bench started, logs/SUITE_CASE_startup.txt), an index in $OUT/results.tsv
 # (`python3 scripts/bench_summary.py OUT` prints the table again). DRY_RUN=1 prints what would run and
 # checks that each script, test file and option exists in its tree.
 # A folder too large for one call (a real model) travels in pieces over several calls of one warm lease:
@@ -118,16 +120,31 @@ failed() {  # NAME EXIT: one line, and the log's last error lines
 bench() {
   local suite=$1 case=$2 seconds=$3 script=$4
   shift 4
-  local name=${suite}_$case${tag:+_$tag}
+  local name=${suite}_$case${tag:+_$tag} mark
+  mark=$(mktemp)
   step "$name" "$seconds" "$tree" python3 "$script" --out "$OUT/$name.json" "$@"
   local status=$?
-  dry && return 0
+  dry && { rm -f "$mark"; return 0; }
+  startup_phases "$name" "$mark"
   if [ $status != 0 ] || [ ! -s "$OUT/$name.json" ]; then
     failed "$name" $status
     return
   fi
   printf "%s\t%s\t%s\t%s\t%s\n" "$suite" "$case" "${side:-this}" "${round:-1}" "$name.json" >>"$OUT/results.tsv"
   python3 "$REPO/scripts/bench_summary.py" --line "$suite" "$OUT/$name.json" "$suite $case${tag:+ [$side r$round]}"
+}
+
+# startup_phases NAME MARK: the startup lines of the workers a bench started (their logs newer than MARK,
+# under the tree's .cache/logs) into $OUT/logs/NAME_startup.txt; each worker's phase sum and launch to
+# serving printed (issue 27's breakdown of every start, cold or warm).
+startup_phases() {
+  local logs
+  logs=$(find "$tree/.cache/logs" -name 'worker-*.log' -newer "$2" 2>/dev/null)
+  rm -f "$2"
+  [ -n "$logs" ] || return 0
+  # shellcheck disable=SC2086
+  grep -h "startup\|ready .* after launch\|CUDA graphs\|small-batch" $logs | cut -c1-600 >"$OUT/logs/$1_startup.txt"
+  grep -h "startup phases:\|after launch" "$OUT/logs/$1_startup.txt" | sed 's/^.*INFO //' | cut -c1-400
 }
 
 pytest_run() {  # NAME SECONDS PYTEST_ARGS...: in this tree, with pytest's summary lines
