@@ -166,9 +166,8 @@ def share_small_batch_gemv(runner: ModelRunner, source: ModelRunner) -> None:
 
 def _runner(path, **kwargs) -> ModelRunner:
     kwargs.setdefault("attention_backend", reference_triton_backend())
-    runner = make_runner(
-        str(path), dtype="float32", block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN, max_num_seqs=8, **kwargs
-    )
+    kwargs.setdefault("max_num_seqs", 8)
+    runner = make_runner(str(path), dtype="float32", block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN, **kwargs)
     runner.allocate_kv_cache(NUM_BLOCKS)
     return runner
 
@@ -505,6 +504,19 @@ def test_verify_steps_replay_the_decode_graphs_as_one_row_per_token(llama_path):
             torch.testing.assert_close(runner.greedy_tokens, outputs[-1].argmax(-1))
     assert outputs[0].shape[0] == 4 + 1 + 3
     torch.testing.assert_close(outputs[1], outputs[0], atol=1e-5, rtol=1e-5)
+
+
+def test_the_graph_a_batch_1_verify_step_replays_is_refined_in_step_too(llama_path):
+    """With speculation, the runner has its small-batch chooser refine in-step the sites of the graph a
+    batch-1 verify step (1 + num_speculative_tokens rows) replays, besides batch 1; without, batch 1 only."""
+    from tokenspeed_worker.layers.small_batch_gemv import IN_STEP_TOP, IN_STEP_VERIFY_TOP
+
+    plain = _runner(llama_path, emulate_cuda_graphs=True)
+    assert plain.small_batch_gemv.in_step_tops == {1: IN_STEP_TOP}
+    for drafts, size in ((4, 8), (1, 2), (8, 16)):  # graphs of 1, 2, 4, 8, 16 rows at max_num_seqs 16
+        runner = _runner(llama_path, emulate_cuda_graphs=True, speculative_algorithm="NGRAM",
+                         num_speculative_tokens=drafts, max_num_seqs=16)
+        assert runner.small_batch_gemv.in_step_tops == {1: IN_STEP_TOP, size: IN_STEP_VERIFY_TOP}
 
 
 def test_flatten_verify_refuses_steps_that_are_not_only_verify_rows():

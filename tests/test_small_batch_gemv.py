@@ -295,6 +295,30 @@ def test_in_step_tuning_with_nothing_to_tune(chooser):
     assert chooser.tune_in_step(2, lambda: pytest.fail("batch 1 only")) == {}
 
 
+def test_a_verify_steps_graph_is_refined_in_step_against_the_unfused_path_only(chooser):
+    """With speculative decoding the runner names the graph size a batch-1 verify step replays
+    (refine_verify_step): its sites are refined in-step too, trying only their choice and the unfused
+    path (IN_STEP_VERIFY_TOP = 0), so the tensor cores stay only where the step confirms them."""
+    gate_up, down, plain = ("gate_up", 8), ("down", 8), ("gate_up", 16)
+    _decide(chooser, gate_up, "mma", {"mma": 10.0, "mma2": 10.5, "unfused": 11.0})
+    _decide(chooser, down, "mma", {"mma": 10.0, "unfused": 10.5})
+    _decide(chooser, plain, "mma", {"mma": 10.0, "unfused": 12.0})
+    chooser.refine_verify_step(8)
+    assert small_batch_gemv.IN_STEP_VERIFY_TOP == 0 and chooser.in_step_tops == {1: small_batch_gemv.IN_STEP_TOP, 8: 0}
+    in_step = {gate_up: {"mma": 30.0, "unfused": 0.0}, down: {"mma": 0.0, "unfused": 1.0}}
+    timed = []
+
+    def step_us():
+        timed.append(dict(chooser.decisions))
+        return 6000.0 + sum(in_step[k][chooser.decisions[k]] for k in (gate_up, down))
+
+    report = chooser.tune_in_step(8, step_us)
+    assert chooser.decisions == {gate_up: "unfused", down: "mma", plain: "mma"}
+    assert report["changed"] == {"gate_up/8": ["mma", "unfused"]}
+    assert "mma2" not in {d[gate_up] for d in timed}  # no configuration besides the choice
+    assert chooser.tune_in_step(16, lambda: pytest.fail("not a verify size")) == {}
+
+
 @pytest.mark.parametrize("model, attention_rotates, persistent", [
     ("qwen2-bias", False, False), ("qwen2-bias", True, False), ("qwen2-bias", True, True),
     ("mistral-window-8", False, False),  # a window shorter than the prompts: the epilogue's K/V, a windowed attend

@@ -27,7 +27,8 @@ margin (MARGIN, FOLD_MARGIN); a configuration whose output disagrees with the un
 (AGREEMENT) is refused before it is timed. A shape first seen while capturing takes the unfused
 path. Choices an earlier start kept (`stored`, --cache-dir: kernel_cache.py) are taken untimed
 where they still apply, and are not refined in-step again. The batch-1 choices are then refined inside the whole decode step (`tune_in_step`, before the batch-1
-graph's capture). The runner makes its chooser `current()` while it builds the model; each Linear
+graph's capture); with speculative decoding, also those of the graph a batch-1 verify step replays
+(`refine_verify_step`: its choice against the unfused path only). The runner makes its chooser `current()` while it builds the model; each Linear
 keeps the chooser current at its construction (None: always the unfused path).
 
 layers/fused_kernels.py's mode applies: "off" takes the unfused path; "force" takes the kernel with
@@ -66,6 +67,10 @@ FOLD_MARGIN = 1.05
 IN_STEP_TOP = 3  # configurations per site tried in the step besides its choice and the unfused path
 IN_STEP_MIN_GAIN = 0.003  # a path replaces the current one in-step only if the step gets 0.3 % faster
 IN_STEP_ROWS = (1,)  # batch sizes refined in-step: the latency-bound step
+# Configurations per site tried in-step at a speculative verify step's graph size (refine_verify_step):
+# none besides the choice and the unfused path (the lone timing's one question there: the tensor
+# cores or cuBLAS), which keeps the added startup to about two timed steps per site.
+IN_STEP_VERIFY_TOP = 0
 # A configuration whose output differs from the unfused path's by more than this (relative norm) when
 # first timed is refused: roundings differ by far less (FP8 weights: the scaled GEMM's per-token
 # activation rounding, a few percent), a miscompiled or mis-indexed kernel by far more.
@@ -109,6 +114,7 @@ class SmallBatchGemv:
         self.options: dict[tuple, dict[str, Any]] = {}
         self.in_step: dict[tuple, dict[str, float]] = {}
         self._logged_capture: set[tuple] = set()
+        self.in_step_tops: dict[int, int] = dict.fromkeys(IN_STEP_ROWS, IN_STEP_TOP)  # rows refined in-step: top
         self._choosing = False  # while timing, nested sites (a norm_linear's own projection) take the unfused path
 
     def to_store(self) -> dict[str, str]:
@@ -270,7 +276,12 @@ class SmallBatchGemv:
         (w13: the stacked gate/up weights, layers/moe.FusedMoE)."""
         return self._run("moe_experts", x, w13, None, decode, grouped, configs)
 
-    def tune_in_step(self, rows: int, step_us: Callable[[], float], top: int = IN_STEP_TOP,
+    def refine_verify_step(self, rows: int) -> None:
+        """Refine in-step, too, the choices of the `rows`-row step a speculative verify step replays
+        (the model runner's batch-1 verify graph), with IN_STEP_VERIFY_TOP configurations per site."""
+        self.in_step_tops.setdefault(rows, IN_STEP_VERIFY_TOP)
+
+    def tune_in_step(self, rows: int, step_us: Callable[[], float], top: int | None = None,
                      min_gain: float = IN_STEP_MIN_GAIN) -> dict[str, Any]:
         """Refine the timed choices of the sites seen at `rows` rows inside the whole decode step.
 
@@ -280,11 +291,13 @@ class SmallBatchGemv:
         the current choice, the `top` next fastest configurations alone and the unfused path each time
         a step; the fastest is kept if it beats the current choice by `min_gain` (a fraction of the
         step). The changed set is then timed against the lone-timed set twice, alternately, and kept
-        only if its best step beats theirs by `min_gain` too. Returns
+        only if its best step beats theirs by `min_gain` too. top: None, the rows' own (IN_STEP_TOP
+        at IN_STEP_ROWS, IN_STEP_VERIFY_TOP at a verify step's size). Returns
         {"before_us", "after_us", "changed": {site: [old, new]}}; {} where nothing was timed here (rows
-        not in IN_STEP_ROWS, or no site at these rows not tuned before)."""
-        if rows not in IN_STEP_ROWS:
+        not refined in-step, or no site at these rows not tuned before)."""
+        if rows not in self.in_step_tops:
             return {}
+        top = self.in_step_tops[rows] if top is None else top
         decisions = self.decisions
         original: dict[tuple, Any] = {}
         while True:  # a path tried here can time a site of its own (an unfused path's projection): tune it too
@@ -486,5 +499,5 @@ def building(chooser: SmallBatchGemv | None) -> Iterator[SmallBatchGemv | None]:
         _current = previous
 
 
-__all__ = ["AGREEMENT", "FOLD_MARGIN", "IN_STEP_MIN_GAIN", "IN_STEP_ROWS", "IN_STEP_TOP", "MARGIN", "SmallBatchGemv", "UNFUSED",
+__all__ = ["AGREEMENT", "FOLD_MARGIN", "IN_STEP_MIN_GAIN", "IN_STEP_ROWS", "IN_STEP_TOP", "IN_STEP_VERIFY_TOP", "MARGIN", "SmallBatchGemv", "UNFUSED",
            "building", "current"]

@@ -34,6 +34,7 @@ from tokenspeed_worker.model_executor.cuda_graph import (
     capture_sizes,
     graph_reserve_bytes,
     max_table_width,
+    padded_batch_size,
     resolve_pending_ids,
 )
 from tokenspeed_worker.layers.quantization import kv_scales, methods as quant_methods
@@ -180,6 +181,11 @@ class ModelRunner:
                                              config.model.max_cudagraph_capture_size)
         self.cuda_graphs_off_reason = self._cuda_graphs_off_reason(config.model.enforce_eager)
         self.use_cuda_graphs = self.cuda_graphs_off_reason is None
+        verify_size = padded_batch_size(config.speculative.num_speculative_tokens + 1, self.cudagraph_sizes)
+        if self.verify_in_graphs and verify_size is not None:
+            # A batch-1 verify step replays this graph: its choices were timed alone at these rows, as
+            # for batch 1, so they are checked inside the step too.
+            self.small_batch_gemv.refine_verify_step(verify_size)
         self.cuda_graphs: DecodeGraphs | None = None
         self.graph_bytes = 0  # device memory of the captured decode graphs (capture_cuda_graphs)
         self.capture_report: CaptureReport | None = None
