@@ -154,10 +154,12 @@ pytest_run() {  # NAME SECONDS PYTEST_ARGS...: in this tree, with pytest's summa
   # prints no summary, but its log still says which tests failed).
   # Each failure's traceback goes to logs/NAME_failures.txt as it happens (tests/conftest.py).
   TOKENSPEED_TEST_FAILURE_LOG=$OUT/logs/${name}_failures.txt \
-    step "$name" "$seconds" "$REPO" python3 -m pytest -v -rfE -p no:cacheprovider "$@"
+    step "$name" "$seconds" "$REPO" python3 -m pytest -v -rfE -p no:cacheprovider --durations=30 "$@"
   local status=$?
   dry && return 0
   grep -E " passed| failed|FAILED|ERROR" "$OUT/logs/$name.log" | grep -v "PASSED" | tail -40 | cut -c1-300
+  # The slowest tests (a run that finished), to balance the shards: logs/NAME_durations.txt.
+  sed -n '/slowest .* durations/,/^=\+ .*\(passed\|failed\)/p' "$OUT/logs/$name.log" >"$OUT/logs/${name}_durations.txt"
   [ $status = 0 ] || failed "$name" $status
 }
 
