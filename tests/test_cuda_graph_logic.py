@@ -9,7 +9,9 @@ logits. The `gpu` tests capture real CUDA graphs and assert the same.
 
 from __future__ import annotations
 
+import json
 import logging
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -362,6 +364,45 @@ def test_tuned_decode_choices_reach_each_captured_graph(llama_path, monkeypatch)
     eager = _runner(llama_path, enforce_eager=True, attention_backend=backend)
     eager.tune_attention()
     assert seen["sizes"] == [1, 2, 4, 8]  # without graphs: powers of two up to max_num_seqs (8)
+
+
+def test_decode_attention_thresholds_are_kept_for_the_next_start(llama_path, monkeypatch, tmp_path):
+    """A start times the decode attention's thresholds and keeps them in the cache dir's
+    decode_attention.json; the next start of the same shape takes them untimed; a start that
+    captures a size not kept, or finds a value the backend would not choose, times them all again."""
+    from tokenspeed_worker import kernel_cache
+
+    backend = reference_triton_backend()
+    backend.uses_reference = False  # the reference kernels time nothing; this stand-in does
+    timed = []
+
+    def tune_decode(k_cache, v_cache, dtype, batch_sizes, max_seq_len, timer=None):
+        timed.append(list(batch_sizes))
+        backend.single_split_tokens = {size: 256 if size < 4 else 0 for size in batch_sizes}
+        return dict(backend.single_split_tokens)
+
+    monkeypatch.setattr(backend, "tune_decode", tune_decode)
+    monkeypatch.setattr(kernel_cache, "choices_path", lambda cache_dir, device, name=kernel_cache.CHOICES_FILE:
+                        None if cache_dir is None else Path(cache_dir) / "gpu" / name)
+
+    def start(cache_dir=str(tmp_path), **kwargs):
+        runner = _runner(llama_path, emulate_cuda_graphs=True, attention_backend=backend, cache_dir=cache_dir,
+                         **kwargs)
+        backend.single_split_tokens = {}
+        return runner.tune_attention()
+
+    expected = {1: 256, 2: 256, 4: 0, 8: 0}
+    assert start() == expected and timed == [[1, 2, 4, 8]]
+    path = tmp_path / "gpu" / kernel_cache.ATTENTION_FILE
+    stored = json.loads(path.read_text())
+    assert sorted(stored.values()) == ["0", "0", "256", "256"]
+    assert start() == expected and len(timed) == 1  # the second start: taken, untimed
+    assert backend.single_split_tokens == expected
+    assert start(max_num_seqs=16)[16] == 0 and timed[-1] == [1, 2, 4, 8, 16]  # a size not kept: all timed
+    key = next(k for k in stored if k.endswith("/1"))
+    path.write_text(json.dumps({**stored, key: "300"}))  # not a threshold the backend times
+    assert start() == expected and len(timed) == 3
+    assert start(cache_dir=None) == expected and len(timed) == 4  # no cache dir: always timed
 
 
 def test_failed_decode_timing_leaves_the_split_path(llama_path, monkeypatch, caplog):

@@ -122,15 +122,18 @@ def test_a_second_start_takes_the_first_ones_choices_untimed(tmp_path, tiny_mode
     graph capture and keeps them; the second takes every one of them without timing any."""
     from worker_harness import make_runner
 
-    runners = []
+    runners, attention = [], []
     for _ in range(2):
         runner = make_runner(str(tiny_model_paths["qwen2-bias"]), attention_backend="triton", dtype="bfloat16",
                              device="cuda", max_num_seqs=4, cache_dir=str(tmp_path))
         runner.allocate_kv_cache(64)
+        attention.append((runner.tune_attention(), runner.attention_backend.tuning))
         runner.capture_cuda_graphs()
         runner.keep_kernel_choices()
         runners.append(runner.small_batch_gemv)
     first, second = runners
+    # the decode attention's thresholds likewise: the second start times none of them
+    assert attention[0][0] and attention[1] == (attention[0][0], {})
     assert first.decisions and first.timings and first.reused == 0
     untaken = {k: v for k, v in first.decisions.items() if k not in second.decisions or k in second.timings}
     assert second.reused == len(first.decisions) and not second.timings, (untaken, second.timings)

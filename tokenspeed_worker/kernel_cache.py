@@ -3,13 +3,16 @@
     <cache dir>/triton/                      Triton's compiled kernels (TRITON_CACHE_DIR, unless set)
     <cache dir>/<device key>/small_batch_gemv.json
                                              the small-batch GEMV chooser's choices by site and shape
+    <cache dir>/<device key>/decode_attention.json
+                                             the decode attention's split thresholds by shape and batch
 
 Triton keys its own entries by source, options, target and version, so one folder serves every
 GPU. The timed choices are only valid on the GPU, driver and code that timed them: their folder is
 named by the GPU, its compute capability, the driver, CUDA, torch, triton and this package's
 version (`device_key`). A choice is taken again only if it is still one of the site's
 configurations and still agrees with the unfused path (layers/small_batch_gemv.py); anything else
-is timed as on a first start. Writes are atomic (a temporary file renamed), merged with what
+is timed as on a first start (the attention's thresholds: where every batch size of the start
+has one, a valid one). Writes are atomic (a temporary file renamed), merged with what
 another worker wrote meanwhile.
 """
 
@@ -27,6 +30,7 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 CHOICES_FILE = "small_batch_gemv.json"
+ATTENTION_FILE = "decode_attention.json"
 NONE = "none"
 
 
@@ -81,11 +85,12 @@ def device_key(device: Any) -> str:
     return re.sub(r"[^A-Za-z0-9._+-]+", "_", "-".join(parts))
 
 
-def choices_path(cache_dir: str | None, device: Any) -> Path | None:
-    """The timed-choices file of this device, or None (no cache dir, not a GPU)."""
+def choices_path(cache_dir: str | None, device: Any, name: str = CHOICES_FILE) -> Path | None:
+    """The timed-choices file `name` (CHOICES_FILE, ATTENTION_FILE) of this device, or None (no
+    cache dir, not a GPU)."""
     if cache_dir is None or device.type != "cuda":
         return None
-    return Path(cache_dir) / device_key(device) / CHOICES_FILE
+    return Path(cache_dir) / device_key(device) / name
 
 
 def load_choices(path: Path | None) -> dict[str, str]:

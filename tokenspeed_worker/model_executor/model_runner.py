@@ -113,6 +113,9 @@ class ModelRunner:
         # This runner's small-batch GEMV choices: its layers consult it (layers/small_batch_gemv.py);
         # those an earlier start on this GPU kept (--cache-dir) are taken again untimed.
         self.choices_path = kernel_cache.choices_path(config.model.cache_dir, self.device)
+        # The decode attention's timed split thresholds likewise (tune_attention).
+        self.attention_choices_path = kernel_cache.choices_path(config.model.cache_dir, self.device,
+                                                                kernel_cache.ATTENTION_FILE)
         self.small_batch_gemv = small_batch_gemv.SmallBatchGemv(kernel_cache.load_choices(self.choices_path))
         # (phase, seconds, detail) of this constructor's startup phases (build_runner reports them: startup.py)
         start = time.perf_counter()
@@ -361,16 +364,32 @@ class ModelRunner:
         """Let the attention backend time its decode choices (the triton backend's single-split
         threshold, `tune_decode`) for the decode batch sizes this runner will run: the captured
         sizes, or powers of two up to max_num_seqs without graphs. After allocate_kv_cache, before
-        capture_cuda_graphs (graphs bake the choice in). Returns {batch size: threshold}."""
+        capture_cuda_graphs (graphs bake the choice in). Where an earlier start on this GPU kept a
+        threshold for every one of these sizes at this shape (--cache-dir: kernel_cache.ATTENTION_FILE),
+        they are taken untimed; what is timed is kept for the next start. Returns {batch size: threshold}."""
         tune = getattr(self.attention_backend, "tune_decode", None)
         if tune is None or self.kv_cache is None:
             return {}
         sizes = self.cudagraph_sizes if self.use_cuda_graphs else [
             1 << i for i in range(max(1, self.max_num_seqs).bit_length()) if 1 << i <= self.max_num_seqs]
+        max_seq_len = max_table_width(self.max_model_len, self.block_size) * self.block_size
+        # What the thresholds depend on besides the device (its folder): the attention's shape on this
+        # rank, the dtypes, the block size and the longest context timed.
+        prefix = "/".join(str(p) for p in (
+            self.num_heads, self.num_kv_heads, self.head_dim, self.dtype, self.kv_dtype, self.block_size, max_seq_len))
+        stored = kernel_cache.load_choices(self.attention_choices_path)
+        try:
+            kept = {size: int(stored[f"{prefix}/{size}"]) for size in sizes}
+        except (KeyError, ValueError):  # a size not timed before, or not a number: time them all
+            kept = None
+        take = getattr(self.attention_backend, "take_decode_choices", None)
+        if kept is not None and take is not None and take(kept):
+            logger.info("decode attention: the split thresholds of an earlier start (%d batch sizes, %s)",
+                        len(kept), self.attention_choices_path)
+            return kept
         t0 = time.perf_counter()
         try:
-            chosen = tune(self.kv_cache[0, 0], self.kv_cache[1, 0], self.dtype, sizes,
-                          max_table_width(self.max_model_len, self.block_size) * self.block_size)
+            chosen = tune(self.kv_cache[0, 0], self.kv_cache[1, 0], self.dtype, sizes, max_seq_len)
         except (RuntimeError, ValueError) as error:  # e.g. out of memory for the L2 flush buffer
             # The backend left its choice empty: every request splits as without the timing.
             logger.warning("decode attention timing failed (%s): every request splits as without it", error)
@@ -382,6 +401,9 @@ class ModelRunner:
                         "timed in %.1f s)", {b: t for b, t in chosen.items() if t}, time.perf_counter() - t0)
         logger.debug("decode attention timings (batch: {keys: (split µs, single µs)}): %s",
                      getattr(self.attention_backend, "tuning", {}))
+        if chosen and distributed.rank() == 0:
+            kernel_cache.save_choices(self.attention_choices_path,
+                                      {f"{prefix}/{size}": str(tokens) for size, tokens in chosen.items()})
         return chosen
 
     def keep_kernel_choices(self) -> None:

@@ -171,6 +171,15 @@ class TritonAttentionBackend(AttentionBackend):
             batch_size, self.num_heads, self.head_dim, num_splits, self.device, num_kv_heads=self.num_kv_heads
         )
 
+    def take_decode_choices(self, choices: dict[int, int]) -> bool:
+        """Take thresholds an earlier start timed (`tune_decode`'s result, kept by the model runner
+        in --cache-dir) instead of timing them; each must be 0 or one of SINGLE_SPLIT_CANDIDATES.
+        Returns whether they were taken (False: none is, and tune_decode must run)."""
+        if self.uses_reference or any(v != 0 and v not in SINGLE_SPLIT_CANDIDATES for v in choices.values()):
+            return False
+        self.single_split_tokens = dict(choices)
+        return True
+
     def single_split_for(self, batch_size: int) -> int:
         """The threshold timed for the smallest tuned batch size >= batch_size (0: none tuned)."""
         fits = [size for size in self.single_split_tokens if size >= batch_size]
