@@ -57,6 +57,10 @@ def figures(suite: str, r: dict) -> list[tuple[str, str, float, str]]:
             rows += [(f"text {i}", "x", speedup, f"NGRAM acceptance {run['acceptance']}, same output {same}")
                      for i, (speedup, run, same) in enumerate(zip(text["speedup"], text["ngram"], text["same_output"]))]
         return rows
+    if suite == "startup":  # scripts/startup_probe.py: each step's median over the repeats, per mode
+        return [(f"{mode} {step}", "s", statistics.median(run[step] for run in runs), f"{len(runs)} fresh processes")
+                for mode, runs in r["runs"].items() if runs
+                for step in runs[0] if all(step in run for run in runs)]
     raise SystemExit(f"unknown suite {suite!r}")
 
 

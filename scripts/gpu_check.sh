@@ -19,6 +19,8 @@
 #              SERVING_ROUNDS requests back to back (closed loop) instead of waves of C
 #   prefix     bench_prefix.py, 1B shape (SERVING_MODEL), prefix cache on and off
 #   sampler    bench_sampler.py, batch 256 x vocab 128,256
+#   startup    startup_probe.py: an engine process's first steps (torch, the CUDA driver and context, triton,
+#              transformers and its config) one by one in fresh processes, SERVING_MODEL's config
 #   moe        the MoE tests on CUDA, bench_moe.py (MOE_BENCH_ARGS), then bench_latency.py at MOE_MODELS
 #              (qwen3-30b-a3b; also mixtral-8x7b)
 #   speculative bench_speculative.py: NGRAM through the CLI and gRPC with the oracle drafter at forced
@@ -61,7 +63,7 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT/logs" && OUT=$(cd "$OUT" && pwd)
 DRY_RUN=${DRY_RUN:-0}
 SERVING_MODEL=${SERVING_MODEL:-$REPO/scripts/model_configs/llama-3.2-1b}
-BENCH_SUITES=" latency offline serving prefix sampler "
+BENCH_SUITES=" latency offline serving prefix sampler startup "
 OTHER_SUITES=" tests kernels selfcheck fp8 moe speculative tp "
 suites=()
 while [ $# -gt 0 ] && [[ $1 != -* ]]; do
@@ -389,6 +391,10 @@ suite_speculative() {
 suite_prefix() {
   bench prefix "${SERVING_MODEL##*/}" "${PREFIX_TIMEOUT:-300}" scripts/bench_prefix.py --model "$SERVING_MODEL" \
     --conversations 16 --turns 4 --system-len 1024 --user-len 64 --output-len 32 -- --load-format dummy ${SERVING_ARGS:-}
+}
+
+suite_startup() {
+  bench startup probe "${STARTUP_TIMEOUT:-240}" scripts/startup_probe.py --model "$SERVING_MODEL" --repeats 3
 }
 
 suite_sampler() {

@@ -1,0 +1,26 @@
+"""scripts/startup_probe.py on the CPU machine: each step of an engine process's first seconds timed
+in fresh processes, both modes, and its summary line (the GPU machine adds the driver's steps)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_the_probe_times_each_step_in_fresh_processes(tmp_path, tiny_model_paths):
+    out = tmp_path / "probe.json"
+    subprocess.run([sys.executable, "scripts/startup_probe.py", "--model", str(tiny_model_paths["llama-gqa-tied"]),
+                    "--repeats", "1", "--out", str(out)], cwd=REPO, check=True, capture_output=True, timeout=300)
+    result = json.loads(out.read_text())
+    for mode in ("sequential", "driver_beside_torch_import"):
+        (run,) = result["runs"][mode]
+        assert {"import_torch_s", "import_transformers_s", "autoconfig_from_pretrained_s", "interpreter_s",
+                "total_in_process_s", "wall_s"} <= set(run)
+        assert all(v >= 0 for v in run.values()) and run["wall_s"] >= run["total_in_process_s"]
+    line = subprocess.run([sys.executable, "scripts/bench_summary.py", "--line", "startup", str(out), "probe"],
+                          cwd=REPO, check=True, capture_output=True, text=True).stdout
+    assert "sequential import_torch_s" in line and "driver_beside_torch_import autoconfig_from_pretrained_s" in line
