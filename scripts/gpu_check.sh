@@ -445,6 +445,14 @@ else
   dry || python3 scripts/bench_summary.py "$OUT"
 fi
 
+# The kernel choices this machine's starts kept (scripts/ship_kernel_choices.py ships them with the package).
+if ! dry && compgen -G ~/.cache/tokenspeed-worker/"*"/"*.json" >/dev/null; then
+  for d in ~/.cache/tokenspeed-worker/*/; do
+    compgen -G "$d*.json" >/dev/null || continue
+    mkdir -p "$OUT/kernel_choices/$(basename "$d")" && cp "$d"*.json "$OUT/kernel_choices/$(basename "$d")/"
+  done
+fi
+
 # Send Triton's compiled kernels back (TRITON_CACHE_OUT=1), in pieces under the 16 MiB a file may be.
 if [ "${TRITON_CACHE_OUT:-0}" = 1 ] && [ -d ~/.triton/cache ] && ! dry; then
   tar -czf - -C ~/.triton cache | split -b 15m -d - "$OUT/triton.tgz."

@@ -3,7 +3,9 @@ the small-batch chooser taking a stored choice only where it still applies (unti
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 import types
 
 import pytest
@@ -57,6 +59,40 @@ def test_choices_are_written_atomically_and_merged(tmp_path, caplog):
     assert "timing them again" in caplog.text
     assert kernel_cache.choices_path(str(tmp_path), torch.device("cpu")) is None  # GPUs only
     assert kernel_cache.choices_path(None, torch.device("cuda", 0)) is None
+
+
+def test_a_start_begins_with_the_shipped_choices_of_its_gpu_model_under_its_own(monkeypatch, tmp_path):
+    shipped = tmp_path / "shipped"
+    monkeypatch.setattr(kernel_cache, "SHIPPED_DIR", shipped)
+    monkeypatch.setattr(kernel_cache, "gpu_key", lambda device: "Some_GPU-sm90")
+    cuda = torch.device("cuda", 0)
+    own = tmp_path / "cache" / kernel_cache.CHOICES_FILE
+    assert kernel_cache.stored_choices(own, cuda) == {}  # neither exists
+    (shipped / "Some_GPU-sm90").mkdir(parents=True)
+    (shipped / "Some_GPU-sm90" / kernel_cache.CHOICES_FILE).write_text(json.dumps({"a/1": "unfused", "b/1": "X"}))
+    (shipped / "Some_GPU-sm90" / kernel_cache.ATTENTION_FILE).write_text(json.dumps({"h/1": "256"}))
+    assert kernel_cache.stored_choices(None, cuda) == {"a/1": "unfused", "b/1": "X"}  # also without a cache dir
+    kernel_cache.save_choices(own, {"b/1": "Y", "c/1": "Z"})
+    assert kernel_cache.stored_choices(own, cuda) == {"a/1": "unfused", "b/1": "Y", "c/1": "Z"}  # its own first
+    assert kernel_cache.stored_choices(None, cuda, kernel_cache.ATTENTION_FILE) == {"h/1": "256"}
+    assert kernel_cache.stored_choices(own, torch.device("cpu")) == kernel_cache.load_choices(own)  # off CUDA: none shipped
+
+
+def test_the_package_ships_only_model_sized_choices_in_folders_named_by_gpu_model():
+    """What scripts/ship_kernel_choices.py put in the package: each folder a GPU model's, each file one
+    a start keeps, every key of a shape at least 1024 wide (no test model's)."""
+    folders = [p for p in kernel_cache.SHIPPED_DIR.iterdir() if p.is_dir()]
+    for folder in folders:
+        assert re.fullmatch(r"[A-Za-z0-9._+-]+-sm\d+", folder.name) and "driver" not in folder.name
+        for path in folder.iterdir():
+            assert path.name in (kernel_cache.CHOICES_FILE, kernel_cache.ATTENTION_FILE)
+            choices = kernel_cache.load_choices(path)
+            assert choices
+            for key in choices:
+                parts = key.split("/")
+                wide = (int(parts[2]) >= 1024 and int(parts[3]) >= 1024 if path.name == kernel_cache.CHOICES_FILE
+                        else int(parts[0]) * int(parts[2]) >= 1024)
+                assert wide, (path, key)
 
 
 def test_the_driver_version_is_read_from_the_kernel_module(monkeypatch, tmp_path):

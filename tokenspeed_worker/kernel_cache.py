@@ -7,7 +7,12 @@
                                              the decode attention's split thresholds by shape and batch
 
 Triton keys its own entries by source, options, target and version, so one folder serves every
-GPU. The timed choices are only valid on the GPU, driver and code that timed them: their folder is
+GPU.
+
+The package ships choices timed on the GPUs it was measured on (`kernel_choices/<GPU>-sm<cc>/`, the
+same two files, for the model shapes of its benchmarks): a first start on such a GPU takes them as
+it takes its own from an earlier start (checked the same way), so it compiles and times only what
+they do not cover. A start's own choices, in the cache dir, take precedence over them. The timed choices are only valid on the GPU, driver and code that timed them: their folder is
 named by the GPU, its compute capability, the driver, CUDA, torch, triton and this package's
 version (`device_key`). A choice is taken again only if it is still one of the site's
 configurations and still agrees with the unfused path (layers/small_batch_gemv.py); anything else
@@ -31,6 +36,7 @@ logger = logging.getLogger(__name__)
 
 CHOICES_FILE = "small_batch_gemv.json"
 ATTENTION_FILE = "decode_attention.json"
+SHIPPED_DIR = Path(__file__).parent / "kernel_choices"  # the package's own, by gpu_key
 NONE = "none"
 
 
@@ -83,6 +89,23 @@ def device_key(device: Any) -> str:
     parts = [props.name, f"sm{props.major}{props.minor}", f"driver{_driver_version()}", f"cuda{torch.version.cuda}",
              f"torch{torch.__version__}", f"triton{_version('triton')}", f"tsw{_version('tokenspeed-worker')}"]
     return re.sub(r"[^A-Za-z0-9._+-]+", "_", "-".join(parts))
+
+
+def gpu_key(device: Any) -> str:
+    """A folder name for the GPU model alone (its name and compute capability): the package's
+    shipped choices are looked up by it."""
+    import torch
+
+    props = torch.cuda.get_device_properties(device)
+    return re.sub(r"[^A-Za-z0-9._+-]+", "_", f"{props.name}-sm{props.major}{props.minor}")
+
+
+def stored_choices(path: Path | None, device: Any, name: str = CHOICES_FILE) -> dict[str, str]:
+    """The choices a start begins with: the package's shipped ones for this GPU model (name: which
+    file), overridden by those in `path` (an earlier start's, choices_path); {} off CUDA."""
+    if device.type != "cuda":
+        return load_choices(path)
+    return {**load_choices(SHIPPED_DIR / gpu_key(device) / name), **load_choices(path)}
 
 
 def choices_path(cache_dir: str | None, device: Any, name: str = CHOICES_FILE) -> Path | None:

@@ -111,12 +111,14 @@ class ModelRunner:
         model_class = get_model_class(self.hf_config)
         torch.manual_seed(self.seed)
         # This runner's small-batch GEMV choices: its layers consult it (layers/small_batch_gemv.py);
-        # those an earlier start on this GPU kept (--cache-dir) are taken again untimed.
+        # those an earlier start on this GPU kept (--cache-dir), or the package shipped for this GPU
+        # model, are taken again untimed.
         self.choices_path = kernel_cache.choices_path(config.model.cache_dir, self.device)
         # The decode attention's timed split thresholds likewise (tune_attention).
         self.attention_choices_path = kernel_cache.choices_path(config.model.cache_dir, self.device,
                                                                 kernel_cache.ATTENTION_FILE)
-        self.small_batch_gemv = small_batch_gemv.SmallBatchGemv(kernel_cache.load_choices(self.choices_path))
+        self.small_batch_gemv = small_batch_gemv.SmallBatchGemv(kernel_cache.stored_choices(self.choices_path,
+                                                                                             self.device))
         # (phase, seconds, detail) of this constructor's startup phases (build_runner reports them: startup.py)
         start = time.perf_counter()
         self.startup_timings: list[tuple[str, float, str]] = [
@@ -377,7 +379,7 @@ class ModelRunner:
         # rank, the dtypes, the block size and the longest context timed.
         prefix = "/".join(str(p) for p in (
             self.num_heads, self.num_kv_heads, self.head_dim, self.dtype, self.kv_dtype, self.block_size, max_seq_len))
-        stored = kernel_cache.load_choices(self.attention_choices_path)
+        stored = kernel_cache.stored_choices(self.attention_choices_path, self.device, kernel_cache.ATTENTION_FILE)
         try:
             kept = {size: int(stored[f"{prefix}/{size}"]) for size in sizes}
         except (KeyError, ValueError):  # a size not timed before, or not a number: time them all

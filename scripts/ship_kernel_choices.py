@@ -1,0 +1,54 @@
+"""Ship a GPU run's timed kernel choices with the package (tokenspeed_worker/kernel_choices/).
+
+A start keeps its choices in <cache dir>/<device key>/ (kernel_cache.py); gpu_check.sh sends that
+folder back as $OUT/kernel_choices/<device key>/. This takes the entries of model-sized shapes
+(tests' tiny models share the GPU machine's cache folder: their shapes are left out) and merges
+them into the package's folder for that GPU model (the device key up to its driver part).
+
+    python scripts/ship_kernel_choices.py /work/.device/N/kernel_choices/* [--min-dim 1024]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SHIPPED = REPO / "tokenspeed_worker" / "kernel_choices"
+
+
+def model_sized(name: str, key: str, min_dim: int) -> bool:
+    """Whether a stored key is of a model-sized shape: small_batch_gemv's site/rows/N/K/dtypes with N
+    and K at least min_dim; decode_attention's heads/kv_heads/head_dim/... with heads x head_dim."""
+    parts = key.split("/")
+    try:
+        if name == "small_batch_gemv.json":
+            return int(parts[2]) >= min_dim and int(parts[3]) >= min_dim
+        return int(parts[0]) * int(parts[2]) >= min_dim
+    except (IndexError, ValueError):
+        return False
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("folders", nargs="+", type=Path, help="cache folders named by their device key")
+    parser.add_argument("--min-dim", type=int, default=1024)
+    args = parser.parse_args()
+    for folder in args.folders:
+        gpu = folder.name.split("-driver")[0]
+        for name in ("small_batch_gemv.json", "decode_attention.json"):
+            source = folder / name
+            if not source.exists():
+                continue
+            kept = {k: v for k, v in json.loads(source.read_text()).items() if model_sized(name, k, args.min_dim)}
+            target = SHIPPED / gpu / name
+            merged = {**(json.loads(target.read_text()) if target.exists() else {}), **kept}
+            if merged:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_text(json.dumps(merged, indent=1, sort_keys=True) + "\n")
+            print(f"{target.relative_to(REPO)}: {len(kept)} of {source}'s entries, {len(merged)} in all")
+
+
+if __name__ == "__main__":
+    main()
