@@ -171,7 +171,11 @@ def test_a_second_start_takes_the_first_ones_choices_untimed(tmp_path, tiny_mode
     # the decode attention's thresholds likewise: the second start times none of them
     assert attention[0][0] and attention[1] == (attention[0][0], {})
     assert first.decisions and first.timings and first.reused == 0
-    untaken = {k: v for k, v in first.decisions.items() if k not in second.decisions or k in second.timings}
-    assert second.reused == len(first.decisions) and not second.timings, (untaken, second.timings)
-    assert second.to_store() == first.to_store()
+    # Every site the second start met took the first's choice untimed. It may meet fewer: the first's
+    # in-step tuning tried the unfused path of a site it then kept fused, and that path's own
+    # projection was timed then (a choice the second, taking the fused one, never needs).
+    assert second.decisions and second.reused == len(second.decisions) and not second.timings, second.timings
+    assert second.decisions.items() <= first.decisions.items()
+    unmet = set(first.decisions) - set(second.decisions)
+    assert all(key[0] == "linear" and key[1] in small_batch_gemv.IN_STEP_ROWS for key in unmet), unmet
     assert kernel_cache.load_choices(kernel_cache.choices_path(str(tmp_path), torch.device("cuda"))) == first.to_store()
