@@ -293,3 +293,41 @@ def test_other_node_waits_for_node_0_to_drain(model_dir):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(node1.pid, signal.SIGKILL)
             node1.wait()
+
+
+def _child_whose_library_took_sigterm(conn) -> None:
+    """A child as the engine starts: guard first, then something it loads installs its own SIGTERM
+    handler (as a library may), then still_guarded before it would say it is ready."""
+    import logging
+
+    from tokenspeed_worker.engine import lifetime
+
+    lifetime.guard()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("tokenspeed_worker.engine.lifetime").addHandler(handler)
+    lifetime.still_guarded()
+    conn.send(([signal.getsignal(s) == signal.SIG_IGN for s in (signal.SIGTERM, signal.SIGINT)],
+               [r.getMessage() for r in records]))
+
+
+def test_a_child_ignores_the_stop_signals_again_if_its_startup_undid_it():
+    import multiprocessing
+
+    from tokenspeed_worker.engine import lifetime
+
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_child_whose_library_took_sigterm, args=(child,), daemon=True)
+    lifetime.start(proc)
+    try:
+        assert parent.poll(60)
+        ignored, messages = parent.recv()
+    finally:
+        proc.join(10)
+    assert ignored == [True, True]
+    assert len(messages) == 1 and messages[0].startswith("SIGTERM was no longer ignored after startup")
+    lifetime.still_guarded()  # outside a child: nothing to do, nothing changed
+    assert signal.getsignal(signal.SIGTERM) != signal.SIG_IGN

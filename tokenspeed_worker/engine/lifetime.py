@@ -4,7 +4,8 @@ Stop signals are the server's alone. systemd stops a service with SIGTERM to eve
 cgroup, Ctrl-C sends SIGINT to the whole foreground group, supervisors `kill -- -PGID`: the
 children get the signal too, and one that died of it would fail every request in flight while the
 server drains. So every child ignores SIGTERM and SIGINT (`guard`, the first call of its entry
-point) and exits only when the server tells it to (Shutdown over the pipe; rank 0 broadcasts stop
+point; `still_guarded` checks it again when its startup is over, in case something it loaded
+installed a handler of its own) and exits only when the server tells it to (Shutdown over the pipe; rank 0 broadcasts stop
 to the other ranks), when the server kills it (SIGKILL), or when the server is gone.
 
 The window before the entry point: a "spawn" child starts a fresh interpreter and unpickles its
@@ -82,6 +83,22 @@ def guard() -> None:
     if os.getppid() != parent_pid:  # it died before PDEATHSIG was armed
         os._exit(1)
     threading.Thread(target=_watch_parent, args=(parent_pid,), name="parent-watch", daemon=True).start()
+
+
+def still_guarded() -> None:
+    """In a child, when its startup is over (before it says it is ready): the stop signals ignored
+    again if anything it loaded replaced `guard`'s SIG_IGN (a native library or a Python one
+    installing its own handler would let the service's group signal kill this child mid-drain);
+    says which signal and what had replaced it. A no-op where `guard` is."""
+    parent = multiprocessing.parent_process()
+    if parent is None or threading.current_thread() is not threading.main_thread():
+        return
+    for sig in STOP_SIGNALS:
+        handler = signal.getsignal(sig)
+        if handler != signal.SIG_IGN:
+            logger.warning("%s was no longer ignored after startup (its handler: %r): ignored again",
+                           signal.Signals(sig).name, handler)
+            signal.signal(sig, signal.SIG_IGN)
 
 
 def _arm_pdeathsig() -> None:

@@ -74,6 +74,7 @@ def engine_main(cfg: EngineConfig, conn: Connection, log_level: str = "info", sp
             conn.send(EngineDead(f"engine failed to start: {exc}"))
         finally:
             os._exit(1)
+    lifetime.still_guarded()
     conn.send(core.ready_message())
     try:
         _loop(core, conn)

@@ -120,6 +120,7 @@ def follower_main(cfg: EngineConfig, log_level: str = "info") -> None:
     try:
         join_group(cfg)
         runner, _ = build_runner(cfg)
+        lifetime.still_guarded()
         logger.info("tensor-parallel rank %d of %d ready on %s (pid %d)", rank, size, runner.device, os.getpid())
         run_follower(runner)
     except Exception as exc:  # rank 0 went away, or this rank failed: the others notice through their collectives
