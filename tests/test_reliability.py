@@ -3,7 +3,9 @@ step, overload, and API-key auth — each against a real worker process, each bo
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import threading
 import time
@@ -21,6 +23,17 @@ PROMPT = [5, 17, 42, 99, 7, 3, 250, 11]
 @pytest.fixture(scope="module")
 def model_dir():
     return tiny_models()["llama-gqa-tied"]
+
+
+@pytest.fixture(scope="module")
+def long_model_dir(model_dir, tmp_path_factory):
+    """The tiny model with a 64k context: a request to its limit outlasts a drain timeout of seconds
+    on any machine (a GPU decodes the tiny model's 4k context in about that)."""
+    folder = tmp_path_factory.mktemp("long") / "llama-gqa-tied-64k"
+    shutil.copytree(model_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 65536}))
+    return folder
 
 
 def gen(max_new_tokens=None, stream=True, rid=None):
@@ -63,8 +76,8 @@ def wait_exit(worker: Worker, timeout: float) -> int:
     return worker.proc.returncode
 
 
-def test_sigterm_drains_in_flight_requests_then_aborts_the_rest(model_dir):
-    w = Worker(model_dir, "--max-model-len", "4096", "--max-total-tokens", "16384", "--drain-timeout", "3")
+def test_sigterm_drains_in_flight_requests_then_aborts_the_rest(long_model_dir):
+    w = Worker(long_model_dir, "--max-model-len", "65536", "--max-total-tokens", "131072", "--drain-timeout", "3")
     health = health_pb2_grpc.HealthStub(w.channel)
     short = [Collector(w.stub, gen(max_new_tokens=30)) for _ in range(2)]
     long = [Collector(w.stub, gen()) for _ in range(2)]  # to the context limit: cannot finish in 3 s
