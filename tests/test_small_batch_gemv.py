@@ -899,8 +899,11 @@ def test_gemma_forms_at_gemma_3_12b_shapes(rows):
 
 
 def test_compile_only_mode_submits_compiles_and_launches_nothing(monkeypatch):
-    """gemv._launch launches a kernel, or in compile-only mode hands it to Triton's warmup (which
-    AsyncCompileMode turns into a compile on the pool); compiling() is a no-op in the interpreter."""
+    """gemv._launch (kernels/compile_ahead.launch) launches a kernel, or in compile-only mode hands it
+    to Triton's warmup (which AsyncCompileMode turns into a compile on the pool); compiling() is a
+    no-op in the interpreter."""
+    from tokenspeed_worker.kernels import compile_ahead
+
     calls = []
 
     class Kernel:
@@ -912,13 +915,14 @@ def test_compile_only_mode_submits_compiles_and_launches_nothing(monkeypatch):
 
     kernel = Kernel()
     gemv._launch(kernel, (3,), 1, 2, ROWS=4)
-    monkeypatch.setattr(gemv, "_compile_only", True)
+    monkeypatch.setattr(compile_ahead, "_active", True)
     gemv._launch(kernel, (3,), 1, 2, ROWS=4)
     assert calls == [("launch", (3,), (1, 2), {"ROWS": 4}), ("warmup", (3,), (1, 2), {"ROWS": 4})]
-    monkeypatch.setattr(gemv, "_compile_only", False)
+    monkeypatch.setattr(compile_ahead, "_active", False)
     if not ON_CUDA:  # the interpreter compiles nothing: the mode stays off and kernels run
+        assert not compile_ahead.available()
         with gemv.compiling():
-            assert not gemv._compile_only
+            assert not compile_ahead.active()
             x, w = _randn(2, 64, seed=1), _randn(32, 64, seed=2)
             _close(gemv.small_batch_linear(x, w, config=gemv.CONFIGS[0])[0], _matmul_reference(x, w))
 
@@ -928,6 +932,8 @@ def test_compile_only_mode_submits_compiles_and_launches_nothing(monkeypatch):
 def test_compiling_fills_the_kernel_cache_before_the_first_launch():
     """Under compiling(), small_batch_linear's kernels for several configurations compile on the pool
     and land in Triton's cache: the launches after it compile nothing and compute the product."""
+    from tokenspeed_worker.kernels import compile_ahead
+
     x, w = _randn(3, 320, seed=5, dtype=torch.float16), _randn(96, 320, seed=6, scale=0.05, dtype=torch.float16)
     norm = RMSNorm(320, eps=1e-5).to(DEVICE, torch.float16)
     configs = [c for c in gemv.NORM_CONFIGS if not isinstance(c, gemv.Persistent)][:4]
@@ -936,8 +942,8 @@ def test_compiling_fills_the_kernel_cache_before_the_first_launch():
     with gemv.compiling():
         for config in configs:
             gemv.small_batch_linear(x, w, norm_weight=norm.weight, eps=norm.eps, config=config)
-        assert gemv._compile_only
-    assert not gemv._compile_only
+        assert compile_ahead.active()
+    assert not compile_ahead.active()
     compiled = len(cache) - before
     assert compiled == len(configs), (before, len(cache))
     expected = _matmul_reference(norm(x), w)

@@ -24,6 +24,7 @@ from tokenspeed_worker.layers.attention import (
 )
 import reference_attention
 from reference_attention import reference_kernels, reference_paged_decode_attention, reference_paged_extend_attention
+from tokenspeed_worker.kernels import compile_ahead
 from tokenspeed_worker.kernels import attention as triton_kernels
 from tokenspeed_worker.layers.attention.triton_backend import TUNE_CALLS
 from tokenspeed_worker.model_executor.model_runner import ModelRunner
@@ -401,6 +402,9 @@ def test_warm_up_runs_each_attention_variant_and_leaves_the_cache_alone(monkeypa
     seen = []
 
     def extend(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out, max_query_len):
+        if compile_ahead.active():  # a GPU's first pass compiles each variant, runs none: not recorded
+            return triton_kernels.paged_extend_attention(q, k_cache, v_cache, block_tables, query_start_loc,
+                                                         seq_lens, scale, out, max_query_len=max_query_len)
         seen.append(max_query_len)
         assert q.shape[0] == max_query_len and block_tables.shape == (1, -(-max_query_len // BLOCK_SIZE))
         assert int(seq_lens[0]) == max_query_len and query_start_loc.tolist() == [0, max_query_len]
@@ -409,6 +413,9 @@ def test_warm_up_runs_each_attention_variant_and_leaves_the_cache_alone(monkeypa
         assert torch.isfinite(out).all()
 
     def decode(q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_splits, workspace, rope):
+        if compile_ahead.active():
+            return triton_kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, out,
+                                                         num_splits=num_splits, workspace=workspace, rope=rope)
         seen.append(("decode", num_splits, rope is not None))
         triton_kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, out,
                                               num_splits=num_splits, workspace=workspace, rope=rope)
@@ -430,6 +437,38 @@ def test_warm_up_runs_each_attention_variant_and_leaves_the_cache_alone(monkeypa
                     ("decode", 2, True)]
     assert torch.equal(k_cache, k_before) and torch.equal(v_cache, v_before)
     assert _backend().warm_up(k_cache, v_cache, torch.float32) == 0  # the reference compiles nothing
+
+
+def test_warm_up_compiles_every_variant_side_by_side_before_running_each(monkeypatch):
+    """Where Triton compiles (a GPU), warm_up first hands every variant to compile-ahead mode (each
+    launch only submits its compile: kernels/compile_ahead.py), then runs each once, compiled."""
+    from contextlib import contextmanager
+    from types import SimpleNamespace
+
+    passes = []
+
+    @contextmanager
+    def compiling():
+        monkeypatch.setattr(compile_ahead, "_active", True)
+        try:
+            yield
+        finally:
+            monkeypatch.setattr(compile_ahead, "_active", False)
+
+    monkeypatch.setattr(compile_ahead, "available", lambda: True)
+    monkeypatch.setattr(compile_ahead, "compiling", compiling)
+    kernels = SimpleNamespace(
+        paged_extend_attention=lambda *args, **kwargs: passes.append(("extend", compile_ahead.active())),
+        paged_decode_attention=lambda *args, **kwargs: passes.append(("decode", compile_ahead.active())),
+        choose_num_splits=triton_kernels.choose_num_splits, decode_workspace=triton_kernels.decode_workspace)
+    backend = TritonAttentionBackend(DEVICE, kernels=kernels)
+    backend.setup(num_heads=4, num_kv_heads=2, head_dim=16, block_size=BLOCK_SIZE)
+    k_cache = torch.randn(backend.kv_cache_shape(4, BLOCK_SIZE, 2, 16), device=DEVICE)
+    variants = len(TritonAttentionBackend.WARM_UP_QUERY_LENS) + 4
+    assert backend.warm_up(k_cache, torch.randn_like(k_cache), torch.float32) == variants
+    assert [active for _, active in passes] == [True] * variants + [False] * variants
+    names = [name for name, _ in passes]
+    assert names[:variants] == names[variants:] and not compile_ahead.active()
 
 
 # -- the decode kernel's single-split threshold, timed at startup ---------------------------

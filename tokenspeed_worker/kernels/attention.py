@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenspeed_worker.kernels import pdl
+from tokenspeed_worker.kernels import compile_ahead, pdl
 from tokenspeed_worker.kernels.norm import interpreting
 from tokenspeed_worker.layers.kv_cache import saturation_limit
 
@@ -704,7 +704,8 @@ def paged_decode_attention(
         rope_args = (q, q, seq_lens, q, q, seq_lens, q, q)  # unused pointers
         rope_strides = (0,) * 6
     pdl_on = pdl.enabled(q.device)
-    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+    compile_ahead.launch(
+        _decode_split_kernel, (batch, num_kv_heads, num_splits),
         q, k_cache, v_cache, block_tables, seq_lens,
         out, partial_out, partial_lse, counter,
         *rope_args,
@@ -799,7 +800,8 @@ def paged_extend_attention(
     block_m, block_n, num_warps, num_stages = _extend_config(head_dim, group, max_query_len, element_size)
     block_q = block_m // group
     grid = (triton.cdiv(max_query_len, block_q), num_kv_heads, batch)
-    _extend_kernel[grid](
+    compile_ahead.launch(
+        _extend_kernel, grid,
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
         float(scale) * LOG2E,
         q.stride(0), q.stride(1),

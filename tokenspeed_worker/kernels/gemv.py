@@ -34,15 +34,13 @@ Importable without triton: AVAILABLE says whether the kernel can be used.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import NamedTuple
 
 import torch
 
-from tokenspeed_worker.kernels import pdl
+from tokenspeed_worker.kernels import compile_ahead, pdl
 from tokenspeed_worker.kernels.fp8 import FP8_MAX as _FP8_MAX, MIN_SCALE as _FP8_MIN_SCALE
 from tokenspeed_worker.layers.kv_cache import saturation_limit
 
@@ -834,47 +832,11 @@ if AVAILABLE:
 
 _spills: dict[tuple, int] = {}
 
-# Compile-only mode (`compiling`): small_batch_linear hands each kernel it would launch to Triton's
-# asynchronous compilation (triton.runtime._async_compile.AsyncCompileMode: `warmup` submits the
-# compile to an executor and launches nothing), so the configurations a site is about to time
-# compile side by side in threads instead of one after another at their first launch. Triton
-# ships the mode but no pool: hence this context. Its output is never meaningful.
-_compile_only = False
-_pool = None
-COMPILE_THREADS = 8  # at most os.cpu_count(); ptxas runs as its own process, so compiles overlap at least there
-
-
-@contextmanager
-def compiling() -> Iterator[None]:
-    """Within the block, small_batch_linear compiles what it would launch and launches nothing (its
-    outputs are garbage); on leaving, every compile submitted has finished (one that failed is
-    left for the real launch to compile and report). A no-op where Triton cannot compile (the
-    interpreter) or is not installed."""
-    global _compile_only, _pool
-    if not AVAILABLE or interpreting() or _compile_only:
-        yield
-        return
-    import os
-    from concurrent.futures import ThreadPoolExecutor
-
-    from triton.runtime._async_compile import AsyncCompileMode
-
-    if _pool is None:
-        _pool = ThreadPoolExecutor(max(1, min(COMPILE_THREADS, os.cpu_count() or 1)), thread_name_prefix="gemv-compile")
-    _compile_only = True
-    try:
-        with AsyncCompileMode(_pool, ignore_errors=True):
-            yield
-    finally:
-        _compile_only = False
-
-
-def _launch(kernel, grid: tuple, *args, **meta) -> None:
-    """kernel[grid](*args, **meta), or (compile-only mode) its compile submitted."""
-    if _compile_only:
-        kernel.warmup(*args, grid=grid, **meta)
-    else:
-        kernel[grid](*args, **meta)
+# The configurations a site is about to time compile side by side (kernels/compile_ahead.py):
+# small_batch_linear launches through `_launch`, which only submits compiles within `compiling()`.
+_launch = compile_ahead.launch
+compiling = compile_ahead.compiling
+COMPILE_THREADS = compile_ahead.COMPILE_THREADS
 
 
 def spilled_registers(args: tuple, meta: dict, shape_key: tuple) -> int:
@@ -883,7 +845,7 @@ def spilled_registers(args: tuple, meta: dict, shape_key: tuple) -> int:
     in registers; where that is too much the compiler spills to local memory, which the driver then
     reserves at launch for every thread the GPU can hold: memory the KV pool was sized without.
     0 in the interpreter."""
-    if interpreting() or _compile_only:  # compile-only: checked at the real launch, from the cache
+    if interpreting() or compile_ahead.active():  # compile-only: checked at the real launch, from the cache
         return 0
     key = (*shape_key, *sorted(meta.items()))
     if key not in _spills:

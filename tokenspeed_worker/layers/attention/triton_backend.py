@@ -19,15 +19,19 @@ that batch size's `single_split_tokens`.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tokenspeed_worker.kernels import compile_ahead
 from tokenspeed_worker.kernels.attention import DecodeRope
 from tokenspeed_worker.layers.attention.backend import AttentionBackend, AttentionInputs
 from tokenspeed_worker.kernels.timing import l2_flush_buffer, time_us
 from tokenspeed_worker.layers.kv_cache import write_kv_cache
+
+logger = logging.getLogger(__name__)
 
 # The decode kernel's single-split threshold (tune_decode): contexts tried, in keys; the margin by
 # which one program per kv head must beat the split path to be taken (timing noise must not make a
@@ -254,9 +258,19 @@ class TritonAttentionBackend(AttentionBackend):
         step's decode rows or an eager decode step may, each also with its own rotary (as decode-only
         steps run it: q/k/v views of one projection output, int64 positions and slots); all over
         block 0 of the given layer cache: reads it, and puts back the slot the rotary calls write.
+        The variants first compile side by side (kernels/compile_ahead.py), then each runs once.
         Returns the calls made (0 with the reference kernels, which compile nothing)."""
         if self.uses_reference:
             return 0
+        if compile_ahead.available():
+            try:
+                with compile_ahead.compiling():
+                    self._warm_up_variants(k_cache, v_cache, dtype)
+            except Exception as error:  # noqa: BLE001 (the runs below compile what this did not, one by one)
+                logger.debug("attention variants not compiled ahead: %s", error)
+        return self._warm_up_variants(k_cache, v_cache, dtype)
+
+    def _warm_up_variants(self, k_cache: torch.Tensor, v_cache: torch.Tensor, dtype: torch.dtype) -> int:
         device = k_cache.device
         calls = 0
         for query_len in self.WARM_UP_QUERY_LENS:
