@@ -7,18 +7,18 @@
                                              the decode attention's split thresholds by shape and batch
 
 Triton keys its own entries by source, options, target and version, so one folder serves every
-GPU.
-
-The package ships choices timed on the GPUs it was measured on (`kernel_choices/<GPU>-sm<cc>/`, the
-same two files, for the model shapes of its benchmarks): a first start on such a GPU takes them as
-it takes its own from an earlier start (checked the same way), so it compiles and times only what
-they do not cover. A start's own choices, in the cache dir, take precedence over them. The timed choices are only valid on the GPU, driver and code that timed them: their folder is
+GPU. The timed choices are only valid on the GPU, driver and code that timed them: their folder is
 named by the GPU, its compute capability, the driver, CUDA, torch, triton and this package's
 version (`device_key`). A choice is taken again only if it is still one of the site's
 configurations and still agrees with the unfused path (layers/small_batch_gemv.py); anything else
 is timed as on a first start (the attention's thresholds: where every batch size of the start
 has one, a valid one). Writes are atomic (a temporary file renamed), merged with what
 another worker wrote meanwhile.
+
+The package ships choices timed on the GPUs it was measured on (`kernel_choices/<GPU>-sm<cc>/`, the
+same two files, for the model shapes of its benchmarks): a first start on such a GPU takes them as
+it takes its own from an earlier start (checked the same way), so it compiles and times only what
+they do not cover. A start's own choices, in the cache dir, take precedence over them.
 """
 
 from __future__ import annotations

@@ -386,8 +386,8 @@ class ModelRunner:
             kept = None
         take = getattr(self.attention_backend, "take_decode_choices", None)
         if kept is not None and take is not None and take(kept):
-            logger.info("decode attention: the split thresholds of an earlier start (%d batch sizes, %s)",
-                        len(kept), self.attention_choices_path)
+            logger.info("decode attention: the split thresholds of an earlier start or the package's, untimed "
+                        "(%d batch sizes)", len(kept))
             return kept
         t0 = time.perf_counter()
         try:
