@@ -267,7 +267,7 @@ class TritonAttentionBackend(AttentionBackend):
                 with compile_ahead.compiling():
                     self._warm_up_variants(k_cache, v_cache, dtype)
             except Exception as error:  # noqa: BLE001 (the runs below compile what this did not, one by one)
-                logger.debug("attention variants not compiled ahead: %s", error)
+                logger.info("attention variants not compiled ahead (%s): each compiles at its run", error)
         return self._warm_up_variants(k_cache, v_cache, dtype)
 
     def _warm_up_variants(self, k_cache: torch.Tensor, v_cache: torch.Tensor, dtype: torch.dtype) -> int:
