@@ -11,11 +11,12 @@ them into the package's folder for that GPU model (the device key up to its driv
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-SHIPPED = REPO / "tokenspeed_worker" / "kernel_choices"
+sys.path.insert(0, str(REPO))
+from tokenspeed_worker import kernel_cache  # noqa: E402  (imports no torch)
 
 
 def model_sized(name: str, key: str, min_dim: int) -> bool:
@@ -23,7 +24,7 @@ def model_sized(name: str, key: str, min_dim: int) -> bool:
     and K at least min_dim; decode_attention's heads/kv_heads/head_dim/... with heads x head_dim."""
     parts = key.split("/")
     try:
-        if name == "small_batch_gemv.json":
+        if name == kernel_cache.CHOICES_FILE:
             return int(parts[2]) >= min_dim and int(parts[3]) >= min_dim
         return int(parts[0]) * int(parts[2]) >= min_dim
     except (IndexError, ValueError):
@@ -36,18 +37,14 @@ def main() -> None:
     parser.add_argument("--min-dim", type=int, default=1024)
     args = parser.parse_args()
     for folder in args.folders:
-        gpu = folder.name.split("-driver")[0]
-        for name in ("small_batch_gemv.json", "decode_attention.json"):
+        gpu = folder.name.split("-driver")[0]  # device_key begins with gpu_key, then the driver part
+        for name in (kernel_cache.CHOICES_FILE, kernel_cache.ATTENTION_FILE):
             source = folder / name
-            if not source.exists():
-                continue
-            kept = {k: v for k, v in json.loads(source.read_text()).items() if model_sized(name, k, args.min_dim)}
-            target = SHIPPED / gpu / name
-            merged = {**(json.loads(target.read_text()) if target.exists() else {}), **kept}
-            if merged:
-                target.parent.mkdir(parents=True, exist_ok=True)
-                target.write_text(json.dumps(merged, indent=1, sort_keys=True) + "\n")
-            print(f"{target.relative_to(REPO)}: {len(kept)} of {source}'s entries, {len(merged)} in all")
+            kept = {k: v for k, v in kernel_cache.load_choices(source).items() if model_sized(name, k, args.min_dim)}
+            target = kernel_cache.SHIPPED_DIR / gpu / name
+            kernel_cache.save_choices(target, kept)  # merged into what is shipped already
+            print(f"{target.relative_to(REPO)}: {len(kept)} of {source}'s entries, "
+                  f"{len(kernel_cache.load_choices(target))} in all")
 
 
 if __name__ == "__main__":

@@ -899,8 +899,8 @@ def test_gemma_forms_at_gemma_3_12b_shapes(rows):
 
 
 def test_compile_only_mode_submits_compiles_and_launches_nothing(monkeypatch):
-    """gemv._launch (kernels/compile_ahead.launch) launches a kernel, or in compile-only mode hands it
-    to Triton's warmup (which AsyncCompileMode turns into a compile on the pool); compiling() is a
+    """compile_ahead.launch (small_batch_linear's launches) launches a kernel, or in compile-only mode
+    hands it to Triton's warmup (which AsyncCompileMode turns into a compile on the pool); compiling() is a
     no-op in the interpreter."""
     from tokenspeed_worker.kernels import compile_ahead
 
@@ -914,14 +914,14 @@ def test_compile_only_mode_submits_compiles_and_launches_nothing(monkeypatch):
             return lambda *args, **meta: calls.append(("launch", grid, args, meta))
 
     kernel = Kernel()
-    gemv._launch(kernel, (3,), 1, 2, ROWS=4)
+    compile_ahead.launch(kernel, (3,), 1, 2, ROWS=4)
     monkeypatch.setattr(compile_ahead, "_active", True)
-    gemv._launch(kernel, (3,), 1, 2, ROWS=4)
+    compile_ahead.launch(kernel, (3,), 1, 2, ROWS=4)
     assert calls == [("launch", (3,), (1, 2), {"ROWS": 4}), ("warmup", (3,), (1, 2), {"ROWS": 4})]
     monkeypatch.setattr(compile_ahead, "_active", False)
     if not ON_CUDA:  # the interpreter compiles nothing: the mode stays off and kernels run
         assert not compile_ahead.available()
-        with gemv.compiling():
+        with compile_ahead.compiling():
             assert not compile_ahead.active()
             x, w = _randn(2, 64, seed=1), _randn(32, 64, seed=2)
             _close(gemv.small_batch_linear(x, w, config=gemv.CONFIGS[0])[0], _matmul_reference(x, w))
@@ -939,7 +939,7 @@ def test_compiling_fills_the_kernel_cache_before_the_first_launch():
     configs = [c for c in gemv.NORM_CONFIGS if not isinstance(c, gemv.Persistent)][:4]
     cache = gemv._gemv_kernel.device_caches[torch.cuda.current_device()][0]
     before = len(cache)
-    with gemv.compiling():
+    with compile_ahead.compiling():
         for config in configs:
             gemv.small_batch_linear(x, w, norm_weight=norm.weight, eps=norm.eps, config=config)
         assert compile_ahead.active()

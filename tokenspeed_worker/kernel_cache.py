@@ -85,19 +85,22 @@ def device_key(device: Any) -> str:
     its compute capability, the driver, CUDA, torch, triton and this package's version."""
     import torch  # here, not at import: the CLI's parsing resolves --cache-dir without torch
 
-    props = torch.cuda.get_device_properties(device)
-    parts = [props.name, f"sm{props.major}{props.minor}", f"driver{_driver_version()}", f"cuda{torch.version.cuda}",
-             f"torch{torch.__version__}", f"triton{_version('triton')}", f"tsw{_version('tokenspeed-worker')}"]
-    return re.sub(r"[^A-Za-z0-9._+-]+", "_", "-".join(parts))
+    parts = [f"driver{_driver_version()}", f"cuda{torch.version.cuda}", f"torch{torch.__version__}",
+             f"triton{_version('triton')}", f"tsw{_version('tokenspeed-worker')}"]
+    return "-".join([gpu_key(device), _folder_name("-".join(parts))])
 
 
 def gpu_key(device: Any) -> str:
     """A folder name for the GPU model alone (its name and compute capability): the package's
-    shipped choices are looked up by it."""
+    shipped choices are looked up by it; device_key begins with it."""
     import torch
 
     props = torch.cuda.get_device_properties(device)
-    return re.sub(r"[^A-Za-z0-9._+-]+", "_", f"{props.name}-sm{props.major}{props.minor}")
+    return _folder_name(f"{props.name}-sm{props.major}{props.minor}")
+
+
+def _folder_name(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._+-]+", "_", text)
 
 
 def stored_choices(path: Path | None, device: Any, name: str = CHOICES_FILE) -> dict[str, str]:

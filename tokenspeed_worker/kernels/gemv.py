@@ -832,13 +832,6 @@ if AVAILABLE:
 
 _spills: dict[tuple, int] = {}
 
-# The configurations a site is about to time compile side by side (kernels/compile_ahead.py):
-# small_batch_linear launches through `_launch`, which only submits compiles within `compiling()`.
-_launch = compile_ahead.launch
-compiling = compile_ahead.compiling
-COMPILE_THREADS = compile_ahead.COMPILE_THREADS
-
-
 def spilled_registers(args: tuple, meta: dict, shape_key: tuple) -> int:
     """Registers the persistent kernel spills for these arguments (compiled, not launched; cached
     per shape and constexprs). Each persistent program holds its input rows and two weight strips
@@ -1020,7 +1013,7 @@ def small_batch_linear(
     pdl_on = pdl.enabled(x.device)
     if mma:
         out_rows = out.view(-1, n)
-        _launch(
+        compile_ahead.launch(
             _gemv_mma_kernel, (triton.cdiv(n, block_n),),
             rows, residual_rows, residual_out_rows, norm_weight if norm_weight is not None else weight, weight,
             weight_scale if weight_scale is not None else weight, bias if bias is not None else weight, out_rows,
@@ -1049,7 +1042,7 @@ def small_batch_linear(
         if spills:
             raise ValueError(f"{config} spills {spills} registers at {m} rows x K {k}: refused (a spilling kernel "
                              f"makes the driver reserve local memory for every resident thread)")
-        _launch(_gemv_persistent_kernel, (programs,), *args, **meta)
+        compile_ahead.launch(_gemv_persistent_kernel, (programs,), *args, **meta)
         return out, residual_out
     scales = weight if weight_scale is None and weight_block_scales is None else (
         weight_scale if weight_block_scales is None else weight_block_scales.scales)
@@ -1068,7 +1061,7 @@ def small_batch_linear(
         stride_kc_slot, stride_kc_h = k_slots.stride(0), k_slots.stride(1)
         stride_vc_slot, stride_vc_h = v_slots.stride(0), v_slots.stride(1)
         heads = (rotary.num_heads, rotary.num_kv_heads, rotary.head_dim)
-    _launch(
+    compile_ahead.launch(
         _gemv_kernel, (grid,),
         rows, residual_rows, residual_out_rows,
         norm_weight if norm_weight is not None else weight, weight,
@@ -1106,5 +1099,5 @@ def small_batch_linear(
     return out, residual_out
 
 
-__all__ = ["AVAILABLE", "BlockScales", "COMPILE_THREADS", "compiling", "takes_block_scales", "CONFIGS", "FP8_CONFIGS", "FP8_MMA_CONFIGS", "Fp8Mma", "MMA_CONFIGS", "MMA_MAX_ROWS", "Mma", "supports_rotary", "FP8_NORM_CONFIGS", "MAX_ROWS", "takes_gemma_forms", "NORM_CONFIGS", "configs_for", "PERSISTENT_MAX_ELEMENTS", "Persistent", "RotaryKV",
+__all__ = ["AVAILABLE", "BlockScales", "takes_block_scales", "CONFIGS", "FP8_CONFIGS", "FP8_MMA_CONFIGS", "Fp8Mma", "MMA_CONFIGS", "MMA_MAX_ROWS", "Mma", "supports_rotary", "FP8_NORM_CONFIGS", "MAX_ROWS", "takes_gemma_forms", "NORM_CONFIGS", "configs_for", "PERSISTENT_MAX_ELEMENTS", "Persistent", "RotaryKV",
            "small_batch_linear"]

@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from tokenspeed_worker.kernels import compile_ahead
 from tokenspeed_worker.kernels.timing import l2_flush_buffer, time_us
 from tokenspeed_worker.layers.fused_kernels import fused_kernels_mode, use_fused
 
@@ -390,7 +391,7 @@ class SmallBatchGemv:
         self._choosing = True
         try:
             if kernels is not None:  # every configuration's kernel compiled side by side, then each timed
-                with kernels.compiling():
+                with compile_ahead.compiling():
                     for config in configs:
                         try:
                             fused(config)
