@@ -57,6 +57,10 @@ def figures(suite: str, r: dict) -> list[tuple[str, str, float, str]]:
             rows += [(f"text {i}", "x", speedup, f"NGRAM acceptance {run['acceptance']}, same output {same}")
                      for i, (speedup, run, same) in enumerate(zip(text["speedup"], text["ngram"], text["same_output"]))]
         return rows
+    if suite == "startup" and "models" in r:  # scripts/bench_startup.py: launch to healthy, cold then warm
+        return [(f"{model} {kind}", "s", run["healthy_s"],
+                 f"first request {run['first_request_s']:.2f} s; phases {run['phases']}")
+                for model, runs in r["models"].items() for kind, run in runs.items()]
     if suite == "startup":  # scripts/startup_probe.py: each step's median over the repeats, per mode
         return [(f"{mode} {step}", "s", statistics.median(run[step] for run in runs), f"{len(runs)} fresh processes")
                 for mode, runs in r["runs"].items() if runs

@@ -20,7 +20,9 @@
 #   prefix     bench_prefix.py, 1B shape (SERVING_MODEL), prefix cache on and off
 #   sampler    bench_sampler.py, batch 256 x vocab 128,256
 #   startup    startup_probe.py: an engine process's first steps (torch, the CUDA driver and context, triton,
-#              transformers and its config) one by one in fresh processes, SERVING_MODEL's config
+#              transformers and its config) one by one in fresh processes, SERVING_MODEL's config; then
+#              bench_startup.py: launch to healthy through the CLI, cold (an empty --cache-dir) then warm
+#              (the same folder again), for STARTUP_MODELS (llama-3.1-8b llama-3.2-1b)
 #   moe        the MoE tests on CUDA, bench_moe.py (MOE_BENCH_ARGS), then bench_latency.py at MOE_MODELS
 #              (qwen3-30b-a3b; also mixtral-8x7b)
 #   speculative bench_speculative.py: NGRAM through the CLI and gRPC with the oracle drafter at forced
@@ -395,6 +397,11 @@ suite_prefix() {
 
 suite_startup() {
   bench startup probe "${STARTUP_TIMEOUT:-240}" scripts/startup_probe.py --model "$SERVING_MODEL" --repeats 3
+  local m
+  for m in ${STARTUP_MODELS:-llama-3.1-8b llama-3.2-1b}; do
+    bench startup "$m" "${STARTUP_BENCH_TIMEOUT:-420}" scripts/bench_startup.py --model "$REPO/scripts/model_configs/$m" \
+      -- ${SERVING_ARGS:-}
+  done
 }
 
 suite_sampler() {

@@ -24,3 +24,19 @@ def test_the_probe_times_each_step_in_fresh_processes(tmp_path, tiny_model_paths
     line = subprocess.run([sys.executable, "scripts/bench_summary.py", "--line", "startup", str(out), "probe"],
                           cwd=REPO, check=True, capture_output=True, text=True).stdout
     assert "sequential import_torch_s" in line and "driver_beside_torch_import autoconfig_from_pretrained_s" in line
+
+
+def test_the_startup_bench_starts_cold_then_warm_from_one_cache_folder(tmp_path, tiny_model_paths):
+    """scripts/bench_startup.py through the real CLI: an empty --cache-dir, then the same again; each start
+    healthy, then serving its first request, with the worker's own phase line."""
+    out = tmp_path / "startup.json"
+    subprocess.run([sys.executable, "scripts/bench_startup.py", "--model", str(tiny_model_paths["llama-gqa-tied"]),
+                    "--out", str(out)], cwd=REPO, check=True, capture_output=True, timeout=300)
+    runs = json.loads(out.read_text())["models"]["llama-gqa-tied"]
+    assert list(runs) == ["cold", "warm"]
+    for run in runs.values():
+        assert run["healthy_s"] > 0 and run["first_request_tokens"] == 16
+        assert run["worker_ready_s"] is not None and "weight load" in run["phases"]
+    line = subprocess.run([sys.executable, "scripts/bench_summary.py", "--line", "startup", str(out), "start"],
+                          cwd=REPO, check=True, capture_output=True, text=True).stdout
+    assert "llama-gqa-tied cold" in line and "llama-gqa-tied warm" in line

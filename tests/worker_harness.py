@@ -86,7 +86,11 @@ class Worker:
                "--grpc-port", str(self.port), *extra]
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO,
                                      env=dict(os.environ, **(env or {})), start_new_session=self.new_session)
-        self.channel = grpc.insecure_channel(self.address)
+        # Reconnect within 0.1 s while the port is not yet bound: grpc's default backoff (1 s, growing) would
+        # see the worker healthy up to seconds after it is (startup figures are read through this).
+        self.channel = grpc.insecure_channel(self.address, options=[
+            ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 200)])
         from tokenspeed_worker.proto import tokenspeed_scheduler_pb2_grpc as pb_grpc
 
         self.stub = pb_grpc.TokenSpeedSchedulerStub(self.channel)
