@@ -268,7 +268,8 @@ def test_in_step_tuning_keeps_the_faster_step_per_site(chooser):
         cost = in_step[proj][chooser.decisions[proj]] if chooser.decisions[qkv] == "unfused" else 0.0
         return 800.0 + cost + sum(in_step[k][chooser.decisions[k]] for k in (qkv, down))
 
-    report = chooser.tune_in_step(1, step_us, top=2)
+    chooser.in_step_tops[1] = 2
+    report = chooser.tune_in_step(1, step_us)
     assert chooser.decisions == {qkv: "unfused", down: "d", other_rows: "a", proj: "p"}
     assert report == {"before_us": 900.0, "after_us": 891.0,
                       "changed": {"qkv/1": ["a", "unfused"], "proj/1": ["unfused", "p"]}}

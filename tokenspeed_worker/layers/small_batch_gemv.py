@@ -282,23 +282,23 @@ class SmallBatchGemv:
         (the model runner's batch-1 verify graph), with IN_STEP_VERIFY_TOP configurations per site."""
         self.in_step_tops.setdefault(rows, IN_STEP_VERIFY_TOP)
 
-    def tune_in_step(self, rows: int, step_us: Callable[[], float], top: int | None = None,
+    def tune_in_step(self, rows: int, step_us: Callable[[], float],
                      min_gain: float = IN_STEP_MIN_GAIN) -> dict[str, Any]:
         """Refine the timed choices of the sites seen at `rows` rows inside the whole decode step.
 
         step_us: the device microseconds of one decode step of `rows` rows run with the sites' current
         choices (model_executor/cuda_graph.py captures the step afresh on each call). Site by site, in
         the order they were first timed (one first timed on a path tried here comes after the others):
-        the current choice, the `top` next fastest configurations alone and the unfused path each time
+        the current choice, the rows' `in_step_tops` next fastest configurations alone (IN_STEP_TOP at
+        IN_STEP_ROWS, IN_STEP_VERIFY_TOP at a verify step's size) and the unfused path each time
         a step; the fastest is kept if it beats the current choice by `min_gain` (a fraction of the
         step). The changed set is then timed against the lone-timed set twice, alternately, and kept
-        only if its best step beats theirs by `min_gain` too. top: None, the rows' own (IN_STEP_TOP
-        at IN_STEP_ROWS, IN_STEP_VERIFY_TOP at a verify step's size). Returns
+        only if its best step beats theirs by `min_gain` too. Returns
         {"before_us", "after_us", "changed": {site: [old, new]}}; {} where nothing was timed here (rows
         not refined in-step, or no site at these rows not tuned before)."""
         if rows not in self.in_step_tops:
             return {}
-        top = self.in_step_tops[rows] if top is None else top
+        top = self.in_step_tops[rows]
         decisions = self.decisions
         original: dict[tuple, Any] = {}
         while True:  # a path tried here can time a site of its own (an unfused path's projection): tune it too
