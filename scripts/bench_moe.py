@@ -4,6 +4,12 @@ against torch's softmax + top-k; bandwidth of the chosen experts' bytes against 
 
     python scripts/bench_moe.py --shapes qwen3-30b-a3b mixtral-8x7b --weights bf16 fp8-block --tokens 1 4 16
     python scripts/bench_moe.py --tokens --prefill-tokens 512 4096 16384 --grouped-configs
+    python scripts/bench_moe.py --tune [--model CONFIG_DIR ...] [--tp N] [--ep E] [--cache-dir DIR]
+
+--tune times the grouped GEMMs' tile candidates (kernels/moe.GROUPED_CANDIDATES) at each pair count
+of kernels/moe.TUNED_PAIRS for each shape and weight kind, and keeps the fastest that agrees with
+the default tiles in the cache folder's fused_moe.json for this GPU (kernel_cache.py: the worker's
+later starts with the same --cache-dir take them; scripts/ship_kernel_choices.py ships them).
 
 Times are medians of CUDA-graph replays with the L2 cache flushed before each. Random router
 logits: each token's choices are spread like a trained router's at its most even.
@@ -31,10 +37,8 @@ SHAPES = {  # experts, top_k, hidden, intermediate, renormalize
     "qwen3-30b-a3b": (128, 8, 2048, 768, True),
     "mixtral-8x7b": (8, 2, 4096, 14336, True),
 }
+AGREEMENT = 2e-2  # tiles whose layer output differs from the default tiles' by more (relative norm) are refused
 CONFIGS = [(4, 512, 4), (8, 256, 4), (8, 512, 4), (16, 256, 4), (16, 512, 8), (8, 1024, 4), (4, 1024, 4)]
-# (block_m, block_n, block_k, num_warps, num_stages): the shapes of vLLM's tuned fused_moe tables for Hopper
-GROUPED_CONFIGS = [(64, 64, 64, 4, 3), (64, 128, 64, 4, 4), (64, 128, 128, 8, 3), (128, 128, 64, 8, 4),
-                   (128, 64, 64, 4, 4), (128, 256, 64, 8, 3), (32, 64, 128, 4, 4), (16, 64, 128, 4, 4)]
 
 
 class Timer:
@@ -86,7 +90,7 @@ def prefill_row(timer: Timer, shape: str, kind: str, tokens: int, q13, s13, q2, 
            "align_us": timer(lambda: moe.align_by_expert(ids, experts, default.block_m)), "grouped_us": {}}
     saved, moe.SMALL_PAIRS = moe.SMALL_PAIRS, 0
     try:
-        for config in [default] + ([moe.GroupedConfig(*c) for c in GROUPED_CONFIGS] if configs else []):
+        for config in [default] + ([c for c in moe.GROUPED_CANDIDATES if c != default] if configs else []):
             row["grouped_us"][str(tuple(config))] = timer(
                 lambda: moe.fused_experts(x, q13, q2, weights, ids, w13_scales=s13, w2_scales=s2, config=config))
     finally:
@@ -100,6 +104,91 @@ def prefill_row(timer: Timer, shape: str, kind: str, tokens: int, q13, s13, q2, 
     return row
 
 
+def tune_tiles(w13: torch.Tensor, w2: torch.Tensor, top_k: int, time_us, s13=None, s2=None,
+               pairs_counts=moe.TUNED_PAIRS, candidates=moe.GROUPED_CANDIDATES,
+               max_tokens: int = 16384) -> tuple[dict[str, str], list[dict]]:
+    """The grouped GEMMs' tiles for experts w13 [E, 2 I, H], w2 [E, H, I] (FP8 with scales s13, s2):
+    at each pair count of at most max_tokens tokens (a prefill chunk's), each candidate timed (time_us(fn) -> µs) where it launches and its output
+    agrees with the default tiles'; returns ({tiles_key/pairs: tiles_text of the fastest}, a row per
+    pair count with every candidate's µs, None where refused)."""
+    experts, _, hidden = w13.shape
+    act_dtype = torch.bfloat16 if w13.element_size() == 1 else w13.dtype
+    key = moe.tiles_key(experts, hidden, w2.shape[2], w13.dtype)
+    entries, rows = {}, []
+    for count in pairs_counts:
+        tokens = max(1, count // top_k)
+        if tokens > max_tokens:
+            continue
+        g = torch.Generator(device="cpu").manual_seed(count)
+        x = torch.randn(tokens, hidden, generator=g).to(w13.device, act_dtype)
+        weights, ids = select_experts(torch.randn(tokens, experts, generator=g).to(w13.device), top_k, True)
+        ids = ids.to(torch.int32)
+
+        def run(config, x=x, weights=weights, ids=ids):
+            return moe.fused_experts(x, w13, w2, weights, ids, w13_scales=s13, w2_scales=s2, config=config,
+                                     decode=False)
+
+        reference = run(None).float()
+        times: dict[str, float | None] = {}
+        for config in candidates:
+            text = moe.tiles_text(config)
+            try:
+                out = run(config).float()
+            except Exception as error:  # noqa: BLE001 - e.g. triton's OutOfResources: more shared memory than the GPU has
+                print(f"  {text} refused: {type(error).__name__}", flush=True)
+                times[text] = None
+                continue
+            if (out - reference).norm() > AGREEMENT * reference.norm():
+                print(f"  {text} refused: its output differs from the default tiles'", flush=True)
+                times[text] = None
+                continue
+            times[text] = time_us(lambda config=config: run(config))
+        timed = {text: us for text, us in times.items() if us is not None}
+        pairs = tokens * top_k
+        default = moe.tiles_text(moe._grouped_config(pairs))
+        best = min(timed, key=timed.get)
+        entries[f"{key}/{pairs}"] = best
+        rows.append({"key": key, "pairs": pairs, "tokens": tokens, "us": times, "best": best,
+                     "best_us": timed[best], "default": default, "default_us": timed.get(default)})
+        print(f"{key} pairs {pairs}: best {best} {timed[best]:.1f} us, default {default} "
+              f"{timed.get(default, float('nan')):.1f} us", flush=True)
+    return entries, rows
+
+
+def model_shape(folder: str) -> tuple[int, int, int, int, bool]:
+    """(experts, top_k, hidden, intermediate, renormalize) of an MoE model's config.json."""
+    config = json.loads((Path(folder) / "config.json").read_text())
+    config = config.get("text_config", config)
+    experts = config.get("num_experts") or config["num_local_experts"]
+    inter = config.get("moe_intermediate_size") or config["intermediate_size"]
+    return experts, config["num_experts_per_tok"], config["hidden_size"], inter, config.get("norm_topk_prob", True)
+
+
+def tune(args) -> dict:
+    """--tune: every shape's tiles, for each weight kind, kept in the cache folder (module docstring)."""
+    from tokenspeed_worker import kernel_cache
+
+    device = torch.device("cuda")
+    path = kernel_cache.choices_path(kernel_cache.resolve_cache_dir(args.cache_dir), device, kernel_cache.MOE_FILE)
+    shapes = {Path(m).name: model_shape(m) for m in args.model} if args.model else {s: SHAPES[s] for s in args.shapes}
+    timer = Timer(args.iters)
+    result = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "file": str(path),
+              "tp": args.tp, "ep": args.ep, "rows": []}
+    torch.manual_seed(0)
+    for name, (experts, top_k, hidden, inter, _renormalize) in shapes.items():
+        experts //= args.ep  # a rank's experts under expert parallelism (its group's), and intermediate rows
+        inter //= args.tp // args.ep  # under the tensor parallelism within the group (--moe-tp-size)
+        w13 = (0.02 * torch.randn(experts, 2 * inter, hidden, device="cuda")).to(torch.bfloat16)
+        w2 = (0.02 * torch.randn(experts, hidden, inter, device="cuda")).to(torch.bfloat16)
+        for kind in args.weights:
+            q13, s13, q2, s2 = (*fp8_block(w13), *fp8_block(w2)) if kind == "fp8-block" else (w13, None, w2, None)
+            entries, rows = tune_tiles(q13, q2, top_k, timer, s13, s2)
+            kernel_cache.save_choices(path, entries)
+            result["rows"] += [{"shape": name, "weights": kind, **row} for row in rows]
+            print(f"{name} {kind}: {len(entries)} tuned tiles kept in {path}", flush=True)
+    return result
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
@@ -108,10 +197,20 @@ def main() -> int:
     ap.add_argument("--configs", action="store_true", help="time every strip configuration pair, not the default")
     ap.add_argument("--prefill-tokens", type=int, nargs="*", default=[512, 4096, 16384],
                     help="prefill sizes: the grouped GEMMs against dense GEMMs of the same FLOPs")
-    ap.add_argument("--grouped-configs", action="store_true", help="prefill: time GROUPED_CONFIGS too")
+    ap.add_argument("--grouped-configs", action="store_true", help="prefill: time kernels/moe.GROUPED_CANDIDATES too")
+    ap.add_argument("--tune", action="store_true", help="tune the grouped GEMMs' tiles (module docstring)")
+    ap.add_argument("--model", nargs="*", default=[], help="--tune: MoE model folders (config.json) instead of --shapes")
+    ap.add_argument("--tp", type=int, default=1, help="--tune: the tensor-parallel size the worker will run")
+    ap.add_argument("--ep", type=int, default=1, help="--tune: its expert-parallel size (--ep-size)")
+    ap.add_argument("--cache-dir", help="--tune: the worker's --cache-dir (default: the worker's default)")
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--out", default=str(REPO / ".cache" / "bench_moe.json"))
     args = ap.parse_args()
+    if args.tune:
+        result = tune(args)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1))
+        return 0
     timer = Timer(args.iters)
     src = torch.empty(2**30, dtype=torch.int8, device="cuda")
     dst = torch.empty_like(src)

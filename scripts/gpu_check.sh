@@ -23,7 +23,8 @@
 #              transformers and its config) one by one in fresh processes, SERVING_MODEL's config; then
 #              bench_startup.py: launch to healthy through the CLI, cold (an empty --cache-dir) then warm
 #              (the same folder again), for STARTUP_MODELS (llama-3.1-8b llama-3.2-1b)
-#   moe        the MoE tests on CUDA, bench_moe.py (MOE_BENCH_ARGS), then bench_latency.py at MOE_MODELS
+#   moe        the MoE tests on CUDA, bench_moe.py (MOE_BENCH_ARGS), MOE_TUNE=1: bench_moe.py --tune (the grouped
+#              GEMMs' tiles per shape, kept in the cache folder), then bench_latency.py at MOE_MODELS
 #              (qwen3-30b-a3b; also mixtral-8x7b)
 #   speculative bench_speculative.py: NGRAM through the CLI and gRPC with the oracle drafter at forced
 #              acceptance (SPEC_ACCEPT), batch sizes (SPEC_BATCH) and verify widths (SPEC_DRAFT_TOKENS), 8B and
@@ -303,6 +304,13 @@ suite_moe() {
     ${MOE_BENCH_ARGS:-}
   local status=$?
   dry || { grep -E "^(copy|qwen|mixtral)" "$OUT/logs/moe_kernels.log" | cut -c1-300; [ $status = 0 ] || failed moe_kernels $status; }
+  # MOE_TUNE=1: the grouped GEMMs' tiles tuned for the MoE shapes (bench_moe.py --tune), kept in this
+  # machine's cache folder (so the latency runs below start with them; sent back under $OUT/kernel_choices/).
+  if [ "${MOE_TUNE:-0}" = 1 ]; then
+    step moe_tune "${MOE_TUNE_TIMEOUT:-420}" "$REPO" python3 scripts/bench_moe.py --tune --out "$OUT/moe_tune.json"
+    status=$?
+    dry || { grep -E "^[0-9]+/.* pairs|tuned tiles" "$OUT/logs/moe_tune.log" | cut -c1-200; [ $status = 0 ] || failed moe_tune $status; }
+  fi
   local m
   for m in ${MOE_MODELS:-qwen3-30b-a3b}; do
     bench latency "$m" "${LATENCY_TIMEOUT:-150}" scripts/bench_latency.py --model "$m" --prompt-len 128 --new-tokens 128 \

@@ -21,11 +21,14 @@ from tokenspeed_worker import kernel_cache  # noqa: E402  (imports no torch)
 
 def model_sized(name: str, key: str, min_dim: int) -> bool:
     """Whether a stored key is of a model-sized shape: small_batch_gemv's site/rows/N/K/dtypes with N
-    and K at least min_dim; decode_attention's heads/kv_heads/head_dim/... with heads x head_dim."""
+    and K at least min_dim; decode_attention's heads/kv_heads/head_dim/... with heads x head_dim;
+    fused_moe's experts/hidden/intermediate/dtype/pairs with hidden."""
     parts = key.split("/")
     try:
         if name == kernel_cache.CHOICES_FILE:
             return int(parts[2]) >= min_dim and int(parts[3]) >= min_dim
+        if name == kernel_cache.MOE_FILE:
+            return int(parts[1]) >= min_dim
         return int(parts[0]) * int(parts[2]) >= min_dim
     except (IndexError, ValueError):
         return False
@@ -38,7 +41,7 @@ def main() -> None:
     args = parser.parse_args()
     for folder in args.folders:
         gpu = folder.name.split("-driver")[0]  # device_key begins with gpu_key, then the driver part
-        for name in (kernel_cache.CHOICES_FILE, kernel_cache.ATTENTION_FILE):
+        for name in (kernel_cache.CHOICES_FILE, kernel_cache.ATTENTION_FILE, kernel_cache.MOE_FILE):
             source = folder / name
             kept = {k: v for k, v in kernel_cache.load_choices(source).items() if model_sized(name, k, args.min_dim)}
             target = kernel_cache.SHIPPED_DIR / gpu / name

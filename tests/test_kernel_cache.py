@@ -81,18 +81,31 @@ def test_a_start_begins_with_the_shipped_choices_of_its_gpu_model_under_its_own(
 def test_the_package_ships_only_model_sized_choices_in_folders_named_by_gpu_model():
     """What scripts/ship_kernel_choices.py put in the package: each folder a GPU model's, each file one
     a start keeps, every key of a shape at least 1024 wide (no test model's)."""
+    from worker_harness import _load_script
+
+    model_sized = _load_script("ship_kernel_choices").model_sized
     folders = [p for p in kernel_cache.SHIPPED_DIR.iterdir() if p.is_dir()]
     for folder in folders:
         assert re.fullmatch(r"[A-Za-z0-9._+-]+-sm\d+", folder.name) and "driver" not in folder.name
         for path in folder.iterdir():
-            assert path.name in (kernel_cache.CHOICES_FILE, kernel_cache.ATTENTION_FILE)
+            assert path.name in (kernel_cache.CHOICES_FILE, kernel_cache.ATTENTION_FILE, kernel_cache.MOE_FILE)
             choices = kernel_cache.load_choices(path)
             assert choices
             for key in choices:
-                parts = key.split("/")
-                wide = (int(parts[2]) >= 1024 and int(parts[3]) >= 1024 if path.name == kernel_cache.CHOICES_FILE
-                        else int(parts[0]) * int(parts[2]) >= 1024)
-                assert wide, (path, key)
+                assert model_sized(path.name, key, 1024), (path, key)
+
+
+def test_the_ship_script_keeps_model_sized_keys_of_each_file():
+    from worker_harness import _load_script
+
+    model_sized = _load_script("ship_kernel_choices").model_sized
+    assert model_sized(kernel_cache.CHOICES_FILE, "linear/1/4096/4096/bfloat16", 1024)
+    assert not model_sized(kernel_cache.CHOICES_FILE, "linear/1/64/4096/bfloat16", 1024)
+    assert model_sized(kernel_cache.ATTENTION_FILE, "32/8/128/torch.bfloat16/torch.bfloat16/16/8192/1", 1024)
+    assert not model_sized(kernel_cache.ATTENTION_FILE, "4/2/16/torch.float32/torch.float32/16/256/1", 1024)
+    assert model_sized(kernel_cache.MOE_FILE, "128/2048/768/bfloat16/4096", 1024)  # Qwen3-30B-A3B: narrow experts
+    assert not model_sized(kernel_cache.MOE_FILE, "8/32/48/float32/64", 1024)
+    assert not model_sized(kernel_cache.MOE_FILE, "not a key", 1024)
 
 
 def test_the_driver_version_is_read_from_the_kernel_module(monkeypatch, tmp_path):

@@ -6,11 +6,13 @@ beside the dense ones.)"""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 from tokenspeed_worker.layers.moe import select_experts
-from worker_harness import Worker, needs_devices, tiny_models
+from worker_harness import REPO, Worker, needs_devices, tiny_models
 
 MOE_MODELS = ["qwen3-moe", "mixtral"]
 
@@ -397,3 +399,96 @@ def test_kernels_that_disagree_with_the_loop_are_refused(monkeypatch, caplog):
         assert not layer.kernels_agree(top_k=2)
         assert not layer.supports_cuda_graphs
     assert "disagree with the reference loop" in caplog.text
+
+
+def test_tuned_tiles_are_read_back_and_taken_at_the_nearest_pair_count():
+    from tokenspeed_worker.kernels.moe import GROUPED_CANDIDATES, GroupedConfig, nearest_tiles, parse_tiles, tiles_text
+
+    for config in GROUPED_CANDIDATES:
+        assert parse_tiles(tiles_text(config)) == config
+    for text in ("", "64,64,64,4", "64,64,64,4,3,1", "48,64,64,4,3", "8,64,64,4,3", "256,64,64,4,3", "a,b,c,d,e",
+                 "64,64,64,4,0"):
+        assert parse_tiles(text) is None, text
+    tuned = {32: GroupedConfig(16), 256: GroupedConfig(32), 4096: GroupedConfig(64)}
+    assert nearest_tiles({}, 100) is None
+    assert [nearest_tiles(tuned, p).block_m for p in (1, 32, 90, 91, 256, 1000, 1025, 100_000)] == \
+        [16, 16, 16, 32, 32, 32, 64, 64]  # by ratio: 90 is nearer 32 (2.8x) than 256 (2.8x+), 1025 nearer 4096
+
+
+def test_a_layer_takes_the_tiles_tuned_for_its_own_shape_and_runs_with_them(monkeypatch):
+    """FusedMoE.take_tuned_tiles keeps the stored tiles of its shape (experts, hidden, intermediate on this
+    rank, weight dtype) only, and a grouped step passes the nearest ones to the kernels."""
+    from tokenspeed_worker.kernels import moe as kernels
+    from tokenspeed_worker.layers.fused_kernels import fused_kernels
+    from tokenspeed_worker.layers.moe import FusedMoE
+
+    layer = FusedMoE(4, 32, 16)
+    for param in (layer.w13_weight, layer.w2_weight):
+        param.data.normal_(0, 0.1)
+    mine = kernels.tiles_key(4, 32, 16, torch.float32)
+    stored = {f"{mine}/64": "32,32,32,4,2", f"{mine}/1024": "64,64,64,4,3", f"{mine}/bad": "16,64,64,4,3",
+              f"{mine}/512": "not tiles", f"{kernels.tiles_key(4, 32, 16, torch.bfloat16)}/64": "16,64,64,4,3",
+              f"{kernels.tiles_key(8, 32, 16, torch.float32)}/64": "16,64,64,4,3"}
+    assert layer.take_tuned_tiles(stored) == 2
+    assert layer.tuned_tiles == {64: kernels.GroupedConfig(32, 32, 32, 4, 2), 1024: kernels.GroupedConfig(64)}
+    seen = []
+    real = kernels.fused_experts
+    monkeypatch.setattr(kernels, "fused_experts", lambda *a, **k: seen.append(k["config"]) or real(*a, **k))
+    x = torch.randn(40, 32)
+    weights, ids = select_experts(torch.randn(40, 4), 2, True)
+    with fused_kernels("off"):
+        expected = layer._experts(x, weights, ids)
+    with fused_kernels("force"):
+        got = layer._experts(x, weights, ids)
+    assert seen == [kernels.GroupedConfig(32, 32, 32, 4, 2)]  # 80 pairs: nearest 64
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_tuning_keeps_the_fastest_candidate_that_launches_and_agrees(monkeypatch):
+    """scripts/bench_moe.py --tune's loop, on CPU (the interpreter) with a stand-in timer: a candidate that
+    fails to launch or whose output differs from the default tiles' is refused, the fastest of the rest
+    kept under the layer's tiles key and pair count."""
+    from tokenspeed_worker.kernels import moe as kernels
+    from worker_harness import _load_script
+
+    bench = _load_script("bench_moe")
+    fast, broken, wrong, slow = (kernels.GroupedConfig(32, 32, 32, 4, 2), kernels.GroupedConfig(16, 32, 32, 4, 2),
+                                 kernels.GroupedConfig(64, 32, 32, 4, 2), kernels.GroupedConfig(16))
+    real = kernels.fused_experts
+
+    def fused_experts(*a, config=None, **k):
+        if config == broken:
+            raise RuntimeError("out of resources")
+        out = real(*a, config=config, **k)
+        return out * 1.5 if config == wrong else out
+
+    monkeypatch.setattr(bench.moe, "fused_experts", fused_experts)
+    costs = {fast: 3.0, slow: 5.0, wrong: 1.0}
+    timing = []
+
+    def time_us(fn):
+        fn()
+        timing.append(1)
+        return costs[order[len(timing) - 1]]
+
+    order = [slow, fast] * 2  # the candidates that reach the timer, in order, per pair count
+    torch.manual_seed(0)
+    w13, w2 = 0.1 * torch.randn(4, 32, 32), 0.1 * torch.randn(4, 32, 16)
+    entries, rows = bench.tune_tiles(w13, w2, 2, time_us, pairs_counts=(32, 64), candidates=(slow, broken, wrong, fast))
+    key = kernels.tiles_key(4, 32, 16, torch.float32)
+    assert entries == {f"{key}/32": "32,32,32,4,2", f"{key}/64": "32,32,32,4,2"}
+    assert rows[0]["us"] == {"16,64,64,4,3": 5.0, "16,32,32,4,2": None, "64,32,32,4,2": None, "32,32,32,4,2": 3.0}
+    assert [r["default"] for r in rows] == ["16,64,64,4,3", "16,64,64,4,3"] and rows[1]["default_us"] == 5.0
+
+
+def test_tuning_reads_each_moe_family_shape_from_its_config(tiny_model_paths):
+    from worker_harness import _load_script
+
+    model_shape = _load_script("bench_moe").model_shape
+    for name in ("qwen3-moe", "mixtral"):
+        config = json.loads((tiny_model_paths[name] / "config.json").read_text())
+        experts, top_k, hidden, inter, _ = model_shape(str(tiny_model_paths[name]))
+        assert (experts, top_k, hidden) == (config.get("num_experts") or config["num_local_experts"],
+                                            config["num_experts_per_tok"], config["hidden_size"])
+        assert inter == config.get("moe_intermediate_size", config["intermediate_size"])
+    assert model_shape(str(REPO / "scripts" / "model_configs" / "qwen3-30b-a3b"))[:4] == (128, 8, 2048, 768)

@@ -5,6 +5,8 @@
                                              the small-batch GEMV chooser's choices by site and shape
     <cache dir>/<device key>/decode_attention.json
                                              the decode attention's split thresholds by shape and batch
+    <cache dir>/<device key>/fused_moe.json  the MoE grouped GEMMs' tiles by shape and pair count
+                                             (tuned by scripts/bench_moe.py --tune, kernels/moe.py)
 
 Triton keys its own entries by source, options, target and version, so one folder serves every
 GPU. The timed choices are only valid on the GPU, driver and code that timed them: their folder is
@@ -36,6 +38,7 @@ logger = logging.getLogger(__name__)
 
 CHOICES_FILE = "small_batch_gemv.json"
 ATTENTION_FILE = "decode_attention.json"
+MOE_FILE = "fused_moe.json"
 SHIPPED_DIR = Path(__file__).parent / "kernel_choices"  # the package's own, by gpu_key
 NONE = "none"
 
@@ -112,7 +115,7 @@ def stored_choices(path: Path | None, device: Any, name: str = CHOICES_FILE) -> 
 
 
 def choices_path(cache_dir: str | None, device: Any, name: str = CHOICES_FILE) -> Path | None:
-    """The timed-choices file `name` (CHOICES_FILE, ATTENTION_FILE) of this device, or None (no
+    """The timed-choices file `name` (CHOICES_FILE, ATTENTION_FILE, MOE_FILE) of this device, or None (no
     cache dir, not a GPU)."""
     if cache_dir is None or device.type != "cuda":
         return None

@@ -37,6 +37,7 @@ Importable without triton: AVAILABLE says whether the kernel can be used.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -310,6 +311,54 @@ def _grouped_config(pairs: int) -> GroupedConfig:
     return GroupedConfig(16 if pairs <= 64 else 32 if pairs <= 1024 else 64)
 
 
+# Tuned tiles. A tuning run on a GPU (scripts/bench_moe.py --tune) times every one of
+# GROUPED_CANDIDATES at each of TUNED_PAIRS for one layer's shape and keeps the fastest that agrees
+# with the default tiles, as {tiles_key(...)/pairs: tiles_text(config)} in the cache folder's
+# kernel_cache.MOE_FILE (the package ships them per GPU model, as the other kernel choices); a
+# layer takes those of its shape (layers/moe.FusedMoE.take_tuned_tiles) and a step the ones tuned
+# at the pair count nearest its own (`nearest_tiles`); without any, `_grouped_config`.
+# The candidates: the defaults, and the shapes of vLLM's tuned fused_moe tables for Hopper.
+GROUPED_CANDIDATES = (
+    GroupedConfig(16), GroupedConfig(32), GroupedConfig(64),
+    GroupedConfig(16, 64, 128, 4, 4), GroupedConfig(32, 64, 128, 4, 4), GroupedConfig(64, 64, 64, 4, 3),
+    GroupedConfig(64, 128, 64, 4, 4), GroupedConfig(64, 128, 128, 8, 3), GroupedConfig(128, 64, 64, 4, 4),
+    GroupedConfig(128, 128, 64, 8, 4), GroupedConfig(128, 256, 64, 8, 3),
+)
+# (tokens x top_k) pair counts a tuning run times: from a decode step past the decode kernels
+# (SMALL_PAIRS) to a 16k-token prefill at top-8.
+TUNED_PAIRS = tuple(1 << i for i in range(5, 18))
+
+
+def tiles_key(experts: int, hidden: int, intermediate: int, dtype: torch.dtype) -> str:
+    """The stored key's shape part for experts [experts, 2 intermediate, hidden] of dtype (one
+    rank's: its experts and intermediate rows)."""
+    return f"{experts}/{hidden}/{intermediate}/{str(dtype).removeprefix('torch.')}"
+
+
+def tiles_text(config: GroupedConfig) -> str:
+    return ",".join(str(v) for v in config)
+
+
+def parse_tiles(text: str) -> GroupedConfig | None:
+    """A stored tiles_text back as tiles, or None where it is not one (five powers of two, block_m
+    16 to 128: what the sort's padding and the kernel take)."""
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        return None
+    if len(values) != 5 or any(v <= 0 or v & (v - 1) for v in values[:4]) or values[4] <= 0:
+        return None
+    config = GroupedConfig(*values)
+    return config if 16 <= config.block_m <= 128 and config.block_n >= 16 and config.block_k >= 16 else None
+
+
+def nearest_tiles(tuned: dict[int, GroupedConfig], pairs: int) -> GroupedConfig | None:
+    """The tiles tuned at the pair count nearest `pairs` (by ratio), or None where none are."""
+    if not tuned:
+        return None
+    return tuned[min(tuned, key=lambda p: (abs(math.log2(p / max(pairs, 1))), p))]
+
+
 class ExpertScales(NamedTuple):
     """FP8 expert weights' scales: scales[e, i, j] (float32, contiguous) multiplies expert e's rows
     [i * rows, (i + 1) * rows) and columns [j * cols, (j + 1) * cols)."""
@@ -469,7 +518,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     SMALL_PAIRS and total_experts (the model's, all ranks together; default the E held here), or as
     `decode` says: False for the grouped GEMMs, (gate/up, down) strip configurations for the decode
     kernels (the grouped GEMMs where those cannot take the scales); config: the grouped GEMMs'
-    tiles (default by the pair count)."""
+    tiles (default `_grouped_config` by the pair count; tuned ones: nearest_tiles)."""
     tokens, top_k = ids.shape
     if decode is None:
         decode = 0 < tokens * top_k <= min(SMALL_PAIRS, total_experts or w13.shape[0])
@@ -491,5 +540,6 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     return down.view(tokens, top_k, -1).sum(dim=1)
 
 
-__all__ = ["AVAILABLE", "SMALL_PAIRS", "ExpertScales", "GemvConfig", "GroupedConfig", "align_by_expert",
-           "decode_configs", "fused_experts", "grouped_gemm", "route", "small_experts"]
+__all__ = ["AVAILABLE", "GROUPED_CANDIDATES", "SMALL_PAIRS", "TUNED_PAIRS", "ExpertScales", "GemvConfig",
+           "GroupedConfig", "align_by_expert", "decode_configs", "fused_experts", "grouped_gemm", "nearest_tiles",
+           "parse_tiles", "route", "small_experts", "tiles_key", "tiles_text"]

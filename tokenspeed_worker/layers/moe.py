@@ -40,7 +40,7 @@ from torch import nn
 
 from tokenspeed_worker import distributed
 from tokenspeed_worker.kernels.fp8 import FP8_DTYPE, expand_scales
-from tokenspeed_worker.kernels.moe import ExpertScales
+from tokenspeed_worker.kernels.moe import ExpertScales, GroupedConfig, parse_tiles, tiles_key
 from tokenspeed_worker.layers import small_batch_gemv
 from tokenspeed_worker.layers.fused_kernels import use_fused
 from tokenspeed_worker.layers.layernorm import PendingNorm
@@ -118,6 +118,7 @@ class FusedMoE(nn.Module):
         self.scheme = config.scheme if quantized else None  # online FP8 (--quantization fp8) leaves experts 16-bit
         dtype = FP8_DTYPE if self.scheme is not None else None
         self.params_dtype = torch.get_default_dtype()  # the model's: what FP8 experts are dequantized to
+        self.tuned_tiles: dict[int, GroupedConfig] = {}  # the grouped GEMMs' tiles by pair count (take_tuned_tiles)
         self.w13_scales: ExpertScales | None = None  # kept FP8 experts' (process_weights_after_loading)
         self.w2_scales: ExpertScales | None = None
         self.w13_weight = nn.Parameter(torch.empty(local, 2 * n, hidden_size, dtype=dtype), requires_grad=False)
@@ -241,6 +242,18 @@ class FusedMoE(nn.Module):
         target.copy_(source)
         return target.numel()
 
+    def take_tuned_tiles(self, stored: dict[str, str]) -> int:
+        """Take the grouped GEMMs' tiles tuned for this layer's shape as it runs (its experts, hidden
+        and intermediate rows on this rank, its weights' dtype after loading) from `stored`
+        ({kernels/moe.tiles_key/pairs: tiles_text}, kernel_cache.MOE_FILE); returns how many."""
+        prefix = tiles_key(self.num_local_experts, self.w13_weight.shape[2], self.intermediate, self.w13_weight.dtype)
+        for key, text in stored.items():
+            shape, _, pairs = key.rpartition("/")
+            tiles = parse_tiles(text)
+            if shape == prefix and pairs.isdigit() and tiles is not None:
+                self.tuned_tiles[int(pairs)] = tiles
+        return len(self.tuned_tiles)
+
     def _kernels(self, x: torch.Tensor):
         return use_fused(x, "moe") if self.use_kernels else None
 
@@ -294,7 +307,8 @@ class FusedMoE(nn.Module):
                 return kernels.fused_experts(x, self.w13_weight, self.w2_weight, weights, ids,
                                              foreign=self.num_local_experts != self.num_experts,
                                              w13_scales=self.w13_scales, w2_scales=self.w2_scales,
-                                             total_experts=self.num_experts, decode=decode)
+                                             total_experts=self.num_experts, decode=decode,
+                                             config=kernels.nearest_tiles(self.tuned_tiles, ids.numel()))
 
             # A decode step on the GPU: the chooser's timed path (elsewhere, Triton's interpreter in
             # tests, fused_experts' own rule: timing means nothing there).

@@ -146,6 +146,15 @@ class ModelRunner:
             else:
                 logger.warning("expert parallel size %d: the model has no experts; every layer is tensor parallel",
                                config.parallel.expert_parallel_size)
+        if experts:  # the grouped GEMMs' tiles tuned for these shapes on this GPU (kernels/moe.py), if any
+            stored = kernel_cache.stored_choices(
+                kernel_cache.choices_path(config.model.cache_dir, self.device, kernel_cache.MOE_FILE), self.device,
+                kernel_cache.MOE_FILE)
+            tuned = [m.take_tuned_tiles(stored) for m in experts]
+            if any(tuned) and distributed.rank() == 0:
+                logger.info("MoE grouped GEMMs: tiles tuned at %d pair counts (kernel_cache.MOE_FILE); the default "
+                            "tiles elsewhere", max(tuned))
+        # With those tiles: a disagreement sends every layer to the reference loop.
         if experts and not experts[0].kernels_agree(getattr(self.hf_config, "num_experts_per_tok", 2)):
             for m in experts:
                 m.use_kernels = False
