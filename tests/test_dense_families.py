@@ -239,10 +239,15 @@ def test_a_windowed_model_holds_its_window_of_kv_not_its_length(tmp_path, monkey
         step += 1
         while pending and pending[0][0] <= step:
             core.add_request(pending.pop(0)[1])
+        held_blocks = 0
         for r in requests:
-            if core.scheduler.contains(r.req_id):
-                ids = core.scheduler.block_ids(r.req_id)
+            row = core.rows.row_of(r.req_id)  # the scheduler's id of a live request
+            if row is not None and core.scheduler.contains(row):
+                ids = core.scheduler.block_ids(row)
                 most_held = max(most_held, int((ids >= 0).sum()))
+                held_blocks += int((ids >= 0).sum())
+        # What the loads report (GetLoads' num_used_tokens, token_usage): the KV held, not the lengths.
+        assert core.scheduler.num_used_tokens <= 4 * held_blocks, (core.scheduler.num_used_tokens, held_blocks)
         if out is not None:
             for rid, tok in zip(out.req_ids.tolist(), out.tokens.tolist()):
                 outputs[rid].append(tok)

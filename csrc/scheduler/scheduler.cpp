@@ -609,8 +609,13 @@ int32_t Scheduler::flush_prefix_cache() {
 }
 
 int64_t Scheduler::num_used_tokens() const {
+  // Each running request's computed tokens, less the positions of the blocks it released (sliding
+  // window): the KV it holds, which is what the loads report to routers.
   int64_t used = 0;
-  for (const Request* request : running_) used += request->num_computed();
+  for (const Request* request : running_) {
+    const int64_t released = static_cast<int64_t>(request->blocks()->num_released()) * config_.block_size;
+    used += std::max<int64_t>(0, request->num_computed() - released);
+  }
   return used;
 }
 
