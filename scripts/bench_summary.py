@@ -57,6 +57,11 @@ def figures(suite: str, r: dict) -> list[tuple[str, str, float, str]]:
             rows += [(f"text {i}", "x", speedup, f"NGRAM acceptance {run['acceptance']}, same output {same}")
                      for i, (speedup, run, same) in enumerate(zip(text["speedup"], text["ngram"], text["same_output"]))]
         return rows
+    if suite == "window":  # scripts/bench_window.py: per variant and context, the decode rate and the KV held
+        return [(f"{name} ctx {row['context']}", "tok/s", row["decode_tok_s"],
+                 f"KV held {row['kv_tokens_held_max']} tokens, ITL p50 {row['itl_ms_p50']:.2f} ms, "
+                 f"TTFT {row['ttft_ms']:.0f} ms")
+                for name, rows in r["variants"].items() for row in rows]
     if suite == "startup" and "models" in r:  # scripts/bench_startup.py: launch to healthy, cold then warm
         return [(f"{model} {kind}", "s", run["healthy_s"],
                  f"first request {run['first_request_s']:.2f} s; phases {run['phases']}")

@@ -36,6 +36,9 @@
 #              with every all-reduce on NCCL (custom_all_reduce=false); TP_OFFLINE=LEN adds offline
 #              1000 x LEN/LEN at each size; TP_SERVING=1 adds batch 1 through the CLI and gRPC (--tp N);
 #              TP_EP=1 adds expert parallelism over the N ranks (MoE models: qwen3-30b-a3b)
+#   window     bench_window.py through the CLI and gRPC: a model shape (WINDOW_MODEL, mistral-7b) with every layer
+#              windowed (WINDOW, 4096) and with full attention, one request at each of WINDOW_CONTEXTS (4096 8192
+#              16384 32768) tokens: KV held (GetLoads) and decode rate by context (issue 26)
 #   fp8        the FP8 GPU tests (scaled GEMM, activation quantization, GEMV on FP8 weights), the FP8
 #              checkpoint and KV-scale tests on CUDA (block-scaled GEMM, kept-FP8 folds), then
 #              fp8_accuracy.py (FP8 against bf16 on the same weights) for FP8_MODELS (llama-3.1-8b)
@@ -67,7 +70,7 @@ mkdir -p "$OUT/logs" && OUT=$(cd "$OUT" && pwd)
 DRY_RUN=${DRY_RUN:-0}
 SERVING_MODEL=${SERVING_MODEL:-$REPO/scripts/model_configs/llama-3.2-1b}
 BENCH_SUITES=" latency offline serving prefix sampler startup "
-OTHER_SUITES=" tests kernels selfcheck fp8 moe speculative tp "
+OTHER_SUITES=" tests kernels selfcheck fp8 moe speculative tp window "
 suites=()
 while [ $# -gt 0 ] && [[ $1 != -* ]]; do
   case "$OTHER_SUITES$BENCH_SUITES" in
@@ -396,6 +399,12 @@ suite_speculative() {
     --parts text --text-model "$SPEC_TEXT_MODEL" --draft-tokens ${SPEC_DRAFT_TOKENS:-4 5} -- ${SERVING_ARGS:-}
   # SPEC_TESTS=0: the benches only (the tests suite runs tests/test_speculative.py too).
   [ "${SPEC_TESTS:-1}" = 0 ] || pytest_run speculative_tests "${SPEC_TESTS_TIMEOUT:-240}" tests/test_speculative.py
+}
+
+suite_window() {
+  local m=${WINDOW_MODEL:-mistral-7b}
+  bench window "$m" "${WINDOW_TIMEOUT:-540}" scripts/bench_window.py --model "$REPO/scripts/model_configs/$m" \
+    --window "${WINDOW:-4096}" --contexts ${WINDOW_CONTEXTS:-4096 8192 16384 32768} --output-len 128 -- ${SERVING_ARGS:-}
 }
 
 suite_prefix() {

@@ -284,3 +284,27 @@ def test_siblings_of_a_windowed_request_recompute_what_it_released(tmp_path, cac
     expected = hf_greedy(model, prompt, 12)
     assert all(outs[i] == expected for i in (1, 2, 3))
     assert core.scheduler.num_used_tokens == 0
+
+
+def test_the_window_bench_shows_kv_bounded_by_the_window_through_the_cli(tmp_path):
+    """scripts/bench_window.py (issue 26's long-context figure) on the tiny Mistral: through the real CLI
+    and gRPC, the windowed copy's request holds about its window of KV at any context (GetLoads), the
+    full-attention copy its whole length."""
+    import subprocess
+    import sys
+
+    from worker_harness import REPO
+
+    out = tmp_path / "window.json"
+    subprocess.run([sys.executable, "scripts/bench_window.py", "--model", str(tiny_models()["mistral"]),
+                    "--window", "16", "--contexts", "64", "256", "--output-len", "32", "--out", str(out), "--",
+                    "--block-size", "16"],
+                   cwd=REPO, check=True, capture_output=True, timeout=600)
+    result = json.loads(out.read_text())
+    windowed, full = result["variants"]["window 16"], result["variants"]["full attention"]
+    assert [r["context"] for r in windowed] == [r["context"] for r in full] == [64, 256]
+    for row in windowed:  # the window, the block it ends in and the next one
+        assert row["output_tokens"] == 32 and 16 <= row["kv_tokens_held_max"] <= 16 + 2 * 16, row
+    for row in full:
+        assert row["context"] <= row["kv_tokens_held_max"] <= row["context"] + 32, row
+    assert result["kv_held_longest_over_window"] <= 3
