@@ -7,6 +7,7 @@ import json
 import logging
 import re
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -34,6 +35,24 @@ def test_the_cli_flag_reaches_the_engine_config(tmp_path, tiny_model_paths):
     assert cfg.engine.model.cache_dir == str(tmp_path / "c")
     cfg = WorkerConfig.from_args(parse_args([model, "--cache-dir", "none", "--device", "cpu"]))
     assert cfg.engine.model.cache_dir is None
+
+
+def test_a_cache_dir_that_cannot_be_written_becomes_a_temporary_one_with_a_warning(tmp_path, caplog,
+                                                                                   tiny_model_paths):
+    """A read-only file system or an unwritable home must not stop a start: the folder is replaced for
+    this start by a temporary one (which Triton can compile into), and the warning names the flag."""
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")  # a folder cannot be made under a file, whoever runs the test (root too)
+    caplog.set_level(logging.WARNING, logger="tokenspeed_worker.kernel_cache")
+    model = str(tiny_model_paths["llama-gqa-tied"])
+    cfg = WorkerConfig.from_args(parse_args([model, "--cache-dir", str(blocked / "cache"), "--device", "cpu"]))
+    fallback = cfg.engine.model.cache_dir
+    assert fallback and Path(fallback).is_dir() and not fallback.startswith(str(blocked))
+    assert "--cache-dir" in caplog.text and str(blocked / "cache") in caplog.text and fallback in caplog.text
+    writable = tmp_path / "new" / "cache"
+    assert kernel_cache.usable_cache_dir(str(writable)) == str(writable) and writable.is_dir()
+    assert list(writable.iterdir()) == []  # the write test left nothing
+    assert kernel_cache.usable_cache_dir(None) is None
 
 
 def test_triton_keeps_its_kernels_in_the_cache_dir_unless_told_otherwise(monkeypatch, tmp_path):
@@ -192,3 +211,21 @@ def test_a_second_start_takes_the_first_ones_choices_untimed(tmp_path, tiny_mode
     unmet = set(first.decisions) - set(second.decisions)
     assert all(key[0] == "linear" and key[1] in small_batch_gemv.IN_STEP_ROWS for key in unmet), unmet
     assert kernel_cache.load_choices(kernel_cache.choices_path(str(tmp_path), torch.device("cuda"))) == first.to_store()
+
+
+def test_the_cli_serves_with_a_cache_dir_it_cannot_write(tmp_path, tiny_model_paths):
+    from worker_harness import Worker
+
+    from tokenspeed_worker.proto import tokenspeed_scheduler_pb2 as pb
+
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    w = Worker(tiny_model_paths["llama-gqa-tied"], "--cache-dir", str(blocked / "cache"))
+    try:
+        request = pb.GenerateRequest(request_id="r", tokenized=pb.TokenizedInput(input_ids=[1, 2, 3]),
+                                     sampling_params=pb.SamplingParams(max_new_tokens=4, n=1, ignore_eos=True))
+        (last,) = [r for r in w.stub.Generate(request, timeout=60) if r.HasField("complete")]
+        assert len(last.complete.output_ids) == 4
+        assert "cannot be written" in w.log()
+    finally:
+        assert w.stop() == 0

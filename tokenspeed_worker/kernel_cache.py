@@ -54,6 +54,26 @@ def resolve_cache_dir(value: str | None) -> str | None:
     return os.path.join(base, "tokenspeed-worker")
 
 
+def usable_cache_dir(cache_dir: str | None) -> str | None:
+    """cache_dir (from resolve_cache_dir) when it can be created and written; otherwise (a read-only
+    file system, a container's unwritable home) a new temporary folder for this start, with a
+    warning: a start must not fail for want of a cache, and Triton needs a folder to compile into."""
+    if cache_dir is None:
+        return None
+    try:
+        os.makedirs(cache_dir, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=cache_dir, prefix=".write-test-")
+        os.close(fd)
+        os.unlink(probe)
+        return cache_dir
+    except OSError as error:
+        fallback = tempfile.mkdtemp(prefix="tokenspeed-worker-cache-")
+        logger.warning("--cache-dir %s cannot be written (%s): this start compiles and times into %s, which no "
+                       "later start reads; give the worker a writable --cache-dir to start faster next time",
+                       cache_dir, error, fallback)
+        return fallback
+
+
 def use_triton_cache(cache_dir: str | None) -> str | None:
     """Point Triton's kernel cache into cache_dir (before any compile), unless TRITON_CACHE_DIR is
     set already; returns the folder Triton uses (None: its own default)."""

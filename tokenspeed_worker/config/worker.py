@@ -29,7 +29,7 @@ from tokenspeed_worker.config.engine import (
 )
 from tokenspeed_worker.config.parameters import ServerArgs
 from tokenspeed_worker.config.values import kv_events_enabled, kv_events_settings
-from tokenspeed_worker.kernel_cache import resolve_cache_dir
+from tokenspeed_worker.kernel_cache import resolve_cache_dir, usable_cache_dir
 from tokenspeed_worker.layers.quantization import kv_scales
 
 DEFAULT_MAX_MODEL_LEN = 2048  # when neither --max-model-len nor the model's config.json gives one
@@ -78,7 +78,7 @@ class WorkerConfig:
             grammar_backend=args.grammar_backend,
             tokenizer_path=args.tokenizer,
             quantization=args.quantization,
-            cache_dir=resolve_cache_dir(args.cache_dir),
+            cache_dir=usable_cache_dir(resolve_cache_dir(args.cache_dir)),
         )
         cache = CacheConfig(
             block_size=args.block_size,
