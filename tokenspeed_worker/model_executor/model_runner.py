@@ -48,8 +48,25 @@ logger = logging.getLogger(__name__)
 
 _MIB = 1 << 20
 _GIB = 1 << 30
+# Decode batch sizes up to this many rows are captured before the worker serves (with the largest
+# and a batch-1 verify step's): first_capture_sizes.
+FIRST_CAPTURE_MAX_ROWS = 8
 
 TORCH_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def first_capture_sizes(sizes: list[int], verify_size: int | None, ranks: int) -> list[int]:
+    """The decode sizes captured before the worker serves: the few-row ones (latency-bound, and where
+    the small-batch kernels are timed and refined), the largest (its pool memory the others reuse)
+    and a batch-1 verify step's. The engine captures the rest while idle, or as soon as a step needs
+    one (ModelRunner.capture_deferred_graph). With tensor parallelism, all of them: a capture runs
+    collectives, which every rank would have to enter together."""
+    if ranks > 1 or not sizes:
+        return list(sizes)
+    first = {size for size in sizes if size <= FIRST_CAPTURE_MAX_ROWS} | {max(sizes)}
+    if verify_size is not None:
+        first.add(verify_size)
+    return sorted(first)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -196,12 +213,14 @@ class ModelRunner:
         self.cuda_graphs_off_reason = self._cuda_graphs_off_reason(config.model.enforce_eager)
         self.use_cuda_graphs = self.cuda_graphs_off_reason is None
         verify_size = padded_batch_size(config.speculative.num_speculative_tokens + 1, self.cudagraph_sizes)
+        self.first_capture_sizes = first_capture_sizes(self.cudagraph_sizes, verify_size, distributed.size())
         if self.verify_in_graphs and verify_size is not None:
             # A batch-1 verify step replays this graph: its choices were timed alone at these rows, as
             # for batch 1, so they are checked inside the step too.
             self.small_batch_gemv.refine_verify_step(verify_size)
         self.cuda_graphs: DecodeGraphs | None = None
         self.graph_bytes = 0  # device memory of the captured decode graphs (capture_cuda_graphs)
+        self.deferred_capture_seconds = 0.0  # capture_deferred_graph's, in all
         self.capture_report: CaptureReport | None = None
         # The last step's sampled tokens, on the device: with overlap scheduling a plan's input
         # id -1 - i stands for sample i of the previous step, not yet known on the host.
@@ -449,7 +468,7 @@ class ModelRunner:
             aux_width=3 * self.hf_config.hidden_size if self.eagle3 else 0,
             step_tuner=step_tuner(self.small_batch_gemv, self.device),
         )
-        report = graphs.capture()
+        report = graphs.capture(self.first_capture_sizes)
         self.capture_report = report
         self.graph_bytes = int(report.graph_bytes)
         for size, tuning in sorted(graphs.tuning.items()):
@@ -457,11 +476,13 @@ class ModelRunner:
         self.cuda_graphs = graphs
         reserve = self.cuda_graph_reserve_bytes()
         logger.info(
-            "CUDA graphs: captured %d decode batch sizes %s in %.1f s (attention %s via %s); "
+            "CUDA graphs: captured %d decode batch sizes %s in %.1f s (attention %s via %s)%s; "
             "graph memory %.0f MiB incl. static buffers %.0f MiB (reserved for them: %.0f MiB); "
             "static block table width %d blocks (max_model_len %d)",
             len(report.sizes), _ranges(report.sizes), report.seconds, self.attention_backend.name,
             getattr(self.attention_backend, "kernel_source", self.attention_backend.name),
+            f"; {len(graphs.deferred)} more {_ranges(graphs.deferred)} while the engine idles or needs them"
+            if graphs.deferred else "",
             report.graph_bytes / _MIB, report.static_bytes / _MIB, reserve / _MIB,
             graphs.max_table_width, self.max_model_len,
         )
@@ -471,6 +492,42 @@ class ModelRunner:
                 "lower --gpu-memory-utilization if memory runs out",
                 report.graph_bytes / _MIB, reserve / _MIB,
             )
+
+    @property
+    def deferred_graphs(self) -> bool:
+        """Whether decode sizes are left to capture (capture_deferred_graph)."""
+        return self.cuda_graphs is not None and bool(self.cuda_graphs.deferred)
+
+    @property
+    def graphs_wanted(self) -> bool:
+        """Whether a decode step ran eagerly for want of a size not captured yet."""
+        return self.cuda_graphs is not None and bool(self.cuda_graphs.wanted)
+
+    def capture_deferred_graph(self) -> None:
+        """Capture one decode size left by capture_cuda_graphs (a wanted one first). Only between
+        completed steps: nothing in flight may read the graphs' buffers or last_sampled. After the
+        last, the kernel choices timed meanwhile are kept and the whole capture logged."""
+        graphs = self.cuda_graphs
+        report = graphs.capture_next() if graphs is not None else None
+        if report is None:
+            return
+        self.deferred_capture_seconds += report.seconds
+        self.graph_bytes += int(report.graph_bytes)
+        for size in report.sizes:
+            if size in graphs.tuning:
+                _log_step_tuning(size, graphs.tuning[size])
+        logger.debug("CUDA graph of decode batch size %s captured in %.2f s", report.sizes, report.seconds)
+        if not graphs.deferred:
+            self.keep_kernel_choices()
+            logger.info("CUDA graphs: the other %d decode batch sizes captured after startup (%.1f s in all; "
+                        "%d decode steps ran eagerly meanwhile); graph memory now %.0f MiB",
+                        len(graphs.sizes) - len(self.first_capture_sizes), self.deferred_capture_seconds,
+                        graphs.num_uncaptured_decodes, self.graph_bytes / _MIB)
+
+    def capture_all_graphs(self) -> None:
+        """Capture every decode size left (benchmarks: steady state from their first step)."""
+        while self.deferred_graphs:
+            self.capture_deferred_graph()
 
     # -- forward --------------------------------------------------------------------------
 
