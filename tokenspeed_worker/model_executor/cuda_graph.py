@@ -25,6 +25,7 @@ the model runner captures the ones a start must have before it serves and leaves
 engine to capture while idle. Until a size is captured, a decode step that would replay it runs
 eagerly (padding it to a larger captured graph would do more work than the eager step) and the
 size is `wanted`: captured next, before any other.
+
 A graph is anything with `capture(step, pool)` and `replay()` (`CudaGraph` here; CPU tests give
 the runner one that re-runs the step, tests/emulated_graph.py, to exercise the whole graph path).
 """
