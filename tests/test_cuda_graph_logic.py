@@ -704,3 +704,26 @@ def test_the_engine_loop_captures_left_sizes_only_while_idle_and_nothing_waits()
         take_failures=lambda: [], waiting_for_grammar=False, scheduler=types.SimpleNamespace(has_work=lambda: False))
     process._loop(core, ours)  # returns on the Shutdown
     assert calls == [False, False, False]
+
+
+def test_a_size_that_fails_to_capture_while_serving_is_dropped_and_serving_goes_on(llama_path, monkeypatch, caplog):
+    eager = _runner(llama_path, enforce_eager=True, max_num_seqs=16)
+    graphs = _runner(llama_path, emulate_cuda_graphs=True, max_num_seqs=16, cudagraph_capture_sizes=[1, 2, 4, 8, 12, 16])
+    graphs.capture_cuda_graphs()
+    cg = graphs.cuda_graphs
+    real = cg.capture
+
+    def capture(sizes=None):
+        if sizes == [12]:
+            raise RuntimeError("out of memory")
+        return real(sizes)
+
+    monkeypatch.setattr(cg, "capture", capture)
+    caplog.set_level(logging.WARNING)
+    _decode_run(graphs, [10])  # wanted: 12
+    graphs.capture_deferred_graph()
+    assert cg.deferred == [] and cg.sizes == [1, 2, 4, 8, 16] and cg.wanted == set()
+    assert "decode batch size 12 not captured (RuntimeError: out of memory)" in caplog.text
+    for expected, got in zip(_decode_run(eager, [10]), _decode_run(graphs, [10])):  # now the 16-row graph
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert cg.num_replays == 1 and cg.num_uncaptured_decodes == 1

@@ -362,12 +362,24 @@ class DecodeGraphs:
 
     def capture_next(self) -> CaptureReport | None:
         """Capture one size not captured yet (the largest wanted one, else the largest left), as
-        `capture` (nothing in flight); None when every size is captured."""
+        `capture` (nothing in flight); None when every size is captured. A size whose capture fails
+        (e.g. out of memory while serving) is dropped, with a warning: its steps take the next larger
+        graph, or run eagerly, and the worker keeps serving."""
         deferred = self.deferred
         if not deferred:
             return None
         wanted = [size for size in deferred if size in self.wanted]
-        return self.capture([max(wanted or deferred)])
+        size = max(wanted or deferred)
+        try:
+            return self.capture([size])
+        except Exception as error:  # noqa: BLE001 - whatever failed, serving goes on without this graph
+            self.sizes.remove(size)
+            self.wanted.discard(size)
+            logger.warning("CUDA graph of decode batch size %d not captured (%s: %s): its steps take the next "
+                           "larger graph or run eagerly", size, type(error).__name__, error)
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            return CaptureReport([], 0.0, 0, self.static_bytes)
 
     def _make_step(self, size: int) -> Callable[[], None]:
         inputs = self.inputs[size]
