@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -214,8 +215,6 @@ def plot(levels: list[dict], folder: Path) -> None:
 
 def parse_startup_phases(log: str) -> dict[str, float]:
     """{phase: seconds} from the worker's `startup: PHASE S s` log lines (docs/operations.md), in order."""
-    import re
-
     return {m.group(1): float(m.group(2)) for m in re.finditer(r"startup: ([^:\n]+?) (\d+\.\d) s", log)}
 
 
@@ -245,7 +244,7 @@ def main() -> int:
     args = ap.parse_args()
 
     worker = None
-    startup_s = None
+    startup_s = worker_ready_s = None
     startup_phases: dict[str, float] = {}
     if args.address:
         address = args.address
@@ -258,8 +257,11 @@ def main() -> int:
         worker = Worker(model, "--max-model-len", str(max(2048, args.prompt_len + args.output_len + 8)),
                         *args.worker_args, startup_timeout=args.startup_timeout)
         startup_s = time.perf_counter() - t_launch  # launch to grpc.health.v1 SERVING
-        print(f"worker healthy {startup_s:.1f} s after launch", flush=True)
-        startup_phases = parse_startup_phases(worker.log())
+        log = worker.log()
+        ready = re.search(r"ready ([0-9.]+) s after launch", log)  # the worker's own figure, from its creation
+        worker_ready_s = float(ready.group(1)) if ready else None
+        print(f"worker healthy {startup_s:.1f} s after launch (its own line: ready {worker_ready_s} s)", flush=True)
+        startup_phases = parse_startup_phases(log)
         print("startup phases: " + ", ".join(f"{k} {v:.1f} s" for k, v in startup_phases.items()), flush=True)
         address = worker.address
     channel = grpc.insecure_channel(address)
@@ -317,6 +319,7 @@ def main() -> int:
         "model": info.served_model_name, "device": server.scheduler_info["device"],
         "dtype": server.scheduler_info["dtype"], "machine": f"{platform.node()} {os.cpu_count()} cpus",
         "date": time.strftime("%Y-%m-%d"), "client_procs": args.client_procs, "startup_s": startup_s,
+        "worker_ready_s": worker_ready_s,
         "startup_phases": startup_phases,
         "kv_events_subscription": subscription.summary() if subscription is not None else None,
         "levels": levels,

@@ -36,7 +36,8 @@ def figures(suite: str, r: dict) -> list[tuple[str, str, float, str]]:
                  f"p99 {lv['itl_ms_p99']:.1f} ms")
                 for lv in r["levels"]]
         if r.get("startup_s") is not None:
-            rows.append(("startup", "s", r["startup_s"], "launch to healthy"))
+            rows.append(("startup", "s", r["startup_s"], f"launch to healthy; the worker's own ready line "
+                                                          f"{r.get('worker_ready_s')} s"))
         return rows
     if suite == "prefix":
         on, off = r["results"]["enable-prefix-caching"], r["results"]["no-enable-prefix-caching"]
