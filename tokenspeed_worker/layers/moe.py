@@ -40,7 +40,7 @@ from torch import nn
 
 from tokenspeed_worker import distributed
 from tokenspeed_worker.kernels.fp8 import FP8_DTYPE, expand_scales
-from tokenspeed_worker.kernels.moe import ExpertScales, GroupedConfig, parse_tiles, tiles_key
+from tokenspeed_worker.kernels.moe import ExpertScales, GroupedConfig, nearest_tiles, parse_tiles, tiles_key
 from tokenspeed_worker.layers import small_batch_gemv
 from tokenspeed_worker.layers.fused_kernels import use_fused
 from tokenspeed_worker.layers.layernorm import PendingNorm
@@ -119,6 +119,7 @@ class FusedMoE(nn.Module):
         dtype = FP8_DTYPE if self.scheme is not None else None
         self.params_dtype = torch.get_default_dtype()  # the model's: what FP8 experts are dequantized to
         self.tuned_tiles: dict[int, GroupedConfig] = {}  # the grouped GEMMs' tiles by pair count (take_tuned_tiles)
+        self._tiles_at: dict[int, GroupedConfig | None] = {}  # pair count -> nearest_tiles of it (memo)
         self.w13_scales: ExpertScales | None = None  # kept FP8 experts' (process_weights_after_loading)
         self.w2_scales: ExpertScales | None = None
         self.w13_weight = nn.Parameter(torch.empty(local, 2 * n, hidden_size, dtype=dtype), requires_grad=False)
@@ -252,7 +253,15 @@ class FusedMoE(nn.Module):
             tiles = parse_tiles(text)
             if shape == prefix and pairs.isdigit() and tiles is not None:
                 self.tuned_tiles[int(pairs)] = tiles
+        self._tiles_at.clear()
         return len(self.tuned_tiles)
+
+    def _tiles(self, pairs: int) -> GroupedConfig | None:
+        """The tuned tiles nearest `pairs`, looked up once per pair count (an eager step calls this in
+        every MoE layer)."""
+        if pairs not in self._tiles_at:
+            self._tiles_at[pairs] = nearest_tiles(self.tuned_tiles, pairs)
+        return self._tiles_at[pairs]
 
     def _kernels(self, x: torch.Tensor):
         return use_fused(x, "moe") if self.use_kernels else None
@@ -308,7 +317,7 @@ class FusedMoE(nn.Module):
                                              foreign=self.num_local_experts != self.num_experts,
                                              w13_scales=self.w13_scales, w2_scales=self.w2_scales,
                                              total_experts=self.num_experts, decode=decode,
-                                             config=kernels.nearest_tiles(self.tuned_tiles, ids.numel()))
+                                             config=self._tiles(ids.numel()))
 
             # A decode step on the GPU: the chooser's timed path (elsewhere, Triton's interpreter in
             # tests, fused_experts' own rule: timing means nothing there).

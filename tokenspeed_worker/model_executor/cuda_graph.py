@@ -259,7 +259,6 @@ class DecodeGraphs:
         self.timed_steps = 0  # steps captured and timed by step_timer
         self.graphs: dict[int, object] = {}
         self.metadata: dict[int, object] = {}  # size -> the attention metadata its graph was captured with
-        self.captured_sizes: list[int] = []  # ascending; those captured so far
         self.wanted: set[int] = set()  # sizes not captured yet that a decode step would have replayed
         self.num_uncaptured_decodes = 0  # decode steps run eagerly for want of such a size
         self._pool = None  # the graphs' shared memory pool (CUDA), made by the first capture
@@ -320,7 +319,7 @@ class DecodeGraphs:
         first_run = tuning = 0.0
         # Largest first: the smaller graphs reuse its pool memory (a later capture, smaller than the
         # startup's largest, does too).
-        for size in todo:
+        for done, size in enumerate(todo, 1):
             self._load_dummy_rows(size)
             step = self._make_step(size)
             t0 = time.perf_counter()
@@ -349,8 +348,7 @@ class DecodeGraphs:
             self.graphs[size] = graph
             self.wanted.discard(size)
             if progress is not None:
-                progress.tick(len(todo) - sum(s not in self.graphs for s in todo))
-        self.captured_sizes = sorted(self.graphs)
+                progress.tick(done)
         graph_bytes = 0
         if on_cuda:
             torch.cuda.synchronize(self.device)
