@@ -116,6 +116,7 @@ def main() -> int:
         print(f"{mode}: starting worker for {model}", flush=True)
         worker = Worker(model, mode, "--max-model-len", "8192", "--enable-cache-report", *args.worker_args)
         try:
+            worker.wait_graphs_captured()  # the steady state, not the engine's captures after startup
             vocab = worker.stub.GetModelInfo(pb.GetModelInfoRequest()).vocab_size
             info = worker.stub.GetServerInfo(pb.GetServerInfoRequest())
             device = info.scheduler_info["device"]

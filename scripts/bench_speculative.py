@@ -109,6 +109,9 @@ def start(model: str, args, extra: tuple[str, ...] = (), env: dict | None = None
     t0 = time.perf_counter()
     worker = Worker(model, *flags, startup_timeout=args.startup_timeout, env=env)
     print(f"worker {' '.join(extra) or '(plain)'} healthy in {time.perf_counter() - t0:.1f} s", flush=True)
+    waited = worker.wait_graphs_captured()
+    if waited is not None:
+        print(f"  its decode graphs left for after startup captured {waited:.1f} s later", flush=True)
     return worker
 
 

@@ -107,6 +107,7 @@ def main() -> int:
             try:
                 print(f"{name}: healthy in {time.perf_counter() - t0:.1f} s", flush=True)
                 one_request(worker.stub, "warm-up", prompts[min(prompts)][:64], 8, args.poll_ms / 1000)
+                worker.wait_graphs_captured()  # the steady state, not the engine's captures after startup
                 for n, prompt in prompts.items():
                     row = one_request(worker.stub, f"ctx-{n}", prompt, args.output_len, args.poll_ms / 1000)
                     rows.append(row)

@@ -117,6 +117,21 @@ class Worker:
         self._log.flush()
         return self.log_path.read_text(errors="replace")[-6000:]
 
+    def wait_graphs_captured(self, timeout: float = 300.0) -> float | None:
+        """Wait until the engine has captured the decode graphs it left for after startup (a GPU start
+        captures the few-row sizes first; the rest while idle), so a benchmark times the steady state.
+        The seconds waited, or None when the start left none (CPU, tensor parallelism)."""
+        self._log.flush()
+        if "while the engine idles or needs them" not in self.log_path.read_text(errors="replace"):
+            return None
+        t0 = time.monotonic()
+        while "captured after startup" not in self.log_path.read_text(errors="replace"):
+            if self.proc.poll() is not None or time.monotonic() - t0 > timeout:
+                raise RuntimeError(f"decode graphs not all captured after {timeout}s:\n{self.log()}")
+            time.sleep(0.2)
+            self._log.flush()
+        return time.monotonic() - t0
+
     def signal_group(self, sig: int) -> None:
         """`kill -SIG -- -PGID`: the signal to every process of the worker's group (new_session=True)."""
         assert self.new_session, "signal_group needs Worker(..., new_session=True)"
