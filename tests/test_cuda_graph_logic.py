@@ -615,12 +615,17 @@ def test_the_first_capture_holds_the_few_row_sizes_the_largest_and_the_verify_si
     assert first_capture_sizes([1, 2, 4], None, 1) == [1, 2, 4] and first_capture_sizes([], None, 1) == []
 
 
-def test_a_size_left_for_later_runs_eagerly_until_captured_with_the_eager_logits(llama_path):
+def test_a_size_left_for_later_runs_eagerly_until_captured_with_the_eager_logits(llama_path, caplog):
     """Sizes past the first capture: a decode step that would replay one runs eagerly (wanted), the
-    next capture takes it (wanted first), and from then on it replays, all with the eager logits."""
+    next capture takes it (wanted first), and from then on it replays, all with the eager logits.
+    The log says so in the lines the benchmarks wait on (Worker.wait_graphs_captured)."""
+    from worker_harness import GRAPHS_DONE_LINE, GRAPHS_LEFT_LINE
+
+    caplog.set_level(logging.INFO, logger="tokenspeed_worker")
     eager = _runner(llama_path, enforce_eager=True, max_num_seqs=16)
     graphs = _runner(llama_path, emulate_cuda_graphs=True, max_num_seqs=16, cudagraph_capture_sizes=[1, 2, 4, 8, 12, 16])
     graphs.capture_cuda_graphs()
+    assert GRAPHS_LEFT_LINE in caplog.text and GRAPHS_DONE_LINE not in caplog.text
     cg = graphs.cuda_graphs
     assert sorted(cg.graphs) == [1, 2, 4, 8, 16] and cg.deferred == [12] and graphs.deferred_graphs
     first = _decode_run(graphs, [10, 3])  # 10 rows: the 12-row graph, not captured yet
@@ -630,6 +635,7 @@ def test_a_size_left_for_later_runs_eagerly_until_captured_with_the_eager_logits
     assert cg.num_replays == 1 and cg.num_eager_decodes == 0  # the 3-row step replayed; no warning counted
     graphs.capture_deferred_graph()
     assert cg.deferred == [] and cg.wanted == set() and not graphs.deferred_graphs and not graphs.graphs_wanted
+    assert GRAPHS_DONE_LINE in caplog.text
     for expected, got in zip(_decode_run(eager, [11, 9], seed=1), _decode_run(graphs, [11, 9], seed=1)):
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     assert cg.num_replays == 3 and cg.num_uncaptured_decodes == 1

@@ -55,6 +55,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# The engine's log lines (model_runner) that say decode sizes were left for after startup, and that
+# they are all captured: Worker.wait_graphs_captured (test_cuda_graph_logic checks both are logged).
+GRAPHS_LEFT_LINE = "while the engine idles or needs them"
+GRAPHS_DONE_LINE = "captured after startup"
+
+
 class Worker:
     """A worker subprocess; `stub` talks TokenSpeedScheduler to it.
 
@@ -121,15 +127,13 @@ class Worker:
         """Wait until the engine has captured the decode graphs it left for after startup (a GPU start
         captures the few-row sizes first; the rest while idle), so a benchmark times the steady state.
         The seconds waited, or None when the start left none (CPU, tensor parallelism)."""
-        self._log.flush()
-        if "while the engine idles or needs them" not in self.log_path.read_text(errors="replace"):
+        if GRAPHS_LEFT_LINE not in self.log_path.read_text(errors="replace"):
             return None
         t0 = time.monotonic()
-        while "captured after startup" not in self.log_path.read_text(errors="replace"):
+        while GRAPHS_DONE_LINE not in self.log_path.read_text(errors="replace"):
             if self.proc.poll() is not None or time.monotonic() - t0 > timeout:
-                raise RuntimeError(f"decode graphs not all captured after {timeout}s:\n{self.log()}")
+                raise RuntimeError(f"decode graphs not all captured after {time.monotonic() - t0:.0f} s:\n{self.log()}")
             time.sleep(0.2)
-            self._log.flush()
         return time.monotonic() - t0
 
     def signal_group(self, sig: int) -> None:
