@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import shutil
+from pathlib import Path
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -280,6 +281,29 @@ def test_sizes_and_attributes(runners):
     assert runner.weight_bytes() == 4 * sum(p.numel() for p in runner.model.parameters())
     assert runner.model.lm_head.weight is runner.model.model.embed_tokens.weight
     assert runner.kv_cache.shape == (2, config.num_hidden_layers, NUM_BLOCKS, BLOCK_SIZE, 2, head_dim)
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads Linux's /proc")
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+def test_a_cpu_kv_pool_takes_memory_only_as_it_is_written(tiny_model_paths, kv_dtype):
+    """A CPU worker's pool is sized from physical memory (up to 4 GiB), but only the KV it writes
+    is resident: several CPU workers on one machine (tests, demos) do not each hold 4 GiB."""
+    runner = make_runner(str(tiny_model_paths["llama-gqa-tied"]), max_model_len=64)
+    runner.kv_dtype = kv_dtype
+    before = _resident_bytes()
+    runner.allocate_kv_cache(256 * 1024)  # 4M tokens: 0.75-3 GiB for this model by KV dtype
+    pool = runner.kv_cache
+    assert pool.dtype == kv_dtype and pool.is_contiguous() and pool.nbytes >= 512 * 2**20
+    assert _resident_bytes() - before < 64 * 2**20
+    assert not pool[:, :, -1].float().any()  # reads as zeros, still not resident
+    pool[0, 0, 7].fill_(1)
+    assert pool[0, 0, 7].float().eq(1).all() and not pool[1, 0, 7].float().any()
+    assert _resident_bytes() - before < 64 * 2**20
 
 
 def test_clear_errors(tiny_model_paths, tmp_path):

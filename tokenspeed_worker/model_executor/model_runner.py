@@ -89,6 +89,17 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(previous)
 
 
+def _zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero-filled KV pool. On CPU its pages are taken from the OS only when first written:
+    torch.zeros writes every byte (the whole pool is resident from the start), numpy's zeros asks
+    calloc, which maps large blocks as zero pages. A CPU worker's memory then grows with the KV it
+    uses, not with the pool's size."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * dtype.itemsize
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, *, attention_backend: AttentionBackend | None = None,
                  graph_class: type | None = None, setup_started: float | None = None) -> None:
@@ -323,7 +334,7 @@ class ModelRunner:
         pool_blocks = num_blocks + (1 if self.use_cuda_graphs else 0)
         shape = self.attention_backend.kv_cache_shape(pool_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         self.kv_cache = None  # free the old pool before allocating the new one
-        self.kv_cache = torch.zeros((2, self.num_layers, *shape), dtype=self.kv_dtype, device=self.device)
+        self.kv_cache = _zeroed_pool((2, self.num_layers, *shape), self.kv_dtype, torch.device(self.device))
         self.num_blocks = num_blocks
         self.dummy_block = num_blocks if self.use_cuda_graphs else None
         for layer_index, attn in enumerate(self.attention_layers):
