@@ -7,6 +7,8 @@ import hashlib
 import importlib.util
 import io
 import json
+import subprocess
+import sys
 import time
 import zipfile
 from pathlib import Path
@@ -101,6 +103,28 @@ def test_a_port_in_use_is_a_clear_error_and_the_harness_starts_elsewhere(model_d
             assert run(w, gen(PROMPT, max_new_tokens=2))[-1].HasField("complete")
         finally:
             assert w.stop() == 0, w.log()
+
+
+def test_a_port_a_running_grpc_server_holds_fails_before_the_engine_starts(model_dir):
+    """A second worker on a running one's port: grpc servers set SO_REUSEPORT by default, so it
+    would bind the port too and take half of the first one's connections. It exits 1 with "cannot
+    listen on", checked before its engine starts (no minutes of loading first)."""
+    from tokenspeed_worker.server.launch import port_taken
+
+    running = grpc.server(concurrent.futures.ThreadPoolExecutor(1))  # grpc's defaults, as another worker's
+    port = running.add_insecure_port("127.0.0.1:0")
+    running.start()
+    try:
+        assert port_taken("127.0.0.1", port)
+        proc = subprocess.run([sys.executable, "-m", "tokenspeed_worker", str(model_dir), "--host", "127.0.0.1",
+                               "--grpc-port", str(port)], capture_output=True, text=True, timeout=120)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 1 and f"cannot listen on 127.0.0.1:{port}" in out, out
+        assert "engine start" not in out and "Traceback" not in out, out
+    finally:
+        running.stop(None)
+    assert port_taken("127.0.0.1", port) is None  # free again (TIME_WAIT does not count)
+    assert port_taken("127.0.0.1", 0) is None
 
 
 def test_the_log_reports_each_startup_phase_with_its_seconds(worker):

@@ -47,9 +47,9 @@ def gen(max_new_tokens=None, stream=True, rid=None):
 class Collector(threading.Thread):
     """Runs one Generate call to its end, recording every message and the final status."""
 
-    def __init__(self, stub, request, metadata=None):
+    def __init__(self, stub, request, metadata=None, timeout: float = 60):
         super().__init__(daemon=True)
-        self.stub, self.request, self.metadata = stub, request, metadata
+        self.stub, self.request, self.metadata, self.timeout = stub, request, metadata, timeout
         self.messages: list = []
         self.code = None
         self.details = ""
@@ -58,7 +58,7 @@ class Collector(threading.Thread):
 
     def run(self):
         try:
-            for r in self.stub.Generate(self.request, timeout=60, metadata=self.metadata):
+            for r in self.stub.Generate(self.request, timeout=self.timeout, metadata=self.metadata):
                 self.messages.append(r)
                 self.first.set()
             self.code = grpc.StatusCode.OK

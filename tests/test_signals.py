@@ -105,7 +105,7 @@ def drain_under_group_signal(w: Worker, sig: int, streams: int, max_new: int) ->
     outlast the streams on a loaded CPU (the suite runs two test files at once)."""
     kids = descendants(w.proc.pid)
     assert kids and all(ignores_stop_signals(k) for k in kids), ([describe(k) for k in kids], w.log())
-    calls = [Collector(w.stub, gen(max_new_tokens=max_new)) for _ in range(streams)]
+    calls = [Collector(w.stub, gen(max_new_tokens=max_new), timeout=170) for _ in range(streams)]
     for c in calls:
         assert c.first.wait(60), w.log()
     w.signal_group(sig)
@@ -279,7 +279,7 @@ def test_other_node_waits_for_node_0_to_drain(model_dir):
             w = Worker(model_dir, *FLAGS, *dist, "--node-rank", "0", "--drain-timeout", "180", new_session=True)
             try:
                 kids = descendants(node1.pid)
-                c = Collector(w.stub, gen(max_new_tokens=400))  # still streaming 1 s after the signal
+                c = Collector(w.stub, gen(max_new_tokens=400), timeout=190)  # still streaming 1 s after the signal
                 assert c.first.wait(60), w.log()
                 os.killpg(node1.pid, signal.SIGTERM)
                 time.sleep(1.0)

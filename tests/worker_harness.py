@@ -105,13 +105,17 @@ class Worker:
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
         health = health_pb2_grpc.HealthStub(self.channel)
+        # SERVING alone may come from another test's worker that took the port first (tests run in
+        # parallel; this worker binds only after its engine started, and then fails to): the
+        # worker's own line for its port says the server answering is this one.
+        own_line = f"(port {self.port}), ready"
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"worker exited with {self.proc.returncode}:\n{self.log()}")
             try:
                 r = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
-                if r.status == health_pb2.HealthCheckResponse.SERVING:
+                if r.status == health_pb2.HealthCheckResponse.SERVING and own_line in self.log_path.read_text(errors="replace"):
                     return
             except grpc.RpcError:
                 pass

@@ -19,6 +19,7 @@ import time
 import logging
 import os
 import signal
+import socket
 import threading
 
 import grpc
@@ -46,7 +47,31 @@ GRPC_OPTIONS = [
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    # grpc turns SO_REUSEPORT on by default: a second worker started on a running one's port would
+    # bind it too and take half of its connections. Off, the second one fails "cannot listen on".
+    ("grpc.so_reuseport", 0),
 ]
+
+
+def port_taken(host: str, port: int) -> str | None:
+    """Why host:port cannot be listened on (another process holds it, the address is not this
+    machine's), or None. Checked before the engine starts, so a taken port fails in a second, not
+    after minutes of loading; the server's own bind stays the final word (the port may be taken
+    meanwhile). SO_REUSEADDR as grpc sets it: a port left in TIME_WAIT by a stopped worker is free."""
+    if port == 0:
+        return None
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+    except (OSError, UnicodeError):
+        return None  # the server's bind reports it
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(addr)
+        except OSError as e:
+            return e.strerror or str(e)
+    return None
 
 
 def structured_output_available(engine_cfg: EngineConfig, facts) -> bool:
@@ -297,6 +322,11 @@ def run_server(args: ServerArgs, launched: float | None = None) -> int:
         from tokenspeed_worker.engine.tp_worker import run_node
 
         return run_node(engine_cfg, server_cfg.node_rank, server_cfg.log_level)
+    taken = port_taken(server_cfg.host, server_cfg.grpc_port)
+    if taken:
+        host = f"[{server_cfg.host}]" if ":" in server_cfg.host and not server_cfg.host.startswith("[") else server_cfg.host
+        logger.error("cannot listen on %s:%d: %s", host, server_cfg.grpc_port, taken)
+        return 1
     facts.data_parallel_size = server_cfg.data_parallel_size
     facts.structured_output = structured_output_available(engine_cfg, facts)
     if not facts.structured_output:  # one decision: the server refuses constraints, the engine builds nothing
