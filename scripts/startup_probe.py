@@ -5,7 +5,8 @@ each holds several things: the interpreter, torch's import, the CUDA driver's in
 the primary context, transformers' import and its config parsing, triton's import. This times
 them one at a time, in the order the engine meets them, in a fresh process per repeat (as every
 start is), and once more with the driver initialized from a thread beside torch's import (ctypes
-releases the GIL in foreign calls: can the two overlap?). Prints a JSON result (also --out).
+releases the GIL in foreign calls: can the two overlap?); then AutoConfig.from_pretrained under
+cProfile, as is and with HF_HUB_OFFLINE=1. Prints a JSON result (also --out).
 
     python scripts/startup_probe.py --model scripts/model_configs/llama-3.2-1b --repeats 3
 """
@@ -73,6 +74,43 @@ steps["interpreter_s"] = t["interpreter_s"]
 print(json.dumps(steps))
 """
 
+# Runs in a fresh interpreter after torch's and transformers' imports: AutoConfig.from_pretrained
+# under cProfile, its seconds and the 25 functions it spent the most cumulative time in (on the
+# GPU machine it took 5 s against 0.7 s on the CPU machine: what is it doing?).
+PROFILE_CHILD = r"""
+import cProfile, io, json, pstats, sys, time
+import torch, transformers
+from transformers import AutoConfig
+profile = cProfile.Profile()
+t0 = time.perf_counter()
+profile.enable()
+AutoConfig.from_pretrained(sys.argv[1])
+profile.disable()
+seconds = time.perf_counter() - t0
+text = io.StringIO()
+pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(25)
+lines = [line.rstrip() for line in text.getvalue().splitlines() if line.strip()]
+print(json.dumps({"autoconfig_from_pretrained_s": seconds, "transformers": transformers.__version__,
+                  "top_cumulative": lines[-27:]}))
+"""
+
+
+def profile_autoconfig(model: str) -> dict[str, dict]:
+    """AutoConfig.from_pretrained profiled in fresh processes: as the engine runs it, and with
+    HF_HUB_OFFLINE=1 (does it look for a hub it cannot reach?)."""
+    import os
+
+    out = {}
+    for name, extra in (("as_is", {}), ("hf_hub_offline", {"HF_HUB_OFFLINE": "1"})):
+        done = subprocess.run([sys.executable, "-c", PROFILE_CHILD, model], capture_output=True, text=True,
+                              check=False, timeout=300, env=dict(os.environ, **extra))
+        if done.returncode != 0:
+            out[name] = {"error": done.stderr[-2000:]}
+            continue
+        out[name] = json.loads(done.stdout.strip().splitlines()[-1])
+        print(f"autoconfig {name}: {out[name]['autoconfig_from_pretrained_s']:.2f} s", flush=True)
+    return out
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -93,7 +131,7 @@ def main() -> None:
             runs[mode].append(result)
             print(mode, {k: round(v, 3) for k, v in result.items()}, flush=True)
     out = {"date": time.strftime("%Y-%m-%d"), "machine": platform.node(), "python": sys.version.split()[0],
-           "model": args.model, "runs": runs}
+           "model": args.model, "runs": runs, "autoconfig_profile": profile_autoconfig(args.model)}
     text = json.dumps(out, indent=2)
     print(text)
     if args.out:
