@@ -21,6 +21,9 @@ def test_the_probe_times_each_step_in_fresh_processes(tmp_path, tiny_model_paths
         assert {"import_torch_s", "import_transformers_s", "autoconfig_from_pretrained_s", "interpreter_s",
                 "total_in_process_s", "wall_s"} <= set(run)
         assert all(v >= 0 for v in run.values()) and run["wall_s"] >= run["total_in_process_s"]
+    for variant in ("as_is", "hf_hub_offline"):  # AutoConfig under cProfile: its seconds and where they went
+        profiled = result["autoconfig_profile"][variant]
+        assert profiled["autoconfig_from_pretrained_s"] > 0 and any("from_pretrained" in x for x in profiled["top_cumulative"])
     line = subprocess.run([sys.executable, "scripts/bench_summary.py", "--line", "startup", str(out), "probe"],
                           cwd=REPO, check=True, capture_output=True, text=True).stdout
     assert "sequential import_torch_s" in line and "driver_beside_torch_import autoconfig_from_pretrained_s" in line
