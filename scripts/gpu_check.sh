@@ -308,7 +308,7 @@ suite_moe() {
   local status=$?
   dry || { grep -E "^(copy|qwen|mixtral)" "$OUT/logs/moe_kernels.log" | cut -c1-300; [ $status = 0 ] || failed moe_kernels $status; }
   # MOE_TUNE=1: the grouped GEMMs' tiles tuned for the MoE shapes (bench_moe.py --tune), kept in this
-  # machine's cache folder (so the latency runs below start with them; sent back under $OUT/kernel_choices/).
+  # machine's cache folder (so the latency runs below start with them; sent back in $OUT/kernel_choices.tgz).
   if [ "${MOE_TUNE:-0}" = 1 ]; then
     step moe_tune "${MOE_TUNE_TIMEOUT:-420}" "$REPO" python3 scripts/bench_moe.py --tune --out "$OUT/moe_tune.json"
     status=$?
@@ -469,12 +469,12 @@ else
   dry || python3 scripts/bench_summary.py "$OUT"
 fi
 
-# The kernel choices this machine's starts kept (scripts/ship_kernel_choices.py ships them with the package).
+# The kernel choices this machine's starts kept (scripts/ship_kernel_choices.py ships them with the package),
+# as one tar: the folders' names (device keys such as ...-torch2.11.0+cu130-...) hold characters the
+# device tool does not send back.
 if ! dry && compgen -G ~/.cache/tokenspeed-worker/"*"/"*.json" >/dev/null; then
-  for d in ~/.cache/tokenspeed-worker/*/; do
-    compgen -G "$d*.json" >/dev/null || continue
-    mkdir -p "$OUT/kernel_choices/$(basename "$d")" && cp "$d"*.json "$OUT/kernel_choices/$(basename "$d")/"
-  done
+  (cd ~/.cache/tokenspeed-worker && find . -mindepth 2 -maxdepth 2 -name '*.json' -print0 \
+     | tar -czf "$OUT/kernel_choices.tgz" --null -T -)
 fi
 
 # Send Triton's compiled kernels back (TRITON_CACHE_OUT=1), in pieces under the 16 MiB a file may be.

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import sys
 import types
 from pathlib import Path
 
@@ -125,6 +126,30 @@ def test_the_ship_script_keeps_model_sized_keys_of_each_file():
     assert model_sized(kernel_cache.MOE_FILE, "128/2048/768/bfloat16/4096", 1024)  # Qwen3-30B-A3B: narrow experts
     assert not model_sized(kernel_cache.MOE_FILE, "8/32/48/float32/64", 1024)
     assert not model_sized(kernel_cache.MOE_FILE, "not a key", 1024)
+
+
+def test_the_ship_script_takes_the_gpu_runs_tar_of_device_key_folders(monkeypatch, tmp_path):
+    """gpu_check.sh sends the cache folders back as one tar (a device key's `+` is not a name the
+    device tool returns): the script unpacks it and ships each folder's model-sized entries under
+    its GPU model's name."""
+    import tarfile
+
+    from worker_harness import _load_script
+
+    ship = _load_script("ship_kernel_choices")
+    key = "NVIDIA_H100_80GB_HBM3-sm90-driver580.159.04-cuda13.0-torch2.11.0+cu130-triton3.6.0-tsw0.1.0"
+    cache = tmp_path / "cache"
+    kernel_cache.save_choices(cache / key / kernel_cache.CHOICES_FILE,
+                              {"linear/1/4096/4096/bfloat16": "gemv", "linear/1/64/32/float32": "unfused"})
+    archive = tmp_path / "kernel_choices.tgz"
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(cache / key / kernel_cache.CHOICES_FILE, arcname=f"./{key}/{kernel_cache.CHOICES_FILE}")
+    shipped = tmp_path / "shipped"
+    monkeypatch.setattr(ship.kernel_cache, "SHIPPED_DIR", shipped)
+    monkeypatch.setattr(sys, "argv", ["ship_kernel_choices.py", str(archive)])
+    ship.main()
+    assert kernel_cache.load_choices(shipped / "NVIDIA_H100_80GB_HBM3-sm90" / kernel_cache.CHOICES_FILE) == {
+        "linear/1/4096/4096/bfloat16": "gemv"}
 
 
 def test_the_driver_version_is_read_from_the_kernel_module(monkeypatch, tmp_path):
