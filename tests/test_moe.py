@@ -422,7 +422,8 @@ def test_a_layer_takes_the_tiles_tuned_for_its_own_shape_and_runs_with_them(monk
     from tokenspeed_worker.layers.fused_kernels import fused_kernels
     from tokenspeed_worker.layers.moe import FusedMoE
 
-    layer = FusedMoE(4, 32, 16)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter runs triton on CPU only
+    layer = FusedMoE(4, 32, 16).to(device)
     for param in (layer.w13_weight, layer.w2_weight):
         param.data.normal_(0, 0.1)
     mine = kernels.tiles_key(4, 32, 16, torch.float32)
@@ -434,8 +435,8 @@ def test_a_layer_takes_the_tiles_tuned_for_its_own_shape_and_runs_with_them(monk
     seen = []
     real = kernels.fused_experts
     monkeypatch.setattr(kernels, "fused_experts", lambda *a, **k: seen.append(k["config"]) or real(*a, **k))
-    x = torch.randn(40, 32)
-    weights, ids = select_experts(torch.randn(40, 4), 2, True)
+    x = torch.randn(40, 32, device=device)
+    weights, ids = select_experts(torch.randn(40, 4, device=device), 2, True)
     with fused_kernels("off"):
         expected = layer._experts(x, weights, ids)
     with fused_kernels("force"):
@@ -473,7 +474,8 @@ def test_tuning_keeps_the_fastest_candidate_that_launches_and_agrees(monkeypatch
 
     order = [slow, fast] * 2  # the candidates that reach the timer, in order, per pair count
     torch.manual_seed(0)
-    w13, w2 = 0.1 * torch.randn(4, 32, 32), 0.1 * torch.randn(4, 32, 16)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter runs triton on CPU only
+    w13, w2 = 0.1 * torch.randn(4, 32, 32, device=device), 0.1 * torch.randn(4, 32, 16, device=device)
     entries, rows = bench.tune_tiles(w13, w2, 2, time_us, pairs_counts=(32, 64), candidates=(slow, broken, wrong, fast))
     key = kernels.tiles_key(4, 32, 16, torch.float32)
     assert entries == {f"{key}/32": "32,32,32,4,2", f"{key}/64": "32,32,32,4,2"}
