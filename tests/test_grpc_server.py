@@ -127,6 +127,15 @@ def test_a_port_a_running_grpc_server_holds_fails_before_the_engine_starts(model
     assert port_taken("127.0.0.1", 0) is None
 
 
+def test_the_listen_address_brackets_ipv6_hosts_once():
+    from tokenspeed_worker.server.launch import listen_address
+
+    assert listen_address("127.0.0.1", 50051) == "127.0.0.1:50051"
+    assert listen_address("::", 50051) == "[::]:50051"
+    assert listen_address("[::1]", 50051) == "[::1]:50051"
+    assert listen_address("localhost", 1) == "localhost:1"
+
+
 def test_the_log_reports_each_startup_phase_with_its_seconds(worker):
     """Operators see where startup went: each phase at info with its seconds as it ends, one line
     summing them, the warm-up generation, and the time from launch to serving."""

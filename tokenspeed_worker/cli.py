@@ -58,6 +58,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     if age is not None:
         logger.info("startup: interpreter start %.1f s (Python and the entry point's imports)", age)
 
+    from tokenspeed_worker.bytecode import use_bytecode_cache
+    from tokenspeed_worker.kernel_cache import resolve_cache_dir
+
+    pycache = use_bytecode_cache(resolve_cache_dir(args.cache_dir))  # before the heavy imports
+    if pycache:
+        logger.info("Python bytecode kept in %s (torch was installed without it and Python may not write it "
+                    "beside the sources)", pycache)
+
     from tokenspeed_worker.server.launch import run_server  # heavy: torch, grpc, engine
 
     sys.exit(run_server(args, launched))

@@ -83,5 +83,9 @@ SPECULATIVE_ORACLE_ACCEPT = EnvVar(
     "TOKENSPEED_SPECULATIVE_ORACLE_ACCEPT", 1.0, float,
     "Benchmarks only: the fraction of the oracle's draft tokens right (kept; the rest are changed "
     "and rejected, by a hash of their position), for an acceptance curve below 100%.")
+PYCACHE = EnvVar(
+    "TOKENSPEED_WORKER_PYCACHE", "", str,
+    "Not a setting: the worker sets it, beside PYTHONPYCACHEPREFIX, for its own processes when it keeps "
+    "Python's bytecode in the cache folder (bytecode.py), so that they write there too.")
 ALL = (FUSED_KERNELS, OVERLAP_SCHEDULE, FAULT_INJECT, PROFILE_DIR, DIST_TIMEOUT_S, SPECULATIVE_ORACLE,
-       SPECULATIVE_ORACLE_ACCEPT)
+       SPECULATIVE_ORACLE_ACCEPT, PYCACHE)

@@ -21,7 +21,7 @@ import traceback
 from multiprocessing.connection import Connection
 
 from tokenspeed_worker.config import EngineConfig
-from tokenspeed_worker import kernel_cache
+from tokenspeed_worker import bytecode, kernel_cache
 from tokenspeed_worker.engine import lifetime
 from tokenspeed_worker.engine.messages import (
     AbortRequests,
@@ -52,6 +52,7 @@ def _setup_logging(level: str) -> None:
 def engine_main(cfg: EngineConfig, conn: Connection, log_level: str = "info", spawned_at: float | None = None) -> None:
     """Entry point of the engine process (spawned by the server at time.time() `spawned_at`)."""
     lifetime.guard()  # first: ignore the service's stop signals, die with the server
+    bytecode.inherit()  # before the engine's imports
     _setup_logging(log_level)
     try:
         triton_cache = kernel_cache.use_triton_cache(cfg.model.cache_dir)  # before anything compiles

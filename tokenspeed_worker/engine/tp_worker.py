@@ -24,6 +24,7 @@ import signal
 import socket
 import sys
 
+from tokenspeed_worker import bytecode
 from tokenspeed_worker.config import EngineConfig
 from tokenspeed_worker.engine import lifetime
 
@@ -106,6 +107,7 @@ def run_node(cfg: EngineConfig, node_rank: int, log_level: str = "info") -> int:
 def follower_main(cfg: EngineConfig, log_level: str = "info") -> None:
     """Ranks 1..N-1: build the same runner in lockstep with rank 0, then run every plan it broadcasts."""
     lifetime.guard()  # first: ignore the service's stop signals, die with the server
+    bytecode.inherit()  # before the engine's imports
     rank, size = cfg.parallel.tp_rank, cfg.parallel.tensor_parallel_size
     logging.basicConfig(
         level=getattr(logging, log_level.upper(), logging.INFO),

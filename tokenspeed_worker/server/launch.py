@@ -53,6 +53,13 @@ GRPC_OPTIONS = [
 ]
 
 
+def listen_address(host: str, port: int) -> str:
+    """host:port as grpc binds it and the log says it: an IPv6 address in brackets."""
+    if ":" in host and not host.startswith("["):
+        return f"[{host}]:{port}"
+    return f"{host}:{port}"
+
+
 def port_taken(host: str, port: int) -> str | None:
     """Why host:port cannot be listened on (another process holds it, the address is not this
     machine's), or None. Checked before the engine starts, so a taken port fails in a second, not
@@ -205,9 +212,7 @@ async def _serve(server_cfg: ServerConfig, args: ServerArgs, facts, engine: Engi
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
     )
-    address = f"{server_cfg.host}:{server_cfg.grpc_port}"
-    if ":" in server_cfg.host and not server_cfg.host.startswith("["):
-        address = f"[{server_cfg.host}]:{server_cfg.grpc_port}"
+    address = listen_address(server_cfg.host, server_cfg.grpc_port)
     try:
         port = server.add_insecure_port(address)
     except RuntimeError as e:
@@ -324,8 +329,7 @@ def run_server(args: ServerArgs, launched: float | None = None) -> int:
         return run_node(engine_cfg, server_cfg.node_rank, server_cfg.log_level)
     taken = port_taken(server_cfg.host, server_cfg.grpc_port)
     if taken:
-        host = f"[{server_cfg.host}]" if ":" in server_cfg.host and not server_cfg.host.startswith("[") else server_cfg.host
-        logger.error("cannot listen on %s:%d: %s", host, server_cfg.grpc_port, taken)
+        logger.error("cannot listen on %s: %s", listen_address(server_cfg.host, server_cfg.grpc_port), taken)
         return 1
     facts.data_parallel_size = server_cfg.data_parallel_size
     facts.structured_output = structured_output_available(engine_cfg, facts)
