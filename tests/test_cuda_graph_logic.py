@@ -685,14 +685,23 @@ def test_the_engine_captures_a_wanted_size_between_steps_and_the_rest_when_idle(
     assert busy.runner.cuda_graphs.deferred == []
 
 
-def test_the_engine_loop_captures_left_sizes_only_while_idle_and_nothing_waits():
-    """engine/process._loop: idle with sizes left, it captures one per turn, checking the pipe between
-    them, and blocks on the pipe once none is left (here the last call queues the Shutdown)."""
-    import multiprocessing
+def _fake_core(capture_deferred_graph):
     import types
 
+    return types.SimpleNamespace(
+        has_work=lambda: False, capture_deferred_graph=capture_deferred_graph,
+        pipeline_step=lambda pending: ([], None, None, False), take_kv_events=lambda: None,
+        take_failures=lambda: [], waiting_for_grammar=False, scheduler=types.SimpleNamespace(has_work=lambda: False))
+
+
+def test_the_engine_loop_captures_left_sizes_only_while_idle_and_nothing_waits():
+    """engine/process._loop: once the worker serves, idle with sizes left, it captures one per turn,
+    checking the pipe between them, and blocks on the pipe once none is left (here the last call
+    queues the Shutdown)."""
+    import multiprocessing
+
     from tokenspeed_worker.engine import process
-    from tokenspeed_worker.engine.messages import Shutdown
+    from tokenspeed_worker.engine.messages import Serving, Shutdown
 
     ours, theirs = multiprocessing.Pipe()
     calls = []
@@ -704,12 +713,39 @@ def test_the_engine_loop_captures_left_sizes_only_while_idle_and_nothing_waits()
             return False
         return True
 
-    core = types.SimpleNamespace(
-        has_work=lambda: False, capture_deferred_graph=capture_deferred_graph,
-        pipeline_step=lambda pending: ([], None, None, False), take_kv_events=lambda: None,
-        take_failures=lambda: [], waiting_for_grammar=False, scheduler=types.SimpleNamespace(has_work=lambda: False))
-    process._loop(core, ours)  # returns on the Shutdown
+    theirs.send(Serving())
+    process._loop(_fake_core(capture_deferred_graph), ours)  # returns on the Shutdown
     assert calls == [False, False, False]
+
+
+def test_the_engine_captures_nothing_left_before_the_worker_serves():
+    """A capture begun as the engine became ready would hold the warm-up generation (and the port)
+    behind it: the loop only waits on the pipe until Serving comes, answering what comes meanwhile."""
+    import multiprocessing
+    import threading
+
+    from tokenspeed_worker.engine import process
+    from tokenspeed_worker.engine.messages import Probe, ProbeReply, Serving, Shutdown
+
+    ours, theirs = multiprocessing.Pipe()
+    calls = []
+
+    def capture_deferred_graph():
+        calls.append(True)
+        theirs.send(Shutdown())
+        return False
+
+    core = _fake_core(capture_deferred_graph)
+    core.loads = lambda: "loads"
+    loop = threading.Thread(target=process._loop, args=(core, ours), daemon=True)
+    loop.start()
+    theirs.send(Probe(7))  # as the warm-up's request would be: served with no capture before it
+    assert theirs.poll(10) and theirs.recv() == ProbeReply(7, "loads")
+    loop.join(0.5)
+    assert calls == [] and loop.is_alive()
+    theirs.send(Serving())
+    loop.join(10)
+    assert calls == [True] and not loop.is_alive()
 
 
 def test_a_size_that_fails_to_capture_while_serving_is_dropped_and_serving_goes_on(llama_path, monkeypatch, caplog):

@@ -72,6 +72,14 @@ class Shutdown:
     pass
 
 
+@dataclass
+class Serving:
+    """The worker serves (its warm-up generation passed, its port is open): from now on the engine
+    captures the decode graphs its startup left while it idles. Not before: a capture begun as the
+    engine became ready would hold the warm-up generation, and the port, behind it (on a cold start,
+    one capture's kernel compiles)."""
+
+
 # ---- engine -> server -------------------------------------------------------
 
 

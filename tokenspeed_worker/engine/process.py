@@ -1,7 +1,8 @@
 """The engine process: a busy loop around `EngineCore`, talking to the server over a pipe.
 
-Between two steps it takes every pending message (new requests, aborts, probes); when idle
-it blocks on the pipe. Each step sends one `StepOutput`. With overlap scheduling (the GPU
+Between two steps it takes every pending message (new requests, aborts, probes); when idle it
+captures one of the decode graphs its startup left (once the worker serves: `Serving`), or else
+blocks on the pipe. Each step sends one `StepOutput`. With overlap scheduling (the GPU
 default) the next step is launched before the last one's output is completed and sent. If a
 step raises, it reports `EngineDead` and exits non-zero so the server fails every in-flight
 request instead of leaving it hanging.
@@ -33,6 +34,7 @@ from tokenspeed_worker.engine.messages import (
     ProbeReply,
     ProfileReply,
     RequestFailed,
+    Serving,
     Shutdown,
     StartProfile,
     StopProfile,
@@ -127,14 +129,18 @@ def _loop(core, conn: Connection) -> None:
     sent): the host schedules and prepares N+1 and routes N's output while the device runs
     (EngineCore.pipeline_step)."""
     pending = None  # a launched step not completed yet (overlap only)
+    serving = False  # the decode graphs left are captured only once the worker serves (Serving)
     while True:
         # Take everything pending; block only when there is nothing to compute or complete (and no
         # decode graph left to capture: one at a time, so a request waits for one capture at most).
         if pending is None and not core.has_work():
-            if conn.poll(0) or not core.capture_deferred_graph():
+            if conn.poll(0) or not (serving and core.capture_deferred_graph()):
                 conn.poll(None)
         while conn.poll(0):
-            if not _handle(core, conn, conn.recv()):
+            msg = conn.recv()
+            if isinstance(msg, Serving):
+                serving = True
+            elif not _handle(core, conn, msg):
                 return
         outputs, pending, failed, launched = core.pipeline_step(pending)
         # KV cache events of this turn (and of aborts and flushes applied before it): they ride on

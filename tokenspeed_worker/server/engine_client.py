@@ -45,6 +45,7 @@ from tokenspeed_worker.engine.messages import (
     ProbeReply,
     ProfileReply,
     RequestFailed,
+    Serving,
     Shutdown,
     StartProfile,
     StepOutput,
@@ -530,6 +531,12 @@ class EngineClient:
             return await asyncio.wait_for(fut, timeout)
         finally:
             self._waiters.pop(nonce, None)
+
+    def serving(self) -> None:
+        """Tell every replica the worker serves: each then captures its decode graphs left while idle
+        (messages.Serving)."""
+        for replica in self._replicas:
+            replica.outbox.put(Serving())
 
     async def _ask_all(self, make, timeout: float) -> list:
         return list(await asyncio.gather(*(self._ask(make, timeout, k) for k in range(self.data_parallel_size))))

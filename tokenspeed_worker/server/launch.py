@@ -222,6 +222,7 @@ async def _serve(server_cfg: ServerConfig, args: ServerArgs, facts, engine: Engi
     servicer.serving = True
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    engine.serving()  # the engines capture their decode graphs left from now on, while idle
     if server_cfg.api_key:
         logger.info("API key required on every RPC except the health checks")
     logger.info("tokenspeed-worker serving %s on %s (port %d), ready %.1f s after launch", facts.served_model_name,
