@@ -41,6 +41,30 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.smollm2)
 
 
+# Files whose tests share nothing costly (no module-scoped fixture, no started worker) and take long
+# together: under --dist loadfile each of their tests is its own unit, so one of them no longer holds
+# the run's end on one worker (the GPU suite's half that ends with test_small_batch_gemv.py did not
+# fit a 540 s call). pytest-xdist's own --dist loadgroup cannot say this: with pytest 9 its group
+# suffix is lost (it sets Node._nodeid, which pytest 9 no longer reads).
+SPREAD_FILES = frozenset({"test_small_batch_gemv.py", "test_engine_vs_hf.py", "test_dense_families.py",
+                          "test_triton_kernels.py", "test_fp8_gemm.py", "test_fp8_kv_cache.py"})
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadfile (scripts/test.sh, scripts/gpu_check.sh), except SPREAD_FILES' tests one by one."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class SpreadSomeFiles(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return nodeid if os.path.basename(path) in SPREAD_FILES else path
+
+    return SpreadSomeFiles(config, log)
+
+
 def pytest_runtest_logreport(report):
     """TOKENSPEED_TEST_FAILURE_LOG=FILE: each failure's traceback appended to FILE as it happens (the
     GPU machine's runs can be cut by a time limit before pytest prints its summary)."""
