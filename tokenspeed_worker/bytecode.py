@@ -36,11 +36,9 @@ def _bytecode_missing(package: str) -> bool:
     origin = getattr(spec, "origin", None)
     if not origin or not origin.endswith(".py"):
         return False
-    folder = os.path.dirname(origin)
-    compiled = os.path.join(folder, "__pycache__", os.path.basename(importlib.util.cache_from_source(origin)))
-    if os.path.exists(compiled):
+    if os.path.exists(importlib.util.cache_from_source(origin)):  # beside it: no prefix is set here
         return False
-    return sys.dont_write_bytecode or not os.access(folder, os.W_OK)
+    return sys.dont_write_bytecode or not os.access(os.path.dirname(origin), os.W_OK)
 
 
 def use_bytecode_cache(cache_dir: str | None, probe: str = "torch") -> str | None:

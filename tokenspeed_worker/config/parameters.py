@@ -611,7 +611,8 @@ class ServerArgs:
         None,
         WORKER,
         "Directory kept between starts: Triton's compiled kernels (unless TRITON_CACHE_DIR is set) and "
-        "the kernel choices timed at startup, under a folder per GPU, driver and version. 'none': no "
+        "the kernel choices timed at startup, under a folder per GPU, driver and version; Python's "
+        "bytecode where the install has none and may not write it (pycache/). 'none': no "
         "timed choice is kept (Triton keeps its kernels in its own default, ~/.triton/cache). A folder "
         "that cannot be written is replaced by a temporary one for that start, with a warning.",
         default_doc="$XDG_CACHE_HOME/tokenspeed-worker (~/.cache/tokenspeed-worker)",
