@@ -152,8 +152,8 @@ def test_second_group_signal_mid_drain_aborts_the_rest_and_exits_promptly(model_
         assert w.proc.poll() is None and all(c.is_alive() for c in calls)  # draining, 59 s to go
         w.signal_group(signal.SIGINT)  # either signal counts as the second
         t0 = time.monotonic()
-        assert w.proc.wait(10) == 0, w.log()
-        assert time.monotonic() - t0 < 5, "the worker did not stop promptly on the second signal"
+        assert w.proc.wait(20) == 0, w.log()
+        stopped_after = time.monotonic() - t0
         for c in calls:
             c.join(10)
             assert not c.is_alive()
@@ -163,6 +163,10 @@ def test_second_group_signal_mid_drain_aborts_the_rest_and_exits_promptly(model_
                 assert c.messages[-1].HasField("complete")
             else:
                 assert c.completes == [], (c.code, c.details)
+        # Promptly: not the 59 s of drain left. Under 5 s here alone; the bound is the server's 5 s window
+        # for the aborted streams' last messages plus the engine's stop, which a GPU shared by a dozen
+        # test processes (the GPU suite) stretched to 6 s.
+        assert stopped_after < 15, f"the worker took {stopped_after:.1f} s to stop on the second signal:\n{w.log()}"
         assert still_alive(kids, 5.0) == [], w.log()
         assert "second stop signal: aborting" in w.log()
     finally:

@@ -49,6 +49,22 @@ def needs_devices(n: int) -> None:
         pytest.skip(f"needs {n} GPUs, {torch.cuda.device_count()} visible")
 
 
+# A worker on a GPU sizes its KV pool to --gpu-memory-utilization of the whole card (0.9): a tiny
+# model's pool would take ~70 GiB, and the GPU suite runs a dozen test processes on one card, so
+# the next worker or graph capture beside it finds no memory left. A test that gives neither flag
+# gets this fixed pool there instead (the CPU's automatic sizing is already a bounded share).
+GPU_POOL_TOKENS = "65536"
+
+
+def _bounded_pool(extra: tuple[str, ...]) -> tuple[str, ...]:
+    import torch
+
+    if not torch.cuda.is_available() or {"--max-total-tokens", "--gpu-memory-utilization"} & {
+            a.split("=", 1)[0] for a in extra}:
+        return extra
+    return (*extra, "--max-total-tokens", GPU_POOL_TOKENS)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -89,7 +105,7 @@ class Worker:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "wb")
         cmd = [sys.executable, "-m", "tokenspeed_worker", str(model), "--host", "127.0.0.1",
-               "--grpc-port", str(self.port), *extra]
+               "--grpc-port", str(self.port), *_bounded_pool(extra)]
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO,
                                      env=dict(os.environ, **(env or {})), start_new_session=self.new_session)
         # Reconnect within 0.1 s while the port is not yet bound: grpc's default backoff (1 s, growing) would
