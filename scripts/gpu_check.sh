@@ -373,16 +373,32 @@ if rows:
 }
 
 # SERVING_PYSPY=SECONDS: sample the worker's processes (server, engine) with py-spy (carry its wheel in
-# .whl/) for SECONDS from the worker's launch, in the background, as collapsed stacks into FILE (one
-# "process PID:..." root per process; compare the trees' server and engine stacks at the same load).
+# .whl/) for SECONDS, in the background, as collapsed stacks into FILE (one "process PID:..." root per
+# process; compare the trees' server and engine stacks at the same load). Sampling starts once the
+# worker serves with every decode graph captured (what the bench waits for), plus SERVING_PYSPY_AFTER
+# seconds (default 1: the bench's warm-up request), so the stacks are the load's, not the start's.
 pyspy_worker() {
   command -v py-spy >/dev/null || { echo "SERVING_PYSPY: py-spy is not installed (carry its wheel in .whl/)"; return; }
   (
-    for _ in $(seq 120); do
-      pid=$(pgrep -n -f -- "-m tokenspeed_worker") && break
+    for _ in $(seq 120); do  # this tree's worker (the harness starts it in the tree)
+      for pid in $(pgrep -f -- "-m tokenspeed_worker"); do
+        [ "$(readlink "/proc/$pid/cwd")" = "$(cd "$tree" && pwd -P)" ] && break 2
+      done
+      pid=""
       sleep 0.5
     done
-    [ -n "${pid:-}" ] && py-spy record --pid "$pid" --subprocesses --nonblocking --rate 100 --format raw \
+    [ -n "$pid" ] || return
+    port=$(tr '\0' ' ' < "/proc/$pid/cmdline" | sed -n 's/.*--grpc-port \([0-9]*\).*/\1/p')
+    log="$tree/.cache/logs/worker-$port.log"
+    for _ in $(seq 3000); do  # at most 600 s
+      if [ -f "$log" ] && grep -q "), ready" "$log"; then
+        grep -q "while the engine idles or needs them" "$log" && ! grep -q "captured after startup" "$log" || break
+      fi
+      kill -0 "$pid" 2>/dev/null || return
+      sleep 0.2
+    done
+    sleep "${SERVING_PYSPY_AFTER:-1}"
+    py-spy record --pid "$pid" --subprocesses --nonblocking --rate 100 --format raw \
       -d "$SERVING_PYSPY" -o "$1" >"$1.log" 2>&1 && gzip -f "$1"  # ~0.15 MB/s of stacks before gzip
   ) &
 }
