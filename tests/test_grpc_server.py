@@ -105,6 +105,24 @@ def test_a_port_in_use_is_a_clear_error_and_the_harness_starts_elsewhere(model_d
             assert w.stop() == 0, w.log()
 
 
+def test_the_harness_bounds_a_tests_kv_pool_on_a_gpu_unless_the_test_or_a_bench_sizes_it(monkeypatch):
+    """On a GPU the GPU suite's dozen test processes share one card: a test's worker that names no pool
+    size gets a fixed one; a test that sizes it, a benchmark (no pytest) and a CPU keep their flags."""
+    import torch
+    import worker_harness
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert worker_harness._bounded_pool(("--max-model-len", "64")) == (
+        "--max-model-len", "64", "--max-total-tokens", worker_harness.GPU_POOL_TOKENS)
+    for sized in (("--max-total-tokens", "512"), ("--max-total-tokens=512",), ("--gpu-memory-utilization", "0.5")):
+        assert worker_harness._bounded_pool(sized) == sized
+    monkeypatch.delenv("PYTEST_CURRENT_TEST")
+    assert worker_harness._bounded_pool(("--max-model-len", "64")) == ("--max-model-len", "64")
+    monkeypatch.setenv("PYTEST_CURRENT_TEST", "x")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert worker_harness._bounded_pool(("--max-model-len", "64")) == ("--max-model-len", "64")
+
+
 def test_a_port_a_running_grpc_server_holds_fails_before_the_engine_starts(model_dir):
     """A second worker on a running one's port: grpc servers set SO_REUSEPORT by default, so it
     would bind the port too and take half of the first one's connections. It exits 1 with "cannot

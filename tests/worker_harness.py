@@ -52,15 +52,18 @@ def needs_devices(n: int) -> None:
 # A worker on a GPU sizes its KV pool to --gpu-memory-utilization of the whole card (0.9): a tiny
 # model's pool would take ~70 GiB, and the GPU suite runs a dozen test processes on one card, so
 # the next worker or graph capture beside it finds no memory left. A test that gives neither flag
-# gets this fixed pool there instead (the CPU's automatic sizing is already a bounded share).
+# gets this fixed pool there instead (the CPU's automatic sizing is already a bounded share). Under
+# pytest only: the benchmarks start their workers through this harness too, sized as users run them.
 GPU_POOL_TOKENS = "65536"
 
 
 def _bounded_pool(extra: tuple[str, ...]) -> tuple[str, ...]:
+    if "PYTEST_CURRENT_TEST" not in os.environ or {"--max-total-tokens", "--gpu-memory-utilization"} & {
+            a.split("=", 1)[0] for a in extra}:
+        return extra
     import torch
 
-    if not torch.cuda.is_available() or {"--max-total-tokens", "--gpu-memory-utilization"} & {
-            a.split("=", 1)[0] for a in extra}:
+    if not torch.cuda.is_available():
         return extra
     return (*extra, "--max-total-tokens", GPU_POOL_TOKENS)
 
