@@ -34,9 +34,9 @@ sys.path.insert(0, str(REPO / "scripts"))
 from tokenspeed_worker.proto import tokenspeed_scheduler_pb2 as pb  # noqa: E402
 
 
-def one_stream(stub, rid, prompt, output_len, results):
+def one_stream(stub, rid, prompt, output_len, results, stream=True):
     req = pb.GenerateRequest(
-        request_id=rid, tokenized=pb.TokenizedInput(input_ids=prompt), stream=True,
+        request_id=rid, tokenized=pb.TokenizedInput(input_ids=prompt), stream=stream,
         sampling_params=pb.SamplingParams(temperature=0.0, max_new_tokens=output_len, ignore_eos=True, n=1))
     t0 = time.perf_counter()
     stamps = []
@@ -46,6 +46,9 @@ def one_stream(stub, rid, prompt, output_len, results):
             now = time.perf_counter()
             stamps.extend([now] * len(r.chunk.token_ids))
             n += len(r.chunk.token_ids)
+        elif not stream and r.HasField("complete"):  # everything at once: its time is the first token's
+            stamps.append(time.perf_counter())
+            n += len(r.complete.output_ids)
     results.append({"ttft": stamps[0] - t0, "e2e": time.perf_counter() - t0, "tokens": n,
                     "itl": list(np.diff(stamps)) if len(stamps) > 1 else []})
 
@@ -63,14 +66,14 @@ def _client_stub(address: str):
     return _CLIENT_STUB
 
 
-def run_streams(stub, queues, output_len):
+def run_streams(stub, queues, output_len, stream=True):
     """One thread per queue of (rid, prompt), each running its requests back to back (a queue of one:
     a plain stream): the results of all of them."""
     results: list[dict] = []
 
     def run(jobs) -> None:
         for rid, prompt in jobs:
-            one_stream(stub, rid, prompt, output_len, results)
+            one_stream(stub, rid, prompt, output_len, results, stream)
 
     threads = [threading.Thread(target=run, args=(jobs,)) for jobs in queues]
     for t in threads:
@@ -80,13 +83,19 @@ def run_streams(stub, queues, output_len):
     return results
 
 
-def client_streams(address, queues, output_len):
+def client_streams(address, queues, output_len, stream=True):
     """run_streams in a client process (--client-procs), on its own channel."""
-    return run_streams(_client_stub(address), queues, output_len)
+    return run_streams(_client_stub(address), queues, output_len, stream)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process `pid` so far, all its threads (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def run_level(stub, concurrency, prompt_len, output_len, rounds, vocab, seed, address=None, pool=None,
-              closed_loop=False):
+              closed_loop=False, server_pid=None, stream=True):
     """`rounds` waves of `concurrency` streams (each wave starts when the last one has ended), or with
     closed_loop `concurrency` streams that each run `rounds` requests back to back (a stream starts
     its next request as soon as its last one ends, as an engine with `concurrency` running requests
@@ -96,32 +105,44 @@ def run_level(stub, concurrency, prompt_len, output_len, rounds, vocab, seed, ad
     rng = np.random.default_rng(seed)
     results: list[dict] = []
     total = concurrency * rounds
+    cpu0 = cpu_seconds(server_pid) if server_pid else None
     t0 = time.perf_counter()
     if closed_loop:
         queues = [[(f"bench-{concurrency}-{i}-{r}", rng.integers(10, vocab - 10, prompt_len).tolist())
                    for r in range(rounds)] for i in range(concurrency)]
         if pool is None:
-            results = run_streams(stub, queues, output_len)
+            results = run_streams(stub, queues, output_len, stream)
         else:
             parts = [queues[k::pool.procs] for k in range(pool.procs)]
-            for part in pool.map(client_streams, [address] * pool.procs, parts, [output_len] * pool.procs):
+            for part in pool.map(client_streams, [address] * pool.procs, parts, [output_len] * pool.procs,
+                                 [stream] * pool.procs):
                 results.extend(part)
         print(f"  concurrency {concurrency}: {len(results)}/{total} requests done (closed loop)", flush=True)
     for r in range(0 if closed_loop else rounds):
         jobs = [(f"bench-{concurrency}-{r}-{i}", rng.integers(10, vocab - 10, prompt_len).tolist())
                 for i in range(concurrency)]
         if pool is None:
-            results.extend(run_streams(stub, [[job] for job in jobs], output_len))
+            results.extend(run_streams(stub, [[job] for job in jobs], output_len, stream))
         else:
             parts = [[[job] for job in jobs[k::pool.procs]] for k in range(pool.procs)]
-            for part in pool.map(client_streams, [address] * len(parts), parts, [output_len] * len(parts)):
+            for part in pool.map(client_streams, [address] * len(parts), parts, [output_len] * len(parts),
+                                 [stream] * len(parts)):
                 results.extend(part)
         print(f"  concurrency {concurrency}: {len(results)}/{total} requests done", flush=True)
     wall = time.perf_counter() - t0
     tokens = sum(x["tokens"] for x in results)
     itl = [v for x in results for v in x["itl"]]
+    # The server process's CPU over the level (its threads included; the engine is another process):
+    # near `wall` means the one server process is what the streams wait for.
+    server = {}
+    if cpu0 is not None:
+        cpu = cpu_seconds(server_pid) - cpu0
+        server = {"server_cpu_s": cpu, "server_cpu_fraction_of_wall": cpu / wall,
+                  "server_cpu_us_per_output_token": 1e6 * cpu / max(tokens, 1)}
     return {
-        "concurrency": concurrency, "closed_loop": closed_loop, "requests": len(results), "prompt_len": prompt_len,
+        **server,
+        "concurrency": concurrency, "closed_loop": closed_loop, "stream": stream, "requests": len(results),
+        "prompt_len": prompt_len,
         "output_len": output_len,
         "wall_s": wall, "output_tok_s": tokens / wall,
         "per_stream_tok_s": statistics.mean(x["tokens"] / x["e2e"] for x in results),
@@ -240,6 +261,9 @@ def main() -> int:
     ap.add_argument("--subscribe", action="store_true",
                     help="hold a SubscribeKvEvents stream open during the run, as the smg gateway does "
                          "(its batches and load records are counted in the result)")
+    ap.add_argument("--no-stream", action="store_true",
+                    help="non-streaming Generate calls (one GenerateComplete each, as the gateway sends for "
+                         "stream=false): no inter-token latency, TTFT is the whole request's")
     ap.add_argument("worker_args", nargs="*", help="extra worker flags (after --)")
     args = ap.parse_args()
 
@@ -288,7 +312,8 @@ def main() -> int:
         if pool is not None:
             run_level(stub, args.client_procs, args.prompt_len, 4, 1, info.vocab_size, 0, address, pool)
         levels = [run_level(stub, c, args.prompt_len, args.output_len, args.rounds, info.vocab_size, 1, address, pool,
-                            args.closed_loop) for c in args.concurrency]
+                            args.closed_loop, worker.proc.pid if worker else None, not args.no_stream)
+                  for c in args.concurrency]
     finally:
         if subscription is not None:
             subscription.close()
@@ -341,9 +366,13 @@ def main() -> int:
             extra += f", {100 * lv['fraction_of_bandwidth_roofline']:.0f}% of the bandwidth roofline"
         if "ratio_to_transformers" in lv:
             extra += f", {lv['ratio_to_transformers']:.2f}x transformers"
+        if "server_cpu_s" in lv:
+            extra += (f"; server process CPU {100 * lv['server_cpu_fraction_of_wall']:.0f}% of the wall, "
+                      f"{lv['server_cpu_us_per_output_token']:.0f} us per token")
         print(f"C={lv['concurrency']:>3}: {lv['output_tok_s']:8.1f} output tok/s, "
               f"{lv['per_stream_tok_s']:6.1f} tok/s per stream, TTFT {lv['ttft_ms_median']:.0f} ms, "
-              f"ITL median {lv['itl_ms_median']:.1f} ms p99 {lv['itl_ms_p99']:.1f} ms{extra}")
+              + (f"ITL median {lv['itl_ms_median']:.1f} ms p99 {lv['itl_ms_p99']:.1f} ms" if lv["itl_ms_median"] is not None
+                 else "not streamed") + extra)
     print(json.dumps(result))
     return 0
 

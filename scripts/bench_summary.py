@@ -32,8 +32,11 @@ def figures(suite: str, r: dict) -> list[tuple[str, str, float, str]]:
                  f"of the step roofline, {r['preemptions']} preemptions")]
     if suite == "serving":
         rows = [(f"C={lv['concurrency']}", "tok/s", lv["output_tok_s"],
-                 f"TTFT {lv['ttft_ms_median']:.0f} ms, ITL p50 {lv['itl_ms_median']:.2f} / "
-                 f"p99 {lv['itl_ms_p99']:.1f} ms")
+                 f"TTFT {lv['ttft_ms_median']:.0f} ms, " + (
+                     f"ITL p50 {lv['itl_ms_median']:.2f} / p99 {lv['itl_ms_p99']:.1f} ms"
+                     if lv.get("itl_ms_median") is not None else "not streamed") + (
+                     f", server process CPU {100 * lv['server_cpu_fraction_of_wall']:.0f}% of the wall "
+                     f"({lv['server_cpu_us_per_output_token']:.0f} us/token)" if "server_cpu_s" in lv else ""))
                 for lv in r["levels"]]
         if r.get("startup_s") is not None:
             rows.append(("startup", "s", r["startup_s"], f"launch to healthy; the worker's own ready line "

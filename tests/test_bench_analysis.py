@@ -115,3 +115,21 @@ def test_bench_serving_reads_the_startup_phases_from_the_worker_log():
            "generation 0.2 s)\n")
     assert bench_serving.parse_startup_phases(log) == {"weight load": 2.1, "CUDA graph capture": 21.0,
                                                        "warm-up generation": 0.2}
+
+
+def test_serving_figures_carry_the_server_processs_cpu_where_measured(tmp_path):
+    """bench_serving's levels carry the server process's CPU over the run (a worker it started); the
+    summary line says it, and leaves it out for a result without it (--address, older results)."""
+    import os
+
+    import bench_serving
+    import bench_summary
+
+    assert bench_serving.cpu_seconds(os.getpid()) > 0
+    level = {"concurrency": 64, "output_tok_s": 33000.0, "ttft_ms_median": 44.0, "itl_ms_median": 1.54,
+             "itl_ms_p99": 2.0}
+    (row,) = bench_summary.figures("serving", {"levels": [level]})
+    assert "server process" not in row[3]
+    measured = dict(level, server_cpu_s=3.9, server_cpu_fraction_of_wall=0.97, server_cpu_us_per_output_token=29.7)
+    (row,) = bench_summary.figures("serving", {"levels": [measured]})
+    assert row[2] == 33000.0 and "server process CPU 97% of the wall (30 us/token)" in row[3]

@@ -105,6 +105,48 @@ def test_a_port_in_use_is_a_clear_error_and_the_harness_starts_elsewhere(model_d
             assert w.stop() == 0, w.log()
 
 
+def test_a_generate_handler_wakes_only_as_its_request_needs():
+    """EngineClient wakes a request's handler per its wake_every (the servicer: 1 with stop strings,
+    the stream interval when streaming, 0 otherwise): every step, at the first token and then every k
+    tokens, or only at the end; an abort always wakes it."""
+    import asyncio
+
+    import numpy as np
+
+    from tokenspeed_worker.config import EngineConfig
+    from tokenspeed_worker.engine.messages import AddRequest, StepOutput
+    from tokenspeed_worker.sampling.params import SamplingParams
+    from tokenspeed_worker.server.engine_client import EngineClient
+
+    async def main():
+        client = EngineClient(EngineConfig.build("unused"))
+        add = lambda: AddRequest(0, np.zeros(4, dtype=np.int32), 8, SamplingParams(temperature=0.0))  # noqa: E731
+        (every,) = client.submit("every", [add()])
+        (third,) = client.submit("third", [add()], wake_every=3)
+        (end,) = client.submit("end", [add()], wake_every=0)
+        (aborted,) = client.submit("aborted", [add()], wake_every=0)
+        ids = np.array([st.engine_id for st in (every, third, end, aborted)])
+        none = np.zeros(0, dtype=np.int64)
+        woken = []
+        for step in range(5):
+            finished = np.array([end.engine_id]) if step == 4 else none
+            client._on_message(StepOutput(req_ids=ids, tokens=np.full(4, step), finished_ids=finished,
+                                          finish_reasons=np.ones(len(finished), dtype=np.int32)))
+            woken.append([st.event.is_set() for st in (every, third, end, aborted)])
+            for st in (every, third, end, aborted):
+                if st.event.is_set():  # the handler takes what came, as SampleStream.take_new does
+                    st.event.clear()
+                    st.new_tokens = []
+        assert [w[0] for w in woken] == [True] * 5
+        assert [w[1] for w in woken] == [True, False, False, True, False]  # the first token, then 3 at a time
+        assert [w[2] for w in woken] == [False, False, False, False, True]  # only its end
+        assert [w[3] for w in woken] == [False] * 5 and len(aborted.new_tokens) == 5
+        client.abort([aborted])
+        assert aborted.event.is_set()
+
+    asyncio.run(main())
+
+
 def test_the_harness_bounds_a_tests_kv_pool_on_a_gpu_unless_the_test_or_a_bench_sizes_it(monkeypatch):
     """On a GPU the GPU suite's dozen test processes share one card: a test's worker that names no pool
     size gets a fixed one; a test that sizes it, a benchmark (no pytest) and a CPU keep their flags."""

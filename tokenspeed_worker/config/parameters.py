@@ -234,8 +234,8 @@ class ServerArgs:
     stream_interval: int = _option(
         1,
         API_SURFACE,
-        "Streaming buffer interval in generated tokens: a chunk every N tokens per sample; the "
-        "last chunk and the GenerateComplete are never delayed.",
+        "Streaming buffer interval in generated tokens: the first token goes out at once, then a "
+        "chunk every N tokens per sample; the last chunk and the GenerateComplete are never delayed.",
         parse=values.positive_int,
     )
     stream_output: bool = _not_yet(False, API_SURFACE, "Return generated text as disjoint streaming segments.")

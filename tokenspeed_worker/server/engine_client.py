@@ -86,6 +86,9 @@ class RequestState:
     spec_accepted_tokens: int = 0
     spec_verify_steps: int = 0
     event: asyncio.Event = field(default_factory=asyncio.Event)
+    # When a step's tokens wake the handler (`event`): 1, every step that brings some; k > 1, once k
+    # wait (and at the first token); 0, only when it ends. Errors and the end always wake it.
+    wake_every: int = 1
     # Host wall-clock timestamps, kept only with an observer (server/metrics.py).
     recv_ts: float = 0.0
     commit_ts: float = 0.0
@@ -357,7 +360,10 @@ class EngineClient:
                     st.finish_reason = int(reason)
                     self._forget(st)
             for st in touched:
-                st.event.set()
+                if st.wake_every == 1 or st.done or (
+                        st.wake_every and (len(st.new_tokens) >= st.wake_every
+                                           or st.num_output_tokens == len(st.new_tokens))):  # the first token
+                    st.event.set()
         elif isinstance(msg, RequestFailed):
             st = self.requests.get(msg.req_id)
             if st is not None and not st.done:
@@ -439,12 +445,15 @@ class EngineClient:
         self._turn = (best + 1) % n
         return best
 
-    def submit(self, request_id: str, adds: list[AddRequest], dp_rank: int | None = None) -> list[RequestState]:
+    def submit(self, request_id: str, adds: list[AddRequest], dp_rank: int | None = None,
+               wake_every: int = 1) -> list[RequestState]:
         """Register and send a request's samples (n >= 1; `req_id`s are filled in here) to one replica
         (`pick_replica`).
 
         Samples after the first wait for the first's prefill and share its prompt blocks.
-        All samples share one event, so the handler wakes once per step for all of them.
+        All samples share one event, so the handler wakes once per step for all of them, and only
+        as `wake_every` asks (RequestState): a handler that sends nothing until the end need not run
+        at every token.
         """
         if self.dead_message is not None:
             raise EngineUnavailable(self.dead_message)
@@ -461,7 +470,8 @@ class EngineClient:
                 add.wait_for = adds[0].req_id
             st = RequestState(engine_id=add.req_id, request_id=request_id, prompt_len=int(len(add.prompt_ids)),
                               index=index, event=event, top_logprobs_num=add.sampling_params.top_logprobs_num,
-                              wants_logprobs=add.sampling_params.return_logprob, recv_ts=recv_ts, replica=replica.index)
+                              wants_logprobs=add.sampling_params.return_logprob, recv_ts=recv_ts, replica=replica.index,
+                              wake_every=wake_every)
             self.requests[st.engine_id] = st
             states.append(st)
         replica.in_flight += len(states)

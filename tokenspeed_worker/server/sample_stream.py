@@ -25,6 +25,7 @@ class SampleStream:
         self.finish_reason: int | None = None
         self.matched_token: int | None = None
         self.matched_str: str | None = None
+        self.sent = False  # a chunk has gone out
 
     def take_new(self, engine) -> bool:
         """Move what the engine produced into `ready`. False when there is nothing new."""
@@ -76,6 +77,7 @@ class SampleStream:
 
     def chunk(self) -> pb.GenerateStreamChunk:
         items, self.ready = self.ready, []
+        self.sent = True
         st = self.state
         return pb.GenerateStreamChunk(
             token_ids=[t for t, _ in items],

@@ -105,7 +105,10 @@ class TokenSpeedSchedulerServicer(pb_grpc.TokenSpeedSchedulerServicer):
                     finish_reason="length", prompt_tokens=prompt_len, index=index))
             return
         try:
-            states = self.engine.submit(rid, v.adds, v.dp_rank)
+            # Wake the loop below as it has something to send: every step where a stop string must
+            # be found as it forms, every `interval` tokens when streaming, else only at the end.
+            wake = 1 if v.stop_strings else (self.stream_interval if v.stream else 0)
+            states = self.engine.submit(rid, v.adds, v.dp_rank, wake_every=wake)
         except EngineUnavailable as e:
             await self._reject(context, rid, grpc.StatusCode.UNAVAILABLE, f"engine unavailable: {e}")
 
@@ -128,8 +131,8 @@ class TokenSpeedSchedulerServicer(pb_grpc.TokenSpeedSchedulerServicer):
                         continue
                     finished = out.finish_reason is not None
                     if v.stream:
-                        # A chunk every `interval` tokens; the last one is never held back.
-                        if out.ready and (len(out.ready) >= interval or finished):
+                        # A chunk every `interval` tokens; the first and the last are never held back.
+                        if out.ready and (len(out.ready) >= interval or finished or not out.sent):
                             yield pb.GenerateResponse(request_id=rid, chunk=out.chunk())
                     if finished:
                         open_samples.discard(i)
