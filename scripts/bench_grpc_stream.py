@@ -28,6 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tokenspeed_worker.proto import tokenspeed_scheduler_pb2 as pb  # noqa: E402
 from tokenspeed_worker.proto import tokenspeed_scheduler_pb2_grpc as pb_grpc  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_serving import cpu_seconds  # noqa: E402
+
 
 class _Streamer(pb_grpc.TokenSpeedSchedulerServicer):
     def __init__(self, messages: int) -> None:
@@ -71,11 +74,6 @@ def _client(port: int, calls: int) -> None:
         t.join()
 
 
-def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--messages", type=int, default=128, help="messages per call")
@@ -103,10 +101,10 @@ def main() -> int:
             c.join()
 
     wave()  # warm
-    cpu0, t0 = _cpu_seconds(server.pid), time.perf_counter()
+    cpu0, t0 = cpu_seconds(server.pid), time.perf_counter()
     for _ in range(args.waves):
         wave()
-    seconds, cpu = time.perf_counter() - t0, _cpu_seconds(server.pid) - cpu0
+    seconds, cpu = time.perf_counter() - t0, cpu_seconds(server.pid) - cpu0
     server.terminate()
     n = args.waves * args.concurrency * args.messages
     result = {"messages": n, "seconds": seconds, "messages_per_s": n / seconds, "server_cpu_s": cpu,

@@ -359,11 +359,10 @@ class EngineClient:
                 if st is not None and st.finish_reason is None:
                     st.finish_reason = int(reason)
                     self._forget(st)
-            for st in touched:
-                if st.wake_every == 1 or st.done or (
-                        st.wake_every and (len(st.new_tokens) >= st.wake_every
-                                           or st.num_output_tokens == len(st.new_tokens))):  # the first token
-                    st.event.set()
+            for st in touched:  # each brought at least one new token
+                waiting = len(st.new_tokens)
+                if st.done or (st.wake_every and (waiting >= st.wake_every or waiting == st.num_output_tokens)):
+                    st.event.set()  # the end, k tokens waiting, or the first token(s)
         elif isinstance(msg, RequestFailed):
             st = self.requests.get(msg.req_id)
             if st is not None and not st.done:
