@@ -110,6 +110,7 @@ def test_a_generate_handler_wakes_only_as_its_request_needs():
     the stream interval when streaming, 0 otherwise): every step, at the first token and then every k
     tokens, or only at the end; an abort always wakes it."""
     import asyncio
+    import types
 
     import numpy as np
 
@@ -120,6 +121,8 @@ def test_a_generate_handler_wakes_only_as_its_request_needs():
 
     async def main():
         client = EngineClient(EngineConfig.build("unused"))
+        sent = []  # no engine process: what would go down its pipe
+        client._replicas[0].sender = types.SimpleNamespace(send=sent.append)
         add = lambda: AddRequest(0, np.zeros(4, dtype=np.int32), 8, SamplingParams(temperature=0.0))  # noqa: E731
         (every,) = client.submit("every", [add()])
         (third,) = client.submit("third", [add()], wake_every=3)

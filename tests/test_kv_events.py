@@ -61,26 +61,32 @@ def test_events_to_proto_merges_chains():
 def test_prefill_pending_tokens_follow_requests_in_and_out():
     """The pushed load's prefill_pending_tokens, kept incrementally by EngineClient: a request's
     prompt counts (once for its n samples) until its first token, its end, or an abort."""
+    import types
+
     import numpy as np
 
     from tokenspeed_worker.config import EngineConfig
-    from tokenspeed_worker.engine.messages import AddRequest, StepOutput
+    from tokenspeed_worker.engine.messages import AbortRequests, AddRequest, StepOutput
     from tokenspeed_worker.sampling.params import SamplingParams
     from tokenspeed_worker.server.engine_client import EngineClient
 
     client = EngineClient(EngineConfig.build("unused"))
+    sent = []  # no engine process: what would go down its pipe
+    client._replicas[0].sender = types.SimpleNamespace(send=sent.append)
 
     def add(length):
         return AddRequest(0, np.zeros(length, dtype=np.int32), 4, SamplingParams(temperature=0.0))
 
     a = client.submit("a", [add(10), add(10)])  # n = 2 shares one prefill
     b = client.submit("b", [add(7)])
+    assert [m.req_id for m in sent] == [a[0].engine_id, a[1].engine_id, b[0].engine_id]
     assert client.prefill_pending_tokens() == 17
     empty = np.zeros(0, dtype=np.int64)
     client._on_message(StepOutput(req_ids=np.array([a[0].engine_id, a[1].engine_id]), tokens=np.array([1, 2]),
                                   finished_ids=empty, finish_reasons=np.zeros(0, dtype=np.int32)))
     assert client.prefill_pending_tokens() == 7
     client.abort(b)
+    assert sent[-1] == AbortRequests([b[0].engine_id])
     assert client.prefill_pending_tokens() == 0
     client.abort(a)
     assert client.prefill_pending_tokens() == 0 and not client.requests

@@ -1,9 +1,10 @@
 """The server's handle on the engine processes: start them, send to them, route what they send back.
 
 Each engine process (one per data-parallel replica, `--data-parallel-size`; each may lead its own
-tensor-parallel ranks) has a pipe served by two threads so the asyncio loop never blocks on it: a
-writer drains the replica's outbound queue (a long prompt can exceed the pipe buffer while the
-engine is mid-step), a reader hands every inbound message to the loop. Each request in flight
+tensor-parallel ranks) has a pipe the asyncio loop never blocks on: a `PipeSender` writes to it
+from the loop while it has room and through a writer thread when it has not (a long prompt can
+exceed the pipe buffer while the engine is mid-step), a reader thread hands every inbound message
+to the loop. Each request in flight
 has a `RequestState` the Generate handler waits on; one `StepOutput` from an engine touches many
 states but wakes each handler once. Engine-side request ids are unique across replicas.
 
@@ -25,12 +26,12 @@ import dataclasses
 import itertools
 import logging
 import multiprocessing as mp
-import queue
 import threading
 import time
 from dataclasses import dataclass, field
 
 from tokenspeed_worker.engine import lifetime
+from tokenspeed_worker.server.pipe_sender import PipeSender
 from tokenspeed_worker.engine.messages import (
     AbortRequests,
     AddRequest,
@@ -102,7 +103,7 @@ class RequestState:
 
 
 class _Replica:
-    """One engine process (a data-parallel replica) and its pipe, outbox and tensor-parallel followers."""
+    """One engine process (a data-parallel replica) and its pipe, sender and tensor-parallel followers."""
 
     def __init__(self, index: int, cfg) -> None:
         self.index = index
@@ -110,7 +111,7 @@ class _Replica:
         self.proc = None
         self.conn = None
         self.followers: list = []  # tensor-parallel ranks 1..N-1 (engine/tp_worker.py)
-        self.outbox: queue.Queue = queue.Queue()
+        self.sender: PipeSender | None = None  # from `attach` on; before it, `conn.send` (startup)
         self.ready: EngineReady | None = None
         self.in_flight = 0  # request states submitted to it and not finished
 
@@ -241,11 +242,10 @@ class EngineClient:
                 return
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Start the pipe threads; messages are delivered on `loop` from now on."""
+        """Start the pipe's sender and reader thread; messages are delivered on `loop` from now on."""
         self._loop = loop
         for replica in self._replicas:
-            threading.Thread(target=self._writer, args=(replica,), name=f"engine-writer-{replica.index}",
-                             daemon=True).start()
+            replica.sender = PipeSender(replica.conn, name=f"engine-writer-{replica.index}")
             threading.Thread(target=self._reader, args=(replica,), name=f"engine-reader-{replica.index}",
                              daemon=True).start()
 
@@ -255,13 +255,13 @@ class EngineClient:
         self._closing = True
         for replica in self._replicas:
             if replica.proc is not None and replica.proc.is_alive():
-                if self._loop is None:  # no writer thread yet (stopped before serving)
+                if replica.sender is None:  # not attached yet (stopped before serving)
                     try:
                         replica.conn.send(Shutdown())
                     except (OSError, ValueError, AttributeError):
                         pass
                 else:
-                    replica.outbox.put(Shutdown())
+                    replica.sender.send(Shutdown())
         for replica in self._replicas:
             if replica.proc is None:
                 continue
@@ -272,7 +272,8 @@ class EngineClient:
             for proc in replica.followers:  # told to stop by rank 0; otherwise they see it gone
                 proc.join(max(1.0, timeout / 2))
             replica.kill_followers()
-            replica.outbox.put(None)
+            if replica.sender is not None:
+                replica.sender.close()
 
     def kill_now(self) -> None:
         """SIGKILL every engine process and tensor-parallel rank, without waiting (safe in a signal
@@ -292,16 +293,6 @@ class EngineClient:
         return [r.proc.pid for r in self._replicas if r.proc is not None]
 
     # ---- pipe threads -------------------------------------------------------
-
-    def _writer(self, replica: _Replica) -> None:
-        while True:
-            msg = replica.outbox.get()
-            if msg is None:
-                return
-            try:
-                replica.conn.send(msg)
-            except (OSError, ValueError):
-                return
 
     def _reader(self, replica: _Replica) -> None:
         where = "" if self.data_parallel_size == 1 else f" (data-parallel replica {replica.index})"
@@ -479,7 +470,7 @@ class EngineClient:
         if obs is not None:
             obs.on_arrival(request_id, adds)
         for add in adds:
-            replica.outbox.put(add)
+            replica.sender.send(add)
         return states
 
     def prefill_pending_tokens(self) -> int:
@@ -508,7 +499,7 @@ class EngineClient:
             return
         st.finish_reason = reason
         self._forget(st)
-        self._replicas[st.replica].outbox.put(AbortRequests([st.engine_id]))
+        self._replicas[st.replica].sender.send(AbortRequests([st.engine_id]))
 
     def abort(self, states: list[RequestState]) -> bool:
         """End every unfinished sample with finish reason abort and free them in the engine.
@@ -521,7 +512,7 @@ class EngineClient:
             self._forget(st)
         if live:
             for replica in {st.replica for st in live}:
-                self._replicas[replica].outbox.put(
+                self._replicas[replica].sender.send(
                     AbortRequests([st.engine_id for st in live if st.replica == replica]))
             live[0].event.set()
             for st in live[1:]:
@@ -535,7 +526,7 @@ class EngineClient:
         nonce = next(self._nonces)
         fut = asyncio.get_running_loop().create_future()
         self._waiters[nonce] = fut
-        self._replicas[replica].outbox.put(make(nonce))
+        self._replicas[replica].sender.send(make(nonce))
         try:
             return await asyncio.wait_for(fut, timeout)
         finally:
@@ -545,7 +536,7 @@ class EngineClient:
         """Tell every replica the worker serves: each then captures its decode graphs left while idle
         (messages.Serving)."""
         for replica in self._replicas:
-            replica.outbox.put(Serving())
+            replica.sender.send(Serving())
 
     async def _ask_all(self, make, timeout: float) -> list:
         return list(await asyncio.gather(*(self._ask(make, timeout, k) for k in range(self.data_parallel_size))))
