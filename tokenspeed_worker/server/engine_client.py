@@ -4,9 +4,9 @@ Each engine process (one per data-parallel replica, `--data-parallel-size`; each
 tensor-parallel ranks) has a pipe the asyncio loop never blocks on: a `PipeSender` writes to it
 from the loop while it has room and through a writer thread when it has not (a long prompt can
 exceed the pipe buffer while the engine is mid-step), a reader thread hands every inbound message
-to the loop. Each request in flight
-has a `RequestState` the Generate handler waits on; one `StepOutput` from an engine touches many
-states but wakes each handler once. Engine-side request ids are unique across replicas.
+to the loop. Each request in flight has a `RequestState` the Generate handler waits on; one
+`StepOutput` from an engine touches many states but wakes each handler once. Engine-side request
+ids are unique across replicas.
 
 Replicas: a new request goes to the replica with the fewest requests in flight (ties: the next
 one in turn), or to `data_parallel_rank` when the client pins it; all n samples of a request go
@@ -31,7 +31,6 @@ import time
 from dataclasses import dataclass, field
 
 from tokenspeed_worker.engine import lifetime
-from tokenspeed_worker.server.pipe_sender import PipeSender
 from tokenspeed_worker.engine.messages import (
     AbortRequests,
     AddRequest,
@@ -52,6 +51,7 @@ from tokenspeed_worker.engine.messages import (
     StepOutput,
     StopProfile,
 )
+from tokenspeed_worker.server.pipe_sender import PipeSender
 
 logger = logging.getLogger(__name__)
 
