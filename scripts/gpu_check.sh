@@ -4,7 +4,7 @@
 # Suites:
 #   tests      the test suite on CUDA, without the SmolLM2 and smg gateway tests (neither can travel)
 #              and the proto-contract test (needs grpcio-tools and a registry); PYTEST_ARGS go here;
-#              TESTS_SHARD=I/N runs the I-th of N slices of the test files (a suite longer than a call:
+#              TESTS_SHARD=I/N runs the I-th of N slices of the test files, by name's checksum (a suite longer than a call:
 #              with -n 12 --dist loadfile on one H100, N=2 at TESTS_TIMEOUT=540 took 263 s and 439 s)
 #   kernels    the kernel, backend and CUDA-graph GPU tests, then bench_kernels.py (KERNELS_ARGS)
 #   selfcheck  scripts/gpu_selfcheck.py
@@ -97,7 +97,8 @@ check() {
     case $a in
       --*) [ -n "$script" ] && ! grep -q -- "\"${a%%=*}\"" "$dir/$script" "$dir/scripts/bench_common.py" 2>/dev/null \
         && { echo "  NOT AN OPTION of $dir/$script: $a"; rc=1; } ;;
-      *.py | *.toml | */*) [ -e "$a" ] || [ -e "$dir/$a" ] || { echo "  MISSING: $dir/$a"; rc=1; }
+      *.py | *.toml | */*) a=${a%%::*}  # a test's node id names its file
+        [ -e "$a" ] || [ -e "$dir/$a" ] || { echo "  MISSING: $dir/$a"; rc=1; }
         [ -z "$script" ] && [[ $a == scripts/*.py ]] && script=$a ;;
     esac
   done
@@ -197,15 +198,17 @@ sys.exit(not os.path.realpath(p.__file__).startswith(os.path.realpath(sys.argv[1
 }
 
 suite_tests() {
-  # TESTS_SHARD=I/N: the I-th of N interleaved slices of the test files (by name), so that a suite longer
-  # than one call runs whole over N calls.
+  # TESTS_SHARD=I/N: the I-th of N slices of the test files, so that a suite longer than one call runs
+  # whole over N calls. A file's slice is its name's checksum modulo N: a test file added or removed
+  # moves no other file to another slice (by position it would, and a shard run before the change
+  # and the other shard run after it would leave files out).
   local files=()
   if [ -n "${TESTS_SHARD:-}" ]; then
-    local i=${TESTS_SHARD%/*} n=${TESTS_SHARD#*/} j=0 f
+    local i=${TESTS_SHARD%/*} n=${TESTS_SHARD#*/} f h
     for f in tests/test_*.py; do
       [ "$f" = tests/test_proto_contract.py ] && continue
-      [ $((j % n)) = $((i - 1)) ] && files+=("$f")
-      j=$((j + 1))
+      h=$(printf %s "$f" | cksum | cut -d' ' -f1)
+      [ $((h % n)) = $((i - 1)) ] && files+=("$f")
     done
   fi
   pytest_run tests${TESTS_SHARD:+_${TESTS_SHARD%/*}of${TESTS_SHARD#*/}} "${TESTS_TIMEOUT:-540}" -m "not e2e and not smollm2" \

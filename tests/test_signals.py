@@ -62,14 +62,19 @@ def still_alive(pids, timeout: float) -> list[int]:
 
 
 def ignores_stop_signals(pid: int) -> bool:
-    """From /proc's SigIgn. Every Python process ignores SIGPIPE from its start, so a mask with no
-    ignored signal at all means this /proc does not show them (gVisor, on the GPU machine): then
-    the tests' behaviour (the children surviving the group signal) is the evidence."""
+    """Whether the group's stop signals cannot end this process: /proc's SigIgn has both (a child
+    after `lifetime.guard`), or SigBlk has both (a spawned child before `guard`: the signals stay
+    pending and `guard` discards them, engine/lifetime.py). Every Python process ignores SIGPIPE
+    from its start, so an ignore mask of 0 means this /proc does not show the masks (gVisor, on
+    the GPU machine): then the tests' behaviour (the children surviving the group signal) is the
+    evidence."""
+    masks = {}
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("SigIgn:"):
-            mask = int(line.split()[1], 16)
-            return mask == 0 or all(mask & (1 << (sig - 1)) for sig in (signal.SIGTERM, signal.SIGINT))
-    return False
+        if line.startswith(("SigIgn:", "SigBlk:")):
+            masks[line.split(":")[0]] = int(line.split()[1], 16)
+    if masks.get("SigIgn", 0) == 0:
+        return True
+    return any(all(mask & (1 << (sig - 1)) for sig in (signal.SIGTERM, signal.SIGINT)) for mask in masks.values())
 
 
 def describe(pid: int) -> str:
@@ -77,10 +82,10 @@ def describe(pid: int) -> str:
     try:
         cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:200]
         masks = [line for line in Path(f"/proc/{pid}/status").read_text().splitlines()
-                 if line.startswith(("SigBlk:", "SigIgn:", "State:", "PPid:"))]
+                 if line.startswith(("SigBlk:", "SigIgn:", "SigCgt:", "State:", "PPid:"))]
     except OSError as error:
         return f"{pid}: {error}"
-    return f"{pid}: {cmd} {' '.join(masks)}"
+    return f"{pid}: {' '.join(masks)} {cmd}"  # the masks first: a long log cut at a width keeps them
 
 
 def wait_not_serving(w: Worker, within: float) -> None:
