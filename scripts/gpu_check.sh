@@ -56,8 +56,12 @@
 # `OFFLINE_CASES=8b_1000 ... offline`).
 # Results: $OUT/SUITE_CASE[_TREE_rROUND].json, their logs in $OUT/logs (with the startup lines of each
 # worker a bench started, logs/SUITE_CASE_startup.txt), an index in $OUT/results.tsv
-# (`python3 scripts/bench_summary.py OUT` prints the table again). DRY_RUN=1 prints what would run and
-# checks that each script, test file and option exists in its tree.
+# (`python3 scripts/bench_summary.py OUT` prints the table again). The device tool sends back at most
+# 8 files of $OUT, so the run ends by packing: logs/ into logs.tgz, and the JSON files into
+# results.tgz where $OUT would still hold more than 8 (`tar -xzf` them where they land). Run several
+# gpu_check.sh in one call with one OUT each ($OUT/a, $OUT/b: two folders down still come back), and
+# count their files together. DRY_RUN=1 prints what would run and checks that each script, test file
+# and option exists in its tree.
 # A folder too large for one call (a real model) travels in pieces over several calls of one warm lease:
 # scripts/carry_pieces.sh.
 # Carry .whl (grpcio-health-checking and grpcio-reflection 1.84.0 for Python 3.12: the machine lacks
@@ -500,5 +504,16 @@ fi
 if [ "${TRITON_CACHE_OUT:-0}" = 1 ] && [ -d ~/.triton/cache ] && ! dry; then
   tar -czf - -C ~/.triton cache | split -b 15m -d - "$OUT/triton.tgz."
   ls -la "$OUT"/triton.tgz.*
+fi
+# The device tool returns at most 8 files from $OUT (more are left behind, logs first, as happened to a
+# failing test's traceback): the logs as one tar, then the JSON results as one where still too many.
+if ! dry; then
+  (cd "$OUT" && [ -d logs ] && tar -czf logs.tgz logs && rm -rf logs)
+  if [ "$(find "$OUT" -maxdepth 1 -type f | wc -l)" -gt 8 ]; then
+    (cd "$OUT" && find . -maxdepth 1 -name '*.json' -printf '%P\n' | tar -czf results.tgz -T - \
+      && find . -maxdepth 1 -name '*.json' -delete)
+  fi
+  n=$(find "$OUT" -maxdepth 1 -type f | wc -l)
+  [ "$n" -le 8 ] || echo "warning: $n files in $OUT; the device tool returns 8"
 fi
 exit "$rc"
