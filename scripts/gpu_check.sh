@@ -5,7 +5,7 @@
 #   tests      the test suite on CUDA, without the SmolLM2 and smg gateway tests (neither can travel)
 #              and the proto-contract test (needs grpcio-tools and a registry); PYTEST_ARGS go here;
 #              TESTS_SHARD=I/N runs the I-th of N slices of the test files, by name's checksum (a suite longer than a call:
-#              with -n 12 --dist loadfile on one H100, N=2 at TESTS_TIMEOUT=540 took 263 s and 439 s)
+#              with -n 12-14 --dist loadfile on one H100 the whole suite takes about 700 s, so N=2 at TESTS_TIMEOUT=540)
 #   kernels    the kernel, backend and CUDA-graph GPU tests, then bench_kernels.py (KERNELS_ARGS)
 #   selfcheck  scripts/gpu_selfcheck.py
 #   latency    batch-1 decode of the engine alone, 8B and 1B shapes (LATENCY_MODELS), bench_latency.py
