@@ -67,8 +67,16 @@ def sass(config: tuple, weight: str, rows: int, site: str) -> str:
     pointers = {**POINTERS, "w_ptr": "bf16" if weight == "bf16" else "i32" if isinstance(config, gemv.Fp8Words) else "fp8e4nv"}
     signature = {n: "constexpr" if n in consts else ("*" + pointers[n] if n in pointers else
                                                       "fp32" if n == "eps" else "i32") for n in names}
+    return disassemble(kernel, signature, consts, NOT_ALIGNED, num_warps)
+
+
+def disassemble(kernel, signature: dict, consts: dict, not_aligned, num_warps: int) -> str:
+    """cuobjdump's listing of `kernel` compiled for sm_90: `signature` types every argument (constexpr
+    for those in `consts`), and the integers and pointers not in `not_aligned` are specialized as
+    divisible by 16, as a real launch sees them."""
+    names = kernel.arg_names
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-             if signature[n] != "constexpr" and n not in NOT_ALIGNED}
+             if signature[n] != "constexpr" and n not in not_aligned}
     source = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(n),): v for n, v in consts.items()},
                        attrs=attrs)
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})

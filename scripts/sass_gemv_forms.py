@@ -18,19 +18,15 @@ prologue, no epilogue), to weigh a form before building it into kernels/gemv.py:
 
 from __future__ import annotations
 
-import subprocess
 import sys
-import tempfile
 from collections import Counter
 from pathlib import Path
 
 import triton
 import triton.language as tl
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sass_gemv import TOOLS, loop_body  # noqa: E402
+from sass_gemv import disassemble, loop_body  # noqa: E402
 
 from tokenspeed_worker.kernels import gemv  # noqa: E402
 
@@ -81,18 +77,9 @@ def _words_form(x_ptr, w_ptr, out_ptr, K, stride_w, BLOCK_N: tl.constexpr, BLOCK
 
 
 def sass(kernel, weight: str, consts: dict, num_warps: int) -> str:
-    names = kernel.arg_names
     signature = {"x_ptr": "*bf16", "w_ptr": weight, "out_ptr": "*bf16", "K": "i32", "stride_w": "i32",
                  **{n: "constexpr" for n in consts}}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n not in consts}
-    source = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(n),): v for n, v in consts.items()},
-                       attrs=attrs)
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        return subprocess.run([str(TOOLS / "cuobjdump"), "-sass", f.name], capture_output=True, text=True,
-                              check=True).stdout
+    return disassemble(kernel, signature, consts, (), num_warps)
 
 
 def main() -> int:

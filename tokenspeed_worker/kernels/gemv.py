@@ -628,31 +628,18 @@ if AVAILABLE:
         return _word_byte(w, 0), _word_byte(w, 1), _word_byte(w, 2), _word_byte(w, 3)
 
     @triton.jit
-    def _words_row(acc, up, g0, g1, g2, g3, u0, u1, u2, u3, x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr,
+    def _words_row(acc, up, g, u, x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr,
                    row, jj, j_ok, rstd, pid_n, stride_x, stride_residual, stride_residual_out,
                    NORM: tl.constexpr, ADD_RESIDUAL: tl.constexpr, SILU: tl.constexpr):
-        """One row's products with a step's widened words (g: gate/plain, u: up), columns 4 jj + i
-        for byte i, into per-element accumulators."""
+        """One row's products with a step's widened words (g: gate/plain, u: up; tile i holds byte
+        i, columns 4 jj + i), into per-element accumulators."""
         for i in tl.static_range(4):
             xi = _row_in(x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, row, 4 * jj + i, j_ok, rstd, pid_n,
                          stride_x, stride_residual, stride_residual_out, NORM, ADD_RESIDUAL, norm_weight_ptr, 1.0,
                          False, False)[None, :]
-            if i == 0:
-                acc += g0 * xi
-                if SILU:
-                    up += u0 * xi
-            elif i == 1:
-                acc += g1 * xi
-                if SILU:
-                    up += u1 * xi
-            elif i == 2:
-                acc += g2 * xi
-                if SILU:
-                    up += u2 * xi
-            else:
-                acc += g3 * xi
-                if SILU:
-                    up += u3 * xi
+            acc += g[i] * xi
+            if SILU:
+                up += u[i] * xi
         return acc, up
 
     @triton.jit
@@ -719,28 +706,28 @@ if AVAILABLE:
         for j0 in range(0, KW, BLOCK_J):
             jj = j0 + offs_j
             j_ok = jj < KW
-            g0, g1, g2, g3 = _widen_words(w_next, LIBDEVICE)
-            u0, u1, u2, u3 = g0, g1, g2, g3
+            g = _widen_words(w_next, LIBDEVICE)
+            u = g
             if SILU:
-                u0, u1, u2, u3 = _widen_words(wu_next, LIBDEVICE)
+                u = _widen_words(wu_next, LIBDEVICE)
             j_next = jj + BLOCK_J
             next_mask = n_ok[:, None] & (j_next < KW)[None, :]  # past K: no load, no traffic
             w_next = tl.load(w_rows + j_next[None, :], mask=next_mask, other=0)
             if SILU:
                 wu_next = tl.load(up_rows + j_next[None, :], mask=next_mask, other=0)
-            acc0, up0 = _words_row(acc0, up0, g0, g1, g2, g3, u0, u1, u2, u3, x_ptr, residual_ptr, residual_out_ptr,
+            acc0, up0 = _words_row(acc0, up0, g, u, x_ptr, residual_ptr, residual_out_ptr,
                                    norm_weight_ptr, 0, jj, j_ok, rstd0, pid_n, stride_x, stride_residual,
                                    stride_residual_out, NORM, ADD_RESIDUAL, SILU)
             if ROWS > 1:
-                acc1, up1 = _words_row(acc1, up1, g0, g1, g2, g3, u0, u1, u2, u3, x_ptr, residual_ptr,
+                acc1, up1 = _words_row(acc1, up1, g, u, x_ptr, residual_ptr,
                                        residual_out_ptr, norm_weight_ptr, 1, jj, j_ok, rstd1, pid_n, stride_x,
                                        stride_residual, stride_residual_out, NORM, ADD_RESIDUAL, SILU)
             if ROWS > 2:
-                acc2, up2 = _words_row(acc2, up2, g0, g1, g2, g3, u0, u1, u2, u3, x_ptr, residual_ptr,
+                acc2, up2 = _words_row(acc2, up2, g, u, x_ptr, residual_ptr,
                                        residual_out_ptr, norm_weight_ptr, 2, jj, j_ok, rstd2, pid_n, stride_x,
                                        stride_residual, stride_residual_out, NORM, ADD_RESIDUAL, SILU)
             if ROWS > 3:
-                acc3, up3 = _words_row(acc3, up3, g0, g1, g2, g3, u0, u1, u2, u3, x_ptr, residual_ptr,
+                acc3, up3 = _words_row(acc3, up3, g, u, x_ptr, residual_ptr,
                                        residual_out_ptr, norm_weight_ptr, 3, jj, j_ok, rstd3, pid_n, stride_x,
                                        stride_residual, stride_residual_out, NORM, ADD_RESIDUAL, SILU)
         _epilogue(tl.sum(acc0, axis=1) * scale, tl.sum(up0, axis=1) * up_scale, bias_ptr, out_ptr, 0, offs_n, n_ok,
