@@ -109,10 +109,12 @@ def drain_under_group_signal(w: Worker, sig: int, streams: int, max_new: int) ->
     goes NOT_SERVING, the worker exits 0 and no child is left. The worker's drain timeout must
     outlast the streams on a loaded CPU (the suite runs two test files at once)."""
     kids = descendants(w.proc.pid)
-    assert kids and all(ignores_stop_signals(k) for k in kids), ([describe(k) for k in kids], w.log())
+    assert kids, ("the worker has no child process", w.log())
+    assert all(ignores_stop_signals(k) for k in kids), ("a child would die of the group signal",
+                                                        [describe(k) for k in kids], w.log())
     calls = [Collector(w.stub, gen(max_new_tokens=max_new), timeout=170) for _ in range(streams)]
-    for c in calls:
-        assert c.first.wait(60), w.log()
+    for c in calls:  # a loaded machine (a GPU suite at -n 14) may compile kernels at the first prefill
+        assert c.first.wait(150), ("no first token within 150 s", c.code, c.details, w.log())
     w.signal_group(sig)
     assert not any(c.completes for c in calls), "a stream ended before the signal: make them longer"
     wait_not_serving(w, 1.0)
