@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parents[1]
 def test_the_probe_times_each_step_in_fresh_processes(tmp_path, tiny_model_paths):
     out = tmp_path / "probe.json"
     subprocess.run([sys.executable, "scripts/startup_probe.py", "--model", str(tiny_model_paths["llama-gqa-tied"]),
-                    "--repeats", "1", "--out", str(out)], cwd=REPO, check=True, capture_output=True, timeout=300)
+                    "--repeats", "1", "--out", str(out)], cwd=REPO, check=True, capture_output=True, timeout=600)  # 300 s ran out in a GPU suite at -n 14
     result = json.loads(out.read_text())
     for mode in ("sequential", "driver_beside_torch_import"):
         (run,) = result["runs"][mode]
@@ -37,7 +37,7 @@ def test_the_startup_bench_starts_cold_then_warm_from_one_cache_folder(tmp_path,
     healthy, then serving its first request, with the worker's own phase line."""
     out = tmp_path / "startup.json"
     subprocess.run([sys.executable, "scripts/bench_startup.py", "--model", str(tiny_model_paths["llama-gqa-tied"]),
-                    "--out", str(out)], cwd=REPO, check=True, capture_output=True, timeout=300)
+                    "--out", str(out)], cwd=REPO, check=True, capture_output=True, timeout=600)  # 300 s ran out in a GPU suite at -n 14
     runs = json.loads(out.read_text())["models"]["llama-gqa-tied"]
     assert list(runs) == ["cold", "warm"]
     for run in runs.values():

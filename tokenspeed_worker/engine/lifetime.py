@@ -3,16 +3,26 @@
 Stop signals are the server's alone. systemd stops a service with SIGTERM to every process of its
 cgroup, Ctrl-C sends SIGINT to the whole foreground group, supervisors `kill -- -PGID`: the
 children get the signal too, and one that died of it would fail every request in flight while the
-server drains. So every child ignores SIGTERM and SIGINT (`guard`, the first call of its entry
-point; `still_guarded` checks it again when its startup is over, in case something it loaded
-installed a handler of its own) and exits only when the server tells it to (Shutdown over the pipe; rank 0 broadcasts stop
-to the other ranks), when the server kills it (SIGKILL), or when the server is gone.
+server drains. So every child ignores SIGTERM and SIGINT and keeps them blocked in every thread
+(`guard`, the first call of its entry point) and exits only when the server tells it to (Shutdown
+over the pipe; rank 0 broadcasts stop to the other ranks), when the server kills it (SIGKILL), or
+when the server is gone.
+
+Why blocked as well as ignored: native code may install its own handler at any time, bypassing
+Python's `signal` module. On the GPU machine an engine that had compiled Triton kernels was seen
+catching SIGHUP, SIGINT, SIGQUIT, SIGUSR1/2, SIGTERM, SIGXCPU, SIGXFSZ and SIGSYS (the set LLVM's
+handlers cover; they clean up and re-raise, so the process dies), and an engine compiles kernels
+while it serves (a new prefill shape, a decode size captured after startup). A blocked signal is never delivered to a handler, whoever installed it:
+it stays pending, harmless, until the process exits. Threads inherit the mask of the thread that
+creates them, and the child's first thread has it from birth (below), so every thread has it.
+`still_guarded` (when startup is over) says so if a library replaced the disposition and ignores
+the signals again, so that the processes the child runs (compilers) inherit SIG_IGN.
 
 The window before the entry point: a "spawn" child starts a fresh interpreter and unpickles its
 arguments (which imports torch) before its target runs; a signal then would still kill it. So
 `start` blocks SIGTERM and SIGINT in the spawning thread around `Process.start()`: the mask is
-inherited across fork and exec, the signals stay pending in the child, and `guard` sets SIG_IGN
-(which discards them) before unblocking.
+inherited across fork and exec, the signals stay pending in the child, and `guard` sets SIG_IGN,
+which discards them.
 
 The server's death, even by SIGKILL, ends every child within a second:
 - Linux: PR_SET_PDEATHSIG(SIGKILL), armed by `guard`. The kernel kills the child when its parent
@@ -76,7 +86,7 @@ def guard() -> None:
         return
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)  # also discards one pending while blocked
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # and kept blocked (module docstring)
     parent_pid = parent.pid
     if sys.platform.startswith("linux") and getattr(multiprocessing.current_process(), "_tokenspeed_pdeathsig", False):
         _arm_pdeathsig()
@@ -87,18 +97,40 @@ def guard() -> None:
 
 def still_guarded() -> None:
     """In a child, when its startup is over (before it says it is ready): the stop signals ignored
-    again if anything it loaded replaced `guard`'s SIG_IGN (a native library or a Python one
-    installing its own handler would let the service's group signal kill this child mid-drain);
-    says which signal and what had replaced it. A no-op where `guard` is."""
+    and blocked again if anything it loaded undid `guard` (a Python library installing a handler,
+    seen by `signal.getsignal`; native code installing one, seen only in the kernel's masks, on
+    Linux); says which signal and what had replaced it. A no-op where `guard` is."""
     parent = multiprocessing.parent_process()
     if parent is None or threading.current_thread() is not threading.main_thread():
         return
+    ignored = kernel_ignored()
     for sig in STOP_SIGNALS:
         handler = signal.getsignal(sig)
         if handler != signal.SIG_IGN:
             logger.warning("%s was no longer ignored after startup (its handler: %r): ignored again",
                            signal.Signals(sig).name, handler)
-            signal.signal(sig, signal.SIG_IGN)
+        elif ignored is not None and sig not in ignored:
+            logger.warning("%s was no longer ignored after startup (native code replaced SIG_IGN): ignored again",
+                           signal.Signals(sig).name)
+        signal.signal(sig, signal.SIG_IGN)  # a sigaction even where Python's table already says SIG_IGN
+    if set(STOP_SIGNALS) - signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS):
+        logger.warning("the stop signals were unblocked during startup: blocked again")
+
+
+def kernel_ignored() -> set[int] | None:
+    """The signals this process ignores, as the kernel sees it (/proc's SigIgn), or None where
+    /proc does not show it (no /proc; gVisor shows 0, while every Python process ignores SIGPIPE).
+    Python's `signal.getsignal` answers from its own table, which native code does not update."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("SigIgn:"):
+                    mask = int(line.split()[1], 16)
+                    ignored = {sig for sig in range(1, 65) if mask >> (sig - 1) & 1}
+                    return ignored if signal.SIGPIPE in ignored else None
+    except (OSError, ValueError):
+        pass
+    return None
 
 
 def _arm_pdeathsig() -> None:

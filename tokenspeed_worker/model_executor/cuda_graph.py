@@ -32,6 +32,8 @@ the runner one that re-runs the step, tests/emulated_graph.py, to exercise the w
 
 from __future__ import annotations
 
+import gc
+
 import bisect
 import logging
 import math
@@ -199,8 +201,17 @@ class CudaGraph:
         # Keep the step (and through it the metadata: the decode workspace was allocated outside
         # the graph's pool) alive as long as the graph: a replay writes into that memory.
         self.step = step
-        with torch.cuda.graph(self.graph, pool=pool):
-            step()
+        # No garbage collection inside a capture (torch.cuda.graph collects just before it): a
+        # finalizer's CUDA call (an event destroyed, an older graph's memory given back) would
+        # invalidate the capture. A suite of in-process engines on the GPU machine once failed so.
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.graph(self.graph, pool=pool):
+                step()
+        finally:
+            if collecting:
+                gc.enable()
 
     def replay(self) -> None:
         self.graph.replay()
