@@ -3,7 +3,7 @@ the instruction mix per weight byte, for each configuration of a site.
 
     python scripts/sass_gemv.py [--weight fp8|fp8-block|bf16] [--rows 1] [--site linear|norm_linear|gate_up|gemma_...] [--configs all]
 
-Compiles kernels/gemv.py's one-shot, word-wide FP8 (Fp8Words) or tensor-core (Fp8Mma) kernel for sm_90 with Triton's own ptxas
+Compiles kernels/gemv.py's one-shot or tensor-core (Fp8Mma) kernel for sm_90 with Triton's own ptxas
 (in the triton wheel) and disassembles it with its cuobjdump, integers specialized as a real launch
 sees them (divisible by 16: what makes the weight loads 16 bytes wide). Per configuration it prints
 the local-memory stores and loads (spills), the global load widths, and the K loop's instructions
@@ -46,11 +46,7 @@ def sass(config: tuple, weight: str, rows: int, site: str) -> str:
     norm = site in ("norm_linear", "gate_up")
     common = dict(ROWS=rows, NORM=norm, ADD_RESIDUAL=norm, SILU=site == "gate_up", HAS_BIAS=False, LIBDEVICE=True,
                   PDL=True)
-    if isinstance(config, gemv.Fp8Words):
-        kernel, num_warps = gemv._gemv_words_kernel, config.num_warps
-        consts = dict(ROWS=rows, NORM=norm, ADD_RESIDUAL=norm, SILU=site == "gate_up", HAS_BIAS=False, LIBDEVICE=True,
-                      PDL=True, BLOCK_N=config.block_n, BLOCK_J=config.block_k // 4)
-    elif isinstance(config, (gemv.Fp8Mma, gemv.Mma)):
+    if isinstance(config, (gemv.Fp8Mma, gemv.Mma)):
         kernel, num_warps = gemv._gemv_mma_kernel, config.num_warps
         consts = dict(common, BLOCK_N=config.block_n, BLOCK_K=config.block_k, NUM_STAGES=config.num_stages,
                       DOT_F32=False, QUANT=isinstance(config, gemv.Fp8Mma), W_SCALE=weight == "fp8", FP8_MAX=448.0,
@@ -64,7 +60,7 @@ def sass(config: tuple, weight: str, rows: int, site: str) -> str:
         consts.update(W_BLOCK_ROWS=128 if weight == "fp8-block" else 1, W_BLOCK_COLS=128 if weight == "fp8-block" else 0)
         consts.update(NORM_X=gemma and norm, UNIT_OFFSET=gemma and norm, GELU=gemma and site == "gate_up")
     names = kernel.arg_names
-    pointers = {**POINTERS, "w_ptr": "bf16" if weight == "bf16" else "i32" if isinstance(config, gemv.Fp8Words) else "fp8e4nv"}
+    pointers = {**POINTERS, "w_ptr": "bf16" if weight == "bf16" else "fp8e4nv"}
     signature = {n: "constexpr" if n in consts else ("*" + pointers[n] if n in pointers else
                                                       "fp32" if n == "eps" else "i32") for n in names}
     return disassemble(kernel, signature, consts, NOT_ALIGNED, num_warps)
@@ -125,9 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--site", choices=("linear", "norm_linear", "gate_up", "gemma_norm_linear", "gemma_gate_up"),
                         default="linear")
     parser.add_argument("--configs", default="all",
-                        help="'all' (the weight's one-shot, word-wide and tensor-core configurations) or one, e.g. "
-                        "8,1024,4 (four numbers: a tensor-core one, Mma for bf16 or Fp8Mma, block_n,block_k,num_warps,"
-                        "num_stages; 'words:8,512,4': an Fp8Words one)")
+                        help="'all' (the weight's one-shot and tensor-core configurations) or one, e.g. 8,1024,4 "
+                        "(four numbers: a tensor-core one, Mma for bf16 or Fp8Mma, block_n,block_k,num_warps,num_stages)")
     args = parser.parse_args(argv)
     if args.configs == "all":
         configs = [c for c in gemv.configs_for(gemv.torch.bfloat16 if args.weight == "bf16" else gemv.torch.float8_e4m3fn,
@@ -136,10 +131,9 @@ def main(argv: list[str] | None = None) -> int:
                                                gemma=args.site.startswith("gemma_"), rows=args.rows)
                    if not isinstance(c, gemv.Persistent)]
     else:
-        words = args.configs.startswith("words:")
-        values = tuple(int(v) for v in args.configs.removeprefix("words:").split(","))
+        values = tuple(int(v) for v in args.configs.split(","))
         mma = gemv.Mma if args.weight == "bf16" else gemv.Fp8Mma
-        configs = [gemv.Fp8Words(*values) if words else mma(*values) if len(values) == 4 else values]
+        configs = [mma(*values) if len(values) == 4 else values]
     print(f"{args.weight} weights, {args.rows} row(s), site {args.site}, sm_90")
     for config in configs:
         s = summary(sass(config, args.weight, args.rows, args.site), config, args.weight)

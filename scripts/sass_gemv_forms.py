@@ -10,8 +10,9 @@ prologue, no epilogue), to weigh a form before building it into kernels/gemv.py:
 - `words`: FP8 weights read as int32 words (4 e4m3 each) and widened by one inline-PTX call per
            word (two cvt.rn.f16x2.e4m3x2, four cvt.f32.f16), the input read at the four matching
            columns; with `acc`'s accumulators. Triton's own conversion unpacks each byte from its
-           loaded vector (PRMT, LOP3) before converting; the word form has none of that. The
-           product's form of it is kernels/gemv.py's Fp8Words (`sass_gemv.py --configs words:...`).
+           loaded vector (PRMT, LOP3) before converting; the word form has none of that. Built
+           into kernels/gemv.py as Fp8Words configurations, it lost the timing at every Llama-8B
+           FP8 site on an H100 (docs/benchmarks.md) and was deleted.
 
     python scripts/sass_gemv_forms.py
 """
@@ -28,9 +29,21 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sass_gemv import disassemble, loop_body  # noqa: E402
 
-from tokenspeed_worker.kernels import gemv  # noqa: E402
-
-WIDEN_WORD = gemv._WIDEN_WORD  # four e4m3 bytes of one word to four float32 (the product's Fp8Words kernel)
+# Four e4m3 bytes of one word ($4) to four float32 ($0..$3), byte 0 first (exact: e4m3 -> f16 -> f32).
+WIDEN_WORD = tl.constexpr("""{
+.reg .b16 lo, hi;
+.reg .b32 p0, p1;
+.reg .f16 a0, a1, a2, a3;
+mov.b32 {lo, hi}, $4;
+cvt.rn.f16x2.e4m3x2 p0, lo;
+cvt.rn.f16x2.e4m3x2 p1, hi;
+mov.b32 {a0, a1}, p0;
+mov.b32 {a2, a3}, p1;
+cvt.f32.f16 $0, a0;
+cvt.f32.f16 $1, a1;
+cvt.f32.f16 $2, a2;
+cvt.f32.f16 $3, a3;
+}""")
 
 
 @triton.jit

@@ -592,8 +592,7 @@ def test_every_finite_fp8_value_widens_exactly():
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
-@pytest.mark.parametrize("config", [(16, 128, 4), gemv.Persistent(4, 8, 2), gemv.Fp8Mma(16, 64, 4, 2),
-                                    gemv.Fp8Words(16, 128, 4), gemv.Fp8Words(8, 64, 4)])
+@pytest.mark.parametrize("config", [(16, 128, 4), gemv.Persistent(4, 8, 2), gemv.Fp8Mma(16, 64, 4, 2)])
 def test_fp8_weight_plain_product_with_ragged_shapes_and_bias(rows, config):
     k, n = 300, 42  # K over 128 and N over 16 and 4: all ragged
     x, b = _randn(rows, k, seed=60), _randn(n, seed=61)
@@ -605,7 +604,7 @@ def test_fp8_weight_plain_product_with_ragged_shapes_and_bias(rows, config):
 
 @pytest.mark.parametrize("with_residual", [True, False])
 @pytest.mark.parametrize("config", [(16, 128, 4), (16, 128, 4, True), gemv.Persistent(4, 8, 2),
-                                    gemv.Fp8Mma(32, 64, 4, 2), gemv.Fp8Words(16, 128, 4)])
+                                    gemv.Fp8Mma(32, 64, 4, 2)])
 def test_fp8_weight_under_the_norm_prologue(with_residual, config):
     # Two-pass, one-pass (1 / RMS and the scales both multiply the finished sum), persistent, and
     # tensor cores (the normalized rows quantized to e4m3 per row).
@@ -622,8 +621,7 @@ def test_fp8_weight_under_the_norm_prologue(with_residual, config):
     _close(out, _matmul_reference(_input_of(config, normed), w_ref))
 
 
-@pytest.mark.parametrize("config", [(16, 64, 4), (16, 64, 4, True), gemv.Persistent(2, 4, 4), gemv.Fp8Mma(16, 64, 4, 2),
-                                    gemv.Fp8Words(16, 64, 4)])
+@pytest.mark.parametrize("config", [(16, 64, 4), (16, 64, 4, True), gemv.Persistent(2, 4, 4), gemv.Fp8Mma(16, 64, 4, 2)])
 def test_fp8_weight_silu_epilogue_over_gate_up_rows(config):
     # The gate columns take the first I scales, the up columns the last I.
     rows, k, inter = 2, 192, 40
@@ -672,16 +670,6 @@ def test_fp8_weight_refusals():
         gemv.small_batch_linear(x, _randn(8, 64, seed=77), config=mma)
     assert not gemv.supports_rotary(mma) and not gemv.supports_rotary(gemv.Persistent(2, 4, 4))
     assert gemv.supports_rotary((16, 128, 4)) and set(gemv.FP8_MMA_CONFIGS) <= set(gemv.FP8_CONFIGS)
-    # Word-wide reads: FP8 with row scales, K a multiple of 4, no rotary, no Gemma forms, no block scales.
-    words = gemv.Fp8Words(8, 64, 4)
-    with pytest.raises(ValueError, match="takes FP8 weights with per-row scales"):
-        gemv.small_batch_linear(x, _randn(8, 64, seed=77), config=words)
-    w66, s66, _ = _fp8_weight(8, 66, seed=78)
-    with pytest.raises(ValueError, match="multiples of 4"):
-        gemv.small_batch_linear(_randn(2, 66, seed=79), w66, weight_scale=s66, config=words)
-    assert not gemv.supports_rotary(words) and not gemv.takes_gemma_forms(words)
-    assert not gemv.takes_block_scales(words, 128) and set(gemv.FP8_WORDS_CONFIGS) <= set(gemv.FP8_NORM_CONFIGS)
-    assert not set(gemv.FP8_WORDS_CONFIGS) & set(gemv.configs_for(torch.float8_e4m3fn, block_rows=128))
     # Configurations are tuples: one equal to another of another kind would be one key in a set.
     for configs in (gemv.FP8_CONFIGS, gemv.FP8_NORM_CONFIGS, gemv.NORM_CONFIGS, gemv.MMA_CONFIGS):
         assert len(set(configs)) == len(configs)
@@ -769,8 +757,7 @@ def test_fp8_weights_at_llama_8b_shapes(rows):
         try:
             result = fn(config)
         except ValueError as error:
-            assert isinstance(config, (gemv.Persistent, gemv.Fp8Words)) and ("spills" in str(error)
-                                                                             or "input elements" in str(error))
+            assert isinstance(config, gemv.Persistent) and ("spills" in str(error) or "input elements" in str(error))
             refused.append(config)
             return None
         except OutOfResources:  # the chooser skips it there: gate_up's two weight tiles overflow shared memory

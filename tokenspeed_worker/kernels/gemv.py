@@ -16,10 +16,7 @@ W is x's dtype or float8 e4m3 with one float32 scale per row (per output channel
 to float32 exactly, and each finished sum is multiplied once by its weight row's scale, before the
 bias and the epilogue (W_SCALE; without scales the kernel is compiled without them). FP8 weights
 also have tensor-core configurations (Fp8Mma, W8A8): the input rows quantized to e4m3 per row in
-the kernel, one FP8 warpgroup MMA per K step, no weight widened on the CUDA cores; and Fp8Words
-ones, CUDA-core programs that read the weight as int32 words, widen each word to four float32 in
-one inline-PTX call and keep one accumulator per tile element (fewer K-loop instructions per
-byte than Triton's byte-by-byte widening and per-step reduction). Past MAX_ROWS
+the kernel, one FP8 warpgroup MMA per K step, no weight widened on the CUDA cores. Past MAX_ROWS
 rows (a speculative verify step, a decode batch of 5 to 16) only tensor-core configurations run:
 Fp8Mma, and Mma for 16-bit weights (the rows in the weight's dtype, one warpgroup MMA per K step),
 up to MMA_MAX_ROWS rows.
@@ -92,19 +89,6 @@ class Fp8Mma(NamedTuple):
     num_stages: int
 
 
-class Fp8Words(NamedTuple):
-    """A CUDA-core configuration for FP8 weights read as int32 words (four e4m3 each): one program per
-    block_n weight rows, looping over K in block_k-byte steps; each word widens to four float32 in
-    one inline-PTX call (two cvt.rn.f16x2.e4m3x2, four cvt.f32.f16, exact), where Triton's own
-    conversion first unpacks every byte from its loaded vector; one float32 accumulator per tile
-    element, reduced once after the loop. Per-channel scales (weight_scale) only; no rotary
-    epilogue, no Gemma forms; K a multiple of 4."""
-
-    block_n: int
-    block_k: int
-    num_warps: int
-
-
 class Mma(NamedTuple):
     """A tensor-core configuration for 16-bit weights (x's dtype): as Fp8Mma, with the input rows
     (normalized) in the weight's dtype instead of quantized, one 16-bit warpgroup MMA per K step.
@@ -129,7 +113,7 @@ class BlockScales(NamedTuple):
 def takes_block_scales(config: tuple, block_rows: int) -> bool:
     """Whether a configuration can read weights with block scales of `block_rows`-row tiles: a
     one-shot one whose strips of BLOCK_N rows never straddle two tile rows."""
-    return not isinstance(config, (Persistent, Fp8Mma, Mma, Fp8Words)) and block_rows % config[0] == 0
+    return not isinstance(config, (Persistent, Fp8Mma, Mma)) and block_rows % config[0] == 0
 
 
 def _check_block_scales(blocks: BlockScales, weight: torch.Tensor, weight_scale, config: tuple) -> None:
@@ -174,24 +158,21 @@ def _wider(config: tuple) -> tuple:
 # FP8 weights: the same configurations with tiles of the same bytes (their first is the default),
 # and the tensor-core ones (64-row strips: one warpgroup MMA's side).
 FP8_MMA_CONFIGS = (Fp8Mma(64, 256, 4, 4), Fp8Mma(64, 512, 4, 3), Fp8Mma(128, 256, 8, 3))
-# (A configuration is a tuple: one equal to another of another kind, e.g. Fp8Words(8, 1024, 4) and the
-# one-shot (8, 1024, 4), would be the same key in a set or dict; none is.)
-FP8_WORDS_CONFIGS = (Fp8Words(8, 512, 4), Fp8Words(16, 1024, 8))
-FP8_CONFIGS = tuple(_wider(c) for c in CONFIGS) + FP8_WORDS_CONFIGS + FP8_MMA_CONFIGS
-FP8_NORM_CONFIGS = tuple(_wider(c) for c in NORM_CONFIGS) + FP8_WORDS_CONFIGS + FP8_MMA_CONFIGS
+FP8_CONFIGS = tuple(_wider(c) for c in CONFIGS) + FP8_MMA_CONFIGS
+FP8_NORM_CONFIGS = tuple(_wider(c) for c in NORM_CONFIGS) + FP8_MMA_CONFIGS
 # 16-bit weights past MAX_ROWS rows (the same tile bytes as the FP8 ones: half the K per step).
 MMA_CONFIGS = (Mma(64, 128, 4, 4), Mma(64, 256, 4, 3), Mma(128, 128, 8, 3))
 
 
 def supports_rotary(config: tuple) -> bool:
     """Whether a configuration has the rotary + KV-write epilogue (the one-shot ones)."""
-    return not isinstance(config, (Persistent, Fp8Mma, Mma, Fp8Words))
+    return not isinstance(config, (Persistent, Fp8Mma, Mma))
 
 
 def takes_gemma_forms(config: tuple) -> bool:
     """Whether a configuration has Gemma's prologue and epilogue forms (unit_offset, x_norm_weight,
     gelu): the one-shot two-pass ones."""
-    return not isinstance(config, (Persistent, Fp8Mma, Mma, Fp8Words)) and not (len(config) > 3 and config[3])
+    return not isinstance(config, (Persistent, Fp8Mma, Mma)) and not (len(config) > 3 and config[3])
 
 
 def configs_for(weight_dtype: torch.dtype, norm: bool = False, block_rows: int | None = None,
@@ -596,152 +577,6 @@ if AVAILABLE:
             if ROWS > 3:
                 _epilogue(acc3, up3, bias_ptr, out_ptr, 3, offs_n, n_ok, stride_out, SILU, HAS_BIAS, LIBDEVICE, GELU)
 
-    # Four e4m3 bytes of one int32 word ($4) to four float32 ($0..$3), byte 0 first; exact (e4m3 ->
-    # f16 -> f32). Inline PTX because Triton widens FP8 byte by byte, unpacking each from its loaded
-    # vector first (PRMT/LOP3): about a third of the FP8 K loop's instructions (scripts/sass_gemv_forms.py).
-    _WIDEN_WORD = tl.constexpr("""{
-    .reg .b16 lo, hi;
-    .reg .b32 p0, p1;
-    .reg .f16 a0, a1, a2, a3;
-    mov.b32 {lo, hi}, $4;
-    cvt.rn.f16x2.e4m3x2 p0, lo;
-    cvt.rn.f16x2.e4m3x2 p1, hi;
-    mov.b32 {a0, a1}, p0;
-    mov.b32 {a2, a3}, p1;
-    cvt.f32.f16 $0, a0;
-    cvt.f32.f16 $1, a1;
-    cvt.f32.f16 $2, a2;
-    cvt.f32.f16 $3, a3;
-    }""")
-
-    @triton.jit
-    def _word_byte(w, i: tl.constexpr):
-        return ((w >> (8 * i)) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-
-    @triton.jit
-    def _widen_words(w, LIBDEVICE: tl.constexpr):
-        """Four float32 tiles from a tile of int32 words of four e4m3 bytes each (tile i: byte i)."""
-        if LIBDEVICE:
-            return tl.inline_asm_elementwise(_WIDEN_WORD, "=r,=r,=r,=r,r", [w], dtype=(tl.float32,) * 4,
-                                             is_pure=True, pack=1)
-        # The interpreter runs no PTX: the same bytes through Triton's own conversion.
-        return _word_byte(w, 0), _word_byte(w, 1), _word_byte(w, 2), _word_byte(w, 3)
-
-    @triton.jit
-    def _words_row(acc, up, g, u, x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr,
-                   row, jj, j_ok, rstd, pid_n, stride_x, stride_residual, stride_residual_out,
-                   NORM: tl.constexpr, ADD_RESIDUAL: tl.constexpr, SILU: tl.constexpr):
-        """One row's products with a step's widened words (g: gate/plain, u: up; tile i holds byte
-        i, columns 4 jj + i), into per-element accumulators."""
-        for i in tl.static_range(4):
-            xi = _row_in(x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, row, 4 * jj + i, j_ok, rstd, pid_n,
-                         stride_x, stride_residual, stride_residual_out, NORM, ADD_RESIDUAL, norm_weight_ptr, 1.0,
-                         False, False)[None, :]
-            acc += g[i] * xi
-            if SILU:
-                up += u[i] * xi
-        return acc, up
-
-    @triton.jit
-    def _gemv_words_kernel(
-        x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr,
-        N, KW, up_offset,
-        stride_x, stride_residual, stride_residual_out, stride_w, stride_out,
-        eps,
-        ROWS: tl.constexpr,
-        NORM: tl.constexpr,
-        ADD_RESIDUAL: tl.constexpr,
-        SILU: tl.constexpr,
-        HAS_BIAS: tl.constexpr,
-        LIBDEVICE: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_J: tl.constexpr,
-        PDL: tl.constexpr,
-    ):
-        # An Fp8Words configuration: as _gemv_kernel's one-shot programs (BLOCK_N weight rows over the
-        # whole of K, the next tile's loads issued before this one is multiplied), with the weight as
-        # int32 words (KW = K / 4 per row, stride_w in words) and per-element accumulators.
-        pid_n = tl.program_id(0)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < N
-        offs_j = tl.arange(0, BLOCK_J)
-        w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w
-        up_rows = w_ptr + (up_offset + offs_n).to(tl.int64)[:, None] * stride_w
-        w_next = tl.load(w_rows + offs_j[None, :], mask=n_ok[:, None] & (offs_j < KW)[None, :], other=0)
-        wu_next = w_next
-        if SILU:
-            wu_next = tl.load(up_rows + offs_j[None, :], mask=n_ok[:, None] & (offs_j < KW)[None, :], other=0)
-        scale = tl.load(w_scale_ptr + offs_n, mask=n_ok, other=0.0)
-        up_scale = scale
-        if SILU:
-            up_scale = tl.load(w_scale_ptr + up_offset + offs_n, mask=n_ok, other=0.0)
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
-        K = 4 * KW
-        rstd0 = 1.0
-        rstd1 = 1.0
-        rstd2 = 1.0
-        rstd3 = 1.0
-        if NORM:
-            rstd0 = _row_rstd(x_ptr, residual_ptr, 0, K, stride_x, stride_residual, eps, ADD_RESIDUAL, LIBDEVICE,
-                              4 * BLOCK_J, norm_weight_ptr, 1.0, False, False)
-            if ROWS > 1:
-                rstd1 = _row_rstd(x_ptr, residual_ptr, 1, K, stride_x, stride_residual, eps, ADD_RESIDUAL, LIBDEVICE,
-                                  4 * BLOCK_J, norm_weight_ptr, 1.0, False, False)
-            if ROWS > 2:
-                rstd2 = _row_rstd(x_ptr, residual_ptr, 2, K, stride_x, stride_residual, eps, ADD_RESIDUAL, LIBDEVICE,
-                                  4 * BLOCK_J, norm_weight_ptr, 1.0, False, False)
-            if ROWS > 3:
-                rstd3 = _row_rstd(x_ptr, residual_ptr, 3, K, stride_x, stride_residual, eps, ADD_RESIDUAL, LIBDEVICE,
-                                  4 * BLOCK_J, norm_weight_ptr, 1.0, False, False)
-        acc0 = tl.zeros([BLOCK_N, BLOCK_J], dtype=tl.float32)
-        acc1 = tl.zeros([BLOCK_N, BLOCK_J], dtype=tl.float32)
-        acc2 = tl.zeros([BLOCK_N, BLOCK_J], dtype=tl.float32)
-        acc3 = tl.zeros([BLOCK_N, BLOCK_J], dtype=tl.float32)
-        up0 = tl.zeros([BLOCK_N, BLOCK_J], dtype=tl.float32)
-        up1 = tl.zeros([BLOCK_N, BLOCK_J], dtype=tl.float32)
-        up2 = tl.zeros([BLOCK_N, BLOCK_J], dtype=tl.float32)
-        up3 = tl.zeros([BLOCK_N, BLOCK_J], dtype=tl.float32)
-        for j0 in range(0, KW, BLOCK_J):
-            jj = j0 + offs_j
-            j_ok = jj < KW
-            g = _widen_words(w_next, LIBDEVICE)
-            u = g
-            if SILU:
-                u = _widen_words(wu_next, LIBDEVICE)
-            j_next = jj + BLOCK_J
-            next_mask = n_ok[:, None] & (j_next < KW)[None, :]  # past K: no load, no traffic
-            w_next = tl.load(w_rows + j_next[None, :], mask=next_mask, other=0)
-            if SILU:
-                wu_next = tl.load(up_rows + j_next[None, :], mask=next_mask, other=0)
-            acc0, up0 = _words_row(acc0, up0, g, u, x_ptr, residual_ptr, residual_out_ptr,
-                                   norm_weight_ptr, 0, jj, j_ok, rstd0, pid_n, stride_x, stride_residual,
-                                   stride_residual_out, NORM, ADD_RESIDUAL, SILU)
-            if ROWS > 1:
-                acc1, up1 = _words_row(acc1, up1, g, u, x_ptr, residual_ptr,
-                                       residual_out_ptr, norm_weight_ptr, 1, jj, j_ok, rstd1, pid_n, stride_x,
-                                       stride_residual, stride_residual_out, NORM, ADD_RESIDUAL, SILU)
-            if ROWS > 2:
-                acc2, up2 = _words_row(acc2, up2, g, u, x_ptr, residual_ptr,
-                                       residual_out_ptr, norm_weight_ptr, 2, jj, j_ok, rstd2, pid_n, stride_x,
-                                       stride_residual, stride_residual_out, NORM, ADD_RESIDUAL, SILU)
-            if ROWS > 3:
-                acc3, up3 = _words_row(acc3, up3, g, u, x_ptr, residual_ptr,
-                                       residual_out_ptr, norm_weight_ptr, 3, jj, j_ok, rstd3, pid_n, stride_x,
-                                       stride_residual, stride_residual_out, NORM, ADD_RESIDUAL, SILU)
-        _epilogue(tl.sum(acc0, axis=1) * scale, tl.sum(up0, axis=1) * up_scale, bias_ptr, out_ptr, 0, offs_n, n_ok,
-                  stride_out, SILU, HAS_BIAS, LIBDEVICE, False)
-        if ROWS > 1:
-            _epilogue(tl.sum(acc1, axis=1) * scale, tl.sum(up1, axis=1) * up_scale, bias_ptr, out_ptr, 1, offs_n,
-                      n_ok, stride_out, SILU, HAS_BIAS, LIBDEVICE, False)
-        if ROWS > 2:
-            _epilogue(tl.sum(acc2, axis=1) * scale, tl.sum(up2, axis=1) * up_scale, bias_ptr, out_ptr, 2, offs_n,
-                      n_ok, stride_out, SILU, HAS_BIAS, LIBDEVICE, False)
-        if ROWS > 3:
-            _epilogue(tl.sum(acc3, axis=1) * scale, tl.sum(up3, axis=1) * up_scale, bias_ptr, out_ptr, 3, offs_n,
-                      n_ok, stride_out, SILU, HAS_BIAS, LIBDEVICE, False)
-
     @triton.jit
     def _whole_row(x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, row, offs_k, k_ok, pid, K,
                    stride_x, stride_residual, stride_residual_out, eps,
@@ -997,17 +832,17 @@ if AVAILABLE:
 
 _spills: dict[tuple, int] = {}
 
-def spilled_registers(args: tuple, meta: dict, shape_key: tuple, kernel) -> int:
-    """Registers `kernel` spills for these arguments (compiled, not launched; cached per kernel,
-    shape and constexprs): the persistent one holds its input rows and two weight strips in
-    registers, the Fp8Words one an accumulator per tile element and row. Where that is too much the
-    compiler spills to local memory, which the driver then reserves at launch for every thread the
-    GPU can hold: memory the KV pool was sized without. 0 in the interpreter."""
+def spilled_registers(args: tuple, meta: dict, shape_key: tuple) -> int:
+    """Registers the persistent kernel spills for these arguments (compiled, not launched; cached
+    per shape and constexprs). Each persistent program holds its input rows and two weight strips
+    in registers; where that is too much the compiler spills to local memory, which the driver then
+    reserves at launch for every thread the GPU can hold: memory the KV pool was sized without.
+    0 in the interpreter."""
     if interpreting() or compile_ahead.active():  # compile-only: checked at the real launch, from the cache
         return 0
-    key = (kernel.fn.__name__, *shape_key, *sorted(meta.items()))
+    key = (*shape_key, *sorted(meta.items()))
     if key not in _spills:
-        compiled = kernel.warmup(*args, grid=(1,), **meta)
+        compiled = _gemv_persistent_kernel.warmup(*args, grid=(1,), **meta)
         compiled._init_handles()  # loads the binary: n_spills is read from it
         _spills[key] = int(getattr(compiled, "n_spills", 0) or 0)
     return _spills[key]
@@ -1125,17 +960,7 @@ def small_batch_linear(
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
     persistent = isinstance(config, Persistent)
-    words = isinstance(config, Fp8Words)
-    if words:
-        block_n, block_k, num_warps = config
-        if rotary is not None:
-            raise ValueError(f"{config} has no rotary epilogue: use a one-shot configuration")
-        if weight.dtype != torch.float8_e4m3fn or weight_scale is None:
-            raise ValueError(f"{config} takes FP8 weights with per-row scales (weight_scale)")
-        if k % 4 or weight.stride(0) % 4 or weight.data_ptr() % 4:
-            raise ValueError(f"{config} reads the weight as 4-byte words: K ({k}) and its row stride must be "
-                             f"multiples of 4, the weight 4-byte aligned")
-    elif mma:
+    if mma:
         block_n, block_k, num_warps = config.block_n, config.block_k, config.num_warps
         if rotary is not None:
             raise ValueError(f"{config} has no rotary epilogue: use a one-shot configuration")
@@ -1186,22 +1011,6 @@ def small_batch_linear(
     if m == 0 or n == 0:
         return out, residual_out
     pdl_on = pdl.enabled(x.device)
-    if words:
-        out_rows = out.view(-1, n)
-        args = (rows, residual_rows, residual_out_rows, norm_weight if norm_weight is not None else rows,
-                weight.view(torch.int32), weight_scale, bias if bias is not None else rows, out_rows,
-                n, k // 4, n if silu else 0,
-                rows.stride(0), residual_rows.stride(0), residual_out_rows.stride(0), weight.stride(0) // 4,
-                out_rows.stride(0), float(eps))
-        meta = dict(ROWS=m, NORM=norm_weight is not None, ADD_RESIDUAL=norm_weight is not None and residual is not None,
-                    SILU=silu, HAS_BIAS=bias is not None, LIBDEVICE=not interpreting(), BLOCK_N=block_n,
-                    BLOCK_J=block_k // 4, PDL=pdl_on, num_warps=num_warps, **pdl.launch_options(pdl_on))
-        spills = spilled_registers(args, meta, (x.dtype, weight.dtype, n, k, x.device), _gemv_words_kernel)
-        if spills:
-            raise ValueError(f"{config} spills {spills} registers at {m} rows x K {k}: refused (a spilling kernel "
-                             f"makes the driver reserve local memory for every resident thread)")
-        compile_ahead.launch(_gemv_words_kernel, (triton.cdiv(n, block_n),), *args, **meta)
-        return out, residual_out
     if mma:
         out_rows = out.view(-1, n)
         compile_ahead.launch(
@@ -1229,7 +1038,7 @@ def small_batch_linear(
                     SILU=silu, HAS_BIAS=bias is not None, LIBDEVICE=not interpreting(), BLOCK_N=block_n,
                     BLOCK_K=block_k, PDL=pdl_on, W_SCALE=weight_scale is not None, num_warps=num_warps,
                     **pdl.launch_options(pdl_on))
-        spills = spilled_registers(args, meta, (x.dtype, weight.dtype, n, k, x.device), _gemv_persistent_kernel)
+        spills = spilled_registers(args, meta, (x.dtype, weight.dtype, n, k, x.device))
         if spills:
             raise ValueError(f"{config} spills {spills} registers at {m} rows x K {k}: refused (a spilling kernel "
                              f"makes the driver reserve local memory for every resident thread)")
@@ -1290,5 +1099,5 @@ def small_batch_linear(
     return out, residual_out
 
 
-__all__ = ["AVAILABLE", "BlockScales", "takes_block_scales", "CONFIGS", "FP8_CONFIGS", "FP8_MMA_CONFIGS", "Fp8Mma", "Fp8Words", "FP8_WORDS_CONFIGS", "MMA_CONFIGS", "MMA_MAX_ROWS", "Mma", "supports_rotary", "FP8_NORM_CONFIGS", "MAX_ROWS", "takes_gemma_forms", "NORM_CONFIGS", "configs_for", "PERSISTENT_MAX_ELEMENTS", "Persistent", "RotaryKV",
+__all__ = ["AVAILABLE", "BlockScales", "takes_block_scales", "CONFIGS", "FP8_CONFIGS", "FP8_MMA_CONFIGS", "Fp8Mma", "MMA_CONFIGS", "MMA_MAX_ROWS", "Mma", "supports_rotary", "FP8_NORM_CONFIGS", "MAX_ROWS", "takes_gemma_forms", "NORM_CONFIGS", "configs_for", "PERSISTENT_MAX_ELEMENTS", "Persistent", "RotaryKV",
            "small_batch_linear"]
