@@ -261,7 +261,12 @@ def test_ngram_speculation_behind_the_gateway(stack, model_dir):
                       {"model": "smollm2", "messages": copy, "max_tokens": 36, "temperature": 0,
                        "stop": ["review the"]},
                       {"model": "smollm2", "messages": copy, "max_tokens": 12, "temperature": 0.8, "seed": 7,
-                       "n": 2}]
+                       "n": 2},
+                      # Speculation keeps more of sample 1's drafts, so it ends first: its choice must
+                      # still be index 1 (smg numbers a unary response's choices by arrival).
+                      {"model": "smollm2", "messages": [{"role": "user", "content": "List the numbers one to "
+                                                         "twenty, separated by commas."}],
+                       "max_tokens": 30, "temperature": 0.7, "seed": 3, "n": 2}]
             answers = []
             for body in bodies:
                 want, got = post(plain_gateway, "/v1/chat/completions", body), post(gateway, "/v1/chat/completions",
@@ -276,6 +281,11 @@ def test_ngram_speculation_behind_the_gateway(stack, model_dir):
             text = "".join((e["choices"][0].get("delta") or {}).get("content") or "" for e in events
                            if e.get("choices"))
             assert text == answers[0][0][1]
+            streamed: dict[int, str] = {}
+            for e in stream_events(gateway, "/v1/chat/completions", bodies[3]):
+                for c in e.get("choices", []):
+                    streamed[c["index"]] = streamed.get(c["index"], "") + ((c.get("delta") or {}).get("content") or "")
+            assert [streamed[0], streamed[1]] == [answers[3][0][1], answers[3][1][1]]
         finally:
             gateway.stop()
         stats = [line for line in worker.log().splitlines() if "Finish!" in line]

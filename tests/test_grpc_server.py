@@ -569,6 +569,30 @@ def test_n_streaming_samples_carry_their_index(worker):
     assert again_per_index == per_index  # seeded: reproducible per index
 
 
+def test_n_non_streaming_completes_arrive_in_index_order(long_worker):
+    """A unary n=2 call whose sample 1 ends long before sample 0 still gets sample 0's complete
+    first: smg numbers a unary response's choices by arrival, so arrival order is index order."""
+    def sampled(stop_token_ids=(), stream=True):
+        return run(long_worker, gen(PROMPT, max_new_tokens=40, temperature=1.5, ignore_eos=True, n=2, stream=stream,
+                                    sampling_seed=11, stop_token_ids=list(stop_token_ids)))
+
+    tokens: dict[int, list[int]] = {0: [], 1: []}
+    for r in sampled():
+        if r.HasField("chunk"):
+            tokens[r.chunk.index].extend(r.chunk.token_ids)
+    # A token sample 1 draws within its first three and sample 0 never draws: as a stop token, it
+    # ends sample 1 there while sample 0 runs its 40 (seeded sampling does not depend on the stops).
+    stop = next(t for t in tokens[1][:3] if t not in tokens[0])
+    out = sampled([stop], stream=False)
+    completes = [r.complete for r in out if r.HasField("complete")]
+    assert [c.index for c in completes] == [0, 1]
+    assert [c.finish_reason for c in completes] == ["length", "stop"]
+    assert list(completes[0].output_ids) == tokens[0]
+    assert list(completes[1].output_ids) == tokens[1][:tokens[1].index(stop)]  # the stop token trimmed
+    assert completes[1].matched_token_id == stop
+    wait_idle(long_worker)
+
+
 def test_abort_ends_every_sample(long_worker):
     rid = f"abort-n-{time.monotonic_ns()}"
     stream = long_worker.stub.Generate(gen(PROMPT, max_new_tokens=None, ignore_eos=True, stream=True, rid=rid, n=3))

@@ -116,6 +116,12 @@ class TokenSpeedSchedulerServicer(pb_grpc.TokenSpeedSchedulerServicer):
         interval = self.stream_interval
         event = states[0].event
         open_samples = set(range(len(states)))
+        # Non-streaming, the completes go out in index order, each once every lower index is done:
+        # smg (1.13) numbers a unary response's choices by the order its completes arrive, so a
+        # sample that finished first (shorter, or speculation accepting more of it) would take
+        # choice 0, unlike the same seeded request streamed. The client waits for all of them anyway.
+        held: dict[int, pb.GenerateComplete] = {}
+        next_held = 0
         self.active_calls += 1
         try:
             while open_samples:
@@ -136,7 +142,13 @@ class TokenSpeedSchedulerServicer(pb_grpc.TokenSpeedSchedulerServicer):
                             yield pb.GenerateResponse(request_id=rid, chunk=out.chunk())
                     if finished:
                         open_samples.discard(i)
-                        yield pb.GenerateResponse(request_id=rid, complete=out.complete(v.stream))
+                        if v.stream:
+                            yield pb.GenerateResponse(request_id=rid, complete=out.complete(True))
+                        else:
+                            held[i] = out.complete(False)
+                while next_held in held:
+                    yield pb.GenerateResponse(request_id=rid, complete=held.pop(next_held))
+                    next_held += 1
         finally:
             self.active_calls -= 1
             # Cancelled call, a dropped stream, or an error above: free them in the engine.
