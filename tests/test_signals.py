@@ -329,20 +329,27 @@ def _child_whose_library_took_sigterm(conn) -> None:
                [r.getMessage() for r in records]))
 
 
-def test_a_child_ignores_the_stop_signals_again_if_its_startup_undid_it():
+def _report_of_a_guarded_child(target):
+    """What `target(conn)`, run in a child started as the worker starts its children, sends back."""
     import multiprocessing
 
     from tokenspeed_worker.engine import lifetime
 
     ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_child_whose_library_took_sigterm, args=(child,), daemon=True)
+    proc = ctx.Process(target=target, args=(child,), daemon=True)
     lifetime.start(proc)
     try:
         assert parent.poll(60)
-        ignored, messages = parent.recv()
+        return parent.recv()
     finally:
         proc.join(10)
+
+
+def test_a_child_ignores_the_stop_signals_again_if_its_startup_undid_it():
+    from tokenspeed_worker.engine import lifetime
+
+    ignored, messages = _report_of_a_guarded_child(_child_whose_library_took_sigterm)
     assert ignored == [True, True]
     assert len(messages) == 1 and messages[0].startswith("SIGTERM was no longer ignored after startup")
     lifetime.still_guarded()  # outside a child: nothing to do, nothing changed
@@ -415,14 +422,7 @@ def test_a_stop_signal_cannot_end_a_child_after_native_code_replaced_its_disposi
         if proc.is_alive():
             proc.kill()
 
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_child_whose_native_code_took_sigterm_at_startup, args=(child,), daemon=True)
-    lifetime.start(proc)
-    try:
-        assert parent.poll(60)
-        messages, kernel_view = parent.recv()
-    finally:
-        proc.join(10)
+    messages, kernel_view = _report_of_a_guarded_child(_child_whose_native_code_took_sigterm_at_startup)
     if kernel_view:  # where /proc shows the masks (not gVisor)
         assert messages == ["SIGTERM was no longer ignored after startup (native code replaced SIG_IGN): "
                             "ignored again"], messages

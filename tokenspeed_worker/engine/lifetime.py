@@ -12,11 +12,12 @@ Why blocked as well as ignored: native code may install its own handler at any t
 Python's `signal` module. On the GPU machine an engine that had compiled Triton kernels was seen
 catching SIGHUP, SIGINT, SIGQUIT, SIGUSR1/2, SIGTERM, SIGXCPU, SIGXFSZ and SIGSYS (the set LLVM's
 handlers cover; they clean up and re-raise, so the process dies), and an engine compiles kernels
-while it serves (a new prefill shape, a decode size captured after startup). A blocked signal is never delivered to a handler, whoever installed it:
-it stays pending, harmless, until the process exits. Threads inherit the mask of the thread that
-creates them, and the child's first thread has it from birth (below), so every thread has it.
-`still_guarded` (when startup is over) says so if a library replaced the disposition and ignores
-the signals again, so that the processes the child runs (compilers) inherit SIG_IGN.
+while it serves (a new prefill shape, a decode size captured after startup). A blocked signal is
+never delivered to a handler, whoever installed it: it stays pending, harmless, until the process
+exits. Threads inherit the mask of the thread that creates them, and the child's first thread has
+it from birth (below), so every thread has it. `still_guarded` (when startup is over) says so if a
+library replaced the disposition and ignores the signals again, so that the programs the child
+runs (compilers) inherit SIG_IGN.
 
 The window before the entry point: a "spawn" child starts a fresh interpreter and unpickles its
 arguments (which imports torch) before its target runs; a signal then would still kill it. So

@@ -32,9 +32,8 @@ the runner one that re-runs the step, tests/emulated_graph.py, to exercise the w
 
 from __future__ import annotations
 
-import gc
-
 import bisect
+import gc
 import logging
 import math
 import time
@@ -203,7 +202,7 @@ class CudaGraph:
         self.step = step
         # No garbage collection inside a capture (torch.cuda.graph collects just before it): a
         # finalizer's CUDA call (an event destroyed, an older graph's memory given back) would
-        # invalidate the capture. A suite of in-process engines on the GPU machine once failed so.
+        # invalidate the capture.
         collecting = gc.isenabled()
         gc.disable()
         try:
