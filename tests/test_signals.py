@@ -117,7 +117,9 @@ def drain_under_group_signal(w: Worker, sig: int, streams: int, max_new: int, dr
     for c in calls:  # a loaded machine (a GPU suite at -n 14) may compile kernels at the first prefill
         assert c.first.wait(150), ("no first token within 150 s", c.code, c.details, w.log())
     w.signal_group(sig)
-    assert not any(c.completes for c in calls), "a stream ended before the signal: make them longer"
+    ended = [(c.completes[0].finish_reason, c.completes[0].completion_tokens) for c in calls if c.completes]
+    assert not ended, ("a stream ended before the signal: make them longer", ended,
+                       [len(c.messages) for c in calls], w.log()[-3000:])
     wait_not_serving(w, 1.0)
     for c in calls:
         c.join(drain_s + 30)
@@ -142,7 +144,7 @@ def test_group_sigterm_under_load_drains_every_stream_and_exits_0(model_dir):
 def test_group_sigint_drains_like_sigterm(model_dir):
     w = Worker(model_dir, *FLAGS, "--drain-timeout", "150", new_session=True)
     try:
-        drain_under_group_signal(w, signal.SIGINT, streams=3, max_new=300)
+        drain_under_group_signal(w, signal.SIGINT, streams=3, max_new=600)  # 300 once ended one early in CI
     finally:
         w.stop()
 
