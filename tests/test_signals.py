@@ -313,26 +313,34 @@ def test_other_node_waits_for_node_0_to_drain(model_dir):
             node1.wait()
 
 
-def _child_whose_library_took_sigterm(conn) -> None:
-    """A child as the engine starts: guard first, then something it loads installs its own SIGTERM
-    handler (as a library may), then still_guarded before it would say it is ready."""
+def _still_guarded_warnings() -> list[str]:
+    """lifetime.still_guarded() in this child, and what it logged."""
     import logging
 
     from tokenspeed_worker.engine import lifetime
 
-    lifetime.guard()
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     records = []
     handler = logging.Handler()
     handler.emit = records.append
     logging.getLogger("tokenspeed_worker.engine.lifetime").addHandler(handler)
     lifetime.still_guarded()
-    conn.send(([signal.getsignal(s) == signal.SIG_IGN for s in (signal.SIGTERM, signal.SIGINT)],
-               [r.getMessage() for r in records]))
+    return [r.getMessage() for r in records]
 
 
-def _report_of_a_guarded_child(target):
-    """What `target(conn)`, run in a child started as the worker starts its children, sends back."""
+def _child_whose_library_took_sigterm(conn) -> None:
+    """A child as the engine starts: guard first, then something it loads installs its own SIGTERM
+    handler (as a library may), then still_guarded before it would say it is ready."""
+    from tokenspeed_worker.engine import lifetime
+
+    lifetime.guard()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    messages = _still_guarded_warnings()
+    conn.send(([signal.getsignal(s) == signal.SIG_IGN for s in (signal.SIGTERM, signal.SIGINT)], messages))
+
+
+def _guarded_child(target):
+    """(process, connection): `target(conn)` running in a child started as the worker starts its
+    children (spawned, through lifetime.start)."""
     import multiprocessing
 
     from tokenspeed_worker.engine import lifetime
@@ -341,6 +349,12 @@ def _report_of_a_guarded_child(target):
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=target, args=(child,), daemon=True)
     lifetime.start(proc)
+    return proc, parent
+
+
+def _report_of_a_guarded_child(target):
+    """What `target(conn)`, run in a guarded child (_guarded_child), sends back."""
+    proc, parent = _guarded_child(target)
     try:
         assert parent.poll(60)
         return parent.recv()
@@ -372,18 +386,11 @@ def _native_signal(sig: int, disposition: int) -> None:
 def _child_whose_native_code_took_sigterm_at_startup(conn) -> None:
     """guard, then native code sets SIGTERM back to its default (Python's table still says
     SIG_IGN), then still_guarded: it must notice from the kernel's view."""
-    import logging
-
     from tokenspeed_worker.engine import lifetime
 
     lifetime.guard()
     _native_signal(signal.SIGTERM, 0)  # SIG_DFL
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    logging.getLogger("tokenspeed_worker.engine.lifetime").addHandler(handler)
-    lifetime.still_guarded()
-    conn.send(([r.getMessage() for r in records], lifetime.kernel_ignored() is not None))
+    conn.send((_still_guarded_warnings(), lifetime.kernel_ignored() is not None))
 
 
 def _child_whose_native_code_took_sigterm_while_serving(conn) -> None:
@@ -402,14 +409,7 @@ def _child_whose_native_code_took_sigterm_while_serving(conn) -> None:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="libc's signal() and /proc's masks")
 def test_a_stop_signal_cannot_end_a_child_after_native_code_replaced_its_disposition():
-    import multiprocessing
-
-    from tokenspeed_worker.engine import lifetime
-
-    ctx = multiprocessing.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_child_whose_native_code_took_sigterm_while_serving, args=(child,), daemon=True)
-    lifetime.start(proc)
+    proc, parent = _guarded_child(_child_whose_native_code_took_sigterm_while_serving)
     try:
         assert parent.poll(60) and parent.recv() == "serving"
         os.kill(proc.pid, signal.SIGTERM)
