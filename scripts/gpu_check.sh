@@ -464,6 +464,13 @@ else
   fi
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import torch, grpc, google.protobuf as p; print('torch', torch.__version__, 'grpc', grpc.__version__, 'protobuf', p.__version__)"
+  # The worker serves health and reflection from packages the machine lacks: without the carried wheels
+  # every test and bench that starts a worker fails after minutes, so stop before spending the call.
+  python3 -c "import grpc_health.v1.health, grpc_reflection.v1alpha.reflection" 2>/dev/null || {
+    echo "gpu_check: grpc_health / grpc_reflection do not import: carry .whl (pip download --no-deps" \
+         "--only-binary=:all: --python-version 3.12 -d .whl grpcio-health-checking==1.84.0 grpcio-reflection==1.84.0)"
+    exit 3
+  }
 fi
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 TOKENSPEED_TEST_DEVICE=cuda
 install "$REPO" || exit 1
