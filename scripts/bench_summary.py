@@ -63,7 +63,8 @@ def figures(suite: str, r: dict) -> list[tuple[str, str, float, str]]:
         return rows
     if suite == "window":  # scripts/bench_window.py: per variant and context, the decode rate and the KV held
         return [(f"{name} ctx {row['context']}", "tok/s", row["decode_tok_s"],
-                 f"KV held {row['kv_tokens_held_max']} tokens, ITL p50 {row['itl_ms_p50']:.2f} ms, "
+                 f"KV held {row['kv_tokens_held_max']} tokens decoding "
+                 f"({row.get('kv_tokens_held_prefill_max', '?')} in prefill), ITL p50 {row['itl_ms_p50']:.2f} ms, "
                  f"TTFT {row['ttft_ms']:.0f} ms")
                 for name, rows in r["variants"].items() for row in rows]
     if suite == "startup" and "models" in r:  # scripts/bench_startup.py: launch to healthy, cold then warm

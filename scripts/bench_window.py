@@ -6,7 +6,8 @@ with `sliding_window` = --window on every layer and one with full attention, and
 on each. For each context length (ascending) it streams one greedy request of that many prompt tokens
 and --output-len new ones while polling GetLoads, and reports the time to first token, the
 inter-token latency (p50), the decode rate after the first token, and the most KV the running
-request held (`num_used_tokens`). With the window, the held KV should stay near the window (plus a
+request held while it decoded (`num_used_tokens`; while its prompt's last chunk runs it holds that
+chunk whole, reported apart). With the window, the held KV should stay near the window (plus a
 step's tokens) and the decode rate should not fall as the context grows past it; without, both
 follow the context.
 
@@ -47,15 +48,26 @@ def variant(source: Path, folder: Path, window: int | None, max_len: int) -> Pat
 
 
 def one_request(stub, rid: str, prompt: list[int], output_len: int, poll_s: float) -> dict:
-    """Stream one greedy request while a thread polls GetLoads; its figures."""
-    held: list[int] = []
-    done = threading.Event()
+    """Stream one greedy request while a thread polls GetLoads; its figures.
+
+    `kv_tokens_held_max` is the most KV the request held while it decoded (polls sent after its first
+    token arrived, one of them at once): the figure the window bounds. Its prompt's last prefill
+    chunk is held whole while that step runs, before the blocks it slid past are released, so the
+    polls sent before the first token are reported apart (`kv_tokens_held_prefill_max`, bounded by
+    the chunk, not the window).
+    """
+    held: list[tuple[float, int]] = []  # (when the poll was sent, tokens held)
+    done, first_token = threading.Event(), threading.Event()
 
     def poll() -> None:
         while not done.is_set():
+            sent = time.perf_counter()
             loads = stub.GetLoads(pb.GetLoadsRequest(), timeout=30)
-            held.append(sum(load.num_used_tokens for load in loads.loads))
-            done.wait(poll_s)
+            held.append((sent, sum(load.num_used_tokens for load in loads.loads)))
+            if first_token.is_set():
+                done.wait(poll_s)
+            else:
+                first_token.wait(poll_s)  # the decode's first poll goes at once, not a period later
 
     poller = threading.Thread(target=poll, daemon=True)
     request = pb.GenerateRequest(
@@ -68,14 +80,17 @@ def one_request(stub, rid: str, prompt: list[int], output_len: int, poll_s: floa
         for response in stub.Generate(request, timeout=3600):
             if response.HasField("chunk"):
                 stamps += [time.perf_counter()] * len(response.chunk.token_ids)
+                first_token.set()
     finally:
         done.set()
         poller.join()
     itl = np.diff(stamps)
+    decoding = [n for sent, n in held if stamps and sent >= stamps[0]]
     return {"context": len(prompt), "output_tokens": len(stamps), "ttft_ms": 1000 * (stamps[0] - t0),
             "itl_ms_p50": 1000 * float(np.median(itl)) if len(itl) else None,
             "decode_tok_s": (len(stamps) - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 else None,
-            "kv_tokens_held_max": max(held, default=0)}
+            "kv_tokens_held_max": max(decoding, default=0), "kv_polls_decoding": len(decoding),
+            "kv_tokens_held_prefill_max": max((n for sent, n in held if not stamps or sent < stamps[0]), default=0)}
 
 
 def main() -> int:

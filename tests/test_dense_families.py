@@ -303,8 +303,10 @@ def test_the_window_bench_shows_kv_bounded_by_the_window_through_the_cli(tmp_pat
     result = json.loads(out.read_text())
     windowed, full = result["variants"]["window 16"], result["variants"]["full attention"]
     assert [r["context"] for r in windowed] == [r["context"] for r in full] == [64, 256]
-    for row in windowed:  # the window, the block it ends in and the next one
-        assert row["output_tokens"] == 32 and 16 <= row["kv_tokens_held_max"] <= 16 + 2 * 16, row
+    for row in windowed:  # while decoding: the window, the block it ends in and the next one
+        assert row["output_tokens"] == 32 and row["kv_polls_decoding"] >= 1, row
+        assert 16 <= row["kv_tokens_held_max"] <= 16 + 2 * 16, row
+        assert row["kv_tokens_held_prefill_max"] <= row["context"] + 16, row  # the prompt's chunk, no more
     for row in full:
         assert row["context"] <= row["kv_tokens_held_max"] <= row["context"] + 32, row
     assert result["kv_held_longest_over_window"] <= 3
