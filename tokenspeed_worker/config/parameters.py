@@ -133,8 +133,8 @@ class ServerArgs:
     model: str = _option(
         "",
         MODEL_LOADING,
-        "Model path (a local folder with config.json and weights). "
-        "Give it as the positional argument or with --model; they are equivalent.",
+        "Model path (a local folder with config.json and weights), or a Hugging Face hub id (org/name) "
+        "already in the local hub cache. Give it as the positional argument or with --model; they are equivalent.",
         aliases=("--model-path",),
         default_doc="none (required)",
     )
@@ -161,8 +161,12 @@ class ServerArgs:
     trust_remote_code: bool = _not_yet(
         False, MODEL_LOADING, "Allow custom model code from the model repository.", negatable=True
     )
-    revision: str | None = _not_yet(None, MODEL_LOADING, "Model branch, tag, or commit.")
-    download_dir: str | None = _not_yet(None, MODEL_LOADING, "Hugging Face download/cache directory.")
+    revision: str | None = _option(
+        None, MODEL_LOADING, "Branch, tag or commit of a Hugging Face hub id given as the model, looked up in the "
+        "local hub cache (never downloaded).", default_doc="main")
+    download_dir: str | None = _option(
+        None, MODEL_LOADING, "The Hugging Face hub cache a hub id given as the model is served from (never "
+        "downloaded into).", default_doc="HF_HUB_CACHE, else HF_HOME/hub, else ~/.cache/huggingface/hub")
     hf_overrides: str | None = _not_yet(
         None, MODEL_LOADING, "JSON overrides for model configuration values.", harmless=("{}",)
     )

@@ -17,7 +17,6 @@ import asyncio
 import importlib.util
 import time
 import logging
-import os
 import signal
 import socket
 import threading
@@ -27,6 +26,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from tokenspeed_worker.config import EngineConfig, ServerArgs, ServerConfig, WorkerConfig
+from tokenspeed_worker.config.hub_cache import resolve_hub_ids
 from tokenspeed_worker.engine.messages import AddRequest
 from tokenspeed_worker.proto import tokenspeed_scheduler_pb2_grpc as pb_grpc
 from tokenspeed_worker.sampling.params import SamplingParams
@@ -309,9 +309,14 @@ def run_server(args: ServerArgs, launched: float | None = None) -> int:
     signals are handled from the engine's start on (see the module docstring). launched: the
     time.monotonic() of the launch, for the startup report (default: now)."""
     launched = time.monotonic() if launched is None else launched
-    if not os.path.isdir(args.model):
-        logger.error("model %r is not a local folder (this worker never downloads weights)", args.model)
+    given = args.model
+    try:
+        resolve_hub_ids(args)  # a hub id served from the local hub cache; never downloaded
+    except ValueError as e:
+        logger.error("%s", e)
         return 2
+    if args.model != given:
+        logger.info("model %s: the hub cache's snapshot %s", given, args.model)
     try:
         config = WorkerConfig.from_args(args)
     except ValueError as e:
