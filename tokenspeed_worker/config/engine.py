@@ -79,6 +79,9 @@ class ModelConfig:
     # Where compiled kernels and timed kernel choices are kept between starts (kernel_cache.py);
     # None: nothing kept.
     cache_dir: str | None = None
+    # On a CPU: torch's intra-op threads in this engine process (0: torch's default, every core, or
+    # OMP_NUM_THREADS). The server sets it when several engine processes share the node's cores.
+    cpu_threads: int = 0
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_ALIASES:

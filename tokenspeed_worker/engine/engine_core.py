@@ -124,6 +124,9 @@ def build_runner(cfg: EngineConfig, phases: StartupPhases | None = None):
     setup_start = time.perf_counter()
     torch.manual_seed(cfg.model.seed)
     device = torch.device(cfg.rank_device)
+    if device.type == "cpu" and cfg.model.cpu_threads:
+        torch.set_num_threads(cfg.model.cpu_threads)
+        logger.info("CPU: %d intra-op threads (this engine process's share of the node's cores)", cfg.model.cpu_threads)
     if device.type == "cuda" and device.index is not None:
         # Triton launches and CUDA-graph captures use the current device: a data-parallel replica
         # or tensor-parallel rank on cuda:1 must make it current, not just place its tensors there.

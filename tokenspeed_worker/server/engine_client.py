@@ -26,6 +26,7 @@ import dataclasses
 import itertools
 import logging
 import multiprocessing as mp
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -129,11 +130,27 @@ class _Replica:
         self.kill_followers()
 
 
+def cpu_threads_per_process(cfg, count: int = 1) -> int:
+    """torch's intra-op threads for each of the node's engine processes (`count` replicas of
+    ranks_per_node ranks) on a CPU: the cores this process may run on, shared out. Each would
+    otherwise take every core, and N processes spinning N x cores threads ran a 300-request load
+    4.9x slower than one thread each (docs/benchmarks.md). 0 (torch's default) for one process, on
+    a GPU, or where OMP_NUM_THREADS says how many."""
+    processes = count * cfg.parallel.ranks_per_node
+    if cfg.model.device != "cpu" or processes <= 1 or os.environ.get("OMP_NUM_THREADS"):
+        return 0
+    return max(1, len(os.sched_getaffinity(0)) // processes)
+
+
 def replica_config(cfg, index: int, count: int = 1):
     """Replica `index` of `count`'s engine config: on GPUs its own block of tensor_parallel_size
-    devices; KV event ids of its own (index, index + count, ...)."""
+    devices; on a CPU its share of the cores (cpu_threads_per_process); KV event ids of its own
+    (index, index + count, ...)."""
     if count > 1:
         cfg = cfg.replace(kv_event_id_offset=index, kv_event_id_stride=count)
+    threads = cpu_threads_per_process(cfg, count)
+    if threads:
+        cfg = cfg.replace(cpu_threads=threads)
     if index == 0:
         return cfg
     device = cfg.model.device  # "cpu", "cuda" or "cuda:N" (no torch here: the server process never imports it)
