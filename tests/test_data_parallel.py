@@ -145,7 +145,7 @@ def test_combinations_not_supported_yet_are_refused():
 
 def test_on_a_cpu_the_engine_processes_share_the_cores(worker, monkeypatch):
     """Each CPU engine process would take every core: two replicas then spin twice the threads the
-    machine has (a 300-request load ran 4.9x slower). Each gets its share, unless OMP_NUM_THREADS
+    machine has and thrash. Each gets its share, unless OMP_NUM_THREADS
     says how many; one process, or a GPU, keeps torch's default."""
     from tokenspeed_worker.config import EngineConfig
     from tokenspeed_worker.server.engine_client import cpu_threads_per_process, replica_config

@@ -132,10 +132,10 @@ class _Replica:
 
 def cpu_threads_per_process(cfg, count: int = 1) -> int:
     """torch's intra-op threads for each of the node's engine processes (`count` replicas of
-    ranks_per_node ranks) on a CPU: the cores this process may run on, shared out. Each would
-    otherwise take every core, and N processes spinning N x cores threads ran a 300-request load
-    4.9x slower than one thread each (docs/benchmarks.md). 0 (torch's default) for one process, on
-    a GPU, or where OMP_NUM_THREADS says how many."""
+    ranks_per_node ranks) on a CPU: the cores this process may run on, shared out (each would
+    otherwise take every core, and N processes spinning N x cores threads thrash; docs/benchmarks.md
+    has the figures). 0 (torch's default) for one process, on a GPU, or where OMP_NUM_THREADS says
+    how many."""
     processes = count * cfg.parallel.ranks_per_node
     if cfg.model.device != "cpu" or processes <= 1 or os.environ.get("OMP_NUM_THREADS"):
         return 0
