@@ -356,3 +356,30 @@ def test_cuda_matches_hf(name, tiny_model_paths, hf_models):
         torch.testing.assert_close(
             torch.stack(seq.logits).cpu(), hf_logits(hf_models[name], seq.tokens), atol=1e-4, rtol=1e-3
         )
+
+
+def test_a_broken_checkpoint_is_named_in_its_own_terms(tiny_model_paths, tmp_path):
+    """What a stranger's folder lacks, said with the checkpoint's names (not the fused parameter the
+    worker builds) and the flag to type: a missing part of a fused projection, a repeated one, a
+    folder of PyTorch pickles."""
+    import safetensors.torch
+
+    source = tiny_model_paths["llama-gqa-tied"]
+    weights = safetensors.torch.load_file(str(source / "model.safetensors"))
+    shutil.copy(source / "config.json", tmp_path / "config.json")
+    gate = "model.layers.0.mlp.gate_proj.weight"
+    broken = {k: v for k, v in weights.items() if k != gate}
+    safetensors.torch.save_file(broken, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"missing \(or repeats\) weights for: model\.layers\.0\.mlp\.gate_proj\.weight$"):
+        make_runner(str(tmp_path))
+    safetensors.torch.save_file(broken, str(tmp_path / "model.safetensors"))
+    safetensors.torch.save_file({"model.layers.0.mlp.up_proj.weight": weights["model.layers.0.mlp.up_proj.weight"],
+                                 gate: weights[gate]}, str(tmp_path / "model-extra.safetensors"))
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.up_proj\.weight \(repeated\)$"):
+        make_runner(str(tmp_path))
+    for f in tmp_path.glob("*.safetensors"):
+        f.unlink()
+    torch.save(weights, tmp_path / "pytorch_model.bin")
+    with pytest.raises(ValueError, match=r"pytorch_model\.bin are PyTorch pickles: convert them to safetensors\); "
+                                         r"only safetensors checkpoints load \(or use --load-format dummy"):
+        make_runner(str(tmp_path))

@@ -38,9 +38,12 @@ def resolve_load_format(model_path: str | Path, load_format: str) -> str:
     """"safetensors" or "dummy": what `load_format` (a ModelConfig one) loads from `model_path`."""
     if load_format == "auto":
         if not safetensors_files(model_path):
+            pickled = sorted(p.name for p in Path(model_path).glob("*.bin")) + sorted(
+                p.name for p in Path(model_path).glob("*.pt"))
+            found = f" ({', '.join(pickled[:3])} are PyTorch pickles: convert them to safetensors)" if pickled else ""
             raise ValueError(
-                f"no safetensors weights in {model_path}; only safetensors checkpoints load "
-                "(or use load_format='dummy' for random weights)"
+                f"no safetensors weights in {model_path}{found}; only safetensors checkpoints load "
+                "(or use --load-format dummy for random weights)"
             )
         return "safetensors"
     return load_format

@@ -224,6 +224,7 @@ class LlamaForCausalLM(nn.Module):
         """Copy HF-named checkpoint tensors into the parameters; every parameter must be filled exactly once."""
         params = dict(self.named_parameters())  # a tied lm_head appears only as embed_tokens
         loaded_numel = dict.fromkeys(params, 0)
+        shards_seen: dict[str, list] = {}  # a fused parameter -> the shard ids its checkpoint parts filled
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name == "lm_head.weight"):
                 continue
@@ -252,6 +253,7 @@ class LlamaForCausalLM(nn.Module):
                     if param_name not in params:
                         raise ValueError(f"checkpoint weight {name!r} has no parameter in {type(self).__name__}")
                     filled = params[param_name].weight_loader(params[param_name], tensor, shard_id)
+                    shards_seen.setdefault(param_name, []).append(shard_id)
                     break
             else:
                 param_name = name
@@ -261,4 +263,16 @@ class LlamaForCausalLM(nn.Module):
             loaded_numel[param_name] += filled  # this rank's part (all of it without tensor parallelism)
         incomplete = [name for name, param in params.items() if loaded_numel[name] != param.numel()]
         if incomplete:
-            raise ValueError(f"checkpoint is missing (or repeats) weights for: {', '.join(incomplete)}")
+            raise ValueError("checkpoint is missing (or repeats) weights for: "
+                             + ", ".join(self._checkpoint_names(name, shards_seen.get(name, [])) for name in incomplete))
+
+    def _checkpoint_names(self, param_name: str, shards_seen: list) -> str:
+        """What the checkpoint lacks (or repeats) for `param_name`, by the checkpoint's own names: a fused
+        parameter's parts that never came, or came twice; its own name otherwise."""
+        parts = [(param_name.replace(f".{fused}.", f".{shard_name}."), shard_id)
+                 for fused, shard_name, shard_id in self.stacked_params_mapping if f".{fused}." in param_name]
+        if not parts:
+            return param_name
+        named = [f"{name} (repeated)" if shards_seen.count(shard_id) > 1 else name
+                 for name, shard_id in parts if shards_seen.count(shard_id) != 1]
+        return ", ".join(named) or param_name
