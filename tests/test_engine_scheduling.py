@@ -179,3 +179,17 @@ def test_long_prompt_arriving_during_decodes_delays_them_by_at_most_one_step():
         assert produced == list(range(produced[0], produced[0] + 40))
     prefill_steps = [i for i, owners in enumerate(steps) if 4 not in owners and i >= 6]
     assert len(prefill_steps) > 5  # the long prompt really was spread over many steps
+
+
+def test_a_pool_shorter_than_the_context_is_said_at_startup(caplog):
+    """A KV pool that cannot hold one --max-model-len request refuses such requests one by one: the
+    start says so once, with the flags that change it; a pool that can says nothing."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="tokenspeed_worker.engine.engine_core"):
+        make_core(max_model_len=256, max_total_tokens=256)
+        assert not [r for r in caplog.records if "KV pool holds" in r.getMessage()]
+        make_core(max_model_len=256, max_total_tokens=100)
+    (record,) = [r for r in caplog.records if "KV pool holds" in r.getMessage()]
+    assert record.getMessage().startswith("the KV pool holds 100 tokens, fewer than --max-model-len 256")
+    assert "--max-total-tokens" in record.getMessage() and "--gpu-memory-utilization" in record.getMessage()

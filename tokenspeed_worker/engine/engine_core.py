@@ -145,6 +145,11 @@ def build_runner(cfg: EngineConfig, phases: StartupPhases | None = None):
             torch.distributed.all_reduce(smallest, op=torch.distributed.ReduceOp.MIN)
             pool_tokens = int(smallest.item())
     num_blocks = max(1, pool_tokens // cfg.cache.block_size)
+    max_len = cfg.scheduler.max_model_len
+    if num_blocks * cfg.cache.block_size < max_len and distributed.rank() == 0:
+        logger.warning("the KV pool holds %d tokens, fewer than --max-model-len %d: a request needing more is "
+                       "refused (raise --max-total-tokens or --gpu-memory-utilization, or lower --max-model-len)",
+                       num_blocks * cfg.cache.block_size, max_len)
     with phases.phase("KV cache allocation"):
         runner.allocate_kv_cache(num_blocks)
     with phases.phase("attention timing"):
