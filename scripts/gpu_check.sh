@@ -215,6 +215,8 @@ suite_tests() {
       [ $((h % n)) = $((i - 1)) ] && files+=("$f")
     done
   fi
+  # One torch thread per test process (12-14 of them share 16 cores; each would take all 16 and thrash).
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
   pytest_run tests${TESTS_SHARD:+_${TESTS_SHARD%/*}of${TESTS_SHARD#*/}} "${TESTS_TIMEOUT:-540}" -m "not e2e and not smollm2" \
     --ignore=tests/test_proto_contract.py ${files[@]+"${files[@]}"} ${pytest_args[@]+"${pytest_args[@]}"}
 }

@@ -32,7 +32,9 @@ def model_dir():
 
 @pytest.fixture(scope="module")
 def worker(model_dir):
-    w = Worker(model_dir, "--max-model-len", "1024", "--max-total-tokens", "8192", "--dp-size", "2")
+    # OMP_NUM_THREADS unset (scripts/test.sh sets it): the replicas share the cores themselves.
+    w = Worker(model_dir, "--max-model-len", "1024", "--max-total-tokens", "8192", "--dp-size", "2",
+               env={"OMP_NUM_THREADS": None})
     yield w
     assert w.stop() == 0, w.log()
 

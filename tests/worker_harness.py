@@ -87,7 +87,7 @@ class Worker:
     terminal would), for `signal_group`; `stop` then also SIGKILLs whatever of the group is left."""
 
     def __init__(self, model: Path | str, *extra: str, startup_timeout: float = 240.0,
-                 env: dict[str, str] | None = None, new_session: bool = False) -> None:
+                 env: dict[str, str | None] | None = None, new_session: bool = False) -> None:
         self.new_session = new_session
         # free_port's port is free when picked, not when the worker binds it: another process (a
         # parallel test run) may take it between the two. A worker that could not bind starts again
@@ -101,7 +101,7 @@ class Worker:
                 if attempt == 2 or "cannot listen on" not in str(error):
                     raise
 
-    def _launch(self, model: Path | str, extra: tuple[str, ...], env: dict[str, str] | None) -> None:
+    def _launch(self, model: Path | str, extra: tuple[str, ...], env: dict[str, str | None] | None) -> None:
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.log_path = CACHE / "logs" / f"worker-{self.port}.log"
@@ -109,8 +109,9 @@ class Worker:
         self._log = open(self.log_path, "wb")
         cmd = [sys.executable, "-m", "tokenspeed_worker", str(model), "--host", "127.0.0.1",
                "--grpc-port", str(self.port), *_bounded_pool(extra)]
+        environment = {k: v for k, v in dict(os.environ, **(env or {})).items() if v is not None}  # None: unset
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO,
-                                     env=dict(os.environ, **(env or {})), start_new_session=self.new_session)
+                                     env=environment, start_new_session=self.new_session)
         # Reconnect within 0.1 s while the port is not yet bound: grpc's default backoff (1 s, growing) would
         # see the worker healthy up to seconds after it is (startup figures are read through this).
         self.channel = grpc.insecure_channel(self.address, options=[
