@@ -324,6 +324,39 @@ def _naive_attention(q, k_cache, v_cache, block_tables, query_lens, seq_lens, sc
     return torch.stack(out)
 
 
+@pytest.mark.parametrize("softcap", [0.0, 5.0])
+def test_the_torch_backend_gathers_only_what_a_window_reaches(softcap):
+    """A sliding-window layer in the torch backend (the CPU path) gathers each request's last
+    Lq + window - 1 keys, not its whole context, and attends exactly as the per-token reference does,
+    for decodes past the window, a prefill chunk crossing it, a sequence shorter than it, and a
+    window wider than every sequence."""
+    torch.manual_seed(0)
+    seqs = random_seqs([70, 45, 5, 30])
+    plans = Plans()
+    plans.plan([(seqs[0], 69), (seqs[1], 44), (seqs[2], 4), (seqs[3], 12)])
+    plan = plans.plan([(seqs[0], 1), (seqs[1], 1), (seqs[2], 1), (seqs[3], 9)])  # three decodes, a 9-token chunk
+    inputs = _inputs(plan)
+    num_heads, num_kv_heads, head_dim = 4, 2, 16
+    k_cache = torch.randn(NUM_BLOCKS, BLOCK_SIZE, num_kv_heads, head_dim)
+    v_cache = torch.randn(NUM_BLOCKS, BLOCK_SIZE, num_kv_heads, head_dim)
+    tokens = int(plan.query_lens.sum())
+    q, k, v = torch.randn(tokens, num_heads, head_dim), torch.randn(tokens, num_kv_heads, head_dim), torch.randn(
+        tokens, num_kv_heads, head_dim)
+    backend = TorchAttentionBackend()
+    starts = torch.tensor(np.concatenate([[0], np.cumsum(plan.query_lens)]), dtype=torch.int32)
+    seq_lens = torch.tensor(plan.context_lens + plan.query_lens, dtype=torch.int32)
+    for window in (3, 8, 200):
+        metadata = backend.build_metadata(inputs)
+        out = backend.forward(q, k, v, k_cache, v_cache, metadata, 0.3, window=window, softcap=softcap or None)
+        expected = torch.empty_like(q)
+        reference_paged_extend_attention(q, k_cache, v_cache, inputs.block_tables, starts, seq_lens, 0.3, expected,
+                                         max_query_len=9, window=window, softcap=softcap)
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+        decodes, chunk = metadata.groups  # decodes first
+        assert decodes.keys_for(window)[0].shape == (3, min(window, 70))  # the window, not the 70-token context
+        assert chunk.keys_for(window)[0].shape == (1, min(9 + window - 1, 21))  # 12 cached + 9
+
+
 def test_reference_functions_match_a_naive_loop():
     torch.manual_seed(0)
     num_blocks, num_heads, num_kv_heads, head_dim = 40, 6, 2, 8

@@ -4,8 +4,9 @@ Requests are attended in at most two padded groups, decodes (one query token) an
 the rest, so one long prefill does not pad every decode to its length. Each group
 gathers its K/V from the paged cache through the block tables into [G, Lk] and
 calls scaled_dot_product_attention once with a mask that is causal within the query
-and cuts each request at its own sequence length. The index math is built once per
-step; each layer only gathers and attends.
+and cuts each request at its own sequence length (a sliding-window layer gathers only
+the keys its window reaches). The index math is built once per step (per window);
+each layer only gathers and attends.
 """
 
 from __future__ import annotations
@@ -30,18 +31,31 @@ class _RequestGroup:
     padded_rows: torch.Tensor  # int64 [n] real query rows in the flattened [G * Lq] output
     token_rows: torch.Tensor  # int64 [n] where those rows go among the step's T tokens
     query_positions: torch.Tensor  # int64 [G, Lq] the last position each padded query row sees (its own)
-    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # sliding window -> its mask
+    context_lens: torch.Tensor  # int64 [G] the keys before each request's first query
+    windowed: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # window -> keys_for's
 
-    def mask_for(self, window: int | None) -> torch.Tensor:
-        """The mask, cut to the last `window` positions up to each query's own (transformers'
-        sliding window: a query sees a key iff q_pos - k_pos < window); built once per window."""
+    def keys_for(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(kv_slots, mask) of the keys the queries may see: all of each sequence, or with a sliding
+        window (transformers': a query sees a key iff q_pos - k_pos < window) only the
+        Lq + window - 1 positions from each request's first query's window on, so that a decode past
+        the window gathers the window, not the context; built once per window."""
         if not window:
-            return self.mask
-        if window not in self.window_masks:
-            k_pos = torch.arange(self.mask.shape[-1], device=self.mask.device)
-            recent = k_pos[None, None, :] > self.query_positions[:, :, None] - window
-            self.window_masks[window] = self.mask & recent.unsqueeze(1)
-        return self.window_masks[window]
+            return self.kv_slots, self.mask
+        if window not in self.windowed:
+            max_query_len, max_seq_len = self.mask.shape[2], self.mask.shape[3]
+            span = max_query_len + window - 1
+            if span >= max_seq_len:  # the window cuts nothing off the gather: mask only
+                k_pos = torch.arange(max_seq_len, device=self.mask.device).expand(self.kv_slots.shape[0], -1)
+                slots = self.kv_slots
+            else:
+                first = (self.context_lens - window + 1).clamp(min=0)
+                k_pos = first[:, None] + torch.arange(span, device=self.mask.device)  # [G, span]
+                # Positions past a sequence's end are clamped into the gather and masked below.
+                slots = torch.gather(self.kv_slots, 1, k_pos.clamp(max=max_seq_len - 1))
+            seen = self.query_positions[:, :, None]
+            mask = (k_pos[:, None, :] <= seen) & (k_pos[:, None, :] > seen - window)
+            self.windowed[window] = (slots, mask.unsqueeze(1))
+        return self.windowed[window]
 
 
 @dataclass
@@ -113,6 +127,7 @@ class TorchAttentionBackend(AttentionBackend):
             padded_rows=owner * max_query_len + offset,
             token_rows=query_starts[owner] + offset,
             query_positions=visible_to,
+            context_lens=context_lens,
         )
 
     def forward(
@@ -139,9 +154,9 @@ class TorchAttentionBackend(AttentionBackend):
         out = torch.empty_like(q)
         for group in metadata.groups:
             q_group = q[group.token_index].transpose(1, 2)  # [G, H, Lq, D]
-            k_group = k_slots[group.kv_slots].to(q.dtype).transpose(1, 2)  # [G, Hkv, Lk, D] (an fp8 cache widened)
-            v_group = v_slots[group.kv_slots].to(q.dtype).transpose(1, 2)
-            mask = group.mask_for(window)
+            kv_slots, mask = group.keys_for(window)
+            k_group = k_slots[kv_slots].to(q.dtype).transpose(1, 2)  # [G, Hkv, Lk, D] (an fp8 cache widened)
+            v_group = v_slots[kv_slots].to(q.dtype).transpose(1, 2)
             if softcap:
                 o = _softcapped_attention(q_group, k_group, v_group, mask, scale, softcap)
             else:
