@@ -115,3 +115,32 @@ def test_the_cli_refuses_what_it_cannot_serve_with_one_line(tmp_path: Path, argv
     assert len(errors) == 1, output
     for word in words:
         assert word in errors[0], errors[0]
+
+
+@pytest.mark.e2e
+def test_the_gateway_serves_a_hub_id_under_its_name(tmp_path: Path) -> None:
+    """Behind the real smg gateway, given the snapshot the worker reports (GetModelInfo's model_path),
+    the model is listed and chatted with by its hub id."""
+    import json
+    import urllib.request
+
+    from worker_harness import Gateway
+
+    snapshot = fill_cache(tmp_path / "hub", "tiny-org/llama", tiny_models()["llama-gqa-tied"])
+    worker = Worker("tiny-org/llama", "--max-model-len", "128", env={"HF_HUB_CACHE": str(tmp_path / "hub")})
+    try:
+        gateway = Gateway(snapshot, [worker.address])
+        try:
+            with urllib.request.urlopen(gateway.url + "/v1/models", timeout=30) as r:
+                assert [m["id"] for m in json.loads(r.read())["data"]] == ["tiny-org/llama"]
+            body = {"model": "tiny-org/llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                    "temperature": 0, "ignore_eos": True}
+            request = urllib.request.Request(gateway.url + "/v1/chat/completions", json.dumps(body).encode(),
+                                             {"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=60) as r:
+                reply = json.loads(r.read())
+            assert reply["model"] == "tiny-org/llama" and reply["usage"]["completion_tokens"] == 4
+        finally:
+            gateway.stop()
+    finally:
+        worker.stop()
