@@ -476,6 +476,17 @@ def test_parsing_does_not_import_torch() -> None:
     assert result.stdout.strip() == "False"
 
 
+def test_the_server_process_does_not_import_torch() -> None:
+    """The server (gRPC, the engine pipes, the model's facts and its architecture check) leaves torch
+    to the engine processes: its import costs a second and more of every start, and memory."""
+    code = "import sys; import tokenspeed_worker.server.launch; print('torch' in sys.modules)"
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT, env=subprocess_env(), timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"
+
+
 # --------------------------------------------------------------------------- docs
 
 

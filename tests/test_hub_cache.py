@@ -144,3 +144,23 @@ def test_the_gateway_serves_a_hub_id_under_its_name(tmp_path: Path) -> None:
             gateway.stop()
     finally:
         worker.stop()
+
+
+def test_a_folder_with_custom_code_is_refused_by_its_architecture_at_once(tmp_path: Path) -> None:
+    """A checkpoint that needs its own code (auto_map, a model type transformers does not know), with
+    or without --trust-remote-code: one line naming the architecture and what is supported, before
+    an engine starts, and never transformers' question on stdin whether to run that code."""
+    import json
+
+    source = tiny_models()["llama-gqa-tied"]
+    config = json.loads((source / "config.json").read_text())
+    config.update(model_type="my_custom", architectures=["MyModelForCausalLM"],
+                  auto_map={"AutoConfig": "configuration_my.MyConfig", "AutoModelForCausalLM": "modeling_my.MyModel"})
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    for flags in ([], ["--trust-remote-code"]):
+        run = subprocess.run([sys.executable, "-m", "tokenspeed_worker", str(tmp_path), "--grpc-port", str(free_port()),
+                              *flags], cwd=REPO, capture_output=True, text=True, timeout=120, stdin=subprocess.PIPE)
+        output = run.stdout + run.stderr
+        assert run.returncode == 2 and "Traceback" not in output and "custom code" not in output, output
+        assert "model architecture ['MyModelForCausalLM'] is not supported; supported: " in output
+        assert "engine failed to start" not in output  # the server's check, before an engine is spawned

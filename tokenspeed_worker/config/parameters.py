@@ -158,8 +158,10 @@ class ServerArgs:
         choices=LOAD_FORMATS,
         unsupported_values=("pt", "npcache", "extensible"),
     )
-    trust_remote_code: bool = _not_yet(
-        False, MODEL_LOADING, "Allow custom model code from the model repository.", negatable=True
+    trust_remote_code: bool = _option(
+        False, MODEL_LOADING, "Accepted as other engines take it, and changes nothing: the worker runs only its own "
+        "model code and never imports code from the model folder, so a model whose architecture it does not "
+        "implement is refused with or without it.", negatable=True
     )
     revision: str | None = _option(
         None, MODEL_LOADING, "Branch, tag or commit of a Hugging Face hub id given as the model, looked up in the "

@@ -14,6 +14,7 @@ measures the largest step's activations so the engine can size the KV pool.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 import time
@@ -41,7 +42,7 @@ from tokenspeed_worker.layers.quantization import kv_scales, methods as quant_me
 from tokenspeed_worker.model_executor.loader import load_model_weights, safetensors_files
 from tokenspeed_worker import kernel_cache
 from tokenspeed_worker.models.llama import head_dim_of
-from tokenspeed_worker.models.registry import get_model_class, language_model_config
+from tokenspeed_worker.models.registry import check_architectures, get_model_class, language_model_config
 from tokenspeed_worker.scheduler.plan import SchedulePlan
 
 logger = logging.getLogger(__name__)
@@ -116,9 +117,12 @@ class ModelRunner:
         from transformers import AutoConfig
 
         self.model_path = config.model.path
-        if not (Path(self.model_path) / "config.json").exists():
+        config_path = Path(self.model_path) / "config.json"
+        if not config_path.exists():
             raise ValueError(f"no config.json in {self.model_path}")
-        self.hf_config = language_model_config(AutoConfig.from_pretrained(self.model_path))
+        check_architectures(list(json.loads(config_path.read_text()).get("architectures") or []))
+        # Never code from the model folder (transformers would otherwise ask on stdin whether to run it).
+        self.hf_config = language_model_config(AutoConfig.from_pretrained(self.model_path, trust_remote_code=False))
         self.device = resolve_device(config.rank_device)
         self.dtype = TORCH_DTYPES[resolve_dtype(config.model.dtype, self.device.type, self.model_path)]
         self.kv_dtype = self.dtype if config.cache.kv_cache_dtype == "auto" else torch.float8_e4m3fn

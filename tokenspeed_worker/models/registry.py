@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
-from torch import nn
+if TYPE_CHECKING:  # the server process checks architectures without importing torch
+    from torch import nn
 
 # architecture -> (module under tokenspeed_worker.models, class name)
 _MODELS: dict[str, tuple[str, str]] = {
@@ -42,6 +44,19 @@ def language_model_config(config):
     return config
 
 
+def check_architectures(architectures: list[str]) -> None:
+    """ValueError naming what is supported unless one of config.json's `architectures` is (read
+    before transformers parses the config: a folder with custom code then gets this answer, not
+    transformers' prompt to run that code)."""
+    if not any(arch in _MODELS or arch in _LANGUAGE_MODELS for arch in architectures):
+        raise ValueError(_unsupported(architectures))
+
+
+def _unsupported(architectures: list[str]) -> str:
+    return (f"model architecture {architectures or '(none in config.json)'} is not supported; "
+            f"supported: {', '.join(supported_architectures())}")
+
+
 def get_model_class(config) -> type[nn.Module]:
     architectures = list(getattr(config, "architectures", None) or [])
     for arch in architectures:
@@ -49,7 +64,4 @@ def get_model_class(config) -> type[nn.Module]:
             module_name, class_name = _MODELS[arch]
             module = importlib.import_module(f"tokenspeed_worker.models.{module_name}")
             return getattr(module, class_name)
-    raise ValueError(
-        f"model architecture {architectures or '(none in config.json)'} is not supported; "
-        f"supported: {', '.join(supported_architectures())}"
-    )
+    raise ValueError(_unsupported(architectures))

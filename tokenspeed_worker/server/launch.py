@@ -27,6 +27,7 @@ from grpc_reflection.v1alpha import reflection
 
 from tokenspeed_worker.config import EngineConfig, ServerArgs, ServerConfig, WorkerConfig
 from tokenspeed_worker.config.hub_cache import resolve_hub_ids
+from tokenspeed_worker.models.registry import check_architectures
 from tokenspeed_worker.engine.messages import AddRequest
 from tokenspeed_worker.proto import tokenspeed_scheduler_pb2_grpc as pb_grpc
 from tokenspeed_worker.sampling.params import SamplingParams
@@ -328,6 +329,11 @@ def run_server(args: ServerArgs, launched: float | None = None) -> int:
                                  engine_cfg.scheduler.max_model_len, engine_cfg.model.dtype)
     except (OSError, KeyError, ValueError) as e:
         logger.error("cannot read the model at %s: %s", args.model, e)
+        return 2
+    try:
+        check_architectures(facts.architectures)  # before an engine is spawned to find out
+    except ValueError as e:
+        logger.error("%s", e)
         return 2
     if server_cfg.node_rank > 0:  # a node that only runs its tensor-parallel ranks
         from tokenspeed_worker.engine.tp_worker import run_node
