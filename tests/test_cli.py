@@ -168,6 +168,25 @@ def test_defaults_match_the_documented_values() -> None:
 def test_aliases_from_peer_engines() -> None:
     assert parse("/m", "--context-length", "2048").max_model_len == 2048
     assert parse("/m", "--random-seed", "3").seed == 3
+    assert parse("/m", "--tp-size", "2", "--device", "cpu").tensor_parallel_size == 2
+
+
+def test_a_peer_engines_flag_without_a_namesake_says_what_to_type(capsys: pytest.CaptureFixture[str]) -> None:
+    """A command brought over from vLLM or SGLang: argparse's one line, plus the flag to use instead."""
+    with pytest.raises(SystemExit) as exc:
+        parse("/m", "--mem-fraction-static", "0.85", "--disable-radix-cache", "--max-num-batched-tokens=8192")
+    assert exc.value.code == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("tokenspeed-worker: error: unrecognized arguments: --mem-fraction-static 0.85")
+    for hint in ("--mem-fraction-static: use --gpu-memory-utilization", "--disable-radix-cache: use "
+                 "--no-enable-prefix-caching", "--max-num-batched-tokens: use --chunked-prefill-size"):
+        assert hint in line
+    for flag, hint in parsing.PEER_FLAG_HINTS.items():  # every flag named as the thing to use exists
+        named = [w for w in hint.replace("(", " ").split() if w.startswith("--")]
+        assert named and all(w in all_parser_flags() for w in named), (flag, hint)
+    with pytest.raises(SystemExit):
+        parse("/m", "--bogus")
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith("unrecognized arguments: --bogus")
 
 
 @pytest.mark.parametrize(

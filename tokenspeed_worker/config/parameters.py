@@ -329,7 +329,7 @@ class ServerArgs:
         PARALLELISM,
         "Tensor parallel size: one engine process per rank (one GPU each; gloo on CPU), attention heads, "
         "MLP and vocabulary split across them; rank 0 schedules and samples.",
-        aliases=("--tp",),
+        aliases=("--tp", "--tp-size"),
         parse=values.positive_int,
     )
     attn_tp_size: int | None = _option(

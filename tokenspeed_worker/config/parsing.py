@@ -31,10 +31,28 @@ class _ParseError(Exception):
     """A parser error raised instead of exiting (used while reading --config)."""
 
 
+# Flags of vLLM and SGLang that have no flag of that name here but an equivalent: named in the
+# "unrecognized arguments" error, so a command brought over from a peer says what to type instead.
+PEER_FLAG_HINTS: dict[str, str] = {
+    "--mem-fraction-static": "--gpu-memory-utilization",
+    "--max-num-batched-tokens": "--chunked-prefill-size (the tokens one step may compute)",
+    "--enable-chunked-prefill": "nothing: chunked prefill is on (--chunked-prefill-size sets its budget)",
+    "--disable-radix-cache": "--no-enable-prefix-caching",
+    "--disable-cuda-graph": "--enforce-eager",
+    "--cuda-graph-max-bs": "--max-cudagraph-capture-size",
+    "--disable-log-requests": "nothing: requests are not logged unless --enable-log-requests",
+}
+
+
 class _Parser(argparse.ArgumentParser):
     raise_errors = False
 
     def error(self, message: str) -> typing.NoReturn:
+        if message.startswith("unrecognized arguments:"):
+            given = [word.split("=", 1)[0] for word in message.split(":", 1)[1].split()]
+            hints = [f"{flag}: use {PEER_FLAG_HINTS[flag]}" for flag in given if flag in PEER_FLAG_HINTS]
+            if hints:
+                message += " (" + "; ".join(hints) + ")"
         if self.raise_errors:
             raise _ParseError(message)
         super().error(message)
