@@ -38,8 +38,7 @@ def resolve_load_format(model_path: str | Path, load_format: str) -> str:
     """"safetensors" or "dummy": what `load_format` (a ModelConfig one) loads from `model_path`."""
     if load_format == "auto":
         if not safetensors_files(model_path):
-            pickled = sorted(p.name for p in Path(model_path).glob("*.bin")) + sorted(
-                p.name for p in Path(model_path).glob("*.pt"))
+            pickled = sorted(p.name for p in Path(model_path).iterdir() if p.suffix in (".bin", ".pt"))
             found = f" ({', '.join(pickled[:3])} are PyTorch pickles: convert them to safetensors)" if pickled else ""
             raise ValueError(
                 f"no safetensors weights in {model_path}{found}; only safetensors checkpoints load "
