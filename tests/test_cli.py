@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+import tokenspeed_worker
 from tokenspeed_worker import cli, config
 from tokenspeed_worker.config import OPTIONS, OPTIONS_BY_DEST, ServerArgs, Status, WorkerConfig, parsing
 
@@ -482,6 +483,19 @@ def test_help_is_fast_and_grouped_like_the_reference() -> None:
     assert "--grpc-port GRPC_PORT, --port GRPC_PORT" in result.stdout
 
 
+def test_version_prints_the_package_version() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "tokenspeed_worker", "--version"],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        env=subprocess_env(),
+        timeout=30,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"tokenspeed-worker {tokenspeed_worker.__version__}"
+
+
 def test_parsing_does_not_import_torch() -> None:
     code = (
         "import sys; from tokenspeed_worker import config; "
@@ -512,7 +526,7 @@ def test_the_server_process_does_not_import_torch() -> None:
 def all_parser_flags() -> set[str]:
     parser = config.build_parser()
     flags = {flag for action in parser._actions for flag in action.option_strings}
-    return flags - {"-h", "--help"}
+    return flags - {"-h", "--help", "--version"}
 
 
 def test_docs_list_every_flag() -> None:

@@ -15,6 +15,7 @@ import typing
 from collections.abc import Sequence
 from typing import Any
 
+from tokenspeed_worker import __version__
 from tokenspeed_worker.config.parameters import (
     GROUP_DESCRIPTIONS,
     GROUPS,
@@ -77,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
         "see docs/parameters.md.",
         allow_abbrev=False,
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     groups = {name: parser.add_argument_group(name, GROUP_DESCRIPTIONS.get(name)) for name in GROUPS}
     # Defaults are SUPPRESSed so the namespace holds only what was given; `parse_args`
     # layers the command line over --config over the dataclass defaults.
