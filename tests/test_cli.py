@@ -182,6 +182,10 @@ def test_a_peer_engines_flag_without_a_namesake_says_what_to_type(capsys: pytest
     for hint in ("--mem-fraction-static: use --gpu-memory-utilization", "--disable-radix-cache: use "
                  "--no-enable-prefix-caching", "--max-num-batched-tokens: use --chunked-prefill-size"):
         assert hint in line
+    with pytest.raises(SystemExit):
+        parse("/m", "--max-running-requests", "64", "--page-size", "16")
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--max-running-requests: use --max-num-seqs" in line and "--page-size: use --block-size" in line
     for flag, hint in parsing.PEER_FLAG_HINTS.items():  # every flag named as the thing to use exists
         named = [w for w in hint.replace("(", " ").split() if w.startswith("--")]
         assert named and all(w in all_parser_flags() for w in named), (flag, hint)

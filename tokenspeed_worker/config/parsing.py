@@ -42,6 +42,10 @@ PEER_FLAG_HINTS: dict[str, str] = {
     "--disable-cuda-graph": "--enforce-eager",
     "--cuda-graph-max-bs": "--max-cudagraph-capture-size",
     "--disable-log-requests": "nothing: requests are not logged unless --enable-log-requests",
+    "--max-running-requests": "--max-num-seqs",
+    "--page-size": "--block-size",
+    "--tokenizer-path": "--tokenizer",
+    "--cuda-graph-bs": "--max-cudagraph-capture-size (the largest captured batch; smaller sizes follow)",
 }
 
 
