@@ -18,7 +18,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tokenspeed_worker.proto import common_pb2, tokenspeed_scheduler_pb2 as pb
-from worker_harness import Worker, hf_greedy, tiny_models, wait_idle
+from worker_harness import Worker, free_port, hf_greedy, tiny_models, wait_idle
 
 MAX_MODEL_LEN = 96
 
@@ -188,6 +188,27 @@ def test_a_port_a_running_grpc_server_holds_fails_before_the_engine_starts(model
         running.stop(None)
     assert port_taken("127.0.0.1", port) is None  # free again (TIME_WAIT does not count)
     assert port_taken("127.0.0.1", 0) is None
+
+
+def test_a_taken_metrics_port_fails_before_the_engine_starts(model_dir):
+    """--enable-metrics on a port another process holds (or on the gRPC port itself) is one line
+    naming it, before the engine starts: not after minutes of loading."""
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken = held.getsockname()[1]
+        for extra, code, line in (([str(taken)], 1, f"cannot serve metrics on 127.0.0.1:{taken}"),
+                                  (None, 2, "is the gRPC port")):
+            grpc_port = free_port()
+            metrics_port = extra or [str(grpc_port)]
+            proc = subprocess.run([sys.executable, "-m", "tokenspeed_worker", str(model_dir), "--host", "127.0.0.1",
+                                   "--grpc-port", str(grpc_port), "--enable-metrics", "--metrics-port", *metrics_port],
+                                  capture_output=True, text=True, timeout=120)
+            out = proc.stdout + proc.stderr
+            assert proc.returncode == code and line in out, out
+            assert "engine start" not in out and "Traceback" not in out, out
 
 
 def test_the_listen_address_brackets_ipv6_hosts_once():

@@ -343,6 +343,21 @@ def run_server(args: ServerArgs, launched: float | None = None) -> int:
     if taken:
         logger.error("cannot listen on %s: %s", listen_address(server_cfg.host, server_cfg.grpc_port), taken)
         return 1
+    if args.enable_metrics:  # the metrics port too, before minutes of loading
+        from tokenspeed_worker.server.metrics import metrics_address
+
+        try:
+            metrics_host, metrics_port = metrics_address(args)
+        except ValueError as e:
+            logger.error("%s", e)
+            return 2
+        if metrics_port == server_cfg.grpc_port:
+            logger.error("cannot serve metrics: --metrics-port %d is the gRPC port", metrics_port)
+            return 2
+        taken = port_taken(metrics_host, metrics_port)
+        if taken:
+            logger.error("cannot serve metrics on %s: %s", listen_address(metrics_host, metrics_port), taken)
+            return 1
     facts.data_parallel_size = server_cfg.data_parallel_size
     facts.structured_output = structured_output_available(engine_cfg, facts)
     if not facts.structured_output:  # one decision: the server refuses constraints, the engine builds nothing
