@@ -469,16 +469,14 @@ def subprocess_env() -> dict[str, str]:
     return env
 
 
+def run_cli(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "tokenspeed_worker", *argv], capture_output=True, text=True,
+                          cwd=REPO_ROOT, env=subprocess_env(), timeout=30)
+
+
 def test_help_is_fast_and_grouped_like_the_reference() -> None:
     start = time.monotonic()
-    result = subprocess.run(
-        [sys.executable, "-m", "tokenspeed_worker", "--help"],
-        capture_output=True,
-        text=True,
-        cwd=REPO_ROOT,
-        env=subprocess_env(),
-        timeout=30,
-    )
+    result = run_cli("--help")
     elapsed = time.monotonic() - start
     assert result.returncode == 0, result.stderr
     assert elapsed < 3.0
@@ -488,14 +486,7 @@ def test_help_is_fast_and_grouped_like_the_reference() -> None:
 
 
 def test_version_prints_the_package_version() -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "tokenspeed_worker", "--version"],
-        capture_output=True,
-        text=True,
-        cwd=REPO_ROOT,
-        env=subprocess_env(),
-        timeout=30,
-    )
+    result = run_cli("--version")
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == f"tokenspeed-worker {tokenspeed_worker.__version__}"
 
