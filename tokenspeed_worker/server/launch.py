@@ -351,7 +351,10 @@ def run_server(args: ServerArgs, launched: float | None = None) -> int:
         except ValueError as e:
             logger.error("%s", e)
             return 2
-        if metrics_port == server_cfg.grpc_port:
+        wildcards = ("", "0.0.0.0", "::")
+        if metrics_port == server_cfg.grpc_port and (
+            metrics_host == server_cfg.host.strip("[]") or {metrics_host, server_cfg.host.strip("[]")} & set(wildcards)
+        ):
             logger.error("cannot serve metrics: --metrics-port %d is the gRPC port", metrics_port)
             return 2
         taken = port_taken(metrics_host, metrics_port)
