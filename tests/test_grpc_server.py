@@ -254,6 +254,25 @@ def test_the_device_count_without_torch_is_torchs():
     assert parsing._cuda_device_count() == torch.cuda.device_count()
 
 
+def test_bytes_that_do_not_parse_get_invalid_argument_naming_the_method(worker):
+    """Generate, a unary method, another streaming one and the standard health service (each guarded
+    at registration, no interceptor): undecodable bytes get INVALID_ARGUMENT naming the method, never
+    UNKNOWN, and the worker goes on serving."""
+    ident = lambda b: b  # noqa: E731
+    bad = b"\xd0\x04"  # field 26, wire type 0, with its varint cut short
+    for path, streaming in (("/tokenspeed.grpc.scheduler.TokenSpeedScheduler/Generate", True),
+                            ("/tokenspeed.grpc.scheduler.TokenSpeedScheduler/GetLoads", False),
+                            ("/tokenspeed.grpc.scheduler.TokenSpeedScheduler/GetTokenizer", True),
+                            ("/grpc.health.v1.Health/Check", False)):
+        call = (worker.channel.unary_stream if streaming else worker.channel.unary_unary)(
+            path, request_serializer=ident, response_deserializer=ident)
+        with pytest.raises(grpc.RpcError) as e:
+            list(call(bad, timeout=10)) if streaming else call(bad, timeout=10)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (path, e.value)
+        assert e.value.details().startswith(f"{path}: the request does not parse"), e.value.details()
+    assert run(worker, gen(PROMPT, max_new_tokens=2))[-1].HasField("complete")
+
+
 def test_reflection_lists_the_service(worker):
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 

@@ -198,18 +198,18 @@ async def _serve(server_cfg: ServerConfig, args: ServerArgs, facts, engine: Engi
         logger.info("Prometheus metrics on http://%s:%d/metrics", host, mport)
         metrics_task = asyncio.create_task(_refresh_gauges(engine, engine.observer.metrics))
 
-    from tokenspeed_worker.server.decode_guard import DecodeErrorInterceptor
+    from tokenspeed_worker.server.decode_guard import guarded
 
-    interceptors = [DecodeErrorInterceptor()]  # outermost: sees the handler auth may have replaced
+    interceptors = []  # none unless asked for: an interceptor costs every call a coroutine
     if server_cfg.api_key:
         from tokenspeed_worker.server.auth import ApiKeyInterceptor
 
         interceptors.append(ApiKeyInterceptor(server_cfg.api_key))
-    server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=interceptors)
+    server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=interceptors or None)
     servicer = TokenSpeedSchedulerServicer(engine, facts, args)
-    pb_grpc.add_TokenSpeedSchedulerServicer_to_server(servicer, server)
+    pb_grpc.add_TokenSpeedSchedulerServicer_to_server(servicer, guarded(server))
     health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, guarded(server))
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
     )
