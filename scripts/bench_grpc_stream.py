@@ -43,10 +43,12 @@ class _Streamer(pb_grpc.TokenSpeedSchedulerServicer):
                 token_ids=[i], prompt_tokens=128, completion_tokens=i + 1))
 
 
-def _serve(port: int, messages: int, ready) -> None:
+def _serve(port: int, messages: int, ready, guard: bool) -> None:
     async def main() -> None:
+        from tokenspeed_worker.server.decode_guard import guarded
+
         server = grpc.aio.server()
-        pb_grpc.add_TokenSpeedSchedulerServicer_to_server(_Streamer(messages), server)
+        pb_grpc.add_TokenSpeedSchedulerServicer_to_server(_Streamer(messages), guarded(server) if guard else server)
         server.add_insecure_port(f"127.0.0.1:{port}")
         await server.start()
         ready.set()
@@ -80,6 +82,8 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=256)
     ap.add_argument("--waves", type=int, default=2)
     ap.add_argument("--client-procs", type=int, default=4)
+    ap.add_argument("--guarded", action="store_true",
+                    help="register the servicer as the worker does (server/decode_guard.guarded)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     with socket.socket() as s:
@@ -87,7 +91,7 @@ def main() -> int:
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     ready = ctx.Event()
-    server = ctx.Process(target=_serve, args=(port, args.messages, ready), daemon=True)
+    server = ctx.Process(target=_serve, args=(port, args.messages, ready, args.guarded), daemon=True)
     server.start()
     ready.wait()
 
@@ -107,7 +111,7 @@ def main() -> int:
     seconds, cpu = time.perf_counter() - t0, cpu_seconds(server.pid) - cpu0
     server.terminate()
     n = args.waves * args.concurrency * args.messages
-    result = {"messages": n, "seconds": seconds, "messages_per_s": n / seconds, "server_cpu_s": cpu,
+    result = {"guarded": args.guarded, "messages": n, "seconds": seconds, "messages_per_s": n / seconds, "server_cpu_s": cpu,
               "server_cpu_us_per_message": cpu / n * 1e6, "concurrency": args.concurrency,
               "messages_per_call": args.messages, "client_procs": args.client_procs, "cpus": os.cpu_count(),
               "grpc": grpc.__version__, "date": time.strftime("%Y-%m-%d")}
