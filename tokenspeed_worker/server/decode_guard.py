@@ -39,7 +39,7 @@ def _safe(deserializer):
 
 
 def _guard(method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    if handler is None or handler.request_streaming:
+    if handler.request_streaming:
         return handler  # reflection's stream of requests keeps grpc's own handling
     kwargs = dict(request_deserializer=_safe(handler.request_deserializer),
                   response_serializer=handler.response_serializer)

@@ -304,6 +304,37 @@ async def _watchdog(engine: EngineClient, timeout: float) -> None:
             return
 
 
+_WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::"})
+
+
+def _ports_refused(server_cfg: ServerConfig, args: ServerArgs) -> int:
+    """The exit code (logged why) when the gRPC port, or with --enable-metrics the metrics port,
+    cannot be listened on; 0 when both can. Checked before the engine starts: not after minutes of
+    loading."""
+    taken = port_taken(server_cfg.host, server_cfg.grpc_port)
+    if taken:
+        logger.error("cannot listen on %s: %s", listen_address(server_cfg.host, server_cfg.grpc_port), taken)
+        return 1
+    if not args.enable_metrics:
+        return 0
+    from tokenspeed_worker.server.metrics import metrics_address
+
+    try:
+        metrics_host, metrics_port = metrics_address(args)
+    except ValueError as e:
+        logger.error("%s", e)
+        return 2
+    hosts = {metrics_host, server_cfg.host.strip("[]")}
+    if metrics_port == server_cfg.grpc_port and (len(hosts) == 1 or hosts & _WILDCARD_HOSTS):
+        logger.error("cannot serve metrics: --metrics-port %d is the gRPC port", metrics_port)
+        return 2
+    taken = port_taken(metrics_host, metrics_port)
+    if taken:
+        logger.error("cannot serve metrics on %s: %s", listen_address(metrics_host, metrics_port), taken)
+        return 1
+    return 0
+
+
 def run_server(args: ServerArgs, launched: float | None = None) -> int:
     """Run the worker of parsed, resolved and supported `args` (cli.prepare) until SIGTERM/SIGINT
     (exit 0) or an engine failure (exit 1); 2 when the model or a setting cannot work. The stop
@@ -339,28 +370,9 @@ def run_server(args: ServerArgs, launched: float | None = None) -> int:
         from tokenspeed_worker.engine.tp_worker import run_node
 
         return run_node(engine_cfg, server_cfg.node_rank, server_cfg.log_level)
-    taken = port_taken(server_cfg.host, server_cfg.grpc_port)
-    if taken:
-        logger.error("cannot listen on %s: %s", listen_address(server_cfg.host, server_cfg.grpc_port), taken)
-        return 1
-    if args.enable_metrics:  # the metrics port too, before minutes of loading
-        from tokenspeed_worker.server.metrics import metrics_address
-
-        try:
-            metrics_host, metrics_port = metrics_address(args)
-        except ValueError as e:
-            logger.error("%s", e)
-            return 2
-        wildcards = ("", "0.0.0.0", "::")
-        if metrics_port == server_cfg.grpc_port and (
-            metrics_host == server_cfg.host.strip("[]") or {metrics_host, server_cfg.host.strip("[]")} & set(wildcards)
-        ):
-            logger.error("cannot serve metrics: --metrics-port %d is the gRPC port", metrics_port)
-            return 2
-        taken = port_taken(metrics_host, metrics_port)
-        if taken:
-            logger.error("cannot serve metrics on %s: %s", listen_address(metrics_host, metrics_port), taken)
-            return 1
+    refused = _ports_refused(server_cfg, args)
+    if refused:
+        return refused
     facts.data_parallel_size = server_cfg.data_parallel_size
     facts.structured_output = structured_output_available(engine_cfg, facts)
     if not facts.structured_output:  # one decision: the server refuses constraints, the engine builds nothing
