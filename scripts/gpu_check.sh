@@ -22,7 +22,8 @@
 #   startup    startup_probe.py: an engine process's first steps (torch, the CUDA driver and context, triton,
 #              transformers and its config) one by one in fresh processes, SERVING_MODEL's config; then
 #              bench_startup.py: launch to healthy through the CLI, cold (an empty --cache-dir) then warm
-#              (the same folder again), for STARTUP_MODELS (llama-3.1-8b llama-3.2-1b)
+#              (the same folder again), for STARTUP_MODELS (llama-3.1-8b llama-3.2-1b), each for QUANTS
+#              (fp8: --quantization fp8); STARTUP_PROBE=0: not the probe
 #   moe        the MoE tests on CUDA, bench_moe.py (MOE_BENCH_ARGS), MOE_TUNE=1: bench_moe.py --tune (the grouped
 #              GEMMs' tiles per shape, kept in the cache folder), then bench_latency.py at MOE_MODELS
 #              (qwen3-30b-a3b; also mixtral-8x7b)
@@ -42,7 +43,7 @@
 #   fp8        the FP8 GPU tests (scaled GEMM, activation quantization, GEMV on FP8 weights), the FP8
 #              checkpoint and KV-scale tests on CUDA (block-scaled GEMM, kept-FP8 folds), then
 #              fp8_accuracy.py (FP8 against bf16 on the same weights) for FP8_MODELS (llama-3.1-8b)
-# QUANTS (latency, offline): "none" (default), "fp8" (online FP8: --engine-arg quantization=fp8) or both;
+# QUANTS (latency, offline, startup): "none" (default), "fp8" (online FP8: --engine-arg quantization=fp8) or both;
 # a case quantized gets the suffix _fp8.
 # SERVING_PYSPY=SECONDS (serving): py-spy stacks of the worker's processes, logs/pyspy_serving_*.txt.gz.
 # BENCH_ARGS: more flags for latency and offline (e.g. "--engine-arg kv_cache_dtype=fp8"); SERVING_ARGS:
@@ -438,11 +439,16 @@ suite_prefix() {
 }
 
 suite_startup() {
-  bench startup probe "${STARTUP_TIMEOUT:-240}" scripts/startup_probe.py --model "$SERVING_MODEL" --repeats 3
-  local m
-  for m in ${STARTUP_MODELS:-llama-3.1-8b llama-3.2-1b}; do
-    bench startup "$m" "${STARTUP_BENCH_TIMEOUT:-420}" scripts/bench_startup.py --model "$REPO/scripts/model_configs/$m" \
-      -- ${SERVING_ARGS:-}
+  [ "${STARTUP_PROBE:-1}" = 0 ] || bench startup probe "${STARTUP_TIMEOUT:-240}" scripts/startup_probe.py \
+    --model "$SERVING_MODEL" --repeats 3
+  local m q wflags
+  for q in ${QUANTS:-none}; do
+    quant_args "$q" || continue
+    wflags=""; [ "$q" = fp8 ] && wflags="--quantization fp8"
+    for m in ${STARTUP_MODELS:-llama-3.1-8b llama-3.2-1b}; do
+      bench startup "$m$suffix" "${STARTUP_BENCH_TIMEOUT:-420}" scripts/bench_startup.py \
+        --model "$REPO/scripts/model_configs/$m" -- $wflags ${SERVING_ARGS:-}
+    done
   done
 }
 
