@@ -23,7 +23,7 @@
 #              transformers and its config) one by one in fresh processes, SERVING_MODEL's config; then
 #              bench_startup.py: launch to healthy through the CLI, cold (an empty --cache-dir) then warm
 #              (the same folder again), for STARTUP_MODELS (llama-3.1-8b llama-3.2-1b), each for QUANTS
-#              (fp8: --quantization fp8); STARTUP_PROBE=0: not the probe
+#              (fp8: --quantization fp8); STARTUP_PROBE=0: not the probe; STARTUP_WARM_REPEATS=N: N warm starts (median)
 #   moe        the MoE tests on CUDA, bench_moe.py (MOE_BENCH_ARGS), MOE_TUNE=1: bench_moe.py --tune (the grouped
 #              GEMMs' tiles per shape, kept in the cache folder), then bench_latency.py at MOE_MODELS
 #              (qwen3-30b-a3b; also mixtral-8x7b)
@@ -447,7 +447,7 @@ suite_startup() {
     wflags=""; [ "$q" = fp8 ] && wflags="--quantization fp8"
     for m in ${STARTUP_MODELS:-llama-3.1-8b llama-3.2-1b}; do
       bench startup "$m$suffix" "${STARTUP_BENCH_TIMEOUT:-420}" scripts/bench_startup.py \
-        --model "$REPO/scripts/model_configs/$m" -- $wflags ${SERVING_ARGS:-}
+        --model "$REPO/scripts/model_configs/$m" --warm-repeats "${STARTUP_WARM_REPEATS:-1}" -- $wflags ${SERVING_ARGS:-}
     done
   done
 }
