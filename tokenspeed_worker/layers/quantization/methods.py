@@ -377,9 +377,8 @@ def process_weights_after_loading(model: nn.Module) -> int:
     kept = sum(1 for layer in layers if layer.weight.dtype == FP8_DTYPE)
     if kept:
         logger.info("FP8: %d of %d quantized linear layers run FP8 GEMMs", kept, len(layers))
-    if kept < len(layers):
-        log = logger.info if layers[0].weight.is_cuda else logger.debug
-        log("FP8: %d quantized linear layers dequantized to %s at load (%s)", len(layers) - kept,
+    if kept < len(layers):  # said on every device: an operator who asked for FP8 learns what runs
+        logger.info("FP8: %d quantized linear layers dequantized to %s at load (%s)", len(layers) - kept,
             layers[0].params_dtype, "the block-scaled GEMM needs triton and K groups of a power of two >= 32 "
             "columns" if keep else "no FP8 GEMMs on this device")
     return len(layers)
