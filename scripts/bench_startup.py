@@ -2,10 +2,11 @@
 
 For each model: `tokenspeed-worker MODEL --load-format dummy --cache-dir DIR` with DIR new and empty
 (cold: no compiled kernels, no timed choices but the ones the package ships for this GPU model), then
-again with the same DIR (warm: what the first start left; --warm-repeats N times, the median reported). Each start is timed from launch to the gRPC
-health check's SERVING, then one greedy request is served (its seconds reported: the first request
-must not pay what the start skipped), then the worker stops with SIGTERM. The worker's own
-"startup phases" line and its launch-to-ready figure come with each start.
+again with the same DIR (warm: what the first start left; --warm-repeats N times, the median
+reported). Each start is timed from launch to the gRPC health check's SERVING, then one greedy
+request is served (its seconds reported: the first request must not pay what the start skipped),
+then the worker stops with SIGTERM. The worker's own "startup phases" line and its launch-to-ready
+figure come with each start.
 
     python scripts/bench_startup.py --model scripts/model_configs/llama-3.2-1b --out startup.json
 """
