@@ -10,6 +10,7 @@
 #   selfcheck  scripts/gpu_selfcheck.py
 #   latency    batch-1 decode of the engine alone, 8B and 1B shapes (LATENCY_MODELS), bench_latency.py
 #   offline    bench_offline.py, OFFLINE_CASES of SHAPE_LEN (1000 requests x LEN in / LEN out): 8b_1000 1b_128;
+#              70b_LEN (Llama-3.1-70B: with QUANTS=fp8, on an H200);
 #              also q30b_LEN (Qwen3-30B-A3B), mixtral_LEN (Mixtral-8x7B), mistral_LEN (Mistral-7B) and
 #              gemma12_LEN (Gemma-3-12B text); LATENCY_MODELS takes their
 #              names (qwen3-30b-a3b, mixtral-8x7b, mistral-7b, gemma-3-12b) and llama-3.1-8b-fp8-block
@@ -275,6 +276,9 @@ suite_offline() {
               --engine-arg max_cudagraph_capture_size=512 $qargs ${BENCH_ARGS:-} ;;
         1b) bench offline "$c$suffix" "${OFFLINE_TIMEOUT:-330}" scripts/bench_offline.py --model llama-3.2-1b \
               --num-requests 1000 --input-len "$len" --output-len "$len" $qargs ${BENCH_ARGS:-} ;;
+        # Llama-3.1-70B fits one H200 only as FP8 (QUANTS=fp8; issue 24).
+        70b) bench offline "$c$suffix" "${OFFLINE_TIMEOUT:-480}" scripts/bench_offline.py --model llama-3.1-70b \
+              --num-requests 1000 --input-len "$len" --output-len "$len" $qargs ${BENCH_ARGS:-} ;;
         # The MoE shapes (issue 25): Qwen3-30B-A3B (61 GB bf16) and Mixtral-8x7B (93 GB bf16); the
         # other dense families (issue 26): Mistral-7B, Gemma-3-12B (text; sliding-window layers).
         q30b|mixtral|mistral|gemma12)
@@ -283,7 +287,7 @@ suite_offline() {
             gemma12) shape=gemma-3-12b ;; esac
           bench offline "$c$suffix" "${OFFLINE_TIMEOUT:-330}" scripts/bench_offline.py --model "$shape" \
               --num-requests 1000 --input-len "$len" --output-len "$len" $qargs ${BENCH_ARGS:-} ;;
-        *) echo "offline: unknown case $c (8b_LEN, 1b_LEN, q30b_LEN, mixtral_LEN, mistral_LEN or gemma12_LEN)"
+        *) echo "offline: unknown case $c (8b_LEN, 1b_LEN, 70b_LEN, q30b_LEN, mixtral_LEN, mistral_LEN or gemma12_LEN)"
            rc=1 ;;
       esac
     done
