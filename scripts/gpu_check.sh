@@ -243,11 +243,12 @@ suite_selfcheck() {
   [ $status = 0 ] || failed selfcheck $status
 }
 
-# quant_args Q: the bench flags of quantization Q ("none" or "fp8"), and its case suffix in $suffix.
+# quant_args Q: the bench flags of quantization Q ("none" or "fp8") in $qargs, the worker's (CLI) flags in
+# $wargs, and its case suffix in $suffix.
 quant_args() {
   case $1 in
-    none) suffix="" qargs="" ;;
-    fp8) suffix=_fp8 qargs="--engine-arg quantization=fp8" ;;
+    none) suffix="" qargs="" wargs="" ;;
+    fp8) suffix=_fp8 qargs="--engine-arg quantization=fp8" wargs="--quantization fp8" ;;
     *) echo "QUANTS: unknown $1 (none fp8)"; rc=1; return 1 ;;
   esac
 }
@@ -445,13 +446,12 @@ suite_prefix() {
 suite_startup() {
   [ "${STARTUP_PROBE:-1}" = 0 ] || bench startup probe "${STARTUP_TIMEOUT:-240}" scripts/startup_probe.py \
     --model "$SERVING_MODEL" --repeats 3
-  local m q wflags
+  local m q
   for q in ${QUANTS:-none}; do
     quant_args "$q" || continue
-    wflags=""; [ "$q" = fp8 ] && wflags="--quantization fp8"
     for m in ${STARTUP_MODELS:-llama-3.1-8b llama-3.2-1b}; do
       bench startup "$m$suffix" "${STARTUP_BENCH_TIMEOUT:-420}" scripts/bench_startup.py \
-        --model "$REPO/scripts/model_configs/$m" --warm-repeats "${STARTUP_WARM_REPEATS:-1}" -- $wflags ${SERVING_ARGS:-}
+        --model "$REPO/scripts/model_configs/$m" --warm-repeats "${STARTUP_WARM_REPEATS:-1}" -- $wargs ${SERVING_ARGS:-}
     done
   done
 }

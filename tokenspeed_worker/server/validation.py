@@ -112,9 +112,9 @@ def validate_generate(req, facts: ModelFacts) -> ValidatedRequest:
     seeds = [sample_seed(int(sp.sampling_seed), i) if seeded else secrets.randbits(63) for i in range(n)]
     # One SamplingParams per sample (each its own seed); the last sample takes `params` itself
     # (dataclasses.replace is ~8 us a copy: most requests are one sample).
+    params.seed = seeds[-1]
     adds = [AddRequest(0, prompt, max_new, dataclasses.replace(params, seed=seed) if i < n - 1 else params,
                        constraint=constraint) for i, seed in enumerate(seeds)]
-    params.seed = seeds[-1]
     return ValidatedRequest(
         request_id=request_id,
         adds=adds,
