@@ -378,7 +378,8 @@ def process_weights_after_loading(model: nn.Module) -> int:
     if kept:
         logger.info("FP8: %d of %d quantized linear layers run FP8 GEMMs", kept, len(layers))
     if kept < len(layers):  # said on every device: an operator who asked for FP8 learns what runs
+        reason = ("the block-scaled GEMM needs triton and K groups of a power of two >= 32 columns" if keep
+                  else "no FP8 GEMMs on this device")
         logger.info("FP8: %d quantized linear layers dequantized to %s at load (%s)", len(layers) - kept,
-            layers[0].params_dtype, "the block-scaled GEMM needs triton and K groups of a power of two >= 32 "
-            "columns" if keep else "no FP8 GEMMs on this device")
+                    layers[0].params_dtype, reason)
     return len(layers)
