@@ -196,6 +196,26 @@ def _loop(x, w13, w2, weights, ids):
     return layer._experts(x, weights, ids)
 
 
+def test_grouped_gemm_programs_in_groups_cover_every_tile():
+    """The grouped GEMM's program order (kernels/moe.GROUP_M blocks at a time through their column
+    tiles): with more blocks than a group (the last group short) and many column tiles, every
+    (block, column tile) is computed once: the layer equals the loop."""
+    from tokenspeed_worker.kernels.moe import GROUP_M, GroupedConfig, align_by_expert, fused_experts
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(3)
+    tokens, experts, top_k, hidden, inter = 45, 6, 2, 80, 72
+    x = torch.randn(tokens, hidden, device=device)
+    w13 = 0.1 * torch.randn(experts, 2 * inter, hidden, device=device)
+    w2 = 0.1 * torch.randn(experts, hidden, inter, device=device)
+    weights, ids = select_experts(torch.randn(tokens, experts, device=device), top_k, True)
+    config = GroupedConfig(16, 16, 16, 2, 2)
+    blocks = align_by_expert(ids.to(torch.int32), experts, 16)[1]
+    assert blocks.numel() > GROUP_M and blocks.numel() % GROUP_M and int((blocks >= 0).sum()) > 1  # a short last group
+    got = fused_experts(x, w13, w2, weights, ids.to(torch.int32), config=config, decode=False)
+    torch.testing.assert_close(got, _loop(x, w13, w2, weights, ids), rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("tokens,experts,top_k", [(1, 8, 2), (5, 8, 2), (40, 4, 2), (70, 16, 3), (700, 16, 3),
                                                  (300, 128, 8)])
 def test_align_by_expert_sorts_and_pads_each_experts_pairs(tokens, experts, top_k):
