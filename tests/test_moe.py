@@ -211,7 +211,8 @@ def test_grouped_gemm_programs_in_groups_cover_every_tile():
     weights, ids = select_experts(torch.randn(tokens, experts, device=device), top_k, True)
     config = GroupedConfig(16, 16, 16, 2, 2)
     blocks = align_by_expert(ids.to(torch.int32), experts, 16)[1]
-    assert blocks.numel() > GROUP_M and blocks.numel() % GROUP_M and int((blocks >= 0).sum()) > 1  # a short last group
+    # more blocks than a group, the last group short, several blocks holding pairs
+    assert blocks.numel() > GROUP_M and blocks.numel() % GROUP_M and int((blocks >= 0).sum()) > 1
     got = fused_experts(x, w13, w2, weights, ids.to(torch.int32), config=config, decode=False)
     torch.testing.assert_close(got, _loop(x, w13, w2, weights, ids), rtol=1e-4, atol=1e-4)
 
