@@ -816,8 +816,8 @@ def test_block_fp8_weights_at_llama_8b_shapes(rows):
         _close(gemv.small_batch_linear(h, w_down, weight_block_scales=s_down, config=config)[0], expected_down)
 
 
-# Gemma's forms (one-shot two-pass configurations): the (1 + w) norm, a sublayer's post norm before
-# the residual add (RMSNorm.forward_after), and gelu_tanh(gate) * up; against the torch path.
+# Gemma's forms (one-shot two-pass and Persistent configurations): the (1 + w) norm, a sublayer's post
+# norm before the residual add (RMSNorm.forward_after), and gelu_tanh(gate) * up; against the torch path.
 @pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("after", [False, True])
 @pytest.mark.parametrize("fp8", [False, True])
@@ -843,7 +843,8 @@ def test_gemma_forms_of_the_norm_prologue_and_the_gelu_epilogue(rows, after, fp8
         expected_act = GeluTanhAndMul()(F.linear(normed.double(), gu_ref.double()).to(DTYPE))
     forms = dict(norm_weight=pre.weight, residual=residual, eps=pre.eps, unit_offset=True,
                  x_norm_weight=post.weight if after else None)
-    for config in [c for c in gemv.configs_for(w.dtype, norm=True) if gemv.takes_gemma_forms(c)][:2] + [(16, 64, 4)]:
+    one_shot = [c for c in gemv.configs_for(w.dtype, norm=True) if gemv.takes_gemma_forms(c)][:2] + [(16, 64, 4)]
+    for config in one_shot + [gemv.Persistent(2, 4, 4), gemv.Persistent(4, 8, 2)]:
         out, residual_out = gemv.small_batch_linear(x, w, config=config, **forms, **scales)
         torch.testing.assert_close(residual_out, expected_residual, atol=0, rtol=1e-2)  # one bf16 step at most
         _close(out, _matmul_reference(normed, w_ref))
@@ -855,7 +856,7 @@ def test_gemma_forms_of_the_norm_prologue_and_the_gelu_epilogue(rows, after, fp8
 def test_gemma_forms_refusals():
     x, r, w = _randn(2, 64, seed=176), _randn(2, 64, seed=177), _randn(8, 64, seed=178)
     nw = _randn(64, seed=179)
-    for config in (gemv.Persistent(2, 4, 4), (16, 64, 4, True)):
+    for config in (gemv.Mma(64, 128, 4, 4), (16, 64, 4, True)):
         with pytest.raises(ValueError, match="no Gemma forms"):
             gemv.small_batch_linear(x, w, norm_weight=nw, residual=r, unit_offset=True, config=config)
     with pytest.raises(ValueError, match="go with norm_weight"):
@@ -864,7 +865,9 @@ def test_gemma_forms_refusals():
         gemv.small_batch_linear(x, w, norm_weight=nw, x_norm_weight=nw, config=(16, 64, 4))
     with pytest.raises(ValueError, match="pass one"):
         gemv.small_batch_linear(x, w, silu=True, gelu=True, config=(16, 64, 4))
-    assert all(gemv.takes_gemma_forms(c) for c in gemv.configs_for(torch.bfloat16, norm=True, gemma=True))
+    gemma_configs = gemv.configs_for(torch.bfloat16, norm=True, gemma=True)
+    assert all(gemv.takes_gemma_forms(c) for c in gemma_configs)
+    assert any(isinstance(c, gemv.Persistent) for c in gemma_configs)
 
 
 @pytest.mark.gpu

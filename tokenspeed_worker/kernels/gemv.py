@@ -171,8 +171,10 @@ def supports_rotary(config: tuple) -> bool:
 
 def takes_gemma_forms(config: tuple) -> bool:
     """Whether a configuration has Gemma's prologue and epilogue forms (unit_offset, x_norm_weight,
-    gelu): the one-shot two-pass ones."""
-    return not isinstance(config, (Persistent, Fp8Mma, Mma)) and not (len(config) > 3 and config[3])
+    gelu): the one-shot two-pass ones and the Persistent ones."""
+    if isinstance(config, Persistent):
+        return True
+    return not isinstance(config, (Fp8Mma, Mma)) and not (len(config) > 3 and config[3])
 
 
 def configs_for(weight_dtype: torch.dtype, norm: bool = False, block_rows: int | None = None,
@@ -580,27 +582,33 @@ if AVAILABLE:
     @triton.jit
     def _whole_row(x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, row, offs_k, k_ok, pid, K,
                    stride_x, stride_residual, stride_residual_out, eps,
-                   NORM: tl.constexpr, ADD_RESIDUAL: tl.constexpr, LIBDEVICE: tl.constexpr):
+                   NORM: tl.constexpr, ADD_RESIDUAL: tl.constexpr, LIBDEVICE: tl.constexpr,
+                   x_norm_weight_ptr, NORM_X: tl.constexpr, UNIT_OFFSET: tl.constexpr):
         """Row `row`'s whole input, float32 (offs_k covers K): x, or the normalized x (+ residual),
-        with _row_rstd's and _row_in's roundings; program 0 writes x + residual."""
+        with _row_rstd's and _row_in's roundings (NORM_X: x normalized with its own weight before the
+        residual add; UNIT_OFFSET: Gemma's form of both norms); program 0 writes x (+ residual)."""
+        dtype = x_ptr.dtype.element_ty
         xt = tl.load(x_ptr + row * stride_x + offs_k, mask=k_ok, other=0.0)
         if NORM:
+            if NORM_X:
+                x32 = xt.to(tl.float32)
+                xw = tl.load(x_norm_weight_ptr + offs_k, mask=k_ok, other=0.0)
+                xt = _normed(x32, _rstd_of(x32 * x32, K, eps, LIBDEVICE), xw, dtype, UNIT_OFFSET)
             if ADD_RESIDUAL:
                 rt = tl.load(residual_ptr + row * stride_residual + offs_k, mask=k_ok, other=0.0)
-                xt = (xt.to(tl.float32) + rt.to(tl.float32)).to(x_ptr.dtype.element_ty)
+                xt = (xt.to(tl.float32) + rt.to(tl.float32)).to(dtype)
                 tl.store(residual_out_ptr + row * stride_residual_out + offs_k, xt, mask=k_ok & (pid == 0))
             x32 = xt.to(tl.float32)
-            rstd = _rstd_of(x32 * x32, K, eps, LIBDEVICE)
             nw = tl.load(norm_weight_ptr + offs_k, mask=k_ok, other=0.0)
-            normed = (x32 * rstd).to(x_ptr.dtype.element_ty)
-            xt = (normed.to(tl.float32) * nw.to(tl.float32)).to(x_ptr.dtype.element_ty)
+            xt = _normed(x32, _rstd_of(x32 * x32, K, eps, LIBDEVICE), nw, dtype, UNIT_OFFSET)
         return xt.to(tl.float32)
 
     @triton.jit
     def _strip_out(w, wu, xr, scale, up_scale, bias_ptr, out_ptr, row, offs_n, n_ok, stride_out,
-                   SILU: tl.constexpr, HAS_BIAS: tl.constexpr, LIBDEVICE: tl.constexpr, W_SCALE: tl.constexpr):
+                   SILU: tl.constexpr, HAS_BIAS: tl.constexpr, LIBDEVICE: tl.constexpr, W_SCALE: tl.constexpr,
+                   GELU: tl.constexpr):
         """One input row's products with a strip (w, and wu: its up rows under SILU), each times its
-        weight row's scale under W_SCALE, through _epilogue."""
+        weight row's scale under W_SCALE, through _epilogue (GELU: gelu_tanh(gate) * up under SILU)."""
         acc = tl.sum(w * xr[None, :], axis=1)
         if W_SCALE:
             acc *= scale
@@ -609,7 +617,7 @@ if AVAILABLE:
             up = tl.sum(wu * xr[None, :], axis=1)
             if W_SCALE:
                 up *= up_scale
-        _epilogue(acc, up, bias_ptr, out_ptr, row, offs_n, n_ok, stride_out, SILU, HAS_BIAS, LIBDEVICE, False)
+        _epilogue(acc, up, bias_ptr, out_ptr, row, offs_n, n_ok, stride_out, SILU, HAS_BIAS, LIBDEVICE, GELU)
 
     @triton.jit
     def _gemv_persistent_kernel(
@@ -617,6 +625,7 @@ if AVAILABLE:
         N, K, up_offset,
         stride_x, stride_residual, stride_residual_out, stride_w, stride_out,
         eps,
+        x_norm_weight_ptr,
         ROWS: tl.constexpr,
         NORM: tl.constexpr,
         ADD_RESIDUAL: tl.constexpr,
@@ -627,6 +636,9 @@ if AVAILABLE:
         BLOCK_K: tl.constexpr,
         PDL: tl.constexpr,
         W_SCALE: tl.constexpr,
+        NORM_X: tl.constexpr = False,
+        UNIT_OFFSET: tl.constexpr = False,
+        GELU: tl.constexpr = False,
     ):
         # A Persistent configuration: program p takes strips p, p + programs, ... of BLOCK_N weight
         # rows over the whole of K (BLOCK_K >= K). The next strip's tile is loaded before the current
@@ -655,19 +667,23 @@ if AVAILABLE:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         x0 = _whole_row(x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, 0, offs_k, k_ok, pid, K, stride_x,
-                        stride_residual, stride_residual_out, eps, NORM, ADD_RESIDUAL, LIBDEVICE)
+                        stride_residual, stride_residual_out, eps, NORM, ADD_RESIDUAL, LIBDEVICE,
+                        x_norm_weight_ptr, NORM_X, UNIT_OFFSET)
         x1 = x0
         x2 = x0
         x3 = x0
         if ROWS > 1:
             x1 = _whole_row(x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, 1, offs_k, k_ok, pid, K, stride_x,
-                            stride_residual, stride_residual_out, eps, NORM, ADD_RESIDUAL, LIBDEVICE)
+                            stride_residual, stride_residual_out, eps, NORM, ADD_RESIDUAL, LIBDEVICE,
+                        x_norm_weight_ptr, NORM_X, UNIT_OFFSET)
         if ROWS > 2:
             x2 = _whole_row(x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, 2, offs_k, k_ok, pid, K, stride_x,
-                            stride_residual, stride_residual_out, eps, NORM, ADD_RESIDUAL, LIBDEVICE)
+                            stride_residual, stride_residual_out, eps, NORM, ADD_RESIDUAL, LIBDEVICE,
+                        x_norm_weight_ptr, NORM_X, UNIT_OFFSET)
         if ROWS > 3:
             x3 = _whole_row(x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, 3, offs_k, k_ok, pid, K, stride_x,
-                            stride_residual, stride_residual_out, eps, NORM, ADD_RESIDUAL, LIBDEVICE)
+                            stride_residual, stride_residual_out, eps, NORM, ADD_RESIDUAL, LIBDEVICE,
+                        x_norm_weight_ptr, NORM_X, UNIT_OFFSET)
         for strip in range(pid, tl.cdiv(N, BLOCK_N), programs):
             w = w_next.to(tl.float32)
             wu = wu_next.to(tl.float32)
@@ -686,16 +702,16 @@ if AVAILABLE:
                 if SILU:
                     su_next = tl.load(w_scale_ptr + up_offset + nxt, mask=nxt < N, other=0.0)
             _strip_out(w, wu, x0, s, su, bias_ptr, out_ptr, 0, offs_n, n_ok, stride_out, SILU, HAS_BIAS, LIBDEVICE,
-                       W_SCALE)
+                       W_SCALE, GELU)
             if ROWS > 1:
                 _strip_out(w, wu, x1, s, su, bias_ptr, out_ptr, 1, offs_n, n_ok, stride_out, SILU, HAS_BIAS,
-                           LIBDEVICE, W_SCALE)
+                           LIBDEVICE, W_SCALE, GELU)
             if ROWS > 2:
                 _strip_out(w, wu, x2, s, su, bias_ptr, out_ptr, 2, offs_n, n_ok, stride_out, SILU, HAS_BIAS,
-                           LIBDEVICE, W_SCALE)
+                           LIBDEVICE, W_SCALE, GELU)
             if ROWS > 3:
                 _strip_out(w, wu, x3, s, su, bias_ptr, out_ptr, 3, offs_n, n_ok, stride_out, SILU, HAS_BIAS,
-                           LIBDEVICE, W_SCALE)
+                           LIBDEVICE, W_SCALE, GELU)
 
     @triton.jit
     def _rows_rstd(x_ptr, residual_ptr, offs_m, m_ok, K, stride_x, stride_residual, eps,
@@ -914,7 +930,7 @@ def small_batch_linear(
     so each strip of weight rows lies in one tile row). A weight of x's dtype without either is
     taken as it is.
 
-    Gemma's forms (one-shot two-pass configurations only, `takes_gemma_forms`): unit_offset: the
+    Gemma's forms (one-shot two-pass and Persistent configurations, `takes_gemma_forms`): unit_offset: the
     norm scales by 1 + norm_weight, rounded once (GemmaRMSNorm); x_norm_weight: x is first
     normalized with that weight (the same form and eps) before the residual add, a sublayer's post
     norm (RMSNorm.forward_after; residual_out is then norm_x(x) + residual); gelu: like silu, with
@@ -925,7 +941,7 @@ def small_batch_linear(
     if unit_offset or x_norm_weight is not None or gelu:
         if not takes_gemma_forms(config):
             raise ValueError(f"{config} has no Gemma forms (unit_offset, x_norm_weight, gelu): use a one-shot "
-                             f"two-pass configuration")
+                             f"two-pass or a Persistent configuration")
         if (unit_offset or x_norm_weight is not None) and norm_weight is None:
             raise ValueError("unit_offset and x_norm_weight go with norm_weight")
         if x_norm_weight is not None and (residual is None or x_norm_weight.shape != (x.shape[-1],)):
@@ -1031,13 +1047,13 @@ def small_batch_linear(
         programs = min(triton.cdiv(n, block_n), _multiprocessors(x.device) * config.per_sm)
         args = (rows, residual_rows, residual_out_rows, norm_weight if norm_weight is not None else weight, weight,
                 weight_scale if weight_scale is not None else weight, bias if bias is not None else weight, out_rows,
-                n, k, n if silu else 0,
+                n, k, n if gated else 0,
                 rows.stride(0), residual_rows.stride(0), residual_out_rows.stride(0), weight.stride(0),
-                out_rows.stride(0), float(eps))
+                out_rows.stride(0), float(eps), x_norm_weight if x_norm_weight is not None else weight)
         meta = dict(ROWS=m, NORM=norm_weight is not None, ADD_RESIDUAL=norm_weight is not None and residual is not None,
-                    SILU=silu, HAS_BIAS=bias is not None, LIBDEVICE=not interpreting(), BLOCK_N=block_n,
-                    BLOCK_K=block_k, PDL=pdl_on, W_SCALE=weight_scale is not None, num_warps=num_warps,
-                    **pdl.launch_options(pdl_on))
+                    SILU=gated, HAS_BIAS=bias is not None, LIBDEVICE=not interpreting(), BLOCK_N=block_n,
+                    BLOCK_K=block_k, PDL=pdl_on, W_SCALE=weight_scale is not None, NORM_X=x_norm_weight is not None,
+                    UNIT_OFFSET=unit_offset, GELU=gelu, num_warps=num_warps, **pdl.launch_options(pdl_on))
         spills = spilled_registers(args, meta, (x.dtype, weight.dtype, n, k, x.device))
         if spills:
             raise ValueError(f"{config} spills {spills} registers at {m} rows x K {k}: refused (a spilling kernel "
