@@ -893,13 +893,22 @@ def test_gemma_forms_at_gemma_3_12b_shapes(rows):
     expected_qkv = _matmul_reference(normed, w_qkv)
     forms = dict(norm_weight=pre.weight, residual=residual, eps=pre.eps, unit_offset=True, x_norm_weight=post.weight)
     configs = gemv.configs_for(DTYPE, norm=True, gemma=True)
-    assert configs
+    assert any(isinstance(c, gemv.Persistent) for c in configs)
+    ran, refused = 0, []
     for config in configs:
-        out, residual_out = gemv.small_batch_linear(x, w_qkv, config=config, **forms)
-        torch.testing.assert_close(residual_out, expected_residual, atol=0, rtol=1e-2)
-        _close(out, expected_qkv)
-        act = gemv.small_batch_linear(x, w_gu, gelu=True, config=config, **forms)[0]
+        try:  # a Persistent configuration that would spill registers (at 4 rows) is refused, never run
+            out, residual_out = gemv.small_batch_linear(x, w_qkv, config=config, **forms)
+            torch.testing.assert_close(residual_out, expected_residual, atol=0, rtol=1e-2)
+            _close(out, expected_qkv)
+            act = gemv.small_batch_linear(x, w_gu, gelu=True, config=config, **forms)[0]
+        except ValueError as error:
+            assert isinstance(config, gemv.Persistent) and "spills" in str(error)
+            refused.append(config)
+            continue
         torch.testing.assert_close(act, expected_act, atol=3e-2, rtol=3e-2)
+        ran += 1
+    print(f"rows {rows}: {ran} ran, refused for spilling: {refused}")
+    assert ran > len(refused) and (rows > 1 or not refused)
 
 
 # -- compile-only mode: the configurations a site times compile side by side ----------------------
