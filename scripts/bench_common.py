@@ -117,6 +117,36 @@ class ModelArithmetic:
     expert_bytes: int = 0
     num_experts: int = 0
     top_k: int = 0
+    # Sliding-window layers (Gemma's local layers, Mistral's): each layer's window in keys, 0 for full
+    # attention; empty: every layer full. A windowed layer reads (and attends to) at most its window's
+    # keys per query token, so the KV and attention terms count keys per layer, averaged over layers.
+    layer_windows: tuple = ()
+
+    def kv_tokens(self, seq_lens: np.ndarray) -> float:
+        """KV tokens a step reads for sequences of these lengths, in full-layer equivalents: the mean
+        over layers of the keys each layer reads (all of a sequence's, or its window's last ones)."""
+        seq = np.asarray(seq_lens, dtype=np.int64)
+        if not any(self.layer_windows):
+            return float(seq.sum())
+        return float(np.mean([np.minimum(seq, w).sum() if w else seq.sum() for w in self.layer_windows]))
+
+    def attended_keys(self, query_lens: np.ndarray, seq_lens: np.ndarray) -> float:
+        """Keys attended by the step's query tokens (causal within each query; a windowed layer's query
+        at key count k sees min(k, window)), the mean over layers."""
+        q = np.asarray(query_lens, dtype=np.int64)
+        seq = np.asarray(seq_lens, dtype=np.int64)
+        full = float((q * (seq - q) + q * (q + 1) // 2).sum())
+        if not any(self.layer_windows):
+            return full
+        first = seq - q + 1  # the first query token sees `first` keys, the last sees seq
+
+        def windowed(w: int) -> float:
+            # sum over k in [first, seq] of min(k, w): the k <= w part, then w for each k above it
+            last_below = np.clip(w, first - 1, seq)
+            below = (last_below - first + 1) * (first + last_below) // 2
+            return float((below + w * (seq - last_below)).sum())
+
+        return float(np.mean([windowed(w) if w else full for w in self.layer_windows]))
 
     @classmethod
     def from_core(cls, core: EngineCore) -> "ModelArithmetic":
@@ -143,7 +173,8 @@ class ModelArithmetic:
                    fp8_linear=any(getattr(m, "weight_scale_rows", None) is not None
                                       or getattr(m, "weight_scale_blocks", None) is not None
                                       for m in runner.model.modules()),
-                   expert_bytes=runner.expert_bytes(), num_experts=num_experts, top_k=top_k)
+                   expert_bytes=runner.expert_bytes(), num_experts=num_experts, top_k=top_k,
+                   layer_windows=tuple(int(m.sliding_window or 0) for m in runner.attention_layers))
 
     def step_weight_bytes(self, num_tokens: int) -> float:
         """The weights a step of num_tokens tokens reads: the dense ones, and the experts chosen
@@ -169,8 +200,9 @@ class ModelArithmetic:
             total += linear / fp8_flops - linear / flops
         return total
 
-    def step_bytes(self, kv_tokens: int, num_tokens: int = 1) -> float:
-        """Weights once (step_weight_bytes) plus the KV of every sequence in the step."""
+    def step_bytes(self, kv_tokens: float, num_tokens: int = 1) -> float:
+        """Weights once (step_weight_bytes) plus the KV of every sequence in the step (kv_tokens as
+        `kv_tokens` counts them)."""
         return self.step_weight_bytes(num_tokens) + self.kv_bytes_per_token * kv_tokens
 
     def minimum_seconds(self, record: tuple, flops: float, bandwidth: float, fp8_flops: float | None = None) -> float:
@@ -178,13 +210,13 @@ class ModelArithmetic:
         return self.flops_seconds(record, flops, fp8_flops) + self.step_bytes(record[2], record[0]) / bandwidth
 
 
-def step_record(plan) -> tuple[int, int, int, int]:
+def step_record(plan, arithmetic: ModelArithmetic | None = None) -> tuple[int, int, float, float]:
     """(tokens computed, rows sampled, KV tokens read, keys attended) of a non-empty plan; keys
-    attended count each query token's keys, causal within its query."""
-    q = plan.query_lens.astype(np.int64)
-    seq = plan.seq_lens.astype(np.int64)
-    attended = int((q * (seq - q) + q * (q + 1) // 2).sum())
-    return plan.num_tokens, len(plan.sample_rows), int(seq.sum()), attended
+    attended count each query token's keys, causal within its query; with the model's arithmetic,
+    its sliding windows bound both (ModelArithmetic.kv_tokens, attended_keys)."""
+    arithmetic = arithmetic or ModelArithmetic(0, 0, 0, 0, 0, 0)
+    q, seq = plan.query_lens, plan.seq_lens
+    return (plan.num_tokens, len(plan.sample_rows), arithmetic.kv_tokens(seq), arithmetic.attended_keys(q, seq))
 
 
 def plan_recorder(core: EngineCore, arithmetic: ModelArithmetic, records: list, host_times: list | None = None,
@@ -209,7 +241,7 @@ def plan_recorder(core: EngineCore, arithmetic: ModelArithmetic, records: list, 
         if host_times is not None:
             host_times.append(time.perf_counter() - t0)
         if plan.num_reqs:
-            records.append(step_record(plan))
+            records.append(step_record(plan, arithmetic))
             if shapes is not None:
                 q = plan.query_lens
                 shapes.append((int((q == 1).sum()), int(q[q > 1].sum())))

@@ -56,8 +56,8 @@ def main() -> int:
         print(f"  request {rid}: {len(step_times)} steps", flush=True)
     decode = step_times[1:]
     median = statistics.median(decode)
-    mean_context = args.prompt_len + args.new_tokens / 2
-    roofline_step = arithmetic.step_bytes(int(mean_context)) / bandwidth
+    contexts = args.prompt_len + np.arange(1, args.new_tokens)  # the decode steps' KV lengths
+    roofline_step = arithmetic.step_bytes(arithmetic.kv_tokens(contexts) / len(contexts)) / bandwidth
     result = {
         "model": args.model, "device": args.device, "dtype": str(core.runner.dtype),
         "attention_backend": getattr(core.runner.attention_backend, "name", core.cfg.model.attention_backend), "date": time.strftime("%Y-%m-%d"),

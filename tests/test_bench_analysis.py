@@ -133,3 +133,48 @@ def test_serving_figures_carry_the_server_processs_cpu_where_measured(tmp_path):
     measured = dict(level, server_cpu_s=3.9, server_cpu_fraction_of_wall=0.97, server_cpu_us_per_output_token=29.7)
     (row,) = bench_summary.figures("serving", {"levels": [measured]})
     assert row[2] == 33000.0 and "server process CPU 97% of the wall (30 us/token)" in row[3]
+
+
+def test_sliding_window_layers_read_and_attend_only_their_windows_keys():
+    """A windowed layer reads min(keys, window) of a sequence's KV and each query token attends to
+    min(its keys, window): the roofline's KV and attention terms are the mean over layers, checked
+    against a count token by token; the tiny Gemma 3 carries its per-layer windows into them."""
+    import dataclasses
+
+    import numpy as np
+    from bench_common import ModelArithmetic, step_record
+
+    windowed = dataclasses.replace(LLAMA_8B, layer_windows=(4, 0, 4, 10))
+    query_lens, seq_lens = np.array([1, 1, 7, 3]), np.array([3, 12, 9, 20])
+
+    def brute(window: int) -> tuple[int, int]:
+        read = sum(min(s, window) if window else s for s in seq_lens)
+        attended = sum(min(k, window) if window else k
+                       for q, s in zip(query_lens, seq_lens) for k in range(s - q + 1, s + 1))
+        return read, attended
+
+    counts = [brute(w) for w in windowed.layer_windows]
+    assert windowed.kv_tokens(seq_lens) == pytest.approx(np.mean([c[0] for c in counts]))
+    assert windowed.attended_keys(query_lens, seq_lens) == pytest.approx(np.mean([c[1] for c in counts]))
+    assert LLAMA_8B.kv_tokens(seq_lens) == seq_lens.sum() == brute(0)[0]
+    assert LLAMA_8B.attended_keys(query_lens, seq_lens) == brute(0)[1]
+
+    class Plan:
+        num_tokens, sample_rows = int(query_lens.sum()), [0, 1, 2, 3]
+
+    Plan.query_lens, Plan.seq_lens = query_lens, seq_lens
+    assert step_record(Plan, windowed) == (12, 4, windowed.kv_tokens(seq_lens), windowed.attended_keys(query_lens, seq_lens))
+    assert step_record(Plan) == (12, 4, brute(0)[0], brute(0)[1])
+
+    from worker_harness import make_runner, tiny_models
+
+    runner = make_runner(tiny_models()["gemma3"], dtype="float32", device="cpu", block_size=4, max_model_len=64)
+
+    class Core:
+        pass
+
+    core = Core()
+    core.runner = runner
+    windows = ModelArithmetic.from_core(core).layer_windows
+    assert windows == tuple(int(m.sliding_window or 0) for m in runner.attention_layers)
+    assert 0 in windows and any(windows)  # Gemma 3: local layers between full ones
