@@ -644,7 +644,8 @@ if AVAILABLE:
         # rows over the whole of K (BLOCK_K >= K). The next strip's tile is loaded before the current
         # one is multiplied, so every program keeps a strip of weight loads in flight from its first
         # load (before the PDL wait: weights are never written by a step) to its last strip; the
-        # input rows are read and normalized once, into registers.
+        # input rows are read and normalized once, into registers (in Gemma's forms too: NORM_X,
+        # UNIT_OFFSET, and GELU in the gated epilogue, as the one-shot kernel has them).
         pid = tl.program_id(0)
         programs = tl.num_programs(0)
         offs_b = tl.arange(0, BLOCK_N)
@@ -675,15 +676,15 @@ if AVAILABLE:
         if ROWS > 1:
             x1 = _whole_row(x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, 1, offs_k, k_ok, pid, K, stride_x,
                             stride_residual, stride_residual_out, eps, NORM, ADD_RESIDUAL, LIBDEVICE,
-                        x_norm_weight_ptr, NORM_X, UNIT_OFFSET)
+                            x_norm_weight_ptr, NORM_X, UNIT_OFFSET)
         if ROWS > 2:
             x2 = _whole_row(x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, 2, offs_k, k_ok, pid, K, stride_x,
                             stride_residual, stride_residual_out, eps, NORM, ADD_RESIDUAL, LIBDEVICE,
-                        x_norm_weight_ptr, NORM_X, UNIT_OFFSET)
+                            x_norm_weight_ptr, NORM_X, UNIT_OFFSET)
         if ROWS > 3:
             x3 = _whole_row(x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, 3, offs_k, k_ok, pid, K, stride_x,
                             stride_residual, stride_residual_out, eps, NORM, ADD_RESIDUAL, LIBDEVICE,
-                        x_norm_weight_ptr, NORM_X, UNIT_OFFSET)
+                            x_norm_weight_ptr, NORM_X, UNIT_OFFSET)
         for strip in range(pid, tl.cdiv(N, BLOCK_N), programs):
             w = w_next.to(tl.float32)
             wu = wu_next.to(tl.float32)
