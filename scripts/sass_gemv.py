@@ -1,9 +1,9 @@
 """What the small-batch GEMV kernel compiles to on Hopper, without a GPU: spills, load widths and
 the instruction mix per weight byte, for each configuration of a site.
 
-    python scripts/sass_gemv.py [--weight fp8|fp8-block|bf16] [--rows 1] [--site linear|norm_linear|gate_up|gemma_...] [--configs all]
+    python scripts/sass_gemv.py [--weight fp8|fp8-block|bf16] [--rows 1] [--site linear|norm_linear|gate_up|gemma_...] [--configs all] [--k 4096]
 
-Compiles kernels/gemv.py's one-shot or tensor-core (Fp8Mma) kernel for sm_90 with Triton's own ptxas
+Compiles kernels/gemv.py's one-shot, Persistent or tensor-core (Mma, Fp8Mma) kernel for sm_90 with Triton's own ptxas
 (in the triton wheel) and disassembles it with its cuobjdump, integers specialized as a real launch
 sees them (divisible by 16: what makes the weight loads 16 bytes wide). Per configuration it prints
 the local-memory stores and loads (spills), the global load widths, and the K loop's instructions
@@ -38,15 +38,21 @@ POINTERS = {"x_ptr": "bf16", "residual_ptr": "bf16", "residual_out_ptr": "bf16",
 NOT_ALIGNED = ("eps", "num_heads", "num_kv_heads", "up_offset", "stride_w_blocks")  # runtime values not divisible by 16
 
 
-def sass(config: tuple, weight: str, rows: int, site: str) -> str:
-    """The disassembly of the one-shot or tensor-core (Fp8Mma) kernel for one configuration, as
-    compiled for sm_90."""
+def sass(config: tuple, weight: str, rows: int, site: str, k: int = 4096) -> str:
+    """The disassembly of the one-shot, Persistent or tensor-core (Mma, Fp8Mma) kernel for one
+    configuration, as compiled for sm_90 (k: the hidden size, which sizes a Persistent strip)."""
     gemma = site.startswith("gemma_")  # Gemma's forms: (1 + w) norms, the sublayer's norm first, GELU
     site = site.removeprefix("gemma_")
     norm = site in ("norm_linear", "gate_up")
     common = dict(ROWS=rows, NORM=norm, ADD_RESIDUAL=norm, SILU=site == "gate_up", HAS_BIAS=False, LIBDEVICE=True,
                   PDL=True)
-    if isinstance(config, (gemv.Fp8Mma, gemv.Mma)):
+    if isinstance(config, gemv.Persistent):
+        if weight == "fp8-block":
+            raise ValueError("Persistent configurations take no block scales")
+        kernel, num_warps = gemv._gemv_persistent_kernel, config.num_warps
+        consts = dict(common, BLOCK_N=config.block_n, BLOCK_K=triton.next_power_of_2(k), W_SCALE=weight == "fp8",
+                      NORM_X=gemma and norm, UNIT_OFFSET=gemma and norm, GELU=gemma and site == "gate_up")
+    elif isinstance(config, (gemv.Fp8Mma, gemv.Mma)):
         kernel, num_warps = gemv._gemv_mma_kernel, config.num_warps
         consts = dict(common, BLOCK_N=config.block_n, BLOCK_K=config.block_k, NUM_STAGES=config.num_stages,
                       DOT_F32=False, QUANT=isinstance(config, gemv.Fp8Mma), W_SCALE=weight == "fp8", FP8_MAX=448.0,
@@ -102,10 +108,14 @@ def loop_body(text: str) -> list[str]:
     return best
 
 
-def summary(text: str, config: tuple, weight: str) -> dict:
+def summary(text: str, config: tuple, weight: str, k: int = 4096) -> dict:
     """Spills, global load widths, and the K loop's instructions per weight byte a thread loads in one
-    iteration (with the most frequent opcodes)."""
-    block_n, block_k, num_warps = config[:3]
+    iteration (with the most frequent opcodes); for a Persistent configuration, its strip loop's per
+    gate strip (BLOCK_K the whole of K, as the disassembly was compiled)."""
+    if isinstance(config, gemv.Persistent):
+        block_n, block_k, num_warps = config.block_n, triton.next_power_of_2(k), config.num_warps
+    else:
+        block_n, block_k, num_warps = config[:3]
     per_thread = block_n * block_k * (2 if weight == "bf16" else 1) / (32 * num_warps)
     body = loop_body(text)
     return {"spill_stores": text.count(" STL"), "spill_loads": text.count(" LDL"),
@@ -121,22 +131,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--site", choices=("linear", "norm_linear", "gate_up", "gemma_norm_linear", "gemma_gate_up"),
                         default="linear")
     parser.add_argument("--configs", default="all",
-                        help="'all' (the weight's one-shot and tensor-core configurations) or one, e.g. 8,1024,4 "
-                        "(four numbers: a tensor-core one, Mma for bf16 or Fp8Mma, block_n,block_k,num_warps,num_stages)")
+                        help="'all' (every configuration the site times) or one, e.g. 8,1024,4 (four numbers: a "
+                        "tensor-core one, Mma for bf16 or Fp8Mma, block_n,block_k,num_warps,num_stages; p2,4,4: "
+                        "Persistent block_n,num_warps,per_sm)")
+    parser.add_argument("--k", type=int, default=4096, help="the hidden size (a Persistent strip holds all of it)")
     args = parser.parse_args(argv)
     if args.configs == "all":
-        configs = [c for c in gemv.configs_for(gemv.torch.bfloat16 if args.weight == "bf16" else gemv.torch.float8_e4m3fn,
-                                               norm=args.site != "linear",
-                                               block_rows=128 if args.weight == "fp8-block" else None,
-                                               gemma=args.site.startswith("gemma_"), rows=args.rows)
-                   if not isinstance(c, gemv.Persistent)]
+        configs = list(gemv.configs_for(gemv.torch.bfloat16 if args.weight == "bf16" else gemv.torch.float8_e4m3fn,
+                                        norm=args.site != "linear",
+                                        block_rows=128 if args.weight == "fp8-block" else None,
+                                        gemma=args.site.startswith("gemma_"), rows=args.rows))
+    elif args.configs.startswith("p"):
+        configs = [gemv.Persistent(*(int(v) for v in args.configs[1:].split(",")))]
     else:
         values = tuple(int(v) for v in args.configs.split(","))
         mma = gemv.Mma if args.weight == "bf16" else gemv.Fp8Mma
         configs = [mma(*values) if len(values) == 4 else values]
-    print(f"{args.weight} weights, {args.rows} row(s), site {args.site}, sm_90")
+    print(f"{args.weight} weights, {args.rows} row(s), site {args.site}, K {args.k}, sm_90")
     for config in configs:
-        s = summary(sass(config, args.weight, args.rows, args.site), config, args.weight)
+        s = summary(sass(config, args.weight, args.rows, args.site, args.k), config, args.weight, args.k)
         print(f"{str(config):22s} spills {s['spill_stores']}/{s['spill_loads']}  loads {s['loads']}  K loop "
               f"{s['loop_instructions']} instructions, {s['loop_instructions_per_weight_byte']:.2f} per weight byte; "
               f"{', '.join(f'{op} {n}' for op, n in s['top'])}", flush=True)

@@ -78,6 +78,21 @@ def test_the_small_batch_gemv_streams_fp8_weights_with_16_byte_loads():
     assert "spills 0/0" in line and "'LDG.E.128'" in line and "F2FP" in line, line
 
 
+def test_a_persistent_program_in_gemmas_forms_compiles_without_spills():
+    """The Persistent configurations take Gemma's forms (the sandwich's two norms, GELU): at Gemma-3-12B's
+    gate/up (hidden 3840) the strip loop compiles for sm_90 with 16-byte loads and no spills at one row."""
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, str(Path(__file__).resolve().parent.parent / "scripts" / "sass_gemv.py"),
+                          "--weight", "bf16", "--site", "gemma_gate_up", "--k", "3840", "--configs", "p2,8,2"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    line = out.stdout.strip().splitlines()[-1]
+    assert line.startswith("Persistent(") and "spills 0/0" in line and "'LDG.E.128'" in line, line
+
+
 def test_a_moe_step_reads_the_experts_its_tokens_chose():
     """The tiny Qwen3-MoE's arithmetic: a one-token step reads the dense weights and top_k / E of
     the experts (what the worker reports as decode_read_bytes), a wide step nearly all of them;
