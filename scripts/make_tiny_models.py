@@ -76,6 +76,10 @@ SPECS: dict[str, tuple[str, dict, dict]] = {
                                               decoder_sparse_step=1, mlp_only_layers=[1], norm_topk_prob=True), {}),
     "mixtral": ("MixtralForCausalLM", dict(tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2,
                                            intermediate_size=48), {}),
+    # Qwen2-MoE: a shared expert beside top-2 of 8 (not renormalized, as Qwen1.5-MoE), a dense layer (1).
+    "qwen2-moe": ("Qwen2MoeForCausalLM", dict(tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2,
+                                              moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                                              decoder_sparse_step=1, mlp_only_layers=[1], norm_topk_prob=False), {}),
     # Mistral: head_dim apart from hidden / heads (as Mistral-Nemo), a window covering every position.
     "mistral": ("MistralForCausalLM", dict(tie_word_embeddings=False, head_dim=32, sliding_window=MAX_POSITIONS), {}),
     # Phi-3 / Phi-4-mini: fused qkv_proj and gate_up_proj in the checkpoint, partial rotary (3/4 of a
@@ -104,7 +108,7 @@ SPECS: dict[str, tuple[str, dict, dict]] = {
 # with the Hub's names (language_model.model.*, vision_tower.*): the worker serves its text part.
 SPECS["gemma3-multimodal"] = ("Gemma3ForConditionalGeneration", SPECS["gemma3"][1], {})
 SEEDS = {"llama-gqa-tied": 1, "qwen2-bias": 2, "qwen3-qknorm": 3, "qwen3-sharded": 3, "qwen3-moe": 4, "mixtral": 5,
-         "mistral": 6, "phi3": 7, "gemma2": 8, "gemma3": 9, "gemma3-multimodal": 10}
+         "mistral": 6, "phi3": 7, "gemma2": 8, "gemma3": 9, "gemma3-multimodal": 10, "qwen2-moe": 11}
 # Routers scaled up from the 0.02 init: decisive top-k choices, not near-ties that rounding could flip.
 ROUTER_SCALE = 50.0
 
@@ -158,6 +162,7 @@ def make_model(name: str, out: Path, tokenizer) -> None:
         "LlamaForCausalLM": transformers.LlamaConfig,
         "Qwen2ForCausalLM": transformers.Qwen2Config,
         "Qwen3ForCausalLM": transformers.Qwen3Config,
+        "Qwen2MoeForCausalLM": transformers.Qwen2MoeConfig,
         "Qwen3MoeForCausalLM": transformers.Qwen3MoeConfig,
         "MixtralForCausalLM": transformers.MixtralConfig,
         "MistralForCausalLM": transformers.MistralConfig,

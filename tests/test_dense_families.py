@@ -173,7 +173,7 @@ def test_windowed_and_capped_layers_refuse_a_backend_that_cannot_take_them():
     assert not any(layer.needs_window_or_softcap for layer in runner.attention_layers)
 
 
-@pytest.mark.parametrize("name", ["mistral", "phi3", "gemma2", "gemma3", "qwen3-moe", "mixtral"])
+@pytest.mark.parametrize("name", ["mistral", "phi3", "gemma2", "gemma3", "qwen3-moe", "qwen2-moe", "mixtral"])
 def test_prefix_hits_and_forced_preemption_equal_transformers(name, monkeypatch):
     """A shared prefix longer than Gemma's window (8): cached blocks reused, requests preempted and
     recomputed, in chunks of 7 across window edges; greedy tokens still transformers' (the MoE

@@ -47,7 +47,8 @@ def run_staggered(core: EngineCore, requests: list[AddRequest], arrive_at: list[
     return outputs
 
 
-@pytest.mark.parametrize("name", ["llama-gqa-tied", "qwen2-bias", "qwen3-qknorm", "qwen3-moe", "mixtral", "mistral", "phi3", "gemma2", "gemma3"])
+@pytest.mark.parametrize("name", ["llama-gqa-tied", "qwen2-bias", "qwen3-qknorm", "qwen3-moe", "qwen2-moe", "mixtral",
+                                  "mistral", "phi3", "gemma2", "gemma3"])
 @pytest.mark.parametrize("budget", [16, 33])
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 def test_staggered_mixed_batches_equal_transformers(name, budget, overlap):

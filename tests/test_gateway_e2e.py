@@ -205,9 +205,10 @@ def test_max_tokens_and_ignore_eos(stack):
     assert r["choices"][0]["finish_reason"] == "length"
 
 
-@pytest.mark.parametrize("name", ["qwen3-moe", "mixtral", "fp8-block-moe", "phi3", "gemma2", "gemma3-multimodal"])
+@pytest.mark.parametrize("name", ["qwen3-moe", "qwen2-moe", "mixtral", "fp8-block-moe", "phi3", "gemma2",
+                                  "gemma3-multimodal"])
 def test_each_model_family_serves_through_the_gateway(name):
-    """The tiny random Qwen3-MoE, Mixtral, Phi-3 (fused checkpoint projections, partial rotary,
+    """The tiny random Qwen3-MoE, Qwen2-MoE (a shared expert beside the routed ones), Mixtral, Phi-3 (fused checkpoint projections, partial rotary,
     longrope), Gemma 2 (sliding windows shorter than the prompt, soft-caps), Gemma 3 as a multimodal
     checkpoint (its language model served), and the Qwen3-MoE as a block-wise FP8 checkpoint,
     behind the real gateway:

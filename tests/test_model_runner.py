@@ -325,8 +325,8 @@ def test_clear_errors(tiny_model_paths, tmp_path):
     from tokenspeed_worker.models.registry import supported_architectures
 
     assert {"Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration", "LlamaForCausalLM",
-            "MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-            "Qwen3MoeForCausalLM"} == set(supported_architectures())
+            "MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen2MoeForCausalLM",
+            "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"} == set(supported_architectures())
     with pytest.raises(ValueError, match="GPT2LMHeadModel'. is not supported; supported: "
                                          + ", ".join(supported_architectures())):
         make_runner(str(tmp_path), load_format="dummy")

@@ -14,17 +14,20 @@ import torch
 from tokenspeed_worker.layers.moe import select_experts
 from worker_harness import REPO, Worker, needs_devices, tiny_models
 
-MOE_MODELS = ["qwen3-moe", "mixtral"]
+MOE_MODELS = ["qwen3-moe", "qwen2-moe", "mixtral"]
 
 
 def test_routing_equals_transformers_routers():
-    from transformers import MixtralConfig, Qwen3MoeConfig
+    from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
     from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeTopKRouter
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
     torch.manual_seed(0)
     x = torch.randn(11, 16)
     for router, renormalize in ((Qwen3MoeTopKRouter(Qwen3MoeConfig(hidden_size=16, num_experts=8, num_experts_per_tok=3,
+                                                                   norm_topk_prob=False)), False),
+                                (Qwen2MoeTopKRouter(Qwen2MoeConfig(hidden_size=16, num_experts=8, num_experts_per_tok=4,
                                                                    norm_topk_prob=False)), False),
                                 (MixtralTopKRouter(MixtralConfig(hidden_size=16, num_local_experts=8,
                                                                  num_experts_per_tok=2)), True)):
@@ -508,7 +511,7 @@ def test_tuning_reads_each_moe_family_shape_from_its_config(tiny_model_paths):
     from worker_harness import _load_script
 
     model_shape = _load_script("bench_moe").model_shape
-    for name in ("qwen3-moe", "mixtral"):
+    for name in ("qwen3-moe", "qwen2-moe", "mixtral"):
         config = json.loads((tiny_model_paths[name] / "config.json").read_text())
         experts, top_k, hidden, inter, _ = model_shape(str(tiny_model_paths[name]))
         assert (experts, top_k, hidden) == (config.get("num_experts") or config["num_local_experts"],

@@ -5,8 +5,8 @@ token's output is their sum weighted by the router's probabilities.
 
 - `select_experts(router_logits, top_k, renormalize)`: softmax over all experts in float32, the
   top_k of it, renormalized to sum to 1 where the model says so (Qwen3-MoE's `norm_topk_prob`,
-  always for Mixtral). Shaped so grouped top-k and shared experts (DeepSeek, Qwen2-MoE) can add
-  their own selection and a dense branch beside it.
+  always for Mixtral). Shaped so grouped top-k (DeepSeek) can add its own selection; a shared
+  expert (Qwen2-MoE) is a dense branch beside the experts (`SparseMoeBlock(shared_expert=...)`).
 - `FusedMoE`: every expert's weights stacked, `w13_weight` [E, 2 I, H] (gate rows, then up rows)
   and `w2_weight` [E, H, I], loaded from the checkpoint's per-expert matrices (Qwen3-MoE's
   `experts.<e>.gate_proj/up_proj/down_proj`, Mixtral's `experts.<e>.w1/w3/w2`). Tensor parallel:
@@ -338,15 +338,23 @@ class FusedMoE(nn.Module):
 
 
 class SparseMoeBlock(nn.Module):
-    """The MLP of a layer with experts: the router (`gate`, replicated on every rank) and the experts."""
+    """The MLP of a layer with experts: the router (`gate`, replicated on every rank) and the experts,
+    and where the model has one (Qwen2-MoE) a shared expert beside them: a dense MLP every token
+    passes through (tensor parallel as the dense MLPs are), scaled per token by
+    sigmoid(shared_expert_gate(x)) (a one-row Linear, replicated and 16-bit as the router) and added
+    to the experts' sum."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, renormalize: bool,
-                 prefix: str = "", router_name: str = "gate") -> None:
+                 prefix: str = "", router_name: str = "gate", shared_expert: nn.Module | None = None) -> None:
         super().__init__()
         self.top_k, self.renormalize, self.router_name = top_k, renormalize, router_name
         with quant_methods.building(None):  # the router stays 16-bit in FP8 checkpoints (Qwen3-*-FP8, DeepSeek)
             setattr(self, router_name, Linear(hidden_size, num_experts, prefix=f"{prefix}.{router_name}"))
+            self.shared_expert_gate = None
+            if shared_expert is not None:
+                self.shared_expert_gate = Linear(hidden_size, 1, prefix=f"{prefix}.shared_expert_gate")
         self.experts = FusedMoE(num_experts, hidden_size, intermediate_size, prefix=prefix)
+        self.shared_expert = shared_expert
 
     def forward(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:
         if isinstance(x, PendingNorm):
@@ -359,4 +367,7 @@ class SparseMoeBlock(nn.Module):
             weights, ids = kernels.route(logits, self.top_k, self.renormalize)
         else:
             weights, ids = select_experts(logits, self.top_k, self.renormalize)
-        return self.experts(x, weights, ids).view(shape)
+        out = self.experts(x, weights, ids)
+        if self.shared_expert is not None:  # transformers' order and roundings: the gate's sigmoid, its product, the sum
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out.view(shape)

@@ -1,0 +1,36 @@
+"""Qwen2-MoE (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B): the Qwen2 decoder (q/k/v biases) whose MLPs are
+mixtures of experts (layers/moe.py) with a shared expert: top-k of `num_experts` routed experts per
+token (renormalized where `norm_topk_prob` says so), plus a dense MLP of
+`shared_expert_intermediate_size` every token passes through, scaled by the sigmoid of its
+one-row gate; a layer listed in `mlp_only_layers`, or off the `decoder_sparse_step` stride, keeps
+a dense MLP of `intermediate_size`."""
+
+from __future__ import annotations
+
+import copy
+
+from torch import nn
+
+from tokenspeed_worker.layers.moe import SparseMoeBlock
+from tokenspeed_worker.models.llama import LlamaForCausalLM, LlamaMLP
+
+
+class Qwen2MoeForCausalLM(LlamaForCausalLM):
+    @staticmethod
+    def layer_options(config) -> dict:
+        return dict(qkv_bias=bool(getattr(config, "qkv_bias", True)), o_bias=False, mlp_bias=False, qk_norm=False)
+
+    @staticmethod
+    def make_mlp(config, index: int, prefix: str, bias: bool) -> tuple[str, nn.Module]:
+        sparse = (index not in (getattr(config, "mlp_only_layers", None) or [])
+                  and config.num_experts > 0 and (index + 1) % config.decoder_sparse_step == 0)
+        if not sparse:
+            return "mlp", LlamaMLP(config, bias=bias, prefix=f"{prefix}.mlp")
+        shared = None
+        if getattr(config, "shared_expert_intermediate_size", 0):
+            shared_config = copy.copy(config)  # LlamaMLP takes its size from the config
+            shared_config.intermediate_size = config.shared_expert_intermediate_size
+            shared = LlamaMLP(shared_config, bias=bias, prefix=f"{prefix}.mlp.shared_expert")
+        return "mlp", SparseMoeBlock(config.hidden_size, config.moe_intermediate_size, config.num_experts,
+                                     config.num_experts_per_tok, bool(config.norm_topk_prob), prefix=f"{prefix}.mlp",
+                                     shared_expert=shared)
