@@ -31,6 +31,7 @@ MODEL_SHAPES = {"llama-3.2-1b": REPO / "scripts/model_configs/llama-3.2-1b",
                 "llama-3.1-8b-fp8-block": REPO / "scripts/model_configs/llama-3.1-8b-fp8-block",
                 "qwen3-30b-a3b": REPO / "scripts/model_configs/qwen3-30b-a3b",
                 "qwen3-30b-a3b-fp8": REPO / "scripts/model_configs/qwen3-30b-a3b-fp8",
+                "qwen1.5-moe-a2.7b": REPO / "scripts/model_configs/qwen1.5-moe-a2.7b",
                 "mixtral-8x7b": REPO / "scripts/model_configs/mixtral-8x7b",
                 "mistral-7b": REPO / "scripts/model_configs/mistral-7b",
                 "gemma-3-12b": REPO / "scripts/model_configs/gemma-3-12b"}
