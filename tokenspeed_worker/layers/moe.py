@@ -337,6 +337,13 @@ class FusedMoE(nn.Module):
         return out
 
 
+def is_sparse_layer(config, index: int) -> bool:
+    """Whether layer `index` of a Qwen-MoE config has experts: not listed in `mlp_only_layers`, and
+    on the `decoder_sparse_step` stride (the others keep a dense MLP)."""
+    return (index not in (getattr(config, "mlp_only_layers", None) or [])
+            and config.num_experts > 0 and (index + 1) % config.decoder_sparse_step == 0)
+
+
 class SparseMoeBlock(nn.Module):
     """The MLP of a layer with experts: the router (`gate`, replicated on every rank) and the experts,
     and where the model has one (Qwen2-MoE) a shared expert beside them: a dense MLP every token

@@ -11,7 +11,7 @@ import copy
 
 from torch import nn
 
-from tokenspeed_worker.layers.moe import SparseMoeBlock
+from tokenspeed_worker.layers.moe import SparseMoeBlock, is_sparse_layer
 from tokenspeed_worker.models.llama import LlamaForCausalLM, LlamaMLP
 
 
@@ -22,9 +22,7 @@ class Qwen2MoeForCausalLM(LlamaForCausalLM):
 
     @staticmethod
     def make_mlp(config, index: int, prefix: str, bias: bool) -> tuple[str, nn.Module]:
-        sparse = (index not in (getattr(config, "mlp_only_layers", None) or [])
-                  and config.num_experts > 0 and (index + 1) % config.decoder_sparse_step == 0)
-        if not sparse:
+        if not is_sparse_layer(config, index):
             return "mlp", LlamaMLP(config, bias=bias, prefix=f"{prefix}.mlp")
         shared = None
         if getattr(config, "shared_expert_intermediate_size", 0):

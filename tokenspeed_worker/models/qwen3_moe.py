@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from tokenspeed_worker.layers.moe import SparseMoeBlock
+from tokenspeed_worker.layers.moe import SparseMoeBlock, is_sparse_layer
 from tokenspeed_worker.models.llama import LlamaMLP
 from tokenspeed_worker.models.qwen3 import Qwen3ForCausalLM
 
@@ -14,9 +14,7 @@ from tokenspeed_worker.models.qwen3 import Qwen3ForCausalLM
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     @staticmethod
     def make_mlp(config, index: int, prefix: str, bias: bool) -> tuple[str, nn.Module]:
-        sparse = (index not in (getattr(config, "mlp_only_layers", None) or [])
-                  and config.num_experts > 0 and (index + 1) % config.decoder_sparse_step == 0)
-        if not sparse:
+        if not is_sparse_layer(config, index):
             return "mlp", LlamaMLP(config, bias=bias, prefix=f"{prefix}.mlp")
         return "mlp", SparseMoeBlock(config.hidden_size, config.moe_intermediate_size, config.num_experts,
                                      config.num_experts_per_tok, bool(config.norm_topk_prob), prefix=f"{prefix}.mlp")
