@@ -104,11 +104,14 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config, bias: bool = False, prefix: str = "") -> None:
+    """silu(gate) * up, then down; intermediate_size defaults to the config's (a shared expert's
+    differs: Qwen2-MoE's shared_expert_intermediate_size)."""
+
+    def __init__(self, config, bias: bool = False, prefix: str = "", intermediate_size: int | None = None) -> None:
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (supported: silu)")
-        size = config.intermediate_size
+        size = intermediate_size or config.intermediate_size
         self.gate_up_proj = MergedLinear(config.hidden_size, [size, size], bias=bias, prefix=f"{prefix}.gate_up_proj",
                                          shard_names=[f"{prefix}.gate_proj", f"{prefix}.up_proj"])
         self.down_proj = RowParallelLinear(size, config.hidden_size, bias=bias, prefix=f"{prefix}.down_proj")

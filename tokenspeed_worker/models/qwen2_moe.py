@@ -7,8 +7,6 @@ a dense MLP of `intermediate_size`."""
 
 from __future__ import annotations
 
-import copy
-
 from torch import nn
 
 from tokenspeed_worker.layers.moe import SparseMoeBlock, is_sparse_layer
@@ -26,9 +24,8 @@ class Qwen2MoeForCausalLM(LlamaForCausalLM):
             return "mlp", LlamaMLP(config, bias=bias, prefix=f"{prefix}.mlp")
         shared = None
         if getattr(config, "shared_expert_intermediate_size", 0):
-            shared_config = copy.copy(config)  # LlamaMLP takes its size from the config
-            shared_config.intermediate_size = config.shared_expert_intermediate_size
-            shared = LlamaMLP(shared_config, bias=bias, prefix=f"{prefix}.mlp.shared_expert")
+            shared = LlamaMLP(config, bias=bias, prefix=f"{prefix}.mlp.shared_expert",
+                              intermediate_size=config.shared_expert_intermediate_size)
         return "mlp", SparseMoeBlock(config.hidden_size, config.moe_intermediate_size, config.num_experts,
                                      config.num_experts_per_tok, bool(config.norm_topk_prob), prefix=f"{prefix}.mlp",
                                      shared_expert=shared)
