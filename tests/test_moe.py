@@ -98,6 +98,36 @@ def test_expert_parallel_ranks_sum_to_the_whole_layer(monkeypatch, ep, world, ke
     assert held == [((r // moe_tp) * (experts // ep), r % moe_tp) for r in range(world)]
 
 
+def test_a_shared_expert_layer_all_reduces_once(monkeypatch):
+    """Qwen2-MoE's layer under tensor parallelism: the routed experts' partial sum and the gated
+    shared expert's go through one all-reduce together, not one each (the per-token gate is
+    replicated, so it scales a partial sum as well as the whole). The layer is built on one rank
+    and run as if on two, the all-reduce counted and passed through: the output must be the
+    one-rank layer's."""
+    from transformers import Qwen2MoeConfig
+
+    from tokenspeed_worker import distributed
+    from tokenspeed_worker.layers.fused_kernels import fused_kernels
+    from tokenspeed_worker.models.qwen2_moe import Qwen2MoeForCausalLM
+
+    config = Qwen2MoeConfig(hidden_size=32, intermediate_size=64, moe_intermediate_size=48,
+                            shared_expert_intermediate_size=40, num_experts=8, num_experts_per_tok=3,
+                            norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[])
+    torch.manual_seed(0)
+    _, block = Qwen2MoeForCausalLM.make_mlp(config, 0, "model.layers.0", bias=False)
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    x = torch.randn(7, 32)
+    with fused_kernels("off"):
+        expected = block(x)
+        calls = []
+        monkeypatch.setattr(distributed, "size", lambda: 2)
+        monkeypatch.setattr(distributed, "all_reduce", lambda t: calls.append(t.shape) or t)
+        got = block(x)
+    assert calls == [torch.Size([7, 32])]
+    torch.testing.assert_close(got, expected)
+
+
 @pytest.mark.parametrize("ep,world", [(1, 1), (1, 2), (2, 2)], ids=["one-rank", "tp2", "ep2"])
 @pytest.mark.parametrize("inter", [64, 56], ids=["tile-aligned", "unaligned"])
 @pytest.mark.parametrize("kernels,tokens", [("loop", 9), ("force", 2), ("force", 9)],

@@ -280,9 +280,15 @@ class RowParallelLinear(Linear):
         param.data.copy_(loaded.narrow(1, distributed.rank() * self.in_features, self.in_features))
         return param.numel()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        """reduce=False: this rank's partial product, to be summed with others' by one all-reduce the
+        caller makes (a layer's sum of several row-parallel outputs); only without a bias."""
         if distributed.size() == 1:
             return self._product(x, self.bias)
+        if not reduce:
+            if self.bias is not None:
+                raise ValueError("a row-parallel layer with a bias cannot leave its all-reduce to the caller")
+            return self._product(x, None)
         y = distributed.all_reduce(self._product(x, None))
         return y if self.bias is None else y + self.bias
 

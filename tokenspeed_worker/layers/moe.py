@@ -299,9 +299,10 @@ class FusedMoE(nn.Module):
                          "error %.3g); the experts run the loop, without CUDA graphs", error)
         return self.use_kernels
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        """The sum over every rank's experts; reduce=False: this rank's part, for the caller's one all-reduce."""
         out = self._experts(x, weights, ids)
-        return distributed.all_reduce(out) if distributed.size() > 1 else out
+        return distributed.all_reduce(out) if reduce and distributed.size() > 1 else out
 
     def _experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """This rank's sum over the chosen experts it holds: the grouped-GEMM kernels where they
@@ -374,7 +375,13 @@ class SparseMoeBlock(nn.Module):
             weights, ids = kernels.route(logits, self.top_k, self.renormalize)
         else:
             weights, ids = select_experts(logits, self.top_k, self.renormalize)
-        out = self.experts(x, weights, ids)
-        if self.shared_expert is not None:  # transformers' order and roundings: the gate's sigmoid, its product, the sum
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        if self.shared_expert is None:
+            return self.experts(x, weights, ids).view(shape)
+        # transformers' order and roundings: the gate's sigmoid, its product, the sum. Under tensor
+        # or expert parallelism both terms are partial sums over the ranks and the per-token scale is
+        # replicated, so one all-reduce of their sum replaces one per term.
+        out = self.experts(x, weights, ids, reduce=False)
+        out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, reduce=False)
+        if distributed.size() > 1:
+            out = distributed.all_reduce(out)
         return out.view(shape)

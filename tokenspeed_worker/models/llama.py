@@ -117,8 +117,9 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(size, config.hidden_size, bias=bias, prefix=f"{prefix}.down_proj")
         self.act_fn = SiluAndMul()
 
-    def forward(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:
-        return self.down_proj(self.gate_up_proj(x, activation=self.act_fn))
+    def forward(self, x: torch.Tensor | PendingNorm, reduce: bool = True) -> torch.Tensor:
+        """reduce=False under tensor parallelism: this rank's partial sum (RowParallelLinear.forward)."""
+        return self.down_proj(self.gate_up_proj(x, activation=self.act_fn), reduce=reduce)
 
 
 class LlamaDecoderLayer(nn.Module):
