@@ -2,7 +2,10 @@
 
     python scripts/bench_offline.py --model llama-3.1-8b --num-requests 1000 --input-len 1000 --output-len 1000
 
-All requests are submitted at once (ignore_eos, greedy) and the engine steps until done.
+All requests are submitted at once (ignore_eos, greedy) and the engine steps until done; with
+--closed-loop C, C at first and one more each time one finishes, until --num-requests were sent
+(the arrival pattern of bench_serving.py --closed-loop, with no client, gRPC or server between:
+the engine's figure for the serving path to be compared with).
 For every step the minimum time is (its GEMM FLOPs / measured matmul FLOP/s) + (weights +
 the KV of every sequence in it) / measured copy bandwidth; the report gives Σ minimum / wall.
 """
@@ -94,6 +97,8 @@ def main() -> int:
     ap.add_argument("--input-len", type=int, default=1000)
     ap.add_argument("--output-len", type=int, default=1000)
     ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--closed-loop", type=int, default=0, metavar="C",
+                    help="C requests in flight, the next submitted as one finishes (0: all at once)")
     ap.add_argument("--hf-baseline-batch", type=int, default=0, help="also time transformers at this batch")
     ap.add_argument("--out", default=".cache/bench_offline.json")
     args = ap.parse_args()
@@ -117,8 +122,15 @@ def main() -> int:
     shapes: list = []
     plan_recorder(core, arithmetic, records, host_times, shapes)
     gpu_marks = gpu_step_marks(core) if torch.device(args.device).type == "cuda" else None
-    for i in range(args.num_requests):
-        core.add_request(greedy_request(i + 1, rng.integers(10, vocab - 10, args.input_len), args.output_len))
+    submitted = 0
+
+    def submit(count: int) -> None:
+        nonlocal submitted
+        for _ in range(min(count, args.num_requests - submitted)):
+            submitted += 1
+            core.add_request(greedy_request(submitted, rng.integers(10, vocab - 10, args.input_len), args.output_len))
+
+    submit(args.closed_loop or args.num_requests)
     sync(args.device)
     t0 = time.perf_counter()
     steps = 0
@@ -128,6 +140,8 @@ def main() -> int:
         steps += 1
         if out is not None:
             produced += len(out.tokens)
+            if args.closed_loop:
+                submit(len(out.finished_ids))
         now = time.perf_counter()
         if now - last_report > 10:
             print(f"  {steps} steps, {produced} tokens, {produced / (now - t0):.0f} tok/s", flush=True)
@@ -144,7 +158,7 @@ def main() -> int:
         "model": args.model, "device": args.device, "dtype": str(core.runner.dtype),
         "attention_backend": getattr(core.runner.attention_backend, "name", core.cfg.model.attention_backend), "date": time.strftime("%Y-%m-%d"),
         "num_requests": args.num_requests, "input_len": args.input_len, "output_len": args.output_len,
-        "max_num_seqs": args.max_num_seqs, "kv_pool_tokens": core.num_blocks * core.cfg.cache.block_size,
+        "max_num_seqs": args.max_num_seqs, "closed_loop": args.closed_loop or None, "kv_pool_tokens": core.num_blocks * core.cfg.cache.block_size,
         "copy_bandwidth_tb_s": bandwidth / 1e12, "matmul_tflop_s": flops / 1e12,
         "fp8_matmul_tflop_s": fp8_flops / 1e12 if fp8_flops else None,
         "wall_s": wall, "steps": steps, "output_tokens": produced, "output_tok_s": produced / wall,
