@@ -195,13 +195,16 @@ def test_experts_that_cannot_be_dealt_evenly_are_refused(monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("flags", [("--enable-expert-parallel",), ("--ep-size", "2")], ids=["enable", "ep-size"])
-def test_expert_parallel_through_the_cli_equals_transformers(flags):
-    """Two ranks, each with half of the experts whole (Qwen3-MoE's dense layer tensor parallel)."""
+@pytest.mark.parametrize("name,flags", [("qwen3-moe", ("--enable-expert-parallel",)), ("qwen3-moe", ("--ep-size", "2")),
+                                        ("qwen2-moe", ("--enable-expert-parallel",))],
+                         ids=["enable", "ep-size", "qwen2-moe-shared-expert"])
+def test_expert_parallel_through_the_cli_equals_transformers(name, flags):
+    """Two ranks, each with half of the experts whole (the dense layers, and Qwen2-MoE's shared
+    expert, tensor parallel: its partial sum shares the experts' all-reduce)."""
     from test_tensor_parallel import FLAGS, check_against_transformers
 
     needs_devices(2)
-    model_dir = tiny_models()["qwen3-moe"]
+    model_dir = tiny_models()[name]
     worker = Worker(model_dir, *FLAGS, "--tensor-parallel-size", "2", *flags)
     try:
         assert "expert parallel: 2 groups of 1 rank(s), 4 of the 8 experts each" in worker.log()
