@@ -10,6 +10,7 @@ import logging
 import os
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -129,7 +130,7 @@ class ModelArithmetic:
         seq = np.asarray(seq_lens, dtype=np.int64)
         if not any(self.layer_windows):
             return float(seq.sum())
-        return float(np.mean([np.minimum(seq, w).sum() if w else seq.sum() for w in self.layer_windows]))
+        return self._layer_mean(lambda w: np.minimum(seq, w).sum() if w else seq.sum())
 
     def attended_keys(self, query_lens: np.ndarray, seq_lens: np.ndarray) -> float:
         """Keys attended by the step's query tokens (causal within each query; a windowed layer's query
@@ -147,7 +148,13 @@ class ModelArithmetic:
             below = (last_below - first + 1) * (first + last_below) // 2
             return float((below + w * (seq - last_below)).sum())
 
-        return float(np.mean([windowed(w) if w else full for w in self.layer_windows]))
+        return self._layer_mean(lambda w: windowed(w) if w else full)
+
+    def _layer_mean(self, per_window) -> float:
+        """The mean over layers of per_window(layer's window or None), computed once per distinct
+        window (a model has one or two: a per-step figure over thousands of steps)."""
+        counts = Counter(self.layer_windows)
+        return float(sum(n * per_window(w) for w, n in counts.items()) / len(self.layer_windows))
 
     @classmethod
     def from_core(cls, core: EngineCore) -> "ModelArithmetic":
