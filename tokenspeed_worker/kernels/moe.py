@@ -1,6 +1,6 @@
 """The experts of a mixture-of-experts layer as grouped GEMMs (Triton), with no host sync:
 
-    align_by_expert(ids, num_experts, block_m)  # two Triton kernels and a fill
+    align_by_expert(ids, num_experts, block_m)  # three Triton kernels and two fills
     grouped_gemm(x, w, sorted_ids, block_experts, top_k, ...)  # one Triton kernel
     fused_experts(x, w13, w2, weights, ids)     # gate/up, SiLU * up, down x routing weight, sum
 
@@ -60,39 +60,54 @@ except ImportError:  # pragma: no cover - depends on the machine
 
 def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(sorted_ids int32 [P], block_experts int32 [P / block_m]) for ids [T, top_k] (module
-    docstring), P = T * top_k + num_experts * (block_m - 1) rounded up to block_m. Three launches
-    (a fill, one program counting and placing the experts' runs, then the pairs scattered into
-    them): the pairs' order within an expert's run is whatever the atomics give, which changes
-    no result (each output row is its own pair's product)."""
+    docstring), P = T * top_k + num_experts * (block_m - 1) rounded up to block_m. Two fills and
+    three kernels: the experts' pair counts (a histogram per chunk of pairs, added up with atomics),
+    one program placing the experts' runs, then the pairs scattered into them. The pairs' order
+    within an expert's run is whatever the atomics give, which changes no result (each output row
+    is its own pair's product)."""
     flat = ids.reshape(-1)
     pairs = flat.numel()
     capacity = -(-(pairs + num_experts * (block_m - 1)) // block_m) * block_m
     sorted_ids = torch.full((capacity,), pairs, dtype=torch.int32, device=ids.device)
     block_experts = torch.empty(capacity // block_m, dtype=torch.int32, device=ids.device)
-    cursors = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
-    _align_runs_kernel[(1,)](flat, cursors, block_experts, pairs, num_experts, block_experts.numel(),
-                             BLOCK_M=block_m, BLOCK_E=triton.next_power_of_2(num_experts + 1), CHUNK=1024,
-                             BLOCK_B=64, num_warps=4)
-    _align_scatter_kernel[(triton.cdiv(pairs, 1024),)](flat, cursors, sorted_ids, pairs, CHUNK=1024, num_warps=4)
+    cursors = torch.zeros(num_experts, dtype=torch.int32, device=ids.device)  # the counts, then the runs' starts
+    block_e = triton.next_power_of_2(num_experts + 1)
+    chunks = triton.cdiv(pairs, ALIGN_CHUNK)
+    if chunks:
+        _align_count_kernel[(chunks,)](flat, cursors, pairs, num_experts, BLOCK_E=block_e, CHUNK=ALIGN_CHUNK,
+                                       num_warps=4)
+    _align_runs_kernel[(1,)](cursors, block_experts, num_experts, block_experts.numel(), BLOCK_M=block_m,
+                             BLOCK_E=block_e, BLOCK_B=64, num_warps=4)
+    if chunks:
+        _align_scatter_kernel[(chunks,)](flat, cursors, sorted_ids, pairs, CHUNK=ALIGN_CHUNK, num_warps=4)
     return sorted_ids, block_experts
+
+
+# Pairs per program of the sort's count and scatter kernels.
+ALIGN_CHUNK = 1024
 
 
 if AVAILABLE:
 
     @triton.jit
-    def _align_runs_kernel(ids_ptr, cursors_ptr, block_experts_ptr, pairs, num_experts, num_blocks,
-                           BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, BLOCK_B: tl.constexpr):
-        # One program: each expert's pair count (a histogram per chunk of pairs; past the end
-        # counts in the spare bin num_experts), its run padded to BLOCK_M, the runs' starts
-        # (cursors for the scatter) and each block's expert (-1 past the last run).
-        offs = tl.arange(0, CHUNK)
-        counts = tl.zeros([BLOCK_E], dtype=tl.int32)
-        for first in range(0, pairs, CHUNK):
-            p = first + offs
-            experts = tl.load(ids_ptr + p, mask=p < pairs, other=num_experts).to(tl.int32)
-            counts += tl.histogram(experts, BLOCK_E)
+    def _align_count_kernel(ids_ptr, counts_ptr, pairs, num_experts, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
+        # One chunk of pairs: its experts' histogram (past the end counts in the spare bin
+        # num_experts), added to the counts. Parallel over chunks: a single program walking every
+        # chunk made the sort a sizeable part of a long prefill's MoE layer.
+        p = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+        experts = tl.load(ids_ptr + p, mask=p < pairs, other=num_experts).to(tl.int32)
+        e = tl.arange(0, BLOCK_E)
+        tl.atomic_add(counts_ptr + e, tl.histogram(experts, BLOCK_E), mask=e < num_experts)
+
+    @triton.jit
+    def _align_runs_kernel(cursors_ptr, block_experts_ptr, num_experts, num_blocks,
+                           BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr):
+        # One program: each expert's pair count (cursors, as _align_count_kernel left them), its
+        # run padded to BLOCK_M, the runs' starts (written over the counts: the scatter's cursors)
+        # and each block's expert (-1 past the last run).
         e = tl.arange(0, BLOCK_E)
         real = e < num_experts
+        counts = tl.load(cursors_ptr + e, mask=real, other=0)
         padded = tl.where(real, (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)
         ends = tl.cumsum(padded, 0)
         tl.store(cursors_ptr + e, ends - padded, mask=real)
