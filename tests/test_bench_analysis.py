@@ -193,3 +193,26 @@ def test_sliding_window_layers_read_and_attend_only_their_windows_keys():
     windows = ModelArithmetic.from_core(core).layer_windows
     assert windows == tuple(int(m.sliding_window or 0) for m in runner.attention_layers)
     assert 0 in windows and any(windows)  # Gemma 3: local layers between full ones
+
+
+@pytest.mark.slow
+def test_offline_closed_loop_keeps_c_requests_in_flight_until_all_were_sent(tmp_path):
+    """bench_offline --closed-loop C: C requests at first, one more as each finishes. Ten requests
+    of three tokens four at a time run as waves of 4, 4 and 2 (three steps each: the prefill's
+    token, then two decode steps); all at once, as one wave of three steps."""
+    import json
+    import subprocess
+
+    from worker_harness import REPO, tiny_models
+
+    model = tiny_models()["llama-gqa-tied"]
+    results = {}
+    for closed in (4, 0):
+        out = tmp_path / f"closed{closed}.json"
+        subprocess.run([sys.executable, str(REPO / "scripts" / "bench_offline.py"), "--model", str(model),
+                        "--device", "cpu", "--num-requests", "10", "--input-len", "8", "--output-len", "3",
+                        "--closed-loop", str(closed), "--out", str(out)], check=True, capture_output=True, cwd=REPO)
+        results[closed] = json.loads(out.read_text())
+    assert results[4]["output_tokens"] == results[0]["output_tokens"] == 30
+    assert (results[4]["closed_loop"], results[0]["closed_loop"]) == (4, None)
+    assert (results[4]["steps"], results[0]["steps"]) == (9, 3)
