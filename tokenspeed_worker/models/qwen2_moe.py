@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from tokenspeed_worker.layers.moe import SparseMoeBlock, is_sparse_layer
-from tokenspeed_worker.models.llama import LlamaForCausalLM, LlamaMLP
+from tokenspeed_worker.models.llama import LlamaForCausalLM
+from tokenspeed_worker.models.qwen3_moe import qwen_moe_mlp
 
 
 class Qwen2MoeForCausalLM(LlamaForCausalLM):
@@ -20,12 +20,4 @@ class Qwen2MoeForCausalLM(LlamaForCausalLM):
 
     @staticmethod
     def make_mlp(config, index: int, prefix: str, bias: bool) -> tuple[str, nn.Module]:
-        if not is_sparse_layer(config, index):
-            return "mlp", LlamaMLP(config, bias=bias, prefix=f"{prefix}.mlp")
-        shared = None
-        if getattr(config, "shared_expert_intermediate_size", 0):
-            shared = LlamaMLP(config, bias=bias, prefix=f"{prefix}.mlp.shared_expert",
-                              intermediate_size=config.shared_expert_intermediate_size)
-        return "mlp", SparseMoeBlock(config.hidden_size, config.moe_intermediate_size, config.num_experts,
-                                     config.num_experts_per_tok, bool(config.norm_topk_prob), prefix=f"{prefix}.mlp",
-                                     shared_expert=shared)
+        return qwen_moe_mlp(config, index, prefix, bias, getattr(config, "shared_expert_intermediate_size", 0))

@@ -11,10 +11,21 @@ from tokenspeed_worker.models.llama import LlamaMLP
 from tokenspeed_worker.models.qwen3 import Qwen3ForCausalLM
 
 
+def qwen_moe_mlp(config, index: int, prefix: str, bias: bool, shared_expert_size: int = 0) -> tuple[str, nn.Module]:
+    """Layer `index`'s MLP in a Qwen-MoE config (Qwen3-MoE, Qwen2-MoE): a dense MLP off the sparse
+    layers (is_sparse_layer), else the experts, with a shared expert of shared_expert_size (Qwen2-MoE's
+    shared_expert_intermediate_size) beside them where it is not 0."""
+    if not is_sparse_layer(config, index):
+        return "mlp", LlamaMLP(config, bias=bias, prefix=f"{prefix}.mlp")
+    shared = None
+    if shared_expert_size:
+        shared = LlamaMLP(config, bias=bias, prefix=f"{prefix}.mlp.shared_expert", intermediate_size=shared_expert_size)
+    return "mlp", SparseMoeBlock(config.hidden_size, config.moe_intermediate_size, config.num_experts,
+                                 config.num_experts_per_tok, bool(config.norm_topk_prob), prefix=f"{prefix}.mlp",
+                                 shared_expert=shared)
+
+
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     @staticmethod
     def make_mlp(config, index: int, prefix: str, bias: bool) -> tuple[str, nn.Module]:
-        if not is_sparse_layer(config, index):
-            return "mlp", LlamaMLP(config, bias=bias, prefix=f"{prefix}.mlp")
-        return "mlp", SparseMoeBlock(config.hidden_size, config.moe_intermediate_size, config.num_experts,
-                                     config.num_experts_per_tok, bool(config.norm_topk_prob), prefix=f"{prefix}.mlp")
+        return qwen_moe_mlp(config, index, prefix, bias)
