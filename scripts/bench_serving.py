@@ -94,8 +94,23 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def engine_counters(metrics_port: int) -> dict[str, float]:
+    """The worker's step and token counters from its Prometheus endpoint (--metrics-port)."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    wanted = {"tokenspeed:step_duration_seconds_count": "steps", "tokenspeed:step_duration_seconds_sum": "step_s",
+              "tokenspeed:generation_tokens_total": "tokens"}
+    out = {}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in wanted:
+            out[wanted[name]] = out.get(wanted[name], 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
 def run_level(stub, concurrency, prompt_len, output_len, rounds, vocab, seed, address=None, pool=None,
-              closed_loop=False, server_pid=None, stream=True):
+              closed_loop=False, server_pid=None, stream=True, engine_pid=None, metrics_port=None):
     """`rounds` waves of `concurrency` streams (each wave starts when the last one has ended), or with
     closed_loop `concurrency` streams that each run `rounds` requests back to back (a stream starts
     its next request as soon as its last one ends, as an engine with `concurrency` running requests
@@ -106,6 +121,8 @@ def run_level(stub, concurrency, prompt_len, output_len, rounds, vocab, seed, ad
     results: list[dict] = []
     total = concurrency * rounds
     cpu0 = cpu_seconds(server_pid) if server_pid else None
+    engine_cpu0 = cpu_seconds(engine_pid) if engine_pid else None
+    counters0 = engine_counters(metrics_port) if metrics_port else None
     t0 = time.perf_counter()
     if closed_loop:
         queues = [[(f"bench-{concurrency}-{i}-{r}", rng.integers(10, vocab - 10, prompt_len).tolist())
@@ -139,6 +156,20 @@ def run_level(stub, concurrency, prompt_len, output_len, rounds, vocab, seed, ad
         cpu = cpu_seconds(server_pid) - cpu0
         server = {"server_cpu_s": cpu, "server_cpu_fraction_of_wall": cpu / wall,
                   "server_cpu_us_per_output_token": 1e6 * cpu / max(tokens, 1)}
+    # The engine's side of the same level: its process's CPU share (near 1: its host work, not the
+    # device, sets the pace), and its steps from the worker's counters: how many, and how full (rows
+    # per step against the C of an engine kept at C running requests: below C, the engine ran emptier
+    # batches than offline; fewer steps per second at full rows: slower steps).
+    if engine_cpu0 is not None:
+        server["engine_cpu_fraction_of_wall"] = (cpu_seconds(engine_pid) - engine_cpu0) / wall
+    if counters0 is not None:
+        counters = engine_counters(metrics_port)
+        steps = counters.get("steps", 0.0) - counters0.get("steps", 0.0)
+        made = counters.get("tokens", 0.0) - counters0.get("tokens", 0.0)
+        server.update(engine_steps=int(steps), engine_steps_per_s=steps / wall,
+                      engine_tokens_per_step=made / steps if steps else None,
+                      engine_step_ms_mean=1000 * (counters.get("step_s", 0.0) - counters0.get("step_s", 0.0)) / steps
+                      if steps else None)
     return {
         **server,
         "concurrency": concurrency, "closed_loop": closed_loop, "stream": stream, "requests": len(results),
@@ -264,10 +295,13 @@ def main() -> int:
     ap.add_argument("--no-stream", action="store_true",
                     help="non-streaming Generate calls (one GenerateComplete each, as the gateway sends for "
                          "stream=false): no inter-token latency, TTFT is the whole request's")
+    ap.add_argument("--engine-steps", action="store_true",
+                    help="start the worker with --enable-metrics and report the engine's steps per level (how "
+                         "many per second, tokens per step); the metrics cost the server some CPU")
     ap.add_argument("worker_args", nargs="*", help="extra worker flags (after --)")
     args = ap.parse_args()
 
-    worker = None
+    worker = metrics_port = None
     startup_s = worker_ready_s = None
     startup_phases: dict[str, float] = {}
     if args.address:
@@ -278,8 +312,13 @@ def main() -> int:
         model = args.model or str(smollm2_dir())
         print(f"starting worker for {model}", flush=True)
         t_launch = time.perf_counter()
+        from worker_harness import free_port
+
+        metrics_port = free_port() if args.engine_steps else None
         worker = Worker(model, "--max-model-len", str(max(2048, args.prompt_len + args.output_len + 8)),
-                        *args.worker_args, startup_timeout=args.startup_timeout)
+                        *(["--enable-metrics", "--metrics-port", str(metrics_port)] if metrics_port else []),
+                        *args.worker_args,
+                        startup_timeout=args.startup_timeout)
         startup_s = time.perf_counter() - t_launch  # launch to grpc.health.v1 SERVING
         log = worker.log()
         ready = re.search(r"ready ([0-9.]+) s after launch", log)  # the worker's own figure, from its creation
@@ -294,6 +333,7 @@ def main() -> int:
     info = stub.GetModelInfo(pb.GetModelInfoRequest())
     server = stub.GetServerInfo(pb.GetServerInfoRequest())
     subscription = KvSubscription(stub) if args.subscribe else None
+    engine_pid = int(server.scheduler_info["engine_pid"]) if worker and "engine_pid" in server.scheduler_info else None
     pool = None
     if args.client_procs > 1:
         import multiprocessing
@@ -312,7 +352,8 @@ def main() -> int:
         if pool is not None:
             run_level(stub, args.client_procs, args.prompt_len, 4, 1, info.vocab_size, 0, address, pool)
         levels = [run_level(stub, c, args.prompt_len, args.output_len, args.rounds, info.vocab_size, 1, address, pool,
-                            args.closed_loop, worker.proc.pid if worker else None, not args.no_stream)
+                            args.closed_loop, worker.proc.pid if worker else None, not args.no_stream,
+                            engine_pid, metrics_port)
                   for c in args.concurrency]
     finally:
         if subscription is not None:
@@ -369,6 +410,11 @@ def main() -> int:
         if "server_cpu_s" in lv:
             extra += (f"; server process CPU {100 * lv['server_cpu_fraction_of_wall']:.0f}% of the wall, "
                       f"{lv['server_cpu_us_per_output_token']:.0f} us per token")
+        if "engine_cpu_fraction_of_wall" in lv:
+            extra += f"; engine process CPU {100 * lv['engine_cpu_fraction_of_wall']:.0f}%"
+        if lv.get("engine_tokens_per_step"):
+            extra += (f"; engine {lv['engine_steps_per_s']:.0f} steps/s, {lv['engine_tokens_per_step']:.1f} tokens "
+                      f"per step, {lv['engine_step_ms_mean']:.2f} ms launch to output")
         print(f"C={lv['concurrency']:>3}: {lv['output_tok_s']:8.1f} output tok/s, "
               f"{lv['per_stream_tok_s']:6.1f} tok/s per stream, TTFT {lv['ttft_ms_median']:.0f} ms, "
               + (f"ITL median {lv['itl_ms_median']:.1f} ms p99 {lv['itl_ms_p99']:.1f} ms" if lv["itl_ms_median"] is not None

@@ -36,7 +36,11 @@ def figures(suite: str, r: dict) -> list[tuple[str, str, float, str]]:
                      f"ITL p50 {lv['itl_ms_median']:.2f} / p99 {lv['itl_ms_p99']:.1f} ms"
                      if lv.get("itl_ms_median") is not None else "not streamed") + (
                      f", server process CPU {100 * lv['server_cpu_fraction_of_wall']:.0f}% of the wall "
-                     f"({lv['server_cpu_us_per_output_token']:.0f} us/token)" if "server_cpu_s" in lv else ""))
+                     f"({lv['server_cpu_us_per_output_token']:.0f} us/token)" if "server_cpu_s" in lv else "") + (
+                     f", engine process CPU {100 * lv['engine_cpu_fraction_of_wall']:.0f}%"
+                     if "engine_cpu_fraction_of_wall" in lv else "") + (
+                     f", engine {lv['engine_steps_per_s']:.0f} steps/s of {lv['engine_tokens_per_step']:.1f} tokens"
+                     if lv.get("engine_tokens_per_step") else ""))
                 for lv in r["levels"]]
         if r.get("startup_s") is not None:
             rows.append(("startup", "s", r["startup_s"], f"launch to healthy; the worker's own ready line "

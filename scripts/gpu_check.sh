@@ -17,7 +17,8 @@
 #   serving    bench_serving.py through the CLI and gRPC, 1B shape (SERVING_MODEL), C=1 64 256 (SERVING_C)
 #              from 8 client processes, a SubscribeKvEvents stream held open (SERVING_SUBSCRIBE=0: none);
 #              the JSON has the launch-to-healthy startup_s; SERVING_CLOSED=1: each of the C streams runs
-#              SERVING_ROUNDS requests back to back (closed loop) instead of waves of C
+#              SERVING_ROUNDS requests back to back (closed loop) instead of waves of C; SERVING_STEPS=1:
+#              the worker with metrics on, the engine's steps per second and tokens per step per level
 #   prefix     bench_prefix.py, 1B shape (SERVING_MODEL), prefix cache on and off
 #   sampler    bench_sampler.py, batch 256 x vocab 128,256
 #   startup    startup_probe.py: an engine process's first steps (torch, the CUDA driver and context, triton,
@@ -370,7 +371,8 @@ suite_serving() {
   [ -n "${SERVING_PYSPY:-}" ] && ! dry && pyspy_worker "$OUT/logs/pyspy_serving_${case}${tag:+_$tag}.txt"
   bench serving "$case" "${SERVING_TIMEOUT:-300}" scripts/bench_serving.py --model "$SERVING_MODEL" \
     --concurrency ${SERVING_C:-1 64 256} --prompt-len 128 --output-len 128 --rounds "${SERVING_ROUNDS:-2}" \
-    --client-procs 8 $sub $([ "${SERVING_CLOSED:-0}" = 1 ] && echo --closed-loop) -- --load-format dummy ${SERVING_ARGS:-}
+    --client-procs 8 $sub $([ "${SERVING_CLOSED:-0}" = 1 ] && echo --closed-loop) \
+    $([ "${SERVING_STEPS:-0}" = 1 ] && echo --engine-steps) -- --load-format dummy ${SERVING_ARGS:-}
   # Where the startup went: the worker's own log lines of its phases (its log stays on the machine).
   dry || grep -hE "startup|CUDA graphs: captured|KV pool sizing|engine ready|warm-up|serving .* on|first seen while" \
     "$(ls -t "$tree"/.cache/logs/worker-*.log 2>/dev/null | head -1)" 2>/dev/null | cut -c1-300 \

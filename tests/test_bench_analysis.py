@@ -148,6 +148,42 @@ def test_serving_figures_carry_the_server_processs_cpu_where_measured(tmp_path):
     measured = dict(level, server_cpu_s=3.9, server_cpu_fraction_of_wall=0.97, server_cpu_us_per_output_token=29.7)
     (row,) = bench_summary.figures("serving", {"levels": [measured]})
     assert row[2] == 33000.0 and "server process CPU 97% of the wall (30 us/token)" in row[3]
+    assert "engine" not in row[3]
+    engine = dict(measured, engine_cpu_fraction_of_wall=0.55, engine_steps_per_s=540.0, engine_tokens_per_step=61.1)
+    (row,) = bench_summary.figures("serving", {"levels": [engine]})
+    assert "engine process CPU 55%, engine 540 steps/s of 61.1 tokens" in row[3]
+
+
+def test_serving_reads_the_engines_steps_from_the_workers_metrics():
+    """bench_serving counts the engine's steps and generated tokens over a level from the worker's
+    Prometheus text (the step histogram's count and sum, the token counter), summed over labels."""
+    import http.server
+    import threading
+
+    import bench_serving
+
+    text = (b'# HELP x\ntokenspeed:step_duration_seconds_count{model_name="m"} 120.0\n'
+            b'tokenspeed:step_duration_seconds_sum{model_name="m"} 0.25\n'
+            b'tokenspeed:step_duration_seconds_bucket{le="0.001",model_name="m"} 3.0\n'
+            b'tokenspeed:generation_tokens_total{model_name="m"} 7680.0\n'
+            b'tokenspeed:generation_tokens_created{model_name="m"} 1.7e9\n')
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(text)
+
+        def log_message(self, *a):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        got = bench_serving.engine_counters(server.server_address[1])
+    finally:
+        server.shutdown()
+    assert got == {"steps": 120.0, "step_s": 0.25, "tokens": 7680.0}
 
 
 def test_sliding_window_layers_read_and_attend_only_their_windows_keys():
