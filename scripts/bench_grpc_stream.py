@@ -43,11 +43,12 @@ class _Streamer(pb_grpc.TokenSpeedSchedulerServicer):
                 token_ids=[i], prompt_tokens=128, completion_tokens=i + 1))
 
 
-def _serve(port: int, messages: int, ready, guard: bool) -> None:
+def _serve(port: int, messages: int, ready, guard: bool, options: list) -> None:
     async def main() -> None:
         from tokenspeed_worker.server.decode_guard import guarded
+        from tokenspeed_worker.server.launch import GRPC_OPTIONS
 
-        server = grpc.aio.server()
+        server = grpc.aio.server(options=[*GRPC_OPTIONS, *options])  # the worker's options, then these
         pb_grpc.add_TokenSpeedSchedulerServicer_to_server(_Streamer(messages), guarded(server) if guard else server)
         server.add_insecure_port(f"127.0.0.1:{port}")
         await server.start()
@@ -84,14 +85,22 @@ def main() -> int:
     ap.add_argument("--client-procs", type=int, default=4)
     ap.add_argument("--guarded", action="store_true",
                     help="register the servicer as the worker does (server/decode_guard.guarded)")
+    ap.add_argument("--server-option", action="append", default=[], metavar="KEY=VALUE",
+                    help="a grpc server channel argument beside the worker's (an integer value stays one), "
+                         "e.g. grpc.http2.bdp_probe=0")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    options = []
+    for item in args.server_option:
+        key, _, value = item.partition("=")
+        options.append((key, int(value) if value.lstrip("-").isdigit() else value))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     ready = ctx.Event()
-    server = ctx.Process(target=_serve, args=(port, args.messages, ready, args.guarded), daemon=True)
+    server = ctx.Process(target=_serve, args=(port, args.messages, ready, args.guarded, options),
+                        daemon=True)
     server.start()
     ready.wait()
 
@@ -111,7 +120,7 @@ def main() -> int:
     seconds, cpu = time.perf_counter() - t0, cpu_seconds(server.pid) - cpu0
     server.terminate()
     n = args.waves * args.concurrency * args.messages
-    result = {"guarded": args.guarded, "messages": n, "seconds": seconds, "messages_per_s": n / seconds, "server_cpu_s": cpu,
+    result = {"guarded": args.guarded, "server_options": dict(options), "messages": n, "seconds": seconds, "messages_per_s": n / seconds, "server_cpu_s": cpu,
               "server_cpu_us_per_message": cpu / n * 1e6, "concurrency": args.concurrency,
               "messages_per_call": args.messages, "client_procs": args.client_procs, "cpus": os.cpu_count(),
               "grpc": grpc.__version__, "date": time.strftime("%Y-%m-%d")}
