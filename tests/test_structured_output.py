@@ -16,7 +16,7 @@ pytest.importorskip("xgrammar")
 
 from tokenspeed_worker.config import EngineConfig  # noqa: E402
 from tokenspeed_worker.engine.engine_core import EngineCore  # noqa: E402
-from tokenspeed_worker.engine.messages import AddRequest  # noqa: E402
+from tokenspeed_worker.engine.messages import FINISH_STOP, AddRequest  # noqa: E402
 from tokenspeed_worker.sampling.params import SamplingParams  # noqa: E402
 from tokenspeed_worker.proto import tokenspeed_scheduler_pb2 as pb  # noqa: E402
 from worker_harness import Worker, smollm2_dir  # noqa: E402
@@ -452,4 +452,29 @@ def test_speculative_drafts_follow_the_grammar(core, tok):
     assert failures == [] and got == want and got_reasons == want_reasons
     json.loads(text(tok, got[2]))
     assert spec.spec_accepted_tokens > 0
+    assert not spec.grammars.active and spec.scheduler.num_used_tokens == 0
+
+
+def test_a_constrained_request_after_a_verified_step_that_ended_a_request_mid_draft(core, tok):
+    """NGRAM: a request ends on a stop token inside a verified step (the step's output drops the
+    drafts after it), then a constrained request arrives: its first mask must not replay that
+    step's tokens into the matchers (the verified step advanced them itself), nor fail the engine.
+    Found through the gateway: the engine died with a shape mismatch and took the worker down."""
+    m = str(smollm2_dir())
+    spec = EngineCore(EngineConfig.build(m, dtype="float32", max_model_len=512, max_num_seqs=8,
+                                         max_total_tokens=8192, tokenizer_path=m, speculative_algorithm="NGRAM",
+                                         num_speculative_tokens=4))
+    repeat = [16, 28, 30, 33, 35, 37, 42, 45, 51, 60] * 8
+    # The model copies the pattern: a verified step drafts 30 33 35 37 42 and keeps them, and the
+    # stop token 35 ends the request at the third, so the step outputs 3 of its 5 positions.
+    stopper = AddRequest(1, np.asarray(repeat, np.int32), 30, SamplingParams(temperature=0.0, stop_token_ids=[35]))
+    outs, reasons, failures, _ = run(spec, [stopper])
+    assert failures == [] and reasons[1] == FINISH_STOP and outs[1][-3:] == [30, 33, 35]
+    last = spec._last_launched
+    assert last.verify is not None and last.out.req_ids.shape[0] < last.rows.shape[0]
+    constrained = [request(tok, 2, repeat, ("regex", "[a-z]{5,20}"), max_new=24)]
+    want = run(core, [request(tok, 2, repeat, ("regex", "[a-z]{5,20}"), max_new=24)])
+    got = run(spec, constrained)
+    assert got[2] == [] and got[0] == want[0] and got[1] == want[1]
+    assert re.fullmatch("[a-z]{5,20}", text(tok, got[0][2]))
     assert not spec.grammars.active and spec.scheduler.num_used_tokens == 0

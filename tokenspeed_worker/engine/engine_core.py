@@ -532,8 +532,10 @@ class EngineCore:
         launch order. Called when the next step's mask needs them (in its launch, after its forward
         was enqueued, so the wait overlaps that forward) or, at the latest, when `launched` completes.
         A row whose request ended since the launch (released, or its row given to another request:
-        engine request ids are unique) is skipped."""
-        if launched.grammar_accepted:
+        engine request ids are unique) is skipped. A verified step (drafts) is never replayed here:
+        its kept tokens advanced the matchers in _resolve_verified, when grammars were active then,
+        and its output no longer has one entry per launched position."""
+        if launched.grammar_accepted or launched.verify is not None:
             return
         launched.grammar_accepted = True
         sampled = launched.sampled
