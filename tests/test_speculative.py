@@ -493,7 +493,12 @@ def test_grpc_bad_speculative_flags_are_refused_at_startup():
                           (["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "1"],
                            "--speculative-num-draft-tokens"),
                           (["--speculative-algorithm", "NGRAM", "--speculative-ngram-min-match-window-size", "5",
-                            "--speculative-ngram-max-match-window-size", "2"], "window")):
+                            "--speculative-ngram-max-match-window-size", "2"], "window"),
+                          # a speculative flag without the algorithm that reads it: refused, not ignored
+                          (["--speculative-num-draft-tokens", "5"],
+                           "--speculative-num-draft-tokens: only used with --speculative-algorithm"),
+                          (["--speculative-algorithm", "NGRAM", "--eagle3-layers-to-capture", "1"],
+                           "--eagle3-layers-to-capture: only used with --speculative-algorithm EAGLE3; not with NGRAM")):
         r = subprocess.run([sys.executable, "-m", "tokenspeed_worker", model, *flags], capture_output=True,
                            text=True, timeout=120)
         assert r.returncode != 0 and needle in r.stderr, (flags, r.stderr[-2000:])

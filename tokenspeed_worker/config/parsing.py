@@ -9,6 +9,7 @@ so `tokenspeed-worker --help` and the server's part of startup stay fast.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import typing
@@ -262,10 +263,35 @@ def _resolve_speculative_config(args: ServerArgs) -> None:
         args.speculative_num_steps = count
 
 
+# The speculative flags and the algorithms that read them: one given (not at its default) without
+# any of them would be ignored in silence (an operator who forgot --speculative-algorithm believes
+# speculation is on), so it is refused, naming the flag.
+_SPECULATIVE_FLAG_USERS = {
+    "speculative_draft_model_path": ("EAGLE3",),
+    "speculative_num_steps": ("NGRAM", "EAGLE3"),
+    "speculative_num_draft_tokens": ("NGRAM", "EAGLE3"),
+    "speculative_eagle_topk": ("EAGLE3",),
+    "eagle3_layers_to_capture": ("EAGLE3",),
+    "speculative_ngram_min_match_window_size": ("NGRAM",),
+    "speculative_ngram_max_match_window_size": ("NGRAM",),
+}
+
+
+def _check_speculative_flags(args: ServerArgs) -> None:
+    defaults = {f.name: f.default for f in dataclasses.fields(ServerArgs)}
+    algorithm = args.speculative_algorithm
+    for dest, users in _SPECULATIVE_FLAG_USERS.items():
+        if getattr(args, dest) != defaults[dest] and algorithm not in users:
+            flag = OPTIONS_BY_DEST[dest].flag
+            now = "it is not set" if algorithm is None else f"not with {algorithm}"
+            raise ValueError(f"argument {flag}: only used with --speculative-algorithm {' or '.join(users)}; {now}")
+
+
 def _resolve(args: ServerArgs) -> None:
     """Fill the defaults that depend on other values or on the machine."""
     if args.speculative_config is not None:
         _resolve_speculative_config(args)
+    _check_speculative_flags(args)
     if args.eagle3_layers_to_capture is not None:
         try:
             [int(x) for x in args.eagle3_layers_to_capture.split(",")]
