@@ -221,7 +221,7 @@ def generate_requests(draw, vocab):
     if "sampling_params" not in wild:
         req.sampling_params.CopyFrom(draw(sampling_params(vocab, wild)))
     req.return_logprob = draw(st.booleans())
-    lsl = draw(st.sampled_from([0, 1, I32_MAX] if "logprob_start_len" in wild else [None, -1, I32_MIN]))
+    lsl = draw(st.sampled_from([0, 1, I32_MAX, -2, I32_MIN] if "logprob_start_len" in wild else [None, -1]))
     if lsl is not None:
         req.logprob_start_len = lsl
     req.top_logprobs_num = draw(INT32 if "top_logprobs_num" in wild else st.sampled_from([0, 0, 1, 5, 20]))

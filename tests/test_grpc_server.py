@@ -461,6 +461,8 @@ BAD = [
      "INVALID_ARGUMENT" if importlib.util.find_spec("xgrammar") else "UNIMPLEMENTED", "json_schema"),
     ("prompt logprobs", lambda: pb.GenerateRequest(request_id="b2", tokenized=pb.TokenizedInput(input_ids=PROMPT),
                                                      logprob_start_len=0), "UNIMPLEMENTED", "logprob_start_len"),
+    ("prompt logprobs below -1", lambda: pb.GenerateRequest(request_id="b5", tokenized=pb.TokenizedInput(
+        input_ids=PROMPT), logprob_start_len=-2), "INVALID_ARGUMENT", "logprob_start_len"),
     ("multimodal", lambda: pb.GenerateRequest(request_id="b3", tokenized=pb.TokenizedInput(input_ids=PROMPT),
                                                 mm_inputs=pb.MultimodalInputs()), "UNIMPLEMENTED", "mm_inputs"),
     ("pd disaggregation", lambda: pb.GenerateRequest(

@@ -224,3 +224,44 @@ def test_nvlink_multicast_is_off_by_default_for_nccl(monkeypatch):
         monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
         distributed.shutdown()
     assert distributed.size() == 1
+
+
+def test_parallel_sizes_that_cannot_split_the_model_are_named_before_any_rank_starts():
+    """config.json against --tensor-parallel-size / --ep-size: heads, key/value heads, experts and
+    MLP rows that do not split are one error naming the flag (the CLI exits 2 before spawning)."""
+    from tokenspeed_worker.models.registry import check_parallel_fit
+
+    dense = {"num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336}
+    for tp in (1, 2, 4, 8, 16, 32):
+        check_parallel_fit(dense, tp, 1)  # 16 and 32 ranks share the 8 key/value heads
+    with pytest.raises(ValueError, match=r"--tensor-parallel-size 3: the model's 32 attention heads"):
+        check_parallel_fit(dense, 3, 1)
+    with pytest.raises(ValueError, match=r"--tensor-parallel-size 4: the model's 6 key/value heads"):
+        check_parallel_fit(dict(dense, num_key_value_heads=6), 4, 1)
+    with pytest.raises(ValueError, match=r"--tensor-parallel-size 8: the MLP's intermediate rows"):
+        check_parallel_fit(dict(dense, intermediate_size=1004), 8, 1)
+    qwen3_moe = {"num_attention_heads": 32, "num_key_value_heads": 4, "num_experts": 128,
+                 "moe_intermediate_size": 768, "intermediate_size": 6144, "mlp_only_layers": [],
+                 "decoder_sparse_step": 1}
+    check_parallel_fit(qwen3_moe, 8, 8)
+    check_parallel_fit(dict(qwen3_moe, intermediate_size=1004), 8, 1)  # no dense layer uses it
+    with pytest.raises(ValueError, match=r"--ep-size 3: the model's 128 experts cannot be dealt evenly"):
+        check_parallel_fit(dict(qwen3_moe, num_attention_heads=48, num_key_value_heads=6), 6, 3)
+    with pytest.raises(ValueError, match=r"--tensor-parallel-size / --ep-size 16 / 2: each expert's intermediate"):
+        check_parallel_fit(dict(qwen3_moe, num_attention_heads=64, moe_intermediate_size=100), 16, 2)
+    with pytest.raises(ValueError, match=r"the dense layers' intermediate rows \(1004\)"):
+        check_parallel_fit(dict(qwen3_moe, intermediate_size=1004, mlp_only_layers=[0]), 8, 8)
+    mixtral = {"num_attention_heads": 32, "num_key_value_heads": 8, "num_local_experts": 8, "intermediate_size": 14336}
+    with pytest.raises(ValueError, match=r"--ep-size 16: the model's 8 experts"):
+        check_parallel_fit(mixtral, 16, 16)
+    with pytest.raises(ValueError, match=r"the shared expert's intermediate rows \(100\)"):
+        check_parallel_fit(dict(qwen3_moe, shared_expert_intermediate_size=100), 8, 1)
+    gemma3 = {"architectures": ["Gemma3ForConditionalGeneration"],
+              "text_config": {"num_attention_heads": 8, "num_key_value_heads": 4, "intermediate_size": 15360}}
+    with pytest.raises(ValueError, match=r"the model's 8 attention heads"):
+        check_parallel_fit(gemma3, 16, 1)
+
+    from test_hub_cache import refused
+
+    (error,) = refused([str(tiny_models()["llama-gqa-tied"]), "--tensor-parallel-size", "3"])
+    assert "--tensor-parallel-size 3: the model's 4 attention heads (num_attention_heads)" in error, error

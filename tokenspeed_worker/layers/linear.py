@@ -63,7 +63,8 @@ def load_into(param: nn.Parameter, loaded: torch.Tensor) -> int:
 
 def _divide(total: int, parts: int, what: str) -> int:
     if total % parts:
-        raise ValueError(f"{what} ({total}) is not divisible by the tensor-parallel size {parts}")
+        raise ValueError(f"{what} ({total}) is not divisible by the tensor-parallel size {parts} "
+                         f"(--tensor-parallel-size)")
     return total // parts
 
 

@@ -66,3 +66,43 @@ def get_model_class(config) -> type[nn.Module]:
             module = importlib.import_module(f"tokenspeed_worker.models.{module_name}")
             return getattr(module, class_name)
     raise ValueError(_unsupported(architectures))
+
+
+def check_parallel_fit(config: dict, tp: int, ep: int) -> None:
+    """ValueError naming the flag when --tensor-parallel-size / --ep-size cannot split the model
+    whose config.json is `config` (a dict; a multimodal one's text_config counts): attention heads
+    and key/value heads over the tensor-parallel ranks, experts over the expert-parallel groups,
+    the MLP rows over the ranks that split them. Run before any rank is spawned; the layers check
+    the same as they split (and what this leaves out, such as FP8 blocks)."""
+    text = config.get("text_config") or {}
+
+    def get(key: str):
+        return text.get(key, config.get(key))
+
+    if tp > 1:
+        heads = get("num_attention_heads")
+        if heads and heads % tp:
+            raise ValueError(f"--tensor-parallel-size {tp}: the model's {heads} attention heads "
+                             f"(num_attention_heads) do not split evenly over {tp} ranks")
+        kv = get("num_key_value_heads") or heads
+        if kv and kv % tp and tp % kv:
+            raise ValueError(f"--tensor-parallel-size {tp}: the model's {kv} key/value heads (num_key_value_heads) "
+                             f"neither split evenly over {tp} ranks nor divide it")
+    experts = get("num_experts") or get("num_local_experts")
+    if experts and ep > 1 and experts % ep:
+        raise ValueError(f"--ep-size {ep}: the model's {experts} experts cannot be dealt evenly to {ep} "
+                         f"expert-parallel groups")
+    rows = []  # (MLP rows, the ranks splitting them, what they are)
+    if experts:
+        rows.append((get("moe_intermediate_size") or get("intermediate_size"), tp // max(ep, 1),
+                     "each expert's intermediate rows"))
+        rows.append((get("shared_expert_intermediate_size"), tp, "the shared expert's intermediate rows"))
+        if get("mlp_only_layers") or (get("decoder_sparse_step") or 1) > 1:
+            rows.append((get("intermediate_size"), tp, "the dense layers' intermediate rows"))
+    else:
+        rows.append((get("intermediate_size"), tp, "the MLP's intermediate rows (intermediate_size)"))
+    for size, ranks, what in rows:
+        if size and ranks > 1 and size % ranks:
+            flags = "--tensor-parallel-size" if ranks == tp else "--tensor-parallel-size / --ep-size"
+            raise ValueError(f"{flags} {tp}{'' if ranks == tp else f' / {ep}'}: {what} ({size}) do not split "
+                             f"evenly over {ranks} ranks")

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import json
 import time
 import logging
 import signal
 import socket
 import threading
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -27,7 +29,7 @@ from grpc_reflection.v1alpha import reflection
 
 from tokenspeed_worker.config import EngineConfig, ServerArgs, ServerConfig, WorkerConfig
 from tokenspeed_worker.config.hub_cache import resolve_hub_ids
-from tokenspeed_worker.models.registry import check_architectures
+from tokenspeed_worker.models.registry import check_architectures, check_parallel_fit
 from tokenspeed_worker.engine.messages import AddRequest
 from tokenspeed_worker.proto import tokenspeed_scheduler_pb2_grpc as pb_grpc
 from tokenspeed_worker.sampling.params import SamplingParams
@@ -363,6 +365,9 @@ def run_server(args: ServerArgs, launched: float | None = None) -> int:
         return 2
     try:
         check_architectures(facts.architectures)  # before an engine is spawned to find out
+        parallel = engine_cfg.parallel
+        check_parallel_fit(json.loads((Path(args.model) / "config.json").read_text()),
+                           parallel.tensor_parallel_size, parallel.expert_parallel_size)
     except ValueError as e:
         logger.error("%s", e)
         return 2

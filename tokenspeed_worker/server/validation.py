@@ -174,6 +174,8 @@ def _token_ids_logprob(req, facts: ModelFacts) -> list[int]:
             raise _invalid(f"token_ids_logprob: token id {t} is out of range (vocab_size {facts.vocab_size})")
     if len(logprob_ids) > MAX_TOKEN_IDS_LOGPROB:
         raise _invalid(f"token_ids_logprob: at most {MAX_TOKEN_IDS_LOGPROB} ids")
+    if req.HasField("logprob_start_len") and req.logprob_start_len < -1:
+        raise _invalid(f"logprob_start_len: must be -1 (no prompt logprobs) or unset, got {req.logprob_start_len}")
     if req.HasField("logprob_start_len") and req.logprob_start_len >= 0:
         # GenerateComplete/GenerateStreamChunk carry output_logprobs only: the TokenSpeed wire has
         # no field for prompt (input) logprobs, so they could not reach the client.
