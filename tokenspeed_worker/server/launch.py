@@ -273,7 +273,8 @@ async def _drain(engine: EngineClient, servicer: TokenSpeedSchedulerServicer, ti
     loop = asyncio.get_running_loop()
     now = now if now is not None else asyncio.Event()
     deadline = loop.time() + timeout
-    logger.info("draining %d request(s) for up to %.0fs", len(engine.requests), timeout)
+    # Counted as the gateway sees them: requests (Generate calls), not their samples (n > 1).
+    logger.info("draining %d request(s) for up to %.0fs", len(engine.by_request_id), timeout)
     while engine.requests and loop.time() < deadline and engine.dead_message is None and not now.is_set():
         try:
             await asyncio.wait_for(now.wait(), 0.05)
