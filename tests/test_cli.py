@@ -286,11 +286,13 @@ def test_config_lists_and_mappings(tmp_path: Path) -> None:
         model: /m
         cudagraph-capture-sizes: [1, 2, 4]
         hf_overrides: {}
+        speculative-config: {method: ngram, num_speculative_tokens: 4}
         """,
     )
     args = parse("--config", path)
     assert args.cudagraph_capture_sizes == [1, 2, 4]
     assert args.hf_overrides == "{}"
+    assert args.speculative_algorithm == "NGRAM" and args.speculative_num_steps == 4
 
 
 def test_config_false_for_a_plain_flag_keeps_it_off(tmp_path: Path) -> None:
@@ -305,6 +307,11 @@ def test_config_false_for_a_plain_flag_keeps_it_off(tmp_path: Path) -> None:
         ("model: /m\nenforce-eager: 1\n", "'enforce-eager' must be a YAML boolean"),
         ("model: /m\ncudagraph-capture-sizes: 4\n", "'cudagraph-capture-sizes' must be a non-empty YAML list"),
         ("model: /m\nmax-num-seqs: true\n", "'max-num-seqs' takes a int"),
+        # a YAML list or mapping only for the options whose value is JSON text
+        ("model: /m\nserved-model-name: [a, b]\n", "'served-model-name' takes a plain string, got the YAML list"),
+        ("model: /m\nhost: [127.0.0.1]\n", "'host' takes a plain string, got the YAML list"),
+        ("model: /m\napi-key: {a: 1}\n", "'api-key' takes a plain string, got the YAML dict"),
+        ("model: /m\nmax-num-seqs: [3]\n", "'max-num-seqs' takes a int, got the YAML list"),
         ("model: /m\ndtype: int8\n", "argument --dtype: invalid choice: 'int8'"),
         ("model: /m\nport: 1\ngrpc_port: 2\n", "sets --grpc-port a second time"),
         ("model: /m\nconfig: other.yaml\n", "cannot name another config file"),

@@ -367,6 +367,17 @@ def test_profile_writes_a_chrome_trace(worker, tmp_path):
     assert worker.stub.StartProfile(common_pb2.StartProfileRequest(output_dir=str(steps_dir), num_steps=2)).success
     run(worker, gen(PROMPT, max_new_tokens=6, temperature=0.0))
     assert len(list(steps_dir.glob("*.trace.json"))) == 1
+    # The first StopProfile after it names that file; a second has nothing to stop.
+    r = worker.stub.StopProfile(common_pb2.StopProfileRequest())
+    assert r.success and "already finished" in r.message and str(steps_dir) in r.message
+    r = worker.stub.StopProfile(common_pb2.StopProfileRequest())
+    assert not r.success and "no profile" in r.message
+    # Profiles stopped within one second keep a file each.
+    fast = tmp_path / "fast"
+    for _ in range(3):
+        assert worker.stub.StartProfile(common_pb2.StartProfileRequest(output_dir=str(fast))).success
+        assert worker.stub.StopProfile(common_pb2.StopProfileRequest()).success
+    assert len(list(fast.glob("tokenspeed-engine-*.trace.json"))) == 3
     with pytest.raises(grpc.RpcError) as e:
         worker.stub.StartProfile(common_pb2.StartProfileRequest(output_dir="relative/dir"))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "output_dir" in e.value.details()

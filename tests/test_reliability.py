@@ -194,11 +194,16 @@ def test_api_key_guards_every_rpc_but_health(model_dir):
             lambda md: list(w.stub.Generate(gen(max_new_tokens=2), metadata=md, timeout=10)),
             lambda md: list(w.stub.GetTokenizer(common_pb2.GetTokenizerRequest(), metadata=md, timeout=10)),
         ]
+        # The scheme in any case (RFC 7235); the key exactly, after one space.
+        lower = (("authorization", "bearer s3cret"),)
+        wrong = [bad, (("authorization", "Basic s3cret"),), (("authorization", "Bearer S3CRET"),),
+                 (("authorization", "s3cret"),), (("authorization", "Bearers3cret"),)]
         for call in calls:
-            for md in (None, bad):
+            for md in (None, *wrong):
                 with pytest.raises(grpc.RpcError) as e:
                     call(md)
                 assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED and "authorization" in e.value.details()
             call(good)  # the right key works
+            call(lower)
     finally:
         assert w.stop() == 0

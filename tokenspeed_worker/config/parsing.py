@@ -112,6 +112,12 @@ def build_parser() -> argparse.ArgumentParser:
 # --------------------------------------------------------------------------- --config
 
 
+# The options whose value is JSON text: in a --config file they may be written as YAML mappings or
+# lists. Any other option given one is refused (a list for --host would become '["..."]').
+_JSON_OPTIONS = frozenset({"hf_overrides", "speculative_config", "kv_events_config",
+                           "kvstore_storage_backend_extra_config"})
+
+
 def _config_tokens(key: str, option: Option, value: Any) -> list[str]:
     """Command-line tokens equivalent to one --config entry (so it is validated the same way)."""
     if option.kind is bool:
@@ -127,8 +133,9 @@ def _config_tokens(key: str, option: Option, value: Any) -> list[str]:
             raise _ParseError(f"key {key!r} must be a non-empty YAML list, got {value!r}")
         return [option.flag, *(str(item) for item in value)]
     if isinstance(value, dict | list):
-        if option.kind is not str:
-            raise _ParseError(f"key {key!r} takes a {option.kind.__name__}, got {value!r}")
+        if option.dest not in _JSON_OPTIONS:
+            kind = "plain string" if option.kind is str else option.kind.__name__
+            raise _ParseError(f"key {key!r} takes a {kind}, got the YAML {type(value).__name__} {value!r}")
         value = json.dumps(value)  # JSON-valued options may be written as YAML mappings
     return [f"{option.flag}={value}"]
 

@@ -1,6 +1,7 @@
 """StartProfile / StopProfile: torch.profiler traces of the engine process.
 
-The trace is a Chrome-trace JSON file (`<output_dir>/tokenspeed-engine-<time>.trace.json`);
+The trace is a Chrome-trace JSON file (`<output_dir>/tokenspeed-engine-<time>-<pid>-<n>.trace.json`,
+n counting this process's traces: two in one second never share a name);
 open it in https://ui.perfetto.dev or chrome://tracing. CPU activity is always recorded, GPU
 kernels too on a CUDA device. With `num_steps`, the profile stops by itself after that many
 engine steps and writes the file then.
@@ -23,7 +24,11 @@ class EngineProfiler:
         self._profile = None
         self._output_dir = ""
         self._steps_left: int | None = None
+        self._traces = 0  # written by this process
         self.last_trace: str | None = None
+        # A profile that ended by itself (num_steps) and whose file no StopProfile has reported yet:
+        # the next StopProfile answers with it; after that, StopProfile has nothing to stop.
+        self._unreported: str | None = None
 
     @property
     def active(self) -> bool:
@@ -57,17 +62,21 @@ class EngineProfiler:
             return
         self._steps_left -= 1
         if self._steps_left <= 0:
-            self.stop()
+            self.stop(by_itself=True)
 
-    def stop(self):
+    def stop(self, by_itself: bool = False):
         if self._profile is None:
-            if self.last_trace:
-                return True, f"profile already finished: {self.last_trace}"
+            if self._unreported:
+                path, self._unreported = self._unreported, None
+                return True, f"profile already finished after its num_steps: {path}"
             return False, "no profile is running (StartProfile first)"
         profile, self._profile = self._profile, None
         profile.__exit__(None, None, None)
-        path = os.path.join(self._output_dir, f"tokenspeed-engine-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.trace.json")
+        self._traces += 1
+        path = os.path.join(self._output_dir, f"tokenspeed-engine-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-"
+                                              f"{self._traces}.trace.json")
         profile.export_chrome_trace(path)
         self.last_trace = path
+        self._unreported = path if by_itself else None
         logger.info("profile written to %s", path)
         return True, f"trace written to {path} (open it in https://ui.perfetto.dev)"

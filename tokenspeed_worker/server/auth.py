@@ -42,7 +42,7 @@ def _denied_handler(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMet
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, api_key: str) -> None:
-        self._expected = f"Bearer {api_key}".encode()
+        self._expected = api_key.encode()
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -55,6 +55,8 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
                 break
         if not presented:
             return _denied_handler(handler, "authorization: missing (this worker needs 'authorization: Bearer <key>')")
-        if not hmac.compare_digest(presented, self._expected):
+        # The scheme is case-insensitive (RFC 7235: "bearer", "BEARER"); the key is compared exactly.
+        scheme, _, key = presented.partition(b" ")
+        if scheme.lower() != b"bearer" or not hmac.compare_digest(key, self._expected):
             return _denied_handler(handler, "authorization: invalid API key")
         return handler
