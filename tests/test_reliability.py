@@ -167,6 +167,13 @@ def test_queue_bound_gives_resource_exhausted(model_dir):
         with pytest.raises(grpc.RpcError) as e:
             list(w.stub.Generate(gen(max_new_tokens=2), timeout=10))
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max-queued-requests" in e.value.details()
+        assert "2 samples waiting, 1 more asked" in e.value.details()
+        # More samples than the bound can ever hold: refused as the request's own fault, naming n.
+        with pytest.raises(grpc.RpcError) as e:
+            wide = gen(max_new_tokens=2)
+            wide.sampling_params.n = 3
+            list(w.stub.Generate(wide, timeout=10))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "sampling_params.n: 3" in e.value.details()
         load = w.stub.GetLoads(pb.GetLoadsRequest(include=["queues"])).loads[0]
         assert load.num_waiting_reqs == 2 and load.queues.waiting == 2 and load.num_running_reqs == 1
         w.stub.Abort(pb.AbortRequest(request_id=running.request.request_id))

@@ -608,8 +608,8 @@ class ServerArgs:
     max_queued_requests: int | None = _option(
         None,
         WORKER,
-        "Bound on requests waiting to start (not yet producing tokens); beyond it Generate gets "
-        "RESOURCE_EXHAUSTED, which the gateway retries on another worker.",
+        "Bound on requests waiting to start (not yet producing tokens; a request of n samples counts n); "
+        "beyond it Generate gets RESOURCE_EXHAUSTED, which the gateway retries on another worker.",
         parse=values.positive_int,
         default_doc="unbounded",
     )

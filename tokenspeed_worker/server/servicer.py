@@ -81,12 +81,20 @@ class TokenSpeedSchedulerServicer(pb_grpc.TokenSpeedSchedulerServicer):
                                "worker is not serving (starting up or shutting down)")
         if self.engine.in_flight(rid):
             await self._reject(context, rid, grpc.StatusCode.ALREADY_EXISTS, f"request_id: {rid!r} is already in flight")
+        # The bound counts samples (n > 1 queues n of them). A request with more samples than the
+        # bound could never be taken, idle or not: INVALID_ARGUMENT, not a 429 every worker repeats.
+        if self.max_queued_requests is not None and v.n > self.max_queued_requests:
+            await self._reject(
+                context, rid, grpc.StatusCode.INVALID_ARGUMENT,
+                f"sampling_params.n: {v.n} samples can never wait within --max-queued-requests "
+                f"{self.max_queued_requests}",
+            )
         if self.max_queued_requests is not None and self.engine.num_queued() + v.n > self.max_queued_requests:
             await self._reject(
                 context,
                 rid,
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"queue full: {self.engine.num_queued()} requests waiting (--max-queued-requests "
+                f"queue full: {self.engine.num_queued()} samples waiting, {v.n} more asked (--max-queued-requests "
                 f"{self.max_queued_requests}); retry on another worker",
             )
         if v.adds[0].max_new_tokens == 0:
