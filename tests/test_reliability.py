@@ -214,3 +214,32 @@ def test_api_key_guards_every_rpc_but_health(model_dir):
             call(lower)
     finally:
         assert w.stop() == 0
+
+
+def test_a_pool_smaller_than_the_context_bounds_requests_instead_of_refusing_them(model_dir):
+    """--max-total-tokens below --max-model-len: the worker reports the pool as its context length
+    (GetModelInfo, as the gateway reads it), clamps max_new_tokens (unset or too large) to it, and
+    refuses only a prompt that alone fills it, naming the field. Before, every request without
+    max_new_tokens was refused with an engine message naming no field."""
+    w = Worker(model_dir, "--max-model-len", "512", "--max-total-tokens", "128", "--block-size", "16")
+    try:
+        info = w.stub.GetModelInfo(pb.GetModelInfoRequest())
+        assert info.max_context_length == 128 and info.max_req_input_len == 127
+        assert "fewer than the context length 512" in w.log()
+        for max_new in (None, 1000, 1):
+            req = gen(max_new_tokens=max_new, stream=False)
+            (done,) = [r.complete for r in w.stub.Generate(req, timeout=60)]
+            want = 1 if max_new == 1 else 128 - len(PROMPT)
+            assert done.finish_reason == "length" and done.completion_tokens == want
+        # a prompt of exactly one token less than the pool: one token out
+        long = pb.GenerateRequest(request_id="long", tokenized=pb.TokenizedInput(input_ids=[7] * 127),
+                                  sampling_params=pb.SamplingParams(temperature=0.0, ignore_eos=True, n=1))
+        (done,) = [r.complete for r in w.stub.Generate(long, timeout=60)]
+        assert done.completion_tokens == 1
+        too_long = pb.GenerateRequest(request_id="too-long", tokenized=pb.TokenizedInput(input_ids=[7] * 128))
+        with pytest.raises(grpc.RpcError) as e:
+            list(w.stub.Generate(too_long, timeout=60))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "tokenized.input_ids" in e.value.details()
+        assert w.stub.GetLoads(pb.GetLoadsRequest()).loads[0].num_used_tokens == 0
+    finally:
+        assert w.stop() == 0

@@ -274,7 +274,18 @@ class EngineCore:
             dtype=str(self.runner.dtype).replace("torch.", ""),
             graph_bytes=self.runner.graph_bytes,
             decode_read_bytes=self.runner.decode_read_bytes(),
+            max_request_tokens=self.max_request_tokens(),
         )
+
+    def max_request_tokens(self) -> int:
+        """The longest request the scheduler can ever admit: it refuses one whose tokens need more
+        blocks than the pool has (Scheduler.peak_blocks), unless a uniform sliding window under
+        chunked prefill bounds what a request holds."""
+        max_len = self.cfg.scheduler.max_model_len
+        window = self.runner.uniform_sliding_window
+        if window and window > 0 and self.cfg.scheduler.chunked_prefill:
+            return max_len
+        return min(max_len, self.num_blocks * self.cfg.cache.block_size)
 
     def loads(self) -> Loads:
         s = self.scheduler

@@ -96,6 +96,9 @@ class EngineReady:
     dtype: str
     graph_bytes: int = 0  # device memory the captured CUDA graphs took (0: none captured)
     decode_read_bytes: int = 0  # weight bytes a one-token step reads (ModelRunner.decode_read_bytes)
+    # The longest request (prompt + output) the KV pool can ever hold: max_model_len, or fewer
+    # tokens when the pool is smaller and no sliding window bounds what a request holds (0: unknown).
+    max_request_tokens: int = 0
 
 
 @dataclass

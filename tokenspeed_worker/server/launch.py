@@ -408,6 +408,13 @@ def run_server(args: ServerArgs, launched: float | None = None) -> int:
             logger.error("%s", e)
             return 1
         facts.dtype = ready.dtype
+        if 0 < ready.max_request_tokens < facts.max_context_length:
+            # As SGLang does: requests are bounded by what the pool holds, not refused one by one
+            # (an unset max_new_tokens reaches the context length); GetModelInfo reports the bound.
+            logger.warning("the KV pool holds %d tokens, fewer than the context length %d: a request's prompt and "
+                           "output together are limited to %d tokens (a larger max_new_tokens is clamped)",
+                           ready.max_request_tokens, facts.max_context_length, ready.max_request_tokens)
+            facts.max_context_length = ready.max_request_tokens
         try:
             uvloop = __import__("uvloop")
             runner = uvloop.run
