@@ -334,7 +334,7 @@ def _fp8_experts(w, mode):
     return q.reshape(e, n, k), ExpertScales(scales.contiguous(), rows, min(cols, k)), dequantized
 
 
-@pytest.mark.parametrize("tokens,experts,top_k,hidden,inter", [(1, 8, 2, 64, 32), (3, 16, 4, 96, 48),
+@pytest.mark.parametrize("tokens,experts,top_k,hidden,inter", [(1, 8, 2, 64, 32), (3, 16, 4, 96, 48), (2, 16, 3, 64, 48),
                                                                 (8, 8, 2, 64, 80)])
 @pytest.mark.parametrize("weights_kind", ["float", "fp8-channel", "fp8-block"])
 def test_decode_kernels_equal_the_loop(tokens, experts, top_k, hidden, inter, weights_kind):

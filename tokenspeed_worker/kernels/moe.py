@@ -270,12 +270,14 @@ if AVAILABLE:
     @triton.jit
     def _expert_down_kernel(h_ptr, w_ptr, scale_ptr, ids_ptr, weights_ptr, out_ptr, N, K, num_experts,
                             stride_h, stride_we, stride_wn, stride_out, stride_se, stride_sr,
-                            TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                            W_FP8: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
-                            COL_SCALES: tl.constexpr, PDL: tl.constexpr):
+                            TOP_K: tl.constexpr, CHOICES: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr, W_FP8: tl.constexpr, SCALE_ROWS: tl.constexpr,
+                            SCALE_COLS: tl.constexpr, COL_SCALES: tl.constexpr, PDL: tl.constexpr):
         # One token and BLOCK_N output columns: sum over its TOP_K choices of weight *
-        # (down_e rows . h[pair]), one flat loop over (choice, K step) so the next tile, of the
-        # same expert or the next, is always in flight. Foreign experts' loads are masked off.
+        # (down_e rows . h[pair]). Each K step loads every choice's tile at once ([CHOICES,
+        # BLOCK_N, BLOCK_K], CHOICES = TOP_K rounded up to a power of two, the spare ones masked):
+        # the grid is only the token's output columns, so a program walking the choices one tile at
+        # a time kept too few bytes in flight. Foreign experts' loads are masked off.
         if PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
@@ -284,41 +286,31 @@ if AVAILABLE:
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
         offs_k = tl.arange(0, BLOCK_K)
-        k_steps = tl.cdiv(K, BLOCK_K)
-        first_pair = token.to(tl.int64) * TOP_K
-        expert = tl.load(ids_ptr + first_pair)
-        mine = expert < num_experts
-        rows = w_ptr + expert.to(tl.int64) * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
-        w_next = tl.load(rows + offs_k[None, :], mask=mine & n_ok[:, None] & (offs_k < K)[None, :], other=0.0)
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for step in range(0, TOP_K * k_steps):
-            choice = step // k_steps
-            kk = (step - choice * k_steps) * BLOCK_K + offs_k
+        c = tl.arange(0, CHOICES)
+        pairs = token.to(tl.int64) * TOP_K + c
+        experts = tl.load(ids_ptr + pairs, mask=c < TOP_K, other=num_experts)
+        mine = (c < TOP_K) & (experts < num_experts)
+        factors = tl.load(weights_ptr + pairs, mask=mine, other=0.0).to(tl.float32)
+        w_rows = (w_ptr + experts.to(tl.int64)[:, None, None] * stride_we
+                  + offs_n.to(tl.int64)[None, :, None] * stride_wn)
+        h_rows = h_ptr + pairs[:, None] * stride_h
+        expert_scales = scale_ptr + experts.to(tl.int64) * stride_se
+        w_mask = mine[:, None, None] & n_ok[None, :, None]
+        acc = tl.zeros([CHOICES, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + offs_k
             k_ok = kk < K
-            w = w_next.to(tl.float32)
-            # the next step's tile: the same expert's next K step, or the next choice's first
-            nxt = step + 1
-            next_choice = nxt // k_steps
-            next_kk = (nxt - next_choice * k_steps) * BLOCK_K + offs_k
-            next_expert = tl.load(ids_ptr + first_pair + next_choice, mask=next_choice < TOP_K, other=num_experts)
-            next_rows = w_ptr + next_expert.to(tl.int64) * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
-            w_next = tl.load(next_rows + next_kk[None, :],
-                             mask=(next_expert < num_experts) & n_ok[:, None] & (next_kk < K)[None, :], other=0.0)
-            expert = tl.load(ids_ptr + first_pair + choice)
-            mine = expert < num_experts
-            h = tl.load(h_ptr + (first_pair + choice) * stride_h + kk, mask=k_ok & mine, other=0.0).to(tl.float32)
-            factor = tl.load(weights_ptr + first_pair + choice)
-            scales = scale_ptr + expert.to(tl.int64) * stride_se
+            w = tl.load(w_rows + kk[None, None, :], mask=w_mask & k_ok[None, None, :], other=0.0).to(tl.float32)
+            h = tl.load(h_rows + kk[None, :], mask=mine[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
             if COL_SCALES:
-                h *= tl.load(scales + (pid_n * BLOCK_N // SCALE_ROWS) * stride_sr + kk // SCALE_COLS,
-                             mask=k_ok & mine, other=0.0)
-                acc += tl.sum(w * h[None, :], axis=1) * factor
-            elif W_FP8:
-                row_scale = tl.load(scales + (offs_n // SCALE_ROWS) * stride_sr, mask=n_ok & mine, other=0.0)
-                acc += tl.sum(w * h[None, :], axis=1) * (factor * row_scale)
-            else:
-                acc += tl.sum(w * h[None, :], axis=1) * factor
-        tl.store(out_ptr + token.to(tl.int64) * stride_out + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+                h *= tl.load(expert_scales[:, None] + (pid_n * BLOCK_N // SCALE_ROWS) * stride_sr
+                             + (kk // SCALE_COLS)[None, :], mask=mine[:, None] & k_ok[None, :], other=0.0)
+            acc += tl.sum(w * h[:, None, :], axis=2)
+        if W_FP8 and not COL_SCALES:
+            acc *= tl.load(expert_scales[:, None] + (offs_n // SCALE_ROWS)[None, :] * stride_sr,
+                           mask=mine[:, None] & n_ok[None, :], other=0.0)
+        out = tl.sum(acc * factors[:, None], axis=0)
+        tl.store(out_ptr + token.to(tl.int64) * stride_out + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
 # The grouped GEMM's program order (_grouped_gemm_kernel): this many blocks through all their column
@@ -471,19 +463,20 @@ def decode_configs(weight: torch.Tensor) -> tuple[tuple[GemvConfig, GemvConfig],
     (bench_moe.py --configs)."""
     default = (_gemv_config(weight, down=False), _gemv_config(weight, down=True))
     if weight.element_size() == 1:
-        others = [(GemvConfig(8, 256, 4), GemvConfig(4, 1024, 4)), (GemvConfig(16, 256, 4), GemvConfig(16, 256, 4))]
+        others = [(GemvConfig(8, 256, 4), GemvConfig(4, 1024, 8)), (GemvConfig(16, 256, 4), GemvConfig(16, 256, 4))]
     else:
-        others = [(GemvConfig(16, 256, 4), GemvConfig(4, 1024, 4)), (GemvConfig(8, 256, 4), GemvConfig(16, 256, 4))]
+        others = [(GemvConfig(16, 256, 4), GemvConfig(4, 1024, 4)), (GemvConfig(8, 256, 4), GemvConfig(8, 256, 4))]
     return (default, *others)
 
 
 def _gemv_config(weight: torch.Tensor, down: bool) -> GemvConfig:
     """The strips timed fastest at one to four tokens for the Qwen3-30B-A3B and Mixtral-8x7B
     shapes (bench_moe.py --configs): gate/up in strips of 8 rows (16 for FP8), 256 columns per
-    step; down, whose grid is the tokens' output columns alone, in narrow strips of long steps."""
+    step; down, whose grid is the tokens' output columns alone, in narrow strips of long steps
+    (every choice's tile at once: 8 warps for FP8's 8-row strips, which spill at 4)."""
     fp8 = weight.element_size() == 1
     if down:
-        return GemvConfig(8 if fp8 else 4, 1024, 4)
+        return GemvConfig(8 if fp8 else 4, 1024, 8 if fp8 else 4)
     return GemvConfig(16 if fp8 else 8, 256, 4)
 
 
@@ -525,7 +518,8 @@ def small_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     sc, se, sr, rows, cols, col_scales = down_scales
     _expert_down_kernel[(tokens, triton.cdiv(hidden, down_config.block_n))](
         hidden_rows, w2, sc, ids, weights.contiguous(), out, hidden, inter, experts, hidden_rows.stride(0),
-        w2.stride(0), w2.stride(1), out.stride(0), se, sr, TOP_K=top_k, BLOCK_N=down_config.block_n,
+        w2.stride(0), w2.stride(1), out.stride(0), se, sr, TOP_K=top_k, CHOICES=triton.next_power_of_2(top_k),
+        BLOCK_N=down_config.block_n,
         BLOCK_K=down_config.block_k, W_FP8=w2_scales is not None, SCALE_ROWS=rows, SCALE_COLS=cols,
         COL_SCALES=col_scales, num_warps=down_config.num_warps, **_pdl(x.device))
     return out
