@@ -98,14 +98,16 @@ def engine_counters(metrics_port: int) -> dict[str, float]:
     """The worker's step and token counters from its Prometheus endpoint (--metrics-port)."""
     import urllib.request
 
+    from prometheus_client.parser import text_string_to_metric_families
+
     text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
     wanted = {"tokenspeed:step_duration_seconds_count": "steps", "tokenspeed:step_duration_seconds_sum": "step_s",
               "tokenspeed:generation_tokens_total": "tokens"}
-    out = {}
-    for line in text.splitlines():
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in wanted:
-            out[wanted[name]] = out.get(wanted[name], 0.0) + float(line.rsplit(" ", 1)[1])
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in wanted:  # summed over label sets
+                out[wanted[sample.name]] = out.get(wanted[sample.name], 0.0) + sample.value
     return out
 
 
@@ -307,13 +309,11 @@ def main() -> int:
     if args.address:
         address = args.address
     else:
-        from worker_harness import Worker, smollm2_dir
+        from worker_harness import Worker, free_port, smollm2_dir
 
         model = args.model or str(smollm2_dir())
         print(f"starting worker for {model}", flush=True)
         t_launch = time.perf_counter()
-        from worker_harness import free_port
-
         metrics_port = free_port() if args.engine_steps else None
         worker = Worker(model, "--max-model-len", str(max(2048, args.prompt_len + args.output_len + 8)),
                         *(["--enable-metrics", "--metrics-port", str(metrics_port)] if metrics_port else []),

@@ -25,7 +25,6 @@ class EngineProfiler:
         self._output_dir = ""
         self._steps_left: int | None = None
         self._traces = 0  # written by this process
-        self.last_trace: str | None = None
         # A profile that ended by itself (num_steps) and whose file no StopProfile has reported yet:
         # the next StopProfile answers with it; after that, StopProfile has nothing to stop.
         self._unreported: str | None = None
@@ -76,7 +75,6 @@ class EngineProfiler:
         path = os.path.join(self._output_dir, f"tokenspeed-engine-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-"
                                               f"{self._traces}.trace.json")
         profile.export_chrome_trace(path)
-        self.last_trace = path
         self._unreported = path if by_itself else None
         logger.info("profile written to %s", path)
         return True, f"trace written to {path} (open it in https://ui.perfetto.dev)"
