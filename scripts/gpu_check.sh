@@ -394,6 +394,7 @@ if rows:
 # process; compare the trees' server and engine stacks at the same load). Sampling starts once the
 # worker serves with every decode graph captured (what the bench waits for), plus SERVING_PYSPY_AFTER
 # seconds (default 1: the bench's warm-up request), so the stacks are the load's, not the start's.
+# Idle frames are kept (--idle): a blocked pipe write or poll shows where a process waits.
 pyspy_worker() {
   command -v py-spy >/dev/null || { echo "SERVING_PYSPY: py-spy is not installed (carry its wheel in .whl/)"; return; }
   (
@@ -415,7 +416,7 @@ pyspy_worker() {
       sleep 0.2
     done
     sleep "${SERVING_PYSPY_AFTER:-1}"
-    py-spy record --pid "$pid" --subprocesses --nonblocking --rate 100 --format raw \
+    py-spy record --pid "$pid" --subprocesses --nonblocking --idle --rate 100 --format raw \
       -d "$SERVING_PYSPY" -o "$1" >"$1.log" 2>&1 && gzip -f "$1"  # ~0.15 MB/s of stacks before gzip
   ) &
 }

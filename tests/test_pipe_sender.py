@@ -1,8 +1,12 @@
 """server/pipe_sender.PipeSender: what the server sends an engine arrives whole and in order, the
-sender never waits for the engine to read, and the pipe end stays a normal blocking Connection."""
+sender never waits for the engine to read, and the pipe end stays a normal blocking Connection.
+PipeReader: what an engine sends arrives on the event loop whole and in order (frames split over
+reads, bursts, frames past 1 MiB), a failing message does not stop the rest, the peer's end is
+reported once, and the loop never waits for a partial frame."""
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing as mp
 import os
 import threading
@@ -13,7 +17,7 @@ import pytest
 
 from tokenspeed_worker.engine.messages import AbortRequests, AddRequest, Shutdown
 from tokenspeed_worker.sampling.params import SamplingParams
-from tokenspeed_worker.server.pipe_sender import PipeSender
+from tokenspeed_worker.server.pipe_sender import PipeReader, PipeSender, frame
 
 
 @pytest.fixture
@@ -104,3 +108,68 @@ def test_a_peer_that_is_gone_is_not_an_error_and_later_sends_are_dropped(pipe):
     sends_without_waiting(sender, [np.zeros(100_000, np.int32)] * 20)  # no raise, no hang
     sender.close()
     sender.send("dropped")
+
+
+def _read_on_loop(ours, until, timeout=30.0, on_message=None):
+    """Run a PipeReader on a fresh loop until `until(got, closed)`; returns (messages, closed count)."""
+    got, closed = [], []
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        reader = PipeReader(ours, loop, on_message or got.append, lambda: closed.append(1))
+        deadline = time.monotonic() + timeout
+        while not until(got, closed) and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
+        reader.close()
+        reader.close()  # idempotent
+
+    asyncio.run(main())
+    return got, len(closed)
+
+
+def test_reader_delivers_bursts_split_frames_and_large_frames_in_order(pipe):
+    ours, theirs = pipe
+    rng = np.random.default_rng(1)
+    msgs = [AddRequest(i, rng.integers(0, 32000, size=int(rng.choice([1, 100, 400_000])), dtype=np.int32),
+                       8, SamplingParams()) for i in range(40)]
+
+    def engine():  # as an engine sends: whole frames, a burst, and one frame dribbled a few bytes at a time
+        for m in msgs[:30]:
+            theirs.send(m)
+        data = frame(msgs[30])
+        for i in range(0, len(data), 7):
+            os.write(theirs.fileno(), data[i:i + 7])
+            if i < 70:
+                time.sleep(0.01)
+        for m in msgs[31:]:
+            theirs.send(m)
+
+    t = threading.Thread(target=engine, daemon=True)
+    t.start()
+    got, closed = _read_on_loop(ours, lambda g, c: len(g) == len(msgs))
+    t.join(10)
+    assert closed == 0
+    assert [m.req_id for m in got] == list(range(40))
+    for a, b in zip(got, msgs):
+        np.testing.assert_array_equal(a.prompt_ids, b.prompt_ids)
+    assert ours.poll(0) is False  # nothing left behind; the connection still works for a plain recv
+    theirs.send("after")
+    assert ours.recv() == "after"
+
+
+def test_reader_survives_a_failing_message_and_reports_the_peer_gone_once(pipe, caplog):
+    ours, theirs = pipe
+    seen = []
+
+    def on_message(msg):
+        if msg == "bad":
+            raise ValueError("boom")
+        seen.append(msg)
+
+    for m in ("a", "bad", "b"):
+        theirs.send(m)
+    theirs.close()
+    _, closed = _read_on_loop(ours, lambda g, c: bool(c), on_message=on_message)
+    assert seen == ["a", "b"]
+    assert closed == 1
+    assert "handling an engine message failed" in caplog.text

@@ -3,8 +3,8 @@
 Each engine process (one per data-parallel replica, `--data-parallel-size`; each may lead its own
 tensor-parallel ranks) has a pipe the asyncio loop never blocks on: a `PipeSender` writes to it
 from the loop while it has room and through a writer thread when it has not (a long prompt can
-exceed the pipe buffer while the engine is mid-step), a reader thread hands every inbound message
-to the loop. Each request in flight has a `RequestState` the Generate handler waits on; one
+exceed the pipe buffer while the engine is mid-step), and a `PipeReader` delivers every inbound
+message on the loop as it arrives (no thread between: see server/pipe_sender.py). Each request in flight has a `RequestState` the Generate handler waits on; one
 `StepOutput` from an engine touches many states but wakes each handler once. Engine-side request
 ids are unique across replicas.
 
@@ -27,7 +27,6 @@ import itertools
 import logging
 import multiprocessing as mp
 import os
-import threading
 import time
 from dataclasses import dataclass, field
 
@@ -52,7 +51,7 @@ from tokenspeed_worker.engine.messages import (
     StepOutput,
     StopProfile,
 )
-from tokenspeed_worker.server.pipe_sender import PipeSender
+from tokenspeed_worker.server.pipe_sender import PipeReader, PipeSender
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +112,7 @@ class _Replica:
         self.conn = None
         self.followers: list = []  # tensor-parallel ranks 1..N-1 (engine/tp_worker.py)
         self.sender: PipeSender | None = None  # from `attach` on; before it, `conn.send` (startup)
+        self.reader: PipeReader | None = None  # from `attach` on; before it, `conn.recv` (startup)
         self.ready: EngineReady | None = None
         self.in_flight = 0  # request states submitted to it and not finished
 
@@ -259,12 +259,12 @@ class EngineClient:
                 return
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Start the pipe's sender and reader thread; messages are delivered on `loop` from now on."""
+        """Start the pipes' senders and readers; messages are delivered on `loop` from now on."""
         self._loop = loop
         for replica in self._replicas:
             replica.sender = PipeSender(replica.conn, name=f"engine-writer-{replica.index}")
-            threading.Thread(target=self._reader, args=(replica,), name=f"engine-reader-{replica.index}",
-                             daemon=True).start()
+            replica.reader = PipeReader(replica.conn, loop, lambda msg, i=replica.index: self._on_message(msg, i),
+                                        lambda r=replica: self._on_pipe_closed(r))
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Tell every engine to stop (each stops its tensor-parallel ranks) and wait for them; kill
@@ -291,6 +291,8 @@ class EngineClient:
             replica.kill_followers()
             if replica.sender is not None:
                 replica.sender.close()
+            if replica.reader is not None and self._loop is not None and not self._loop.is_closed():
+                self._loop.call_soon_threadsafe(replica.reader.close)
 
     def kill_now(self) -> None:
         """SIGKILL every engine process and tensor-parallel rank, without waiting (safe in a signal
@@ -309,24 +311,20 @@ class EngineClient:
     def pids(self) -> list[int]:
         return [r.proc.pid for r in self._replicas if r.proc is not None]
 
-    # ---- pipe threads -------------------------------------------------------
+    # ---- the pipe's end ------------------------------------------------------
 
-    def _reader(self, replica: _Replica) -> None:
+    def _on_pipe_closed(self, replica: _Replica) -> None:
+        """The engine's end of the pipe is gone (on the loop): unless shutting down, the engine died;
+        its exit code is waited for (at most 1 s) off the loop, then every request fails."""
+        if self._closing:
+            return
         where = "" if self.data_parallel_size == 1 else f" (data-parallel replica {replica.index})"
-        while True:
-            try:
-                msg = replica.conn.recv()
-            except (EOFError, OSError):
-                if self._closing:
-                    return
-                replica.proc.join(1.0)
-                msg = EngineDead(f"engine process exited unexpectedly (exit code {replica.proc.exitcode}){where}")
-            try:
-                self._loop.call_soon_threadsafe(self._on_message, msg, replica.index)
-            except RuntimeError:  # the event loop is gone: the server is shutting down
-                return
-            if isinstance(msg, EngineDead):
-                return
+
+        def died() -> None:
+            self._on_message(EngineDead(f"engine process exited unexpectedly (exit code {replica.proc.exitcode})"
+                                        f"{where}"), replica.index)
+
+        self._loop.run_in_executor(None, replica.proc.join, 1.0).add_done_callback(lambda _f: died())
 
     # ---- inbound (runs on the event loop) -----------------------------------
 

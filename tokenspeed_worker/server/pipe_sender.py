@@ -1,5 +1,5 @@
-"""The server's messages to one engine process: sent from the caller's thread when the pipe has room,
-by a writer thread when it has not.
+"""The server's side of one engine process's pipe: `PipeSender` sends from the caller's thread when the
+pipe has room, by a writer thread when it has not; `PipeReader` receives on the event loop.
 
 The engine reads them with `multiprocessing.connection.Connection.recv`: each a frame of a 4-byte
 big-endian length (-1 and an 8-byte length past 2 GiB) and the pickle. The event loop must never
@@ -10,16 +10,26 @@ a frame the socket took part of, and every frame after it until that backlog is 
 the writer thread, which sends it blocking, in order. multiprocessing has no non-blocking send, and
 asyncio's pipe transports would make the descriptor non-blocking for the reader thread too: hence
 this small class.
+
+Receiving the same way: a reader thread would hand each frame to the event loop through a GIL
+hand-off and a wake-up of the loop (`call_soon_threadsafe`), and while the loop is busy (many
+streams) the thread waits for the GIL before every read. `PipeReader` reads on the loop when the
+socket is readable (`add_reader`, reads without waiting by MSG_DONTWAIT) and delivers every whole
+frame that has arrived, in order, in that one callback.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import pickle
 import queue
 import socket
 import struct
 import threading
 from multiprocessing.reduction import ForkingPickler
+
+logger = logging.getLogger(__name__)
 
 
 def frame(msg) -> bytes:
@@ -94,3 +104,65 @@ class PipeSender:
         """Frames waiting for the writer thread (0: every send so far went straight to the socket or
         has been written)."""
         return self._backlog
+
+
+class PipeReader:
+    """Receives the peer of `conn`'s frames on `loop`: `on_message(msg)` for each, in order, and
+    `on_closed()` once when the peer is gone (end of stream or a socket error). Never blocks the
+    loop: it reads what has arrived and keeps a partial frame until the rest comes. The connection's
+    descriptor stays blocking (each read is non-blocking by its flag)."""
+
+    _CHUNK = 1 << 20
+
+    def __init__(self, conn, loop, on_message, on_closed) -> None:
+        self._sock = socket.socket(fileno=os.dup(conn.fileno()))
+        self._loop = loop
+        self._on_message = on_message
+        self._on_closed = on_closed
+        self._buf = bytearray()
+        self._open = True
+        loop.add_reader(self._sock.fileno(), self._readable)
+
+    def _readable(self) -> None:
+        closed = False
+        while True:
+            try:
+                chunk = self._sock.recv(self._CHUNK, socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:
+                chunk = b""
+            if not chunk:
+                closed = True
+                break
+            self._buf += chunk
+            if len(chunk) < self._CHUNK:
+                break
+        buf, pos = self._buf, 0
+        try:
+            while len(buf) - pos >= 4:
+                (n,), header = struct.unpack_from("!i", buf, pos), 4
+                if n == -1:
+                    if len(buf) - pos < 12:
+                        break
+                    (n,), header = struct.unpack_from("!Q", buf, pos + 4), 12
+                if len(buf) - pos - header < n:
+                    break
+                start = pos + header
+                pos = start + n
+                try:  # one message's failure is logged, as the loop logs a failed callback; the rest go on
+                    self._on_message(pickle.loads(buf[start:pos]))
+                except Exception:
+                    logger.exception("handling an engine message failed")
+        finally:
+            del buf[:pos]
+        if closed:
+            self.close()
+            self._on_closed()
+
+    def close(self) -> None:
+        """Stop reading (idempotent); the connection itself stays open."""
+        if self._open:
+            self._open = False
+            self._loop.remove_reader(self._sock.fileno())
+            self._sock.close()
