@@ -173,3 +173,33 @@ def test_reader_survives_a_failing_message_and_reports_the_peer_gone_once(pipe, 
     assert seen == ["a", "b"]
     assert closed == 1
     assert "handling an engine message failed" in caplog.text
+
+
+@pytest.mark.timeout(90)
+def test_sender_backlog_arrives_when_uvloop_watches_the_pipe(pipe):
+    """uvloop (the worker's loop) makes a descriptor it watches non-blocking, and the sender's copy
+    shares that mode: the writer thread must still wait for room, not drop the backlog (a served
+    burst of 256 streams' requests hung the worker so)."""
+    uvloop = pytest.importorskip("uvloop")
+    ours, theirs = pipe
+    msgs = [AddRequest(i, np.full(200_000, i, dtype=np.int32), 8, SamplingParams()) for i in range(12)]  # 9.6 MB
+    got = []
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        reader = PipeReader(ours, loop, lambda m: None, lambda: None)
+        assert os.get_blocking(ours.fileno()) is False  # what libuv did to the shared descriptor
+        sender = PipeSender(ours, "test-writer")
+        for m in msgs:
+            sender.send(m)  # far past the socket buffer: most of it goes to the writer thread
+        for _ in msgs:  # the engine reads slowly, off the loop; a dropped backlog never arrives
+            msg = await loop.run_in_executor(None, lambda: theirs.recv() if theirs.poll(20) else None)
+            if msg is None:
+                break
+            got.append(msg)
+        reader.close()
+        sender.close()
+
+    uvloop.run(main())
+    assert [m.req_id for m in got] == list(range(12))
+    assert all((m.prompt_ids == m.req_id).all() for m in got)

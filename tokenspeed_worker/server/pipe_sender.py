@@ -1,29 +1,32 @@
 """The server's side of one engine process's pipe: `PipeSender` sends from the caller's thread when the
 pipe has room, by a writer thread when it has not; `PipeReader` receives on the event loop.
 
-The engine reads them with `multiprocessing.connection.Connection.recv`: each a frame of a 4-byte
-big-endian length (-1 and an 8-byte length past 2 GiB) and the pickle. The event loop must never
-block on the pipe (a long prompt can fill the socket buffer while the engine is inside a step), and
-handing every message to a thread costs the server a GIL hand-off and a wake-up per request. So a
-frame is first offered to the socket without waiting (MSG_DONTWAIT); what does not fit (the rest of
-a frame the socket took part of, and every frame after it until that backlog is written) goes to
-the writer thread, which sends it blocking, in order. multiprocessing has no non-blocking send, and
-asyncio's pipe transports would make the descriptor non-blocking for the reader thread too: hence
-this small class.
+Both speak `multiprocessing.connection.Connection`'s framing (the engine's side is a plain
+Connection): a 4-byte big-endian length (-1 and an 8-byte length past 2 GiB), then the pickle.
 
-Receiving the same way: a reader thread would hand each frame to the event loop through a GIL
-hand-off and a wake-up of the loop (`call_soon_threadsafe`), and while the loop is busy (many
-streams) the thread waits for the GIL before every read. `PipeReader` reads on the loop when the
-socket is readable (`add_reader`, reads without waiting by MSG_DONTWAIT) and delivers every whole
-frame that has arrived, in order, in that one callback.
+Sending: the event loop must never block on the pipe (a long prompt can fill the socket buffer while
+the engine is inside a step), and handing every message to a thread costs the server a GIL hand-off
+and a wake-up per request. So a frame is first offered to the socket without waiting (MSG_DONTWAIT);
+what does not fit (the rest of a frame the socket took part of, and every frame after it until that
+backlog is written) goes to the writer thread, which writes it in order, waiting for room with poll.
+
+Receiving: a reader thread would hand each frame to the loop through a GIL hand-off and a wake-up of
+the loop (`call_soon_threadsafe`), and while the loop is busy (many streams) the thread waits for the
+GIL before every read: frames then reach the streams late and bunched, and the engine's sends back
+up. `PipeReader` reads on the loop whenever the socket is readable (`add_reader`) and delivers every
+whole frame that has arrived, in order, in that one callback.
+
+multiprocessing has no non-blocking send or receive, hence these two small classes. Every read and
+write here is non-blocking by its flag (MSG_DONTWAIT): the descriptor's own mode is not ours to rely
+on, since libuv (uvloop) makes a descriptor it watches non-blocking, and the copies share the mode.
 """
-
 from __future__ import annotations
 
 import logging
 import os
 import pickle
 import queue
+import select
 import socket
 import struct
 import threading
@@ -43,12 +46,10 @@ def frame(msg) -> bytes:
 class PipeSender:
     """Sends to the peer of `conn` (a duplex `multiprocessing.Pipe` end: a Unix socket) in call order.
 
-    `send` is thread-safe and never waits for the peer to read. The connection stays usable for
-    receiving (the reader thread's `recv`); its descriptor stays blocking."""
+    `send` is thread-safe and never waits for the peer to read."""
 
     def __init__(self, conn, name: str) -> None:
-        # A second handle on the same socket: its blocking mode is the connection's (left as is);
-        # each direct send is non-blocking by its flag alone.
+        # A second handle on the same socket; each send is non-blocking by its flag alone.
         self._sock = socket.socket(fileno=os.dup(conn.fileno()))
         self._lock = threading.Lock()
         self._backlog = 0  # frames (or rests of frames) handed to the writer and not fully written
@@ -83,7 +84,7 @@ class PipeSender:
             if data is None:
                 break
             try:
-                self._sock.sendall(data)
+                self._send_all(data)
             except OSError:  # the peer is gone: drop the rest
                 with self._lock:
                     self._closed = True
@@ -91,6 +92,21 @@ class PipeSender:
             with self._lock:
                 self._backlog -= 1
         self._sock.close()
+
+    def _send_all(self, data: bytes) -> None:
+        """Write all of `data`, waiting for room with poll: the descriptor may be non-blocking (libuv
+        makes a descriptor it watches non-blocking, and the reader's copy shares this one's flags), so
+        a plain sendall could fail with EAGAIN instead of waiting."""
+        view = memoryview(data)
+        poller = None
+        while view:
+            try:
+                view = view[self._sock.send(view, socket.MSG_DONTWAIT):]
+            except (BlockingIOError, InterruptedError):
+                if poller is None:
+                    poller = select.poll()
+                    poller.register(self._sock.fileno(), select.POLLOUT)
+                poller.poll()
 
     def close(self) -> None:
         """Stop after what is queued is written (or the peer is gone); later sends are dropped. The
@@ -109,8 +125,7 @@ class PipeSender:
 class PipeReader:
     """Receives the peer of `conn`'s frames on `loop`: `on_message(msg)` for each, in order, and
     `on_closed()` once when the peer is gone (end of stream or a socket error). Never blocks the
-    loop: it reads what has arrived and keeps a partial frame until the rest comes. The connection's
-    descriptor stays blocking (each read is non-blocking by its flag)."""
+    loop: it reads what has arrived and keeps a partial frame until the rest comes."""
 
     _CHUNK = 1 << 20
 
