@@ -48,7 +48,8 @@ def _timed_step(core, device, records: dict, kind: str, profiler: cProfile.Profi
     out = core.complete(launched)
     sync(device)
     t2 = time.perf_counter()
-    rec = records.setdefault(kind, {"launch_ms": [], "step_ms": [], "device_ms": []})
+    rec = records.setdefault(kind, {"launch_ms": [], "step_ms": [], "device_ms": [], "rows": []})
+    rec["rows"].append(int(out.req_ids.shape[0]))  # requests that got a token from the step
     rec["launch_ms"].append(1000 * (t1 - t0))
     rec["step_ms"].append(1000 * (t2 - t0))
     if cuda:
@@ -114,7 +115,8 @@ def main() -> int:
         summary = {k: statistics.median(v) for k, v in rec.items() if v}
         result[kind] = summary
         device_ms = f"; device {summary['device_ms']:.3f} ms" if "device_ms" in summary else ""
-        print(f"  {kind:8s} launch (host) {summary['launch_ms']:.3f} ms; step {summary['step_ms']:.3f} ms{device_ms}")
+        print(f"  {kind:8s} launch (host) {summary['launch_ms']:.3f} ms; step {summary['step_ms']:.3f} ms{device_ms}; "
+              f"{summary['rows']} rows")
     for kind, prof in profiles.items():
         text = io.StringIO()
         pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)

@@ -122,8 +122,11 @@ def _save_tokenizer(source: Path, out: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=GGUF_FILE)
     expected = {UNK_TOKEN: UNK_TOKEN_ID, BOS_TOKEN: BOS_TOKEN_ID, EOS_TOKEN: EOS_TOKEN_ID}
     seen = {token: tokenizer.convert_tokens_to_ids(token) for token in expected}
-    if seen != expected or tokenizer.bos_token != BOS_TOKEN or tokenizer.eos_token != EOS_TOKEN:
-        raise RuntimeError(f"unexpected special tokens in the GGUF: {seen}, bos {tokenizer.bos_token}, eos {tokenizer.eos_token}")
+    if seen != expected:
+        raise RuntimeError(f"unexpected special tokens in the GGUF: {seen}")
+    # Some transformers versions (5.17) read the GGUF's BOS and EOS ids as names wrongly (both
+    # <|im_start|>); the ids above are right, so the names are set from them.
+    tokenizer.bos_token, tokenizer.eos_token = BOS_TOKEN, EOS_TOKEN
     chat_template = tokenizer.chat_template
     if not chat_template:
         raise RuntimeError("the GGUF carries no chat template")

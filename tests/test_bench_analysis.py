@@ -252,3 +252,25 @@ def test_offline_closed_loop_keeps_c_requests_in_flight_until_all_were_sent(tmp_
     assert results[4]["output_tokens"] == results[0]["output_tokens"] == 30
     assert (results[4]["closed_loop"], results[0]["closed_loop"]) == (4, None)
     assert (results[4]["steps"], results[0]["steps"]) == (9, 3)
+
+
+def test_bench_steps_times_each_kind_of_step_and_profiles_one(tmp_path):
+    """bench_steps: a lone prefill, a decode batch and a mixed step (the decode batch plus one new
+    prompt), each timed; the batch really decodes (B rows) and the mixed step carries the prompt; the
+    profiled kind's cProfile table comes back."""
+    import json
+    import subprocess
+
+    from worker_harness import REPO, tiny_models
+
+    model = tiny_models()["llama-gqa-tied"]
+    out = tmp_path / "steps.json"
+    subprocess.run([sys.executable, str(REPO / "scripts" / "bench_steps.py"), "--model", str(model), "--device", "cpu",
+                    "--batch", "4", "--prompt-len", "16", "--repeats", "3", "--profile", "mixed", "--out", str(out)],
+                   check=True, capture_output=True, cwd=REPO / "scripts")
+    result = json.loads(out.read_text())
+    assert (result["batch"], result["prompt_len"], result["repeats"]) == (4, 16, 3)
+    for kind in ("prefill", "decode", "mixed"):
+        assert 0 < result[kind]["launch_ms"] <= result[kind]["step_ms"]
+    assert (result["prefill"]["rows"], result["decode"]["rows"], result["mixed"]["rows"]) == (1, 4, 4)
+    assert "engine_core.py" in result["profile_mixed"] and "profile_prefill" not in result

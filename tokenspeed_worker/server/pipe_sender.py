@@ -60,7 +60,7 @@ class PipeSender:
 
     def send(self, msg) -> None:
         """Queue `msg` for the engine behind everything sent before it. A peer that is gone is not
-        an error here (the reader thread sees it and fails the requests)."""
+        an error here (the reader sees it and fails the requests)."""
         data = frame(msg)
         with self._lock:
             if self._closed:
