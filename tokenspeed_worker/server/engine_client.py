@@ -4,9 +4,9 @@ Each engine process (one per data-parallel replica, `--data-parallel-size`; each
 tensor-parallel ranks) has a pipe the asyncio loop never blocks on: a `PipeSender` writes to it
 from the loop while it has room and through a writer thread when it has not (a long prompt can
 exceed the pipe buffer while the engine is mid-step), and a `PipeReader` delivers every inbound
-message on the loop as it arrives (no thread between: see server/pipe_sender.py). Each request in flight has a `RequestState` the Generate handler waits on; one
-`StepOutput` from an engine touches many states but wakes each handler once. Engine-side request
-ids are unique across replicas.
+message on the loop as it arrives (no thread between: see server/pipe_sender.py). Each request in
+flight has a `RequestState` the Generate handler waits on; one `StepOutput` from an engine touches
+many states but wakes each handler once. Engine-side request ids are unique across replicas.
 
 Replicas: a new request goes to the replica with the fewest requests in flight (ties: the next
 one in turn), or to `data_parallel_rank` when the client pins it; all n samples of a request go

@@ -12,14 +12,14 @@ backlog is written) goes to the writer thread, which writes it in order, waiting
 
 Receiving: a reader thread would hand each frame to the loop through a GIL hand-off and a wake-up of
 the loop (`call_soon_threadsafe`), and while the loop is busy (many streams) the thread waits for the
-GIL before every read: frames then reach the streams late and bunched, and the engine's sends back
-up. `PipeReader` reads on the loop whenever the socket is readable (`add_reader`) and delivers every
+GIL before every read. `PipeReader` reads on the loop whenever the socket is readable (`add_reader`) and delivers every
 whole frame that has arrived, in order, in that one callback.
 
 multiprocessing has no non-blocking send or receive, hence these two small classes. Every read and
 write here is non-blocking by its flag (MSG_DONTWAIT): the descriptor's own mode is not ours to rely
 on, since libuv (uvloop) makes a descriptor it watches non-blocking, and the copies share the mode.
 """
+
 from __future__ import annotations
 
 import logging
