@@ -74,12 +74,13 @@ def main() -> int:
     vocab = core.runner.vocab_size
     next_id = iter(range(1, 1 << 30))
     records: dict = {}
-    profiles = {k: cProfile.Profile() for k in ("prefill", "decode", "mixed") if k == args.profile}
+    profiles = {args.profile: cProfile.Profile()} if args.profile else {}
 
     def prompt():
         return rng.integers(10, vocab - 10, plen)
 
-    # Warm-up: every kind once, untimed (first-use work is not what this measures).
+    # Warm-up: two lone requests, untimed (a prefill and a one-row decode; the medians absorb what the
+    # first mixed step still compiles).
     for _ in range(2):
         rid = next(next_id)
         core.add_request(greedy_request(rid, prompt(), 1))
@@ -94,8 +95,7 @@ def main() -> int:
             core.step()
 
     # decode at `batch`, and mixed: batch - 1 decoding plus one new prompt, aborted after its prefill.
-    running = [next(next_id) for _ in range(batch - 1)]
-    for rid in running:
+    for rid in [next(next_id) for _ in range(batch - 1)]:
         core.add_request(greedy_request(rid, prompt(), 4 * repeats + 32))
     while core.loads().num_waiting:  # every prompt prefilled (a step's token budget may not hold them all)
         core.step()
