@@ -77,7 +77,10 @@ def free_port() -> int:
 # The engine's log lines (model_runner) that say decode sizes were left for after startup, and that
 # they are all captured: Worker.wait_graphs_captured (test_cuda_graph_logic checks both are logged).
 GRAPHS_LEFT_LINE = "while the engine idles or needs them"
-GRAPHS_DONE_LINE = "captured after startup"
+GRAPHS_DONE_LINE = "decode batch sizes captured after startup"
+# The piecewise graphs' token counts (prefill and mixed steps) likewise, all captured after startup.
+PIECEWISE_LEFT_LINE = "captured while the engine idles or as steps need them"
+PIECEWISE_DONE_LINE = "token counts captured after startup"
 
 
 class Worker:
@@ -148,16 +151,21 @@ class Worker:
         return self.log_path.read_text(errors="replace")[-6000:]
 
     def wait_graphs_captured(self, timeout: float = 300.0) -> float | None:
-        """Wait until the engine has captured the decode graphs it left for after startup (a GPU start
-        captures the few-row sizes first; the rest while idle), so a benchmark times the steady state.
-        The seconds waited, or None when the start left none (CPU, tensor parallelism)."""
-        if GRAPHS_LEFT_LINE not in self.log_path.read_text(errors="replace"):
+        """Wait until the engine has captured the graphs it left for after startup (a GPU start
+        captures the few-row decode sizes first; the other decode sizes and the piecewise token
+        counts while idle), so a benchmark times the steady state. The seconds waited, or None when
+        the start left none (CPU, tensor parallelism)."""
+        text = self.log_path.read_text(errors="replace")
+        waits = [done for left, done in ((GRAPHS_LEFT_LINE, GRAPHS_DONE_LINE), (PIECEWISE_LEFT_LINE, PIECEWISE_DONE_LINE))
+                 if left in text]
+        if not waits:
             return None
         t0 = time.monotonic()
-        while GRAPHS_DONE_LINE not in self.log_path.read_text(errors="replace"):
-            if self.proc.poll() is not None or time.monotonic() - t0 > timeout:
-                raise RuntimeError(f"decode graphs not all captured after {time.monotonic() - t0:.0f} s:\n{self.log()}")
-            time.sleep(0.2)
+        for done in waits:
+            while done not in self.log_path.read_text(errors="replace"):
+                if self.proc.poll() is not None or time.monotonic() - t0 > timeout:
+                    raise RuntimeError(f"graphs not all captured after {time.monotonic() - t0:.0f} s:\n{self.log()}")
+                time.sleep(0.2)
         return time.monotonic() - t0
 
     def signal_group(self, sig: int) -> None:

@@ -67,6 +67,11 @@ class ModelConfig:
     enforce_eager: bool = False  # no CUDA graphs
     cudagraph_capture_sizes: list[int] | None = None  # None: 1, 2, 4, 8, 16, 24, ... up to the max
     max_cudagraph_capture_size: int | None = None  # None: min(256, max_num_seqs)
+    # Prefill and mixed steps' piecewise graphs (model_executor/piecewise_graph.py): on or off, the
+    # largest token count captured, and an explicit list of counts (None: the ladder).
+    enable_piecewise_cuda_graph: bool = False
+    piecewise_cuda_graph_max_tokens: int = 4096
+    piecewise_cuda_graph_tokens: list[int] | None = None
     # Structured output (engine/grammar.py): "xgrammar" or "none"; the tokenizer it is built from
     # (None: no constraints).
     grammar_backend: str = "xgrammar"

@@ -299,7 +299,8 @@ class ServerArgs:
         negatable=True,
     )
     enforce_eager: bool = _option(
-        False, SCHEDULER, "Disable CUDA graph execution (decode steps then run eagerly; GPU only)."
+        False, SCHEDULER, "Disable CUDA graph execution (decode steps, and piecewise-captured prefill steps, then "
+        "run eagerly; GPU only)."
     )
     disable_overlap_schedule: bool = _option(
         False,
@@ -321,6 +322,30 @@ class ServerArgs:
         "Explicit CUDA graph capture sizes; a decode batch pads to the next captured size.",
         parse=values.positive_int,
         default_doc="1, 2, 4, 8, 16, 24, 32, ... up to the max",
+    )
+    enable_piecewise_cuda_graph: bool = _option(
+        False,
+        SCHEDULER,
+        "Replay prefill and mixed steps as piecewise CUDA graphs: everything but attention captured "
+        "per padded token count, attention run eagerly between the pieces (each step's own "
+        "lengths). Captured after startup while the engine idles; each capture checks one replay "
+        "against the eager step and turns them off on a mismatch. One GPU only (eager under tensor "
+        "parallelism). Off by default until measured on the GPU machine.",
+        negatable=True,
+    )
+    piecewise_cuda_graph_max_tokens: int = _option(
+        4096,
+        SCHEDULER,
+        "Largest step (in tokens) replayed as piecewise CUDA graphs; larger steps run eagerly. "
+        "Capped by the step token budget (--chunked-prefill-size).",
+        parse=values.positive_int,
+    )
+    piecewise_cuda_graph_tokens: list[int] | None = _option(
+        None,
+        SCHEDULER,
+        "Explicit token counts for the piecewise CUDA graphs; a step pads to the next captured count.",
+        parse=values.positive_int,
+        default_doc="16, 24, 32, 48, 64, 96, ... (about 1.5x apart) up to the max",
     )
 
     # ---- Parallelism

@@ -76,7 +76,7 @@ def size_kv_pool_tokens(cfg: EngineConfig, kv_bytes_per_token: int, device: torc
         step_tokens = scheduler.token_budget
         if runner is not None:
             activation = runner.profile_peak_activation_bytes(step_tokens, max_num_seqs)
-            graph_reserve = runner.cuda_graph_reserve_bytes()
+            graph_reserve = runner.cuda_graph_reserve_bytes(activation, step_tokens)
             sampler_reserve = max_num_seqs * runner.vocab_size * _SAMPLER_BYTES_PER_LOGIT
             weights = runner.weight_bytes()
         else:  # no runner to profile: a fixed headroom

@@ -306,6 +306,14 @@ class DecodeGraphs:
 
     # -- capture ----------------------------------------------------------------------------
 
+    def pool(self):
+        """The graphs' memory pool (CUDA), made on first use; the piecewise graphs share it
+        (model_executor/piecewise_graph.py): one graph runs at a time, and each one's outputs are
+        read before the next replay."""
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        return self._pool
+
     @property
     def deferred(self) -> list[int]:
         """The sizes not captured yet, ascending."""
@@ -321,9 +329,7 @@ class DecodeGraphs:
         if on_cuda:
             torch.cuda.synchronize(self.device)
             free_before = torch.cuda.mem_get_info(self.device)[0]
-        if self._pool is None and on_cuda and self.graph_class is CudaGraph:
-            self._pool = torch.cuda.graph_pool_handle()
-        pool = self._pool
+        pool = self.pool() if on_cuda and self.graph_class is CudaGraph else None
         todo = sorted(set(self.sizes if sizes is None else sizes) - set(self.graphs), reverse=True)
         progress = Progress("CUDA graph capture (decode batch sizes)", len(todo)) if len(todo) > 1 else None
         first_run = tuning = 0.0

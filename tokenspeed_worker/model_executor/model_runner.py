@@ -7,7 +7,9 @@ sampling rows (the last query token of each request in plan.sample_rows).
 Decode-only steps replay CUDA graphs (model_executor/cuda_graph.py) once
 `capture_cuda_graphs` ran, on CUDA with a backend that supports them and without
 `enforce_eager`; the KV pool then holds one extra *dummy block* (id `num_blocks`, never
-handed to the scheduler) for the padded rows of a graph. `profile_peak_activation_bytes`
+handed to the scheduler) for the padded rows of a graph. With --enable-piecewise-cuda-graph,
+prefill and mixed steps replay piecewise graphs (model_executor/piecewise_graph.py), captured
+after startup. `profile_peak_activation_bytes`
 measures the largest step's activations so the engine can size the KV pool.
 """
 
@@ -38,6 +40,7 @@ from tokenspeed_worker.model_executor.cuda_graph import (
     padded_batch_size,
     resolve_pending_ids,
 )
+from tokenspeed_worker.model_executor.piecewise_graph import PiecewiseGraphs, graph_memory_estimate, piecewise_sizes
 from tokenspeed_worker.layers.quantization import kv_scales, methods as quant_methods
 from tokenspeed_worker.model_executor.loader import load_model_weights, safetensors_files
 from tokenspeed_worker import kernel_cache
@@ -233,6 +236,11 @@ class ModelRunner:
             # A batch-1 verify step replays this graph: its choices were timed alone at these rows, as
             # for batch 1, so they are checked inside the step too.
             self.small_batch_gemv.refine_verify_step(verify_size)
+        # Prefill and mixed steps (model_executor/piecewise_graph.py): on one GPU with the decode graphs.
+        self.piecewise_sizes = piecewise_sizes(config.scheduler.token_budget, config.model.piecewise_cuda_graph_max_tokens,
+                                               config.model.piecewise_cuda_graph_tokens) if (
+            config.model.enable_piecewise_cuda_graph and self.use_cuda_graphs and distributed.size() == 1) else []
+        self.piecewise: PiecewiseGraphs | None = None
         self.cuda_graphs: DecodeGraphs | None = None
         self.graph_bytes = 0  # device memory of the captured decode graphs (capture_cuda_graphs)
         self.deferred_capture_seconds = 0.0  # capture_deferred_graph's, in all
@@ -351,12 +359,23 @@ class ModelRunner:
         self.num_blocks = 0
         self.dummy_block = None
 
-    def cuda_graph_reserve_bytes(self) -> int:
-        """Memory to leave free for the decode graphs when sizing the KV pool (0 without graphs)."""
+    def cuda_graph_reserve_bytes(self, activation_bytes: int = 0, activation_tokens: int = 0) -> int:
+        """Memory to leave free for the CUDA graphs when sizing the KV pool (0 without graphs): the
+        decode graphs' reserve, and with piecewise graphs their static buffers and the activations
+        of their largest token count, scaled from a profiled eager step's (activation_bytes at
+        activation_tokens tokens)."""
         if not self.use_cuda_graphs:
             return 0
         width = max_table_width(self.max_model_len, self.block_size)
-        return graph_reserve_bytes(max(self.cudagraph_sizes), width, self.vocab_size, self.dtype.itemsize)
+        reserve = graph_reserve_bytes(max(self.cudagraph_sizes), width, self.vocab_size, self.dtype.itemsize)
+        if self.piecewise_sizes:
+            tokens = max(self.piecewise_sizes)
+            reserve += tokens * (3 * 8 + self._attention_row_width() * self.dtype.itemsize)
+            reserve += graph_memory_estimate(activation_bytes, activation_tokens, tokens)
+        return reserve
+
+    def _attention_row_width(self) -> int:
+        return max(layer.num_heads * layer.head_dim for layer in self.attention_layers)
 
     @torch.inference_mode()
     def profile_peak_activation_bytes(self, num_tokens: int, num_sample_rows: int) -> int:
@@ -501,6 +520,14 @@ class ModelRunner:
             report.graph_bytes / _MIB, report.static_bytes / _MIB, reserve / _MIB,
             graphs.max_table_width, self.max_model_len,
         )
+        if self.piecewise_sizes:
+            self.piecewise = PiecewiseGraphs(
+                self.model, self.attention_backend, sizes=self.piecewise_sizes, dummy_block=self.dummy_block,
+                block_size=self.block_size, dtype=self.dtype, device=self.device,
+                row_width=self._attention_row_width(), last_sampled=self.last_sampled, pool=graphs.pool,
+                emulate=graphs.graph_class is not CudaGraph)
+            logger.info("piecewise CUDA graphs (prefill and mixed steps): %d token counts %s, captured while the "
+                        "engine idles or as steps need them", len(self.piecewise_sizes), _ranges(self.piecewise_sizes))
         if report.graph_bytes > reserve:
             logger.warning(
                 "CUDA graphs took %.0f MiB, more than the %.0f MiB reserved when the KV pool was sized; "
@@ -510,19 +537,26 @@ class ModelRunner:
 
     @property
     def deferred_graphs(self) -> bool:
-        """Whether decode sizes are left to capture (capture_deferred_graph)."""
-        return self.cuda_graphs is not None and bool(self.cuda_graphs.deferred)
+        """Whether decode sizes or piecewise token counts are left to capture (capture_deferred_graph)."""
+        return ((self.cuda_graphs is not None and bool(self.cuda_graphs.deferred))
+                or (self.piecewise is not None and bool(self.piecewise.deferred)))
 
     @property
     def graphs_wanted(self) -> bool:
-        """Whether a decode step ran eagerly for want of a size not captured yet."""
-        return self.cuda_graphs is not None and bool(self.cuda_graphs.wanted)
+        """Whether a step ran eagerly for want of a decode size or a token count not captured yet."""
+        return ((self.cuda_graphs is not None and bool(self.cuda_graphs.wanted))
+                or (self.piecewise is not None and bool(self.piecewise.wanted)))
 
     def capture_deferred_graph(self) -> None:
-        """Capture one decode size left by capture_cuda_graphs (a wanted one first). Only between
-        completed steps: nothing in flight may read the graphs' buffers or last_sampled. After the
-        last, the kernel choices timed meanwhile are kept and the whole capture logged."""
+        """Capture one decode size left by capture_cuda_graphs (a wanted one first), else one
+        piecewise token count (likewise). Only between completed steps: nothing in flight may read
+        the graphs' buffers or last_sampled. After the last of either, the kernel choices timed
+        meanwhile are kept and the whole capture logged."""
         graphs = self.cuda_graphs
+        if self.piecewise is not None and self.piecewise.deferred and (
+                graphs is None or not graphs.deferred or (self.piecewise.wanted and not graphs.wanted)):
+            self._capture_piecewise()
+            return
         report = graphs.capture_next() if graphs is not None else None
         if report is None:
             return
@@ -538,6 +572,19 @@ class ModelRunner:
                         "%d decode steps ran eagerly meanwhile); graph memory now %.0f MiB",
                         len(graphs.sizes) - len(self.first_capture_sizes), self.deferred_capture_seconds,
                         graphs.num_uncaptured_decodes, self.graph_bytes / _MIB)
+
+    def _capture_piecewise(self) -> None:
+        piecewise = self.piecewise
+        free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 0
+        size = piecewise.capture_next()
+        if self.device.type == "cuda":
+            self.graph_bytes += free - torch.cuda.mem_get_info(self.device)[0]
+        logger.debug("piecewise CUDA graph of %s tokens captured", size)
+        if not piecewise.deferred:
+            self.keep_kernel_choices()
+            logger.info("piecewise CUDA graphs: %d token counts captured after startup (%.1f s in all; %d steps ran "
+                        "eagerly meanwhile); graph memory now %.0f MiB", len(piecewise.sizes),
+                        piecewise.capture_seconds, piecewise.num_uncaptured, self.graph_bytes / _MIB)
 
     def capture_all_graphs(self) -> None:
         """Capture every decode size left (benchmarks: steady state from their first step)."""
@@ -560,7 +607,9 @@ class ModelRunner:
             if logits is not None:
                 self.greedy_tokens = self.cuda_graphs.last_greedy
                 return logits
-        hidden_states = self._hidden_states(plan)
+        hidden_states = self.piecewise.run(plan) if self.piecewise is not None else None
+        if hidden_states is None:
+            hidden_states = self._hidden_states(plan)
         sample_index = self._to_device(plan.sample_token_index, np.int64)
         return self.model.compute_logits(hidden_states[sample_index]).float()
 

@@ -217,7 +217,9 @@ class SampleOutput:
 
     def to_host(self) -> "SampleOutput":
         """CPU copies, started without waiting: from CUDA, non-blocking copies into pinned memory, to
-        be read only after an event recorded behind them fired; CPU tensors are kept as they are."""
+        be read only after an event recorded behind them fired; CPU tensors are copied at once (a
+        decode graph's greedy tokens are a view of the buffer the next step's replay overwrites: the
+        copy must be taken now, as on CUDA, where it is enqueued before that step)."""
         if self.logprobs is None:  # no row asked for logprobs: then none of them is set
             return SampleOutput(_to_host(self.tokens))
         return SampleOutput(
@@ -228,8 +230,10 @@ class SampleOutput:
 
 
 def _to_host(t: torch.Tensor | None) -> torch.Tensor | None:
-    if t is None or t.device.type == "cpu":
+    if t is None:
         return t
+    if t.device.type == "cpu":
+        return t.clone()
     return t.to("cpu", non_blocking=True)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tokenspeed_worker.layers.attention.backend import AttentionBackend, AttentionInputs
+from tokenspeed_worker.layers.attention.backend import AttentionBackend, AttentionInputs, GraphHoles
 from tokenspeed_worker.layers.attention.flashinfer_backend import FlashInferAttentionBackend
 from tokenspeed_worker.layers.attention.layer import Attention
 from tokenspeed_worker.layers.attention.torch_backend import TorchAttentionBackend
@@ -38,6 +38,7 @@ __all__ = [
     "AttentionBackend",
     "AttentionInputs",
     "FlashInferAttentionBackend",
+    "GraphHoles",
     "TorchAttentionBackend",
     "TritonAttentionBackend",
     "get_attention_backend",

@@ -30,6 +30,18 @@ class AttentionInputs:
     block_size: int
 
 
+class GraphHoles:
+    """The metadata a model's attention calls receive while a piecewise CUDA graph is captured
+    (model_executor/piecewise_graph.py): `Attention` hands each call's work to `hole` instead of
+    running it, and kernels before attention that write K/V themselves take `slot_mapping`."""
+
+    slot_mapping: torch.Tensor  # int64 [T] the step's static slots
+
+    def hole(self, attend, *tensors: torch.Tensor) -> torch.Tensor:
+        """attend(metadata, *tensors) -> the attention output; run outside the graphs."""
+        raise NotImplementedError
+
+
 class AttentionBackend(ABC):
     name: str
     # Whether decode steps can be captured as CUDA graphs: `decode_graph_metadata` must then

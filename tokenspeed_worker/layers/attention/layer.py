@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tokenspeed_worker.layers.attention.backend import AttentionBackend
+from tokenspeed_worker.layers.attention.backend import AttentionBackend, GraphHoles
 from tokenspeed_worker.layers.layernorm import RMSNorm
 from tokenspeed_worker.layers.rotary import RotaryEmbedding
 
@@ -48,7 +48,12 @@ class Attention(nn.Module):
         rotates inside its attention kernel (`fuses_rope`: decode steps of the triton backend),
         one kernel does it all, the head norms included where it takes them; else, with a backend
         that attends over K/V written beforehand, one kernel rotates q and writes the rotated k and
-        v into the cache, and the backend only attends; otherwise rotary_emb, then forward."""
+        v into the cache, and the backend only attends; otherwise rotary_emb, then forward. While a
+        piecewise graph is captured (attn_metadata a GraphHoles) all of it runs between the pieces."""
+        if isinstance(attn_metadata, GraphHoles):
+            return attn_metadata.hole(
+                lambda md, p, q_, k_, v_: self.forward_with_rotary(p, q_, k_, v_, rotary_emb, md, q_norm, k_norm),
+                positions, q, k, v)
         fused = self.fuses_rope(rotary_emb, q, attn_metadata)
         norms = {}
         if q_norm is not None:
@@ -84,8 +89,10 @@ class Attention(nn.Module):
         return {"window": self.sliding_window, "softcap": self.logit_softcap} if self.needs_window_or_softcap else {}
 
     def fuses_rope(self, rotary_emb: RotaryEmbedding, q: torch.Tensor, attn_metadata: object) -> bool:
-        """Whether forward_with_rotary leaves the rotary and the KV write to the attention kernel."""
-        return (self.backend is not None and rotary_emb.rotary_dim == self.head_dim and rotary_emb.fuses(q)
+        """Whether forward_with_rotary leaves the rotary and the KV write to the attention kernel
+        (never decided inside a piecewise capture: there the whole call is left to the step)."""
+        return (not isinstance(attn_metadata, GraphHoles) and self.backend is not None
+                and rotary_emb.rotary_dim == self.head_dim and rotary_emb.fuses(q)
                 and self.backend.fuses_rope(attn_metadata))
 
     def rope_and_write_kv(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -99,6 +106,8 @@ class Attention(nn.Module):
     def attend_prewritten(self, q: torch.Tensor, attn_metadata: object) -> torch.Tensor:
         """q: [T, H, D], already rotated, with the step's K/V already in the cache (QKVLinear.forward_rotary)
         -> [T, H * D]."""
+        if isinstance(attn_metadata, GraphHoles):
+            return attn_metadata.hole(lambda md, q_: self.attend_prewritten(q_, md), q)
         out = self.backend.attend(q, self.k_cache, self.v_cache, attn_metadata, self.scale, **self._extras())
         return out.view(-1, self.num_heads * self.head_dim)
 
@@ -106,6 +115,8 @@ class Attention(nn.Module):
         """q: [T, H * D], k/v: [T, Hkv * D] -> [T, H * D]."""
         if self.backend is None:
             raise RuntimeError("the KV cache is not allocated: call ModelRunner.allocate_kv_cache first")
+        if isinstance(attn_metadata, GraphHoles):
+            return attn_metadata.hole(lambda md, q_, k_, v_: self.forward(q_, k_, v_, md), q, k, v)
         out = self.backend.forward(
             q.view(-1, self.num_heads, self.head_dim),
             k.view(-1, self.num_kv_heads, self.head_dim),
