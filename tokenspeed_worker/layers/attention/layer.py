@@ -49,8 +49,15 @@ class Attention(nn.Module):
         one kernel does it all, the head norms included where it takes them; else, with a backend
         that attends over K/V written beforehand, one kernel rotates q and writes the rotated k and
         v into the cache, and the backend only attends; otherwise rotary_emb, then forward. While a
-        piecewise graph is captured (attn_metadata a GraphHoles) all of it runs between the pieces."""
+        piecewise graph is captured (attn_metadata a GraphHoles), the norms, the rotary and the KV
+        write (at the static slots) stay in the piece where the backend attends over K/V written
+        beforehand, and only the attention runs between the pieces; otherwise all of it does."""
         if isinstance(attn_metadata, GraphHoles):
+            if self.backend is not None and self.backend.supports_prewritten_kv:
+                if q_norm is not None:
+                    q, k = q_norm(q), k_norm(k)
+                return self.attend_prewritten(self.rope_and_write_kv(positions, q, k, v, rotary_emb, attn_metadata),
+                                              attn_metadata)
             return attn_metadata.hole(
                 lambda md, p, q_, k_, v_: self.forward_with_rotary(p, q_, k_, v_, rotary_emb, md, q_norm, k_norm),
                 positions, q, k, v)
