@@ -18,7 +18,8 @@ identical at every layer, so the slots it shares are written with equal values. 
 it, nothing samples it, and the step's hidden states are the first T rows.
 
 How the pieces are cut: the model's `Attention` calls (layers/attention/layer.py) receive a
-`PiecewiseStep` in place of the metadata and hand their work to `PiecewiseStep.hole`, which ends the
+`PiecewiseStep` in place of the metadata and hand their attention (with the triton backend, only the
+attention over K/V the piece wrote at the static slots) to `PiecewiseStep.hole`, which ends the
 piece being captured, keeps the call (its tensors aliased without keeping them allocated, as the
 graphs' own intermediates are: `_alias`) and begins the next piece. Models need no change. The
 pieces of all sizes share one memory pool with the decode graphs: at most one graph runs at a time,
