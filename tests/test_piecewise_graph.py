@@ -188,23 +188,44 @@ def test_the_reserve_counts_the_piecewise_buffers_and_activations(tiny_model_pat
 
 
 def test_a_replay_that_disagrees_with_the_eager_step_turns_them_all_off(tiny_model_paths, monkeypatch, caplog):
-    """The capture's check: a replay that reads a wrong attention output (here a static buffer that
-    loses what the hole wrote) differs from the eager step, and every size is turned off: steps run
+    """The capture's check: a replay that reads a wrong attention output (here the static buffer
+    zeroed after each hole) differs from the eager step, and every size is turned off: steps run
     eagerly with the eager logits, nothing is captured again."""
-    from tokenspeed_worker.model_executor.piecewise_graph import PiecewiseGraphs
+    from tokenspeed_worker.model_executor.piecewise_graph import PiecewiseStep
 
     path = tiny_model_paths["llama-gqa-tied"]
     eager = _runner(path, enforce_eager=True)
     graphs = _runner(path, emulate_cuda_graphs=True, piecewise_cuda_graph_tokens=[16, 32])
     graphs.capture_cuda_graphs()
-    real = PiecewiseGraphs.static_out
-    monkeypatch.setattr(PiecewiseGraphs, "static_out", lambda self, result: real(self, result).zero_())
+    real = PiecewiseStep.hole
+    monkeypatch.setattr(PiecewiseStep, "hole", lambda self, *args, **kwargs: real(self, *args, **kwargs).zero_())
     graphs.capture_all_graphs()
     assert graphs.piecewise.off_reason and "differs from the eager step" in caplog.text
     assert not graphs.deferred_graphs and graphs.piecewise.sizes == [] and not graphs.piecewise.captured
     for expected, got in zip(_mixed_run(eager), _mixed_run(graphs)):
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     assert graphs.piecewise.num_replays == 0 and not graphs.graphs_wanted
+
+
+def test_the_triton_backend_attends_straight_into_the_static_buffer(tiny_model_paths, monkeypatch):
+    """With the triton backend (attends_into) every hole's output is the static buffer itself: the
+    attention writes it, no copy per layer."""
+    from tokenspeed_worker.model_executor.piecewise_graph import PiecewiseStep
+
+    graphs = _runner(tiny_model_paths["qwen3-qknorm"], emulate_cuda_graphs=True, piecewise_cuda_graph_tokens=[32])
+    graphs.capture_cuda_graphs()
+    graphs.capture_all_graphs()
+    seen, real = [], PiecewiseStep.hole
+
+    def hole(self, *args, **kwargs):
+        result = real(self, *args, **kwargs)
+        seen.append((kwargs.get("into") is not None, result.data_ptr() == self.owner._out.data_ptr()))
+        return result
+
+    monkeypatch.setattr(PiecewiseStep, "hole", hole)
+    graphs.forward(_plan([9, 1, 6], [0, 4, 3]))
+    assert graphs.piecewise.num_replays == 1
+    assert len(seen) == graphs.num_layers and all(into and same for into, same in seen)
 
 
 def test_the_check_passes_for_a_faithful_replay(tiny_model_paths):

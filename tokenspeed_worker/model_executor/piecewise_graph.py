@@ -158,21 +158,31 @@ class PiecewiseStep(GraphHoles):
         self.holes: list[tuple[Callable[[object], torch.Tensor], torch.Tensor]] = []
         self.open_piece: torch.cuda.CUDAGraph | None = None  # the piece being captured
 
-    def hole(self, attend: Callable[..., torch.Tensor], *tensors: torch.Tensor) -> torch.Tensor:
+    def hole(self, attend: Callable[..., torch.Tensor], *tensors: torch.Tensor,
+             into: tuple[tuple[int, ...], torch.dtype] | None = None) -> torch.Tensor:
         """attend(metadata, *tensors) -> the attention output, run outside the graphs: now, and at
-        each replay with that step's metadata; returns the static buffer holding its output."""
+        each replay with that step's metadata; returns the static buffer holding its output. With
+        `into` (shape, dtype), attend(metadata, out, *tensors) writes it into `out`, a view of that
+        shape of the static buffer, and returns a view of it: no copy per layer."""
+        out = self.owner.static_view(*into) if into is not None else None
+        args = (out,) if out is not None else ()
         if not self.capturing:
-            return self.owner.static_out(attend(self.metadata, *tensors))
+            result = attend(self.metadata, *args, *tensors)
+            return self.owner.static_out(result) if out is None or not _within(result, out) else result
         self.end_piece()
         aliases = tuple(_alias(t) for t in tensors)
 
         def run(metadata: object) -> torch.Tensor:
-            return attend(metadata, *aliases)
+            return attend(metadata, *args, *aliases)
 
-        out = self.owner.static_out(run(self.metadata))
-        self.holes.append((run, out))
+        result = run(self.metadata)
+        if out is not None and _within(result, out):
+            self.holes.append((run, None))  # writes the static buffer itself
+        else:
+            result = self.owner.static_out(result)
+            self.holes.append((run, result))
         self.begin_piece()
-        return out
+        return result
 
     def begin_piece(self) -> None:
         self.open_piece = torch.cuda.CUDAGraph()
@@ -196,8 +206,15 @@ class _Captured:
     def replay(self, metadata: object) -> None:
         for piece, (run, out) in zip(self.pieces, self.holes):
             piece.replay()
-            out.copy_(run(metadata))
+            result = run(metadata)
+            if out is not None:
+                out.copy_(result)
         self.pieces[-1].replay()
+
+
+def _within(result: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether `result` is `out`'s memory (a view of it from its first element)."""
+    return result.data_ptr() == out.data_ptr() and result.numel() == out.numel()
 
 
 class PiecewiseGraphs:
@@ -243,14 +260,21 @@ class PiecewiseGraphs:
     def _views(self, buffer: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return buffer[:size], buffer[size: 2 * size], buffer[2 * size: 3 * size]
 
+    def static_view(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The static attention output buffer's first elements as `shape` (see static_out)."""
+        numel = 1
+        for n in shape:
+            numel *= int(n)
+        if dtype != self._out.dtype or numel > self._out.numel():
+            raise ValueError(f"attention output {tuple(shape)} {dtype} does not fit the static "
+                             f"buffer ({self._out.numel()} x {self._out.dtype})")
+        return self._out[:numel].view(shape)
+
     def static_out(self, result: torch.Tensor) -> torch.Tensor:
         """The static attention output buffer as `result`'s shape, holding it. One buffer for every
         layer: each layer's output is read by the piece after its attention, before the next
         attention call writes."""
-        if result.dtype != self._out.dtype or result.numel() > self._out.numel():
-            raise ValueError(f"attention output {tuple(result.shape)} {result.dtype} does not fit the static "
-                             f"buffer ({self._out.numel()} x {self._out.dtype})")
-        out = self._out[: result.numel()].view(result.shape)
+        out = self.static_view(tuple(result.shape), result.dtype)
         out.copy_(result)
         return out
 

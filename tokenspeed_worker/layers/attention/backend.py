@@ -37,8 +37,9 @@ class GraphHoles:
 
     slot_mapping: torch.Tensor  # int64 [T] the step's static slots
 
-    def hole(self, attend, *tensors: torch.Tensor) -> torch.Tensor:
-        """attend(metadata, *tensors) -> the attention output; run outside the graphs."""
+    def hole(self, attend, *tensors: torch.Tensor, into=None) -> torch.Tensor:
+        """attend(metadata, *tensors) -> the attention output; run outside the graphs. With `into`
+        (shape, dtype): attend(metadata, out, *tensors) writes it into `out`, a buffer of that shape."""
         raise NotImplementedError
 
 
@@ -55,6 +56,8 @@ class AttentionBackend(ABC):
     # last `window` positions) and `softcap` (tanh-capped scores), for layers that have them
     # (Attention.sliding_window, .logit_softcap).
     supports_windows_and_softcap: bool = False
+    # Whether `attend` takes `out` (a [T, num_heads, head_dim] buffer it writes and returns).
+    attends_into: bool = False
     # The model's attention shape, told once by the runner (`setup`).
     num_heads: int = 0
     num_kv_heads: int = 0

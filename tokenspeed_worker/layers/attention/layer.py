@@ -110,12 +110,18 @@ class Attention(nn.Module):
             self.k_cache, self.v_cache, attn_metadata.slot_mapping,
         )
 
-    def attend_prewritten(self, q: torch.Tensor, attn_metadata: object) -> torch.Tensor:
+    def attend_prewritten(self, q: torch.Tensor, attn_metadata: object, out: torch.Tensor | None = None) -> torch.Tensor:
         """q: [T, H, D], already rotated, with the step's K/V already in the cache (QKVLinear.forward_rotary)
-        -> [T, H * D]."""
+        -> [T, H * D]; written into `out` ([T, H, D]) where given (backends that attend into one)."""
         if isinstance(attn_metadata, GraphHoles):
+            if self.backend.attends_into:  # straight into the piecewise graphs' static buffer
+                return attn_metadata.hole(lambda md, o, q_: self.attend_prewritten(q_, md, o), q,
+                                          into=((q.shape[0], self.num_heads, self.head_dim), q.dtype))
             return attn_metadata.hole(lambda md, q_: self.attend_prewritten(q_, md), q)
-        out = self.backend.attend(q, self.k_cache, self.v_cache, attn_metadata, self.scale, **self._extras())
+        extras = self._extras()
+        if out is not None:
+            extras["out"] = out
+        out = self.backend.attend(q, self.k_cache, self.v_cache, attn_metadata, self.scale, **extras)
         return out.view(-1, self.num_heads * self.head_dim)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_metadata: object) -> torch.Tensor:

@@ -78,6 +78,7 @@ class TritonAttentionBackend(AttentionBackend):
     supports_cuda_graphs = True
     supports_prewritten_kv = True
     supports_windows_and_softcap = True
+    attends_into = True
     # Decode-only steps of at most this many rows rotate inside the decode kernel (attend_rotary):
     # small batches are latency-bound and save the rotary kernel's launch; larger ones run faster
     # with the rotary kernel before attention (the fused decode kernel holds more registers).
@@ -332,11 +333,13 @@ class TritonAttentionBackend(AttentionBackend):
         scale: float,
         window: int | None = None,
         softcap: float | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The step's K/V are already in the cache at metadata.slot_mapping (written by `forward`,
-        or by the fused rotary + KV-write kernel); window and softcap as the kernels take them."""
+        or by the fused rotary + KV-write kernel); window and softcap as the kernels take them; the
+        output written into `out` ([T, H, D], contiguous) where given."""
         q = q.contiguous()
-        out = torch.empty_like(q)
+        out = torch.empty_like(q) if out is None else out
         extras = {"window": window, "softcap": softcap} if window or softcap else {}
         if metadata.decode_only:
             self._decode(q, k_cache, v_cache, metadata, scale, out, **extras)
