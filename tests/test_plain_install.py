@@ -60,7 +60,13 @@ def _pip(venv: Path, log, *args: str) -> float:
     log.flush()
     r = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", *args], stdout=log,
                        stderr=subprocess.STDOUT, env=_clean_env(venv), cwd=venv.parent, timeout=INSTALL_TIMEOUT)
-    assert r.returncode == 0, f"pip install {' '.join(args)} failed; see {log.name}"
+    if r.returncode != 0:
+        log.flush()
+        tail = Path(log.name).read_text(errors="replace").strip().splitlines()[-3:]
+        free = shutil.disk_usage(venv.parent).free / 2**30
+        # The disk is named: a full disk (a session's leftovers in /tmp) once failed this as ENOSPC.
+        pytest.fail(f"pip install {' '.join(args)} failed with {free:.1f} GiB free under {venv.parent}; see "
+                    f"{log.name}; its last lines: {' | '.join(tail)}")
     return time.monotonic() - start
 
 
