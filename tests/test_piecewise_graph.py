@@ -329,3 +329,18 @@ def test_the_engine_serves_prompts_through_piecewise_steps_with_the_eager_tokens
     assert not engine.runner.deferred_graphs and sorted(piecewise.captured) == [16, 32, 48]
     again, _, _ = run(engine, [request(i + 11, p, 10) for i, p in enumerate(prompts)])
     assert list(again.values()) == list(expected.values())
+
+
+def test_emulated_piecewise_steps_with_the_flashinfer_backend_give_the_eager_logits(tiny_model_paths):
+    """The flashinfer backend (its stand-in kernels on CPU) plans each step on the host: the piecewise
+    replay's holes attend with the step's own plan, copying into the static buffer."""
+    from test_flashinfer_backend import _stand_in_backend
+
+    path = tiny_model_paths["llama-gqa-tied"]
+    eager = _runner(path, enforce_eager=True, attention_backend=_stand_in_backend())
+    graphs = _runner(path, emulate_cuda_graphs=True, attention_backend=_stand_in_backend())
+    graphs.capture_cuda_graphs()
+    assert not graphs.attention_backend.attends_into
+    for expected, got in zip(_mixed_run(eager), _mixed_run(graphs)):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert graphs.piecewise.num_replays == 4 and graphs.piecewise.off_reason is None
