@@ -226,7 +226,7 @@ suite_tests() {
 
 suite_kernels() {
   pytest_run kernel_tests "${KERNEL_TESTS_TIMEOUT:-420}" -m gpu ${KERNEL_TESTS:-tests/test_triton_kernels.py \
-    tests/test_triton_backend.py tests/test_cuda_graph_logic.py tests/test_small_batch_gemv.py \
+    tests/test_triton_backend.py tests/test_cuda_graph_logic.py tests/test_piecewise_graph.py tests/test_small_batch_gemv.py \
     tests/test_fused_kernels.py tests/test_flashinfer_backend.py}
   step kernels "${KERNELS_TIMEOUT:-150}" "$REPO" python3 scripts/bench_kernels.py --out "$OUT/kernels.json" \
     ${KERNELS_ARGS:---only gemv --gemv-rows 1 4}
