@@ -581,3 +581,104 @@ def test_schedule_conservativeness_reaches_the_engine_config() -> None:
     args = parse("/m", "--device", "cpu", "--schedule-conservativeness", "0")
     assert WorkerConfig.from_args(args).engine.scheduler.schedule_conservativeness == 0.0
     assert WorkerConfig.from_args(parse("/m", "--device", "cpu")).engine.scheduler.schedule_conservativeness == 1.0
+
+
+# --------------------------------------------------------------------------- first-contact findings (2026-12-07)
+
+
+def test_config_values_are_taken_as_written(tmp_path: Path) -> None:
+    # YAML 1.1 reads 0123 as the octal 83 and 1.10 as the float 1.1: a key or a name must stay as typed.
+    path = write_yaml(tmp_path, """
+        api-key: 0123
+        served-model-name: 1.10
+        max-num-seqs: 8
+        cudagraph-capture-sizes: [1, 2, 010]
+    """)
+    args = parse("/m", "--config", path)
+    assert args.api_key == "0123" and args.served_model_name == "1.10"
+    assert args.max_num_seqs == 8 and args.cudagraph_capture_sizes == [1, 2, 10]
+
+
+def test_a_config_file_that_is_not_utf8_names_itself(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    path = tmp_path / "worker.yaml"
+    path.write_bytes(b"max-num-seqs: \xff\n")
+    assert f"--config {path}: not UTF-8 text" in parse_error(capsys, "/m", "--config", str(path))
+
+
+def test_an_integer_past_int32_is_refused_naming_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    line = parse_error(capsys, "/m", "--max-num-seqs", "999999999999999999999999")
+    assert line.endswith("argument --max-num-seqs: must be at most 2147483647 in size, got '999999999999999999999999'")
+
+
+def test_piecewise_counts_need_the_flag_that_turns_them_on(capsys: pytest.CaptureFixture[str]) -> None:
+    for flag, value in (("--piecewise-cuda-graph-tokens", "16"), ("--piecewise-cuda-graph-max-tokens", "512")):
+        assert parse_error(capsys, "/m", flag, value).endswith(
+            f"argument {flag}: only used with --enable-piecewise-cuda-graph; it is not set")
+    line = parse_error(capsys, "/m", "--enable-piecewise-cuda-graph", "--piecewise-cuda-graph-tokens", "64", "128",
+                       "--piecewise-cuda-graph-max-tokens", "32")
+    assert line.endswith("none of 64, 128 is at most --piecewise-cuda-graph-max-tokens 32")
+    args = parse("/m", "--enable-piecewise-cuda-graph", "--piecewise-cuda-graph-tokens", "16", "64")
+    assert args.enable_piecewise_cuda_graph and args.piecewise_cuda_graph_tokens == [16, 64]
+
+
+@pytest.mark.usefixtures("no_cuda")
+def test_triton_sampling_on_cpu_is_refused_at_once(capsys: pytest.CaptureFixture[str]) -> None:
+    assert parse_error(capsys, "/m", "--sampling-backend", "triton").endswith(
+        "argument --sampling-backend: triton needs --device cuda")
+
+
+def test_speculative_config_leaves_a_flag_given_as_it_is(capsys: pytest.CaptureFixture[str]) -> None:
+    args = parse("/m", "--speculative-num-steps", "5", "--speculative-config",
+                 '{"method": "ngram", "num_speculative_tokens": 2}')
+    assert args.speculative_algorithm == "NGRAM" and args.speculative_num_steps == 5
+    assert parse("/m", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'
+                 ).speculative_num_steps == 2
+    assert parse_error(capsys, "/m", "--speculative-config", '{"num_speculative_tokens": 2}').endswith(
+        "argument --speculative-config: its model and num_speculative_tokens need a method (or --speculative-algorithm)")
+
+
+def test_the_sglang_cuda_graph_bs_hint_names_the_size_list(capsys: pytest.CaptureFixture[str]) -> None:
+    assert "--cuda-graph-bs: use --cudagraph-capture-sizes" in parse_error(capsys, "/m", "--cuda-graph-bs", "1", "2")
+
+
+def _eagle3_config(tmp_path: Path, draft: Path, *extra: str) -> WorkerConfig:
+    model = tmp_path / "model"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text('{"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 4}')
+    return WorkerConfig.from_args(parse(str(model), "--device", "cpu", "--speculative-algorithm", "EAGLE3",
+                                        "--speculative-draft-model-path", str(draft), *extra))
+
+
+@pytest.mark.parametrize("case,error", [
+    ("empty", "no config.json"),
+    ("bad json", "config.json is not readable JSON"),
+    ("not a head", "architectures ['LlamaForCausalLM'] is not an EAGLE-3 Llama head"),
+    ("two layers", "2 layers; an EAGLE-3 head with more than one layer is not supported yet"),
+    ("no weights", "no *.safetensors or *.bin weights"),
+])
+def test_an_eagle3_head_folder_is_checked_before_any_engine_starts(tmp_path: Path, case: str, error: str) -> None:
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    config_text = {"bad json": "{bad", "not a head": '{"architectures": ["LlamaForCausalLM"]}',
+                   "two layers": '{"architectures": ["LlamaForCausalLMEagle3"], "num_hidden_layers": 2}',
+                   "no weights": '{"architectures": ["LlamaForCausalLMEagle3"], "num_hidden_layers": 1}'}.get(case)
+    if config_text is not None:
+        (draft / "config.json").write_text(config_text)
+    with pytest.raises(ValueError) as raised:
+        _eagle3_config(tmp_path, draft)
+    assert str(raised.value).startswith(f"--speculative-draft-model-path {draft}: ") and error in str(raised.value)
+
+
+def test_eagle3_layers_and_tensor_parallelism_are_checked_before_any_engine_starts(tmp_path: Path) -> None:
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    (draft / "config.json").write_text('{"architectures": ["LlamaForCausalLMEagle3"], "num_hidden_layers": 1}')
+    (draft / "model.safetensors").write_bytes(b"")
+    assert _eagle3_config(tmp_path, draft).engine.speculative.speculative_algorithm == "EAGLE3"
+    with pytest.raises(ValueError, match=r"--eagle3-layers-to-capture: 0,1,9: the head fuses three of the model's 4 "
+                                         r"layers \(indices 0..3\)"):
+        _eagle3_config(tmp_path, draft, "--eagle3-layers-to-capture", "0,1,9")
+    with pytest.raises(ValueError, match="--eagle3-layers-to-capture: 0,1: the head fuses three"):
+        _eagle3_config(tmp_path, draft, "--eagle3-layers-to-capture", "0,1")
+    with pytest.raises(ValueError, match="EAGLE3 with --tensor-parallel-size > 1 is not supported yet"):
+        _eagle3_config(tmp_path, draft, "--tensor-parallel-size", "2")

@@ -56,6 +56,18 @@ def test_a_cache_dir_that_cannot_be_written_becomes_a_temporary_one_with_a_warni
     assert kernel_cache.usable_cache_dir(None) is None
 
 
+def test_the_temporary_cache_dir_is_removed_when_the_process_exits(tmp_path):
+    import subprocess
+
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    code = ("from tokenspeed_worker import kernel_cache; "
+            f"print(kernel_cache.usable_cache_dir({str(blocked / 'cache')!r}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    folder = Path(out.stdout.strip().splitlines()[-1])
+    assert folder.name.startswith("tokenspeed-worker-cache-") and not folder.exists()
+
+
 def test_triton_keeps_its_kernels_in_the_cache_dir_unless_told_otherwise(monkeypatch, tmp_path):
     monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
     assert kernel_cache.use_triton_cache(None) is None

@@ -216,6 +216,16 @@ def test_api_key_guards_every_rpc_but_health(model_dir):
         assert w.stop() == 0
 
 
+def test_an_empty_api_key_serves_without_a_key_and_says_so(model_dir):
+    # `--api-key "$KEY"` with KEY unset: open, as with no flag, but a warning says so.
+    w = Worker(model_dir, "--max-model-len", "128", "--max-total-tokens", "1024", "--api-key", "")
+    try:
+        assert "--api-key is empty: every client is served without a key" in w.log()
+        assert w.stub.GetLoads(pb.GetLoadsRequest(), timeout=5) is not None
+    finally:
+        assert w.stop() == 0
+
+
 def test_a_pool_smaller_than_the_context_bounds_requests_instead_of_refusing_them(model_dir):
     """--max-total-tokens below --max-model-len: the worker reports the pool as its context length
     (GetModelInfo, as the gateway reads it), clamps max_new_tokens (unset or too large) to it, and

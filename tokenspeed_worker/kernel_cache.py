@@ -25,10 +25,12 @@ they do not cover. A start's own choices, in the cache dir, take precedence over
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
 import re
+import shutil
 import tempfile
 from importlib import metadata
 from pathlib import Path
@@ -68,6 +70,8 @@ def usable_cache_dir(cache_dir: str | None) -> str | None:
         return cache_dir
     except OSError as error:
         fallback = tempfile.mkdtemp(prefix="tokenspeed-worker-cache-")
+        # No later start reads it: removed when this process (the server, whose engines end first) exits.
+        atexit.register(shutil.rmtree, fallback, True)
         logger.warning("--cache-dir %s cannot be written (%s): this start compiles and times into %s, which no "
                        "later start reads; give the worker a writable --cache-dir to start faster next time",
                        cache_dir, error, fallback)

@@ -46,7 +46,7 @@ PEER_FLAG_HINTS: dict[str, str] = {
     "--max-running-requests": "--max-num-seqs",
     "--page-size": "--block-size",
     "--tokenizer-path": "--tokenizer",
-    "--cuda-graph-bs": "--max-cudagraph-capture-size (the largest captured batch; smaller sizes follow)",
+    "--cuda-graph-bs": "--cudagraph-capture-sizes (the decode batch sizes captured)",
 }
 
 
@@ -118,8 +118,9 @@ _JSON_OPTIONS = frozenset({"hf_overrides", "speculative_config", "kv_events_conf
                            "kvstore_storage_backend_extra_config"})
 
 
-def _config_tokens(key: str, option: Option, value: Any) -> list[str]:
-    """Command-line tokens equivalent to one --config entry (so it is validated the same way)."""
+def _config_tokens(key: str, option: Option, value: Any, as_written: Any = None) -> list[str]:
+    """Command-line tokens equivalent to one --config entry (so it is validated the same way):
+    `value` as YAML typed it, `as_written` the same entry with every scalar as its text."""
     if option.kind is bool:
         if not isinstance(value, bool):
             raise _ParseError(f"key {key!r} must be a YAML boolean (true/false), got {value!r}")
@@ -131,12 +132,15 @@ def _config_tokens(key: str, option: Option, value: Any) -> list[str]:
     if option.kind is list:
         if not isinstance(value, list) or not value:
             raise _ParseError(f"key {key!r} must be a non-empty YAML list, got {value!r}")
-        return [option.flag, *(str(item) for item in value)]
+        items = as_written if isinstance(as_written, list) and len(as_written) == len(value) else value
+        return [option.flag, *(str(item) for item in items)]
     if isinstance(value, dict | list):
         if option.dest not in _JSON_OPTIONS:
             kind = "plain string" if option.kind is str else option.kind.__name__
             raise _ParseError(f"key {key!r} takes a {kind}, got the YAML {type(value).__name__} {value!r}")
         value = json.dumps(value)  # JSON-valued options may be written as YAML mappings
+    elif isinstance(as_written, str):
+        value = as_written
     return [f"{option.flag}={value}"]
 
 
@@ -156,9 +160,16 @@ def load_config_file(path: str) -> dict[str, Any]:
 
     try:
         with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
+            text = f.read()
+        data = yaml.safe_load(text)
+        # The same document with every scalar as the text written (YAML 1.1 would read `api-key: 0123`
+        # as the octal 83 and `served-model-name: 1.10` as 1.1): values are taken as written and
+        # parsed like the flag's own text; YAML's types decide only booleans, nulls and lists.
+        raw_data = yaml.load(text, Loader=yaml.BaseLoader)
     except OSError as exc:
         raise ValueError(f"--config: cannot read {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"--config {path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     except yaml.YAMLError as exc:
         raise ValueError(f"--config {path}: invalid YAML: {' '.join(str(exc).split())}") from None
     if data is None:
@@ -171,7 +182,8 @@ def load_config_file(path: str) -> dict[str, Any]:
     assert isinstance(parser, _Parser)
     parser.raise_errors = True
     values: dict[str, Any] = {}
-    for raw_key, value in data.items():
+    raw_values = list(raw_data.values()) if isinstance(raw_data, dict) else [None] * len(data)
+    for (raw_key, value), as_written in zip(data.items(), raw_values):
         key = str(raw_key).replace("_", "-")
         option = keys.get(key)
         try:
@@ -184,7 +196,7 @@ def load_config_file(path: str) -> dict[str, Any]:
             if value is None:  # `key: null` (or an empty value) keeps the default
                 values[option.dest] = option.default
                 continue
-            namespace = parser.parse_args(_config_tokens(str(raw_key), option, value))
+            namespace = parser.parse_args(_config_tokens(str(raw_key), option, value, as_written))
             values[option.dest] = getattr(namespace, option.dest, option.default)
         except _ParseError as exc:
             raise ValueError(f"--config {path}: {exc}") from None
@@ -262,12 +274,16 @@ def _resolve_speculative_config(args: ServerArgs) -> None:
         args.speculative_algorithm = method
     if config.get("model") is not None and args.speculative_draft_model_path is None:
         args.speculative_draft_model_path = str(config["model"])
+    if args.speculative_algorithm is None and any(config.get(k) is not None for k in ("model", "num_speculative_tokens")):
+        raise ValueError("argument --speculative-config: its model and num_speculative_tokens need a method "
+                         "(or --speculative-algorithm)")
     if config.get("num_speculative_tokens") is not None:
         count = config["num_speculative_tokens"]
         if not isinstance(count, int) or isinstance(count, bool) or count < 1:
             raise ValueError(f"argument --speculative-config: num_speculative_tokens must be a positive integer, "
                              f"got {count!r}")
-        args.speculative_num_steps = count
+        if args.speculative_num_steps == OPTIONS_BY_DEST["speculative_num_steps"].default:  # a flag given wins
+            args.speculative_num_steps = count
 
 
 # The speculative flags and the algorithms that read them: one given (not at its default) without
@@ -294,11 +310,26 @@ def _check_speculative_flags(args: ServerArgs) -> None:
             raise ValueError(f"argument {flag}: only used with --speculative-algorithm {' or '.join(users)}; {now}")
 
 
+def _check_piecewise_flags(args: ServerArgs) -> None:
+    """The piecewise graphs' counts are read only with --enable-piecewise-cuda-graph (given without it
+    they would be ignored in silence), and must leave at least one count."""
+    given = [dest for dest in ("piecewise_cuda_graph_max_tokens", "piecewise_cuda_graph_tokens")
+             if getattr(args, dest) != OPTIONS_BY_DEST[dest].default]
+    if given and not args.enable_piecewise_cuda_graph:
+        raise ValueError(f"argument {OPTIONS_BY_DEST[given[0]].flag}: only used with --enable-piecewise-cuda-graph; "
+                         "it is not set")
+    tokens, limit = args.piecewise_cuda_graph_tokens, args.piecewise_cuda_graph_max_tokens
+    if tokens is not None and not any(t <= limit for t in tokens):
+        raise ValueError(f"argument --piecewise-cuda-graph-tokens: none of {', '.join(map(str, tokens))} is at most "
+                         f"--piecewise-cuda-graph-max-tokens {limit}")
+
+
 def _resolve(args: ServerArgs) -> None:
     """Fill the defaults that depend on other values or on the machine."""
     if args.speculative_config is not None:
         _resolve_speculative_config(args)
     _check_speculative_flags(args)
+    _check_piecewise_flags(args)
     if args.eagle3_layers_to_capture is not None:
         try:
             [int(x) for x in args.eagle3_layers_to_capture.split(",")]
@@ -320,6 +351,8 @@ def _resolve(args: ServerArgs) -> None:
         raise ValueError(f"argument --attention-backend: {args.attention_backend} needs --device cuda")
     elif args.attention_backend == "flashinfer" and not _flashinfer_importable():
         raise ValueError("argument --attention-backend: flashinfer is not installed (pip install flashinfer-python)")
+    if args.sampling_backend == "triton" and args.device != "cuda":
+        raise ValueError("argument --sampling-backend: triton needs --device cuda")
     if args.nnodes > 1:
         if args.tensor_parallel_size % args.nnodes:
             raise ValueError(f"argument --nnodes: --tensor-parallel-size {args.tensor_parallel_size} must be a "

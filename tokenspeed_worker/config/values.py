@@ -40,11 +40,19 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+# The largest integer a flag takes: the engine's arrays index with int32 and torch's sizes are int64;
+# a value past this is a typo, refused here rather than as an overflow deep in the engine.
+MAX_INTEGER = 2**31 - 1
+
+
 def integer(text: str) -> int:
     try:
-        return int(text)
+        value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    if abs(value) > MAX_INTEGER:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_INTEGER} in size, got {text!r}")
+    return value
 
 
 def port(text: str) -> int:

@@ -108,6 +108,8 @@ class WorkerConfig:
             custom_all_reduce=not args.disable_custom_all_reduce,
             dist_init_method=f"tcp://{args.dist_init_addr}" if args.dist_init_addr else None,
         )
+        if args.speculative_algorithm == "EAGLE3":
+            _check_eagle3(args)
         speculative = SpeculativeConfig(
             speculative_algorithm=args.speculative_algorithm,
             num_speculative_tokens=_num_speculative_tokens(args),
@@ -141,6 +143,53 @@ def _num_speculative_tokens(args: ServerArgs) -> int:
         raise ValueError(f"--speculative-num-draft-tokens {width}: a verify step needs at least 2 tokens "
                          "(the last accepted one and a draft)")
     return width - 1
+
+
+# An EAGLE-3 head's config.json names this architecture (models/llama_eagle3.py reads the rest).
+EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
+
+
+def eagle3_head_config(path: str) -> dict:
+    """The raw config.json of an EAGLE-3 Llama head folder; ValueError naming the flag and the file
+    where it is missing, not JSON, not such a head, or of more than one layer, or where the folder has
+    no weights. JSON only: the server checks it before any engine starts."""
+    config_path = os.path.join(path, "config.json")
+    flag = f"--speculative-draft-model-path {path}"
+    if not os.path.isfile(config_path):
+        raise ValueError(f"{flag}: no config.json")
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            raw = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{flag}: {config_path} is not readable JSON ({exc})") from None
+    if not isinstance(raw, dict) or EAGLE3_ARCHITECTURE not in (raw.get("architectures") or []):
+        found = raw.get("architectures") if isinstance(raw, dict) else None
+        raise ValueError(f"{flag}: architectures {found} is not an EAGLE-3 Llama head ({EAGLE3_ARCHITECTURE})")
+    if raw.get("num_hidden_layers", 1) != 1:
+        raise ValueError(f"{flag}: {raw.get('num_hidden_layers')} layers; an EAGLE-3 head with more than one layer "
+                         "is not supported yet")
+    names = os.listdir(path)
+    if not any(n.endswith((".safetensors", ".bin")) for n in names):
+        raise ValueError(f"{flag}: no *.safetensors or *.bin weights")
+    return raw
+
+
+def _check_eagle3(args: ServerArgs) -> None:
+    """What EAGLE3 needs, checked before any engine starts: one rank, a head folder, capture layers
+    within the model's."""
+    if args.tensor_parallel_size > 1:
+        raise ValueError("argument --speculative-algorithm: EAGLE3 with --tensor-parallel-size > 1 is not "
+                         "supported yet")
+    if not args.speculative_draft_model_path:
+        return  # parsing refuses EAGLE3 without it
+    eagle3_head_config(args.speculative_draft_model_path)
+    if args.eagle3_layers_to_capture:
+        layers = [int(x) for x in args.eagle3_layers_to_capture.split(",")]
+        num_layers = kv_scales.model_num_layers(args.model)
+        if len(layers) != 3 or (num_layers and not all(0 <= i < num_layers for i in layers)):
+            within = f" (indices 0..{num_layers - 1})" if num_layers else ""
+            raise ValueError(f"argument --eagle3-layers-to-capture: {args.eagle3_layers_to_capture}: the head fuses "
+                             f"three of the model's {num_layers or ''} layers{within}".replace("  ", " "))
 
 
 def expert_parallel_size(args: ServerArgs) -> int:

@@ -15,7 +15,6 @@ lm_head.weight, d2t (int64), t2d (bool, unused); a leading "model." is accepted.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -27,26 +26,16 @@ from tokenspeed_worker.layers.layernorm import RMSNorm
 from tokenspeed_worker.layers.rotary import get_rope
 from tokenspeed_worker.models.llama import head_dim_of
 
-ARCHITECTURE = "LlamaForCausalLMEagle3"
-
 
 def read_config(path: str):
     """The head's config (transformers' LlamaConfig over its config.json); ValueError if it is not an
     EAGLE-3 Llama head."""
     from transformers import LlamaConfig
 
-    config_path = Path(path) / "config.json"
-    if not config_path.is_file():
-        raise ValueError(f"--speculative-draft-model-path {path}: no config.json")
-    raw = json.loads(config_path.read_text())
-    if ARCHITECTURE not in (raw.get("architectures") or []):
-        raise ValueError(f"--speculative-draft-model-path {path}: architectures {raw.get('architectures')} is not "
-                         f"an EAGLE-3 Llama head ({ARCHITECTURE})")
-    config = LlamaConfig(**{k: v for k, v in raw.items() if k != "architectures"})
-    if getattr(config, "num_hidden_layers", 1) != 1:
-        raise ValueError(f"--speculative-draft-model-path {path}: {config.num_hidden_layers} layers; an EAGLE-3 "
-                         "head with more than one layer is not supported yet")
-    return config
+    from tokenspeed_worker.config.worker import eagle3_head_config
+
+    raw = eagle3_head_config(path)
+    return LlamaConfig(**{k: v for k, v in raw.items() if k != "architectures"})
 
 
 class Eagle3Layer(nn.Module):

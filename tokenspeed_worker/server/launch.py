@@ -203,6 +203,8 @@ async def _serve(server_cfg: ServerConfig, args: ServerArgs, facts, engine: Engi
     from tokenspeed_worker.server.decode_guard import guarded
 
     interceptors = []  # none unless asked for: an interceptor costs every call a coroutine
+    if server_cfg.api_key == "":  # `--api-key "$KEY"` with KEY unset: say so rather than serve open in silence
+        logger.warning("--api-key is empty: every client is served without a key")
     if server_cfg.api_key:
         from tokenspeed_worker.server.auth import ApiKeyInterceptor
 
