@@ -383,3 +383,12 @@ def test_a_broken_checkpoint_is_named_in_its_own_terms(tiny_model_paths, tmp_pat
     with pytest.raises(ValueError, match=r"pytorch_model\.bin are PyTorch pickles: convert them to safetensors\); "
                                          r"only safetensors checkpoints load \(or use --load-format dummy"):
         make_runner(str(tmp_path))
+
+
+def test_a_safetensors_file_that_is_not_one_is_named(tmp_path, tiny_model_paths):
+    from tokenspeed_worker.model_executor.loader import iter_safetensors
+
+    shutil.copy(tiny_model_paths["llama-gqa-tied"] / "config.json", tmp_path / "config.json")
+    (tmp_path / "model.safetensors").write_bytes(b"garbage")
+    with pytest.raises(ValueError, match=f"{tmp_path / 'model.safetensors'}: not a readable safetensors file"):
+        list(iter_safetensors(tmp_path))

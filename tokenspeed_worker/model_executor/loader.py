@@ -55,7 +55,11 @@ def iter_safetensors(model_path: str | Path) -> Iterator[tuple[str, torch.Tensor
     if not files:
         raise ValueError(f"no safetensors weights in {model_path}")
     for path in files:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
+        try:
+            f = safe_open(str(path), framework="pt", device="cpu")
+        except Exception as exc:  # safetensors' own error type differs by version: name the file either way
+            raise ValueError(f"{path}: not a readable safetensors file ({exc})") from None
+        with f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
 
