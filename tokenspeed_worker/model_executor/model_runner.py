@@ -580,14 +580,15 @@ class ModelRunner:
         if self.device.type == "cuda":
             self.graph_bytes += free - torch.cuda.mem_get_info(self.device)[0]
         logger.debug("piecewise CUDA graph of %s tokens captured", size)
-        if not piecewise.deferred:
+        if not piecewise.deferred and piecewise.off_reason is None:  # (turned off: its error line said so)
             self.keep_kernel_choices()
             logger.info("piecewise CUDA graphs: %d token counts captured after startup (%.1f s in all; %d steps ran "
                         "eagerly meanwhile); graph memory now %.0f MiB", len(piecewise.sizes),
                         piecewise.capture_seconds, piecewise.num_uncaptured, self.graph_bytes / _MIB)
 
     def capture_all_graphs(self) -> None:
-        """Capture every decode size left (benchmarks: steady state from their first step)."""
+        """Capture every decode size and piecewise token count left (benchmarks: steady state from
+        their first step)."""
         while self.deferred_graphs:
             self.capture_deferred_graph()
 
