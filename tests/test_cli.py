@@ -682,3 +682,12 @@ def test_eagle3_layers_and_tensor_parallelism_are_checked_before_any_engine_star
         _eagle3_config(tmp_path, draft, "--eagle3-layers-to-capture", "0,1")
     with pytest.raises(ValueError, match="EAGLE3 with --tensor-parallel-size > 1 is not supported yet"):
         _eagle3_config(tmp_path, draft, "--tensor-parallel-size", "2")
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_stop_before_the_server_handles_signals_exits_0(sig: str) -> None:
+    # The entry point's first lines: a supervisor's stop during parsing or the imports is a clean stop.
+    code = ("import os, signal, time; from tokenspeed_worker import cli; cli.stop_cleanly_until_served(); "
+            f"os.kill(os.getpid(), signal.{sig}); time.sleep(30)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=subprocess_env())
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
