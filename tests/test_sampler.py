@@ -137,6 +137,28 @@ def test_hashed_uniform_is_uniform_and_open_interval():
     assert (torch.corrcoef(u) - torch.eye(3)).abs().max() < 0.01
 
 
+# A (seed, output position, vocab index) whose 24 hashed bits are all ones: (2^24 - 1 + 0.5) / 2^24
+# rounds to 1.0 in float32, which made its Gumbel noise +inf (found by a first-contact sweep: a
+# masked token drawn through a grammar, top_k=1 not greedy, about vocab / 2^24 of sampled tokens).
+TOP_NOISE = (14991, 0, 1065)
+
+
+def test_the_largest_hash_stays_below_one_and_its_token_obeys_every_filter():
+    seed, position, index = TOP_NOISE
+    u = hashed_uniform(torch.tensor([seed]), torch.tensor([position]), 4096)
+    assert u[0, index] < 1.0 and torch.isfinite(-torch.log(-torch.log(u))).all()
+    torch.manual_seed(0)
+    logits = torch.randn(1, 4096)
+    logits[0, index] = logits.min() - 1.0  # the least likely token
+    sampler = Sampler("torch")
+    top1 = sampler.sample(logits, params(1, temperature=1.0, top_k=1, seeds=[seed], positions=[position]))
+    assert top1.tokens.tolist() == logits.argmax(dim=-1).tolist()
+    banned = logits.clone()
+    banned[0, index] = float("-inf")  # as a grammar mask or a -100 bias leaves it
+    drawn = sampler.sample(banned, params(1, temperature=0.7, seeds=[seed], positions=[position])).tokens
+    assert drawn.item() != index and torch.isfinite(banned[0, drawn]).all()
+
+
 @pytest.mark.parametrize(
     "temperature,top_k,top_p,min_p",
     [

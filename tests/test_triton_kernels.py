@@ -691,6 +691,27 @@ def test_decode_batch_1_graph_with_64_splits_on_gpu():
 # -- greedy argmax over the vocabulary (kernels/sampling.py) ---------------------------
 
 
+def test_gumbel_draw_never_takes_a_filtered_token_at_the_largest_hash():
+    # (seed 14991, position 0, index 1065): the 24 hashed bits all ones, whose noise was +inf (and NaN on a
+    # filtered token) before the uniform was kept below 1; the kernel draws what the torch backend draws.
+    from tokenspeed_worker.kernels import sampling
+    from tokenspeed_worker.sampling.sampler import row_keys
+
+    gen = torch.Generator().manual_seed(3)
+    scores = torch.randn((1, 4096), generator=gen)
+    scores[0, 1065] = float("-inf")
+    keys = row_keys(torch.tensor([14991]), torch.tensor([0]))
+    got = sampling.gumbel_argmax(scores.to(DEVICE), keys.to(DEVICE), block=512).cpu()
+    gumbel = -torch.log(-torch.log(hashed_uniform_cpu(14991, 0, 4096)))
+    assert got.item() != 1065 and got.item() == int((scores + gumbel).argmax())
+
+
+def hashed_uniform_cpu(seed: int, position: int, vocab: int) -> torch.Tensor:
+    from tokenspeed_worker.sampling.sampler import hashed_uniform
+
+    return hashed_uniform(torch.tensor([seed]), torch.tensor([position]), vocab)
+
+
 @pytest.mark.parametrize("rows,vocab,block", [(1, 1000, 128), (5, 4096, 512), (3, 777, 64), (2, 1, 64)])
 def test_chunked_argmax_equals_torch_argmax_with_ties(rows, vocab, block):
     from tokenspeed_worker.kernels import sampling

@@ -72,7 +72,8 @@ if AVAILABLE:
             key = tl.load(row_keys_ptr + row).to(tl.uint64, bitcast=True)
             bits = _splitmix64(key + (offsets.to(tl.uint64) + 1) * 0x9E3779B97F4A7C15)
             top24 = (bits >> 40).to(tl.int32).to(tl.float32)  # 24 bits: exact in float32
-            uniform = (top24 + 0.5) * (1.0 / 16777216.0)
+            # Below 1 (sampling/sampler.hashed_uniform: the largest top24 + 0.5 rounds to 2^24).
+            uniform = tl.minimum((top24 + 0.5) * (1.0 / 16777216.0), 0.99999994039535522)
             if LIBDEVICE_LOG:
                 perturbed = scores - libdevice.log(-libdevice.log(uniform))
             else:  # the interpreter (TRITON_INTERPRET=1) has no libdevice

@@ -76,13 +76,19 @@ def row_keys(seeds: torch.Tensor, output_positions: torch.Tensor) -> torch.Tenso
     return _splitmix64(_splitmix64(seeds * _GOLDEN + 1) + output_positions)
 
 
+# The largest float32 below 1: the noise's upper bound (hashed_uniform; kernels/sampling.py likewise).
+UNIFORM_MAX = 1.0 - 2.0**-24
+
+
 def hashed_uniform(seeds: torch.Tensor, output_positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """float32 [S, V] uniform noise in (0, 1), a pure function of (seed, output position, vocab index)."""
     row_key = row_keys(seeds, output_positions)  # [S]
     vocab = torch.arange(1, vocab_size + 1, device=seeds.device, dtype=torch.int64) * _GOLDEN
     bits = _splitmix64(row_key[:, None] + vocab[None, :])
     top24 = _shift_right(bits, 40)  # 24 bits: exact in float32
-    return (top24.to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    # top24 + 0.5 rounds to 2^24 for the largest value (half to even): clamped below 1, or -log(-log(u))
+    # would be +inf there and that token drawn whatever its score, filtered tokens included (NaN).
+    return ((top24.to(torch.float32) + 0.5) * (1.0 / (1 << 24))).clamp_(max=UNIFORM_MAX)
 
 
 @dataclass(slots=True)
