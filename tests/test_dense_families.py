@@ -75,6 +75,26 @@ def test_windows_shorter_than_the_prompts_equal_transformers(tmp_path, name):
     assert not any(m.sliding_window for m in _engine(model, 8).runner.model.modules() if isinstance(m, Attention))
 
 
+def test_a_windowed_model_whose_step_outgrows_the_pool_bounds_requests_by_the_pool(tmp_path):
+    """A window bounds what a request holds only with room for the window and one step's tokens (the
+    scheduler's peak_blocks): with a pool smaller than that, the longest request is the pool's, which
+    the worker reports (and clamps unset lengths to), and such a request is admitted and served."""
+    model = _copy_with(tmp_path, "mistral", sliding_window=5)
+
+    def engine(chunk: int) -> EngineCore:
+        return EngineCore(EngineConfig.build(str(model), dtype="float32", device="cpu", block_size=4,
+                                             max_model_len=1024, max_num_seqs=8, max_total_tokens=160,
+                                             chunked_prefill_size=chunk))
+
+    small_step, large_step = engine(24), engine(512)
+    assert small_step.max_request_tokens() == 1024  # the window and a 24-token step fit 40 blocks
+    assert large_step.max_request_tokens() == 160
+    rng = np.random.default_rng(2)
+    prompt = rng.integers(3, large_step.runner.vocab_size, size=30).tolist()
+    outputs = run_staggered(large_step, [greedy(1, prompt, 160 - 30)], arrive_at=[0])
+    assert len(outputs[1]) == 130
+
+
 def test_the_cli_serves_a_windowed_model_at_its_full_length(tmp_path):
     from tokenspeed_worker import cli
     from tokenspeed_worker.config.worker import WorkerConfig

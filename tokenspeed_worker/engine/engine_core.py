@@ -280,12 +280,16 @@ class EngineCore:
     def max_request_tokens(self) -> int:
         """The longest request the scheduler can ever admit: it refuses one whose tokens need more
         blocks than the pool has (Scheduler.peak_blocks), unless a uniform sliding window under
-        chunked prefill bounds what a request holds."""
+        chunked prefill bounds what a request holds: the window and one step's tokens, plus a block
+        (as peak_blocks counts them), when that fits the pool."""
         max_len = self.cfg.scheduler.max_model_len
+        block_size = self.cfg.cache.block_size
         window = self.runner.uniform_sliding_window
         if window and window > 0 and self.cfg.scheduler.chunked_prefill:
-            return max_len
-        return min(max_len, self.num_blocks * self.cfg.cache.block_size)
+            held = -(-(window - 1 + max(self.cfg.scheduler.token_budget, 1)) // block_size) + 1
+            if held <= self.num_blocks:
+                return max_len
+        return min(max_len, self.num_blocks * block_size)
 
     def loads(self) -> Loads:
         s = self.scheduler
