@@ -282,7 +282,8 @@ def _resolve_speculative_config(args: ServerArgs) -> None:
         if not isinstance(count, int) or isinstance(count, bool) or count < 1:
             raise ValueError(f"argument --speculative-config: num_speculative_tokens must be a positive integer, "
                              f"got {count!r}")
-        if args.speculative_num_steps == OPTIONS_BY_DEST["speculative_num_steps"].default:  # a flag given wins
+        # The flag wins where it was set to other than its default (argparse does not say whether it was typed).
+        if args.speculative_num_steps == OPTIONS_BY_DEST["speculative_num_steps"].default:
             args.speculative_num_steps = count
 
 

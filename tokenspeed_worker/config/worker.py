@@ -187,9 +187,9 @@ def _check_eagle3(args: ServerArgs) -> None:
         layers = [int(x) for x in args.eagle3_layers_to_capture.split(",")]
         num_layers = kv_scales.model_num_layers(args.model)
         if len(layers) != 3 or (num_layers and not all(0 <= i < num_layers for i in layers)):
-            within = f" (indices 0..{num_layers - 1})" if num_layers else ""
+            counted = f"{num_layers} layers (indices 0..{num_layers - 1})" if num_layers else "layers"
             raise ValueError(f"argument --eagle3-layers-to-capture: {args.eagle3_layers_to_capture}: the head fuses "
-                             f"three of the model's {num_layers or ''} layers{within}".replace("  ", " "))
+                             f"three of the model's {counted}")
 
 
 def expert_parallel_size(args: ServerArgs) -> int:

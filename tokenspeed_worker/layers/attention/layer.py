@@ -97,7 +97,8 @@ class Attention(nn.Module):
 
     def fuses_rope(self, rotary_emb: RotaryEmbedding, q: torch.Tensor, attn_metadata: object) -> bool:
         """Whether forward_with_rotary leaves the rotary and the KV write to the attention kernel
-        (never decided inside a piecewise capture: there the whole call is left to the step)."""
+        (never inside a piecewise capture, whose pieces write K/V themselves or leave the whole call
+        to the step)."""
         return (not isinstance(attn_metadata, GraphHoles) and self.backend is not None
                 and rotary_emb.rotary_dim == self.head_dim and rotary_emb.fuses(q)
                 and self.backend.fuses_rope(attn_metadata))
