@@ -52,7 +52,6 @@ import torch
 
 from tokenspeed_worker.layers.attention import AttentionBackend, AttentionInputs, GraphHoles
 from tokenspeed_worker.scheduler.plan import SchedulePlan
-from tokenspeed_worker.startup import Progress
 
 logger = logging.getLogger(__name__)
 
@@ -253,7 +252,6 @@ class PiecewiseGraphs:
             self._out = torch.zeros(self.max_tokens * row_width, dtype=dtype, device=device)
         self._host_events = [torch.cuda.Event() for _ in range(2)] if pin else None
         self._turn = 0
-        self.static_bytes = (self._inputs.numel() * 8 + self._out.numel() * self._out.element_size())
 
     # -- shared by capture and replay ----------------------------------------------------------
 
@@ -439,12 +437,6 @@ class PiecewiseGraphs:
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
         return size
-
-    def capture_all(self) -> None:
-        progress = Progress("CUDA graph capture (piecewise token counts)", len(self.deferred))
-        for done in range(1, len(self.deferred) + 1):
-            self.capture_next()
-            progress.tick(done)
 
     # -- replay ----------------------------------------------------------------------------------
 
