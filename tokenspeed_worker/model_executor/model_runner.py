@@ -637,15 +637,7 @@ class ModelRunner:
             raise RuntimeError("the KV cache is not allocated: call allocate_kv_cache(num_blocks) first")
         if plan.num_tokens == 0:
             raise ValueError("the plan has no tokens")
-        inputs = AttentionInputs(
-            plan=plan,
-            query_lens=self._to_device(plan.query_lens, np.int32),
-            context_lens=self._to_device(plan.context_lens, np.int32),
-            slot_mapping=self._to_device(plan.slot_mapping, np.int64),
-            block_tables=self._to_device(plan.block_tables, np.int32),
-            block_size=self.block_size,
-        )
-        attn_metadata = self.attention_backend.build_metadata(inputs)
+        attn_metadata = self.attention_backend.build_metadata(AttentionInputs.of(plan, self.device, self.block_size))
         input_ids = self._to_device(plan.input_ids, np.int64)
         if plan.num_tokens and int(plan.input_ids.min()) < 0:
             input_ids = resolve_pending_ids(input_ids, self.last_sampled)

@@ -41,9 +41,9 @@ are exercised without a GPU; the capture itself is CUDA's.
 
 from __future__ import annotations
 
-import bisect
 import gc
 import logging
+import math
 import time
 from collections.abc import Callable
 
@@ -51,6 +51,7 @@ import numpy as np
 import torch
 
 from tokenspeed_worker.layers.attention import AttentionBackend, AttentionInputs, GraphHoles
+from tokenspeed_worker.model_executor.cuda_graph import padded_batch_size, resolve_pending_ids
 from tokenspeed_worker.scheduler.plan import SchedulePlan
 
 logger = logging.getLogger(__name__)
@@ -234,7 +235,6 @@ class PiecewiseGraphs:
         self.dummy_block = dummy_block
         self.block_size = block_size
         self.device = device
-        self.dtype = dtype
         self.last_sampled = last_sampled
         self.pool = pool
         self.emulate = emulate
@@ -260,9 +260,7 @@ class PiecewiseGraphs:
 
     def static_view(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """The static attention output buffer's first elements as `shape` (see static_out)."""
-        numel = 1
-        for n in shape:
-            numel *= int(n)
+        numel = math.prod(shape)
         if dtype != self._out.dtype or numel > self._out.numel():
             raise ValueError(f"attention output {tuple(shape)} {dtype} does not fit the static "
                              f"buffer ({self._out.numel()} x {self._out.dtype})")
@@ -282,8 +280,6 @@ class PiecewiseGraphs:
         if step.capturing:
             step.begin_piece()
         if self.last_sampled is not None:
-            from tokenspeed_worker.model_executor.cuda_graph import resolve_pending_ids
-
             ids = resolve_pending_ids(ids, self.last_sampled)
         hidden = self.model(ids, positions, step)
         if step.capturing:
@@ -295,13 +291,7 @@ class PiecewiseGraphs:
 
     def _metadata(self, plan: SchedulePlan, size: int) -> object:
         slots = self._views(self._inputs, size)[2]
-
-        def to_device(array: np.ndarray, dtype) -> torch.Tensor:
-            return torch.from_numpy(np.ascontiguousarray(array, dtype=dtype)).to(self.device, non_blocking=True)
-
-        return self.backend.build_metadata(AttentionInputs(
-            plan=plan, query_lens=to_device(plan.query_lens, np.int32), context_lens=to_device(plan.context_lens, np.int32),
-            slot_mapping=slots, block_tables=to_device(plan.block_tables, np.int32), block_size=self.block_size))
+        return self.backend.build_metadata(AttentionInputs.of(plan, self.device, self.block_size, slots))
 
     def _load(self, plan: SchedulePlan, size: int) -> None:
         """The padded plan's ids, positions and slots into the static inputs, in one copy from the
@@ -440,16 +430,12 @@ class PiecewiseGraphs:
 
     # -- replay ----------------------------------------------------------------------------------
 
-    def size_for(self, num_tokens: int) -> int | None:
-        index = bisect.bisect_left(self.sizes, num_tokens)
-        return self.sizes[index] if index < len(self.sizes) else None
-
     @torch.inference_mode()
     def run(self, plan: SchedulePlan) -> torch.Tensor | None:
         """The hidden states [T, hidden] of the plan's tokens (a view into the graphs' memory: read
         it, or enqueue its readers, before the next forward), or None where no captured size holds
         the step: it runs eagerly (a size not captured yet is wanted)."""
-        size = self.size_for(plan.num_tokens)
+        size = padded_batch_size(plan.num_tokens, self.sizes)
         if size is None:
             return None
         if size not in self.captured:

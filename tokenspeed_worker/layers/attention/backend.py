@@ -13,6 +13,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tokenspeed_worker.scheduler.plan import SchedulePlan
@@ -28,6 +29,20 @@ class AttentionInputs:
     slot_mapping: torch.Tensor  # int64 [T]
     block_tables: torch.Tensor  # int32 [B, W]
     block_size: int
+
+    @classmethod
+    def of(cls, plan: SchedulePlan, device: torch.device, block_size: int,
+           slot_mapping: torch.Tensor | None = None) -> "AttentionInputs":
+        """The plan's arrays copied to `device` (non-blocking); `slot_mapping` where the slots are on
+        the device already (a CUDA graph's static buffer)."""
+
+        def to_device(array, dtype) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(array, dtype=dtype)).to(device, non_blocking=True)
+
+        return cls(plan=plan, query_lens=to_device(plan.query_lens, np.int32),
+                   context_lens=to_device(plan.context_lens, np.int32),
+                   slot_mapping=to_device(plan.slot_mapping, np.int64) if slot_mapping is None else slot_mapping,
+                   block_tables=to_device(plan.block_tables, np.int32), block_size=block_size)
 
 
 class GraphHoles:
