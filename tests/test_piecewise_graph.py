@@ -236,6 +236,25 @@ def test_the_check_passes_for_a_faithful_replay(tiny_model_paths):
     assert piecewise.off_reason is None and piecewise.check(16, piecewise.captured[16]) < 1e-6
 
 
+@pytest.mark.parametrize("size", [16, 24, 32, 33, 48])
+def test_the_check_step_is_new_prompts_never_a_decode_only_step(tiny_model_paths, size):
+    """The check's step must run the same kernels eagerly and in the pieces: a decode-only step of
+    few rows would rotate and write K/V inside the decode kernel (attend_rotary), where rows race on
+    the slots they share (on the GPU its first check measured a relative error of 1.37 at 32 tokens)."""
+    graphs = _runner(tiny_model_paths["llama-gqa-tied"], emulate_cuda_graphs=True, piecewise_cuda_graph_tokens=[size])
+    graphs.capture_cuda_graphs()
+    piecewise = graphs.piecewise
+    plan = piecewise._check_plan(size)
+    assert plan.num_tokens == size and plan.query_lens[0] == min(size, BLOCK_SIZE) > 1
+    assert (plan.context_lens == 0).all() and (plan.block_tables == piecewise.dummy_block).all()
+    np.testing.assert_array_equal(plan.slot_mapping, piecewise.dummy_block * BLOCK_SIZE + plan.positions)
+    assert plan.positions.max() < BLOCK_SIZE and len(set(plan.input_ids.tolist())) > 1  # rows differ
+    backend = reference_triton_backend()
+    from tokenspeed_worker.layers.attention import AttentionInputs
+    metadata = backend.build_metadata(AttentionInputs.of(plan, torch.device("cpu"), BLOCK_SIZE))
+    assert not metadata.decode_only and not backend.fuses_rope(metadata)
+
+
 def test_eagle3_states_come_back_from_a_piecewise_step(tiny_model_paths):
     path = tiny_model_paths["llama-gqa-tied"]
     eager = _runner(path, enforce_eager=True)

@@ -370,17 +370,23 @@ class PiecewiseGraphs:
         return captured
 
     def _check_plan(self, size: int) -> SchedulePlan:
-        """`size` one-token requests over the dummy block, as many different as it has slots: row j
-        is token j mod block_size (mod 97, plus 1) at that position and slot, attending to that slot
-        only. Rows sharing a slot are the same token at the same position, so what they write is
-        equal and the step is deterministic, with rows that differ."""
-        rows = np.arange(size, dtype=np.int64)
-        offset = rows % self.block_size
+        """`size` tokens over the dummy block as new requests of block_size tokens each (the last one
+        shorter where block_size does not divide `size`), all of one prompt: token j of a request is
+        j mod 97 + 1 at position j, slot j of the block, attending to slots 0..j. Requests write equal
+        values to the slots they share, so the step is deterministic, with rows that differ.
+        (One-token requests would make a decode-only step, whose kernel of few rows rotates and writes
+        K/V inside the attention, racing with rows that read a slot another row writes.)"""
+        bs = self.block_size
+        lens = np.full(size // bs, bs, dtype=np.int32)
+        if size % bs:
+            lens = np.append(lens, size % bs).astype(np.int32)
+        offset = np.concatenate([np.arange(n, dtype=np.int64) for n in lens])
         return SchedulePlan(
-            req_ids=rows, query_lens=np.ones(size, dtype=np.int32), context_lens=np.zeros(size, dtype=np.int32),
-            input_ids=offset % 97 + 1, positions=offset, slot_mapping=self.dummy_block * self.block_size + offset,
-            block_tables=np.full((size, 1), self.dummy_block, dtype=np.int32),
-            sample_rows=np.arange(size, dtype=np.int32))
+            req_ids=np.arange(len(lens), dtype=np.int64), query_lens=lens,
+            context_lens=np.zeros(len(lens), dtype=np.int32), input_ids=offset % 97 + 1, positions=offset,
+            slot_mapping=self.dummy_block * bs + offset,
+            block_tables=np.full((len(lens), 1), self.dummy_block, dtype=np.int32),
+            sample_rows=np.arange(len(lens), dtype=np.int32))
 
     @torch.inference_mode()
     def check(self, size: int, captured: "_Captured") -> float:
