@@ -350,6 +350,46 @@ def test_the_engine_serves_prompts_through_piecewise_steps_with_the_eager_tokens
     assert list(again.values()) == list(expected.values())
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("overlap", ["1", "0"], ids=["overlap", "sync"])
+def test_a_cuda_engine_serves_through_real_piecewise_graphs_with_the_eager_tokens(tiny_model_paths, monkeypatch,
+                                                                                   overlap):
+    """The engine on the GPU, real captures sharing the decode graphs' pool: piecewise counts wanted
+    mid-run and captured between steps, decode sizes and the other counts captured while idle in
+    between (each capture's memory reused by the next), with and without overlap; the greedy tokens
+    (float32) equal an eager engine's, before and after."""
+    from test_engine_scheduling import random_tokens, request, run
+
+    from tokenspeed_worker.config import EngineConfig
+    from tokenspeed_worker.engine.engine_core import EngineCore
+
+    monkeypatch.setenv("TOKENSPEED_OVERLAP_SCHEDULE", overlap)
+    path = tiny_model_paths["llama-gqa-tied"]
+
+    def core(**settings):
+        return EngineCore(EngineConfig.build(str(path), dtype="float32", device="cuda", block_size=BLOCK_SIZE,
+                                             max_model_len=128, max_num_seqs=8, max_total_tokens=2048,
+                                             attention_backend="triton", chunked_prefill_size=48,
+                                             enable_piecewise_cuda_graph=True,
+                                             piecewise_cuda_graph_tokens=[16, 32, 48], **settings))
+
+    rng = np.random.default_rng(6)
+    prompts = [random_tokens(rng, 9 + 7 * i) for i in range(6)]
+    expected, _, _ = run(core(enforce_eager=True), [request(i + 1, p, 10) for i, p in enumerate(prompts)])
+    engine = core()
+    piecewise = engine.runner.piecewise
+    got, _, _ = run(engine, [request(i + 1, p, 10) for i, p in enumerate(prompts)])
+    assert got == expected
+    assert piecewise.off_reason is None and piecewise.num_replays > 0
+    while engine.capture_deferred_graph():
+        pass
+    assert sorted(piecewise.captured) == [16, 32, 48] and piecewise.off_reason is None
+    for round_ in range(2):
+        again, _, _ = run(engine, [request(100 * (round_ + 1) + i, p, 10) for i, p in enumerate(prompts)])
+        assert list(again.values()) == list(expected.values())
+
+
 def test_emulated_piecewise_steps_with_the_flashinfer_backend_give_the_eager_logits(tiny_model_paths):
     """The flashinfer backend (its stand-in kernels on CPU) plans each step on the host: the piecewise
     replay's holes attend with the step's own plan, copying into the static buffer."""
