@@ -610,10 +610,14 @@ def test_an_integer_past_int32_is_refused_naming_the_flag(capsys: pytest.Capture
     assert line.endswith("argument --max-num-seqs: must be at most 2147483647 in size, got '999999999999999999999999'")
 
 
-def test_piecewise_counts_need_the_flag_that_turns_them_on(capsys: pytest.CaptureFixture[str]) -> None:
+def test_piecewise_graphs_are_on_and_their_counts_are_refused_when_turned_off(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert parse("/m").enable_piecewise_cuda_graph
+    assert not parse("/m", "--no-enable-piecewise-cuda-graph").enable_piecewise_cuda_graph
+    assert parse("/m", "--piecewise-cuda-graph-max-tokens", "512").piecewise_cuda_graph_max_tokens == 512
     for flag, value in (("--piecewise-cuda-graph-tokens", "16"), ("--piecewise-cuda-graph-max-tokens", "512")):
-        assert parse_error(capsys, "/m", flag, value).endswith(
-            f"argument {flag}: only used with --enable-piecewise-cuda-graph; it is not set")
+        assert parse_error(capsys, "/m", "--no-enable-piecewise-cuda-graph", flag, value).endswith(
+            f"argument {flag}: not used with --no-enable-piecewise-cuda-graph (piecewise CUDA graphs off)")
     line = parse_error(capsys, "/m", "--enable-piecewise-cuda-graph", "--piecewise-cuda-graph-tokens", "64", "128",
                        "--piecewise-cuda-graph-max-tokens", "32")
     assert line.endswith("none of 64, 128 is at most --piecewise-cuda-graph-max-tokens 32")

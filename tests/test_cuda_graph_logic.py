@@ -167,8 +167,10 @@ def share_small_batch_gemv(runner: ModelRunner, source: ModelRunner) -> None:
 
 
 def _runner(path, **kwargs) -> ModelRunner:
+    """The decode graphs alone (tests/test_piecewise_graph.py covers the piecewise ones)."""
     kwargs.setdefault("attention_backend", reference_triton_backend())
     kwargs.setdefault("max_num_seqs", 8)
+    kwargs.setdefault("enable_piecewise_cuda_graph", False)
     runner = make_runner(str(path), dtype="float32", block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN, **kwargs)
     runner.allocate_kv_cache(NUM_BLOCKS)
     return runner
@@ -661,7 +663,8 @@ def test_the_engine_captures_a_wanted_size_between_steps_and_the_rest_when_idle(
     def core(**settings):
         return EngineCore(EngineConfig.build(str(llama_path), dtype="float32", block_size=BLOCK_SIZE, max_model_len=128,
                                              max_num_seqs=16, max_total_tokens=2048, attention_backend="torch",
-                                             cudagraph_capture_sizes=[1, 2, 4, 8, 12, 14, 16], **settings))
+                                             cudagraph_capture_sizes=[1, 2, 4, 8, 12, 14, 16],
+                                             enable_piecewise_cuda_graph=False, **settings))
 
     rng = np.random.default_rng(5)
     prompts = [random_tokens(rng, 5 + i) for i in range(10)]

@@ -81,6 +81,20 @@ def test_both_health_surfaces_serve(worker):
     assert time.monotonic() - t0 < 2.0
 
 
+def test_health_watch_streams_the_status(worker):
+    """grpc.health.v1 Watch (client-side health checking, load balancers): the status now, then
+    each change; a plain coroutine writing with context.write, which the decode guard must await,
+    not iterate (it answered UNKNOWN "'async for' requires an object with __aiter__")."""
+    health = health_pb2_grpc.HealthStub(worker.channel)
+    for service in ("", "tokenspeed.grpc.scheduler.TokenSpeedScheduler"):
+        call = health.Watch(health_pb2.HealthCheckRequest(service=service), timeout=10)
+        assert next(call).status == health_pb2.HealthCheckResponse.SERVING
+        call.cancel()
+    unknown = health.Watch(health_pb2.HealthCheckRequest(service="no.such.Service"), timeout=10)
+    assert next(unknown).status == health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+    unknown.cancel()
+
+
 def test_a_port_in_use_is_a_clear_error_and_the_harness_starts_elsewhere(model_dir, monkeypatch):
     """A worker whose port is taken exits with "cannot listen on ADDRESS" (no traceback); the test
     harness then starts it on another port (free_port's pick can be taken by a parallel run)."""

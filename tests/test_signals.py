@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -104,9 +105,35 @@ def wait_not_serving(w: Worker, within: float) -> None:
         time.sleep(0.02)
 
 
+class HealthWatch(threading.Thread):
+    """grpc.health.v1's Watch of the whole server, its statuses collected until the stream ends (as a
+    load balancer's client-side health check holds it)."""
+
+    def __init__(self, w: Worker) -> None:
+        super().__init__(daemon=True)
+        self.call = health_pb2_grpc.HealthStub(w.channel).Watch(health_pb2.HealthCheckRequest(service=""))
+        self.statuses: list[int] = []
+        self.error: grpc.RpcError | None = None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            for response in self.call:
+                self.statuses.append(response.status)
+        except grpc.RpcError as e:
+            self.error = e
+
+    def wait_for(self, status: int, within: float) -> bool:
+        deadline = time.monotonic() + within
+        while status not in self.statuses and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return status in self.statuses
+
+
 def drain_under_group_signal(w: Worker, sig: int, streams: int, max_new: int, drain_s: float = 150) -> None:
     """`streams` streams in flight when `sig` goes to the whole group; all finish normally, health
-    goes NOT_SERVING, the worker exits 0 and no child is left. The worker's drain timeout
+    goes NOT_SERVING (Check, and a Watch held from before the signal), the worker exits 0 and no
+    child is left. The worker's drain timeout
     (`drain_s`, as started) must outlast the streams on a loaded CPU (the suite runs two test files
     at once; the GPU machine's runs 14)."""
     kids = descendants(w.proc.pid)
@@ -114,13 +141,16 @@ def drain_under_group_signal(w: Worker, sig: int, streams: int, max_new: int, dr
     assert all(ignores_stop_signals(k) for k in kids), ("a child would die of the group signal",
                                                         [describe(k) for k in kids], w.log())
     calls = [Collector(w.stub, gen(max_new_tokens=max_new), timeout=drain_s + 20) for _ in range(streams)]
+    watch = HealthWatch(w)
     for c in calls:  # a loaded machine (a GPU suite at -n 14) may compile kernels at the first prefill
         assert c.first.wait(150), ("no first token within 150 s", c.code, c.details, w.log())
+    assert watch.wait_for(health_pb2.HealthCheckResponse.SERVING, 5.0), (watch.statuses, watch.error)
     w.signal_group(sig)
     ended = [(c.completes[0].finish_reason, c.completes[0].completion_tokens) for c in calls if c.completes]
     assert not ended, ("a stream ended before the signal: make them longer", ended,
                        [len(c.messages) for c in calls], w.log()[-3000:])
     wait_not_serving(w, 1.0)
+    assert watch.wait_for(health_pb2.HealthCheckResponse.NOT_SERVING, 2.0), (watch.statuses, watch.error)
     for c in calls:
         c.join(drain_s + 30)
         assert not c.is_alive()

@@ -69,7 +69,7 @@ class ModelConfig:
     max_cudagraph_capture_size: int | None = None  # None: min(256, max_num_seqs)
     # Prefill and mixed steps' piecewise graphs (model_executor/piecewise_graph.py): on or off, the
     # largest token count captured, and an explicit list of counts (None: the ladder).
-    enable_piecewise_cuda_graph: bool = False
+    enable_piecewise_cuda_graph: bool = True
     piecewise_cuda_graph_max_tokens: int = 4096
     piecewise_cuda_graph_tokens: list[int] | None = None
     # Structured output (engine/grammar.py): "xgrammar" or "none"; the tokenizer it is built from

@@ -324,13 +324,13 @@ class ServerArgs:
         default_doc="1, 2, 4, 8, 16, 24, 32, ... up to the max",
     )
     enable_piecewise_cuda_graph: bool = _option(
-        False,
+        True,
         SCHEDULER,
         "Replay prefill and mixed steps as piecewise CUDA graphs: everything but attention captured "
         "per padded token count, attention run eagerly between the pieces (each step's own "
         "lengths). Captured after startup while the engine idles; each capture checks one replay "
         "against the eager step and turns them off on a mismatch. One GPU only (eager under tensor "
-        "parallelism). Off by default until measured on the GPU machine.",
+        "parallelism); nothing on CPU. --no-enable-piecewise-cuda-graph turns them off.",
         negatable=True,
     )
     piecewise_cuda_graph_max_tokens: int = _option(

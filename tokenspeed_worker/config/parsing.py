@@ -312,13 +312,13 @@ def _check_speculative_flags(args: ServerArgs) -> None:
 
 
 def _check_piecewise_flags(args: ServerArgs) -> None:
-    """The piecewise graphs' counts are read only with --enable-piecewise-cuda-graph (given without it
-    they would be ignored in silence), and must leave at least one count."""
+    """The piecewise graphs' counts are refused with --no-enable-piecewise-cuda-graph (they would be
+    ignored in silence), and must leave at least one count."""
     given = [dest for dest in ("piecewise_cuda_graph_max_tokens", "piecewise_cuda_graph_tokens")
              if getattr(args, dest) != OPTIONS_BY_DEST[dest].default]
     if given and not args.enable_piecewise_cuda_graph:
-        raise ValueError(f"argument {OPTIONS_BY_DEST[given[0]].flag}: only used with --enable-piecewise-cuda-graph; "
-                         "it is not set")
+        raise ValueError(f"argument {OPTIONS_BY_DEST[given[0]].flag}: not used with --no-enable-piecewise-cuda-graph "
+                         "(piecewise CUDA graphs off)")
     tokens, limit = args.piecewise_cuda_graph_tokens, args.piecewise_cuda_graph_max_tokens
     if tokens is not None and not any(t <= limit for t in tokens):
         raise ValueError(f"argument --piecewise-cuda-graph-tokens: none of {', '.join(map(str, tokens))} is at most "

@@ -29,10 +29,10 @@ Sizes are captured after startup, largest first, one at a time while the engine 
 a step wants one (the decode graphs' `deferred` scheme); until then such steps run eagerly. Each
 capture replays once on inputs of its own (`check`: rows that differ, over the dummy block) against
 the model's eager forward; a mismatch turns every size off (`turn_off`), so a replay that would read
-or write the wrong memory on some GPU, driver or model serves nothing. On with
---enable-piecewise-cuda-graph (off by default until measured on the GPU machine), never with
---enforce-eager; not under tensor parallelism yet (a capture runs collectives, which every rank
-would have to enter together while idle).
+or write the wrong memory on some GPU, driver or model serves nothing. On by default
+(--no-enable-piecewise-cuda-graph turns them off), never with --enforce-eager; not under tensor
+parallelism yet (a capture runs collectives, which every rank would have to enter together while
+idle).
 
 On CPU (tests) `emulate` re-runs the model's Python over the same static buffers with the holes
 running in place, so the padding, the dummy request, the static buffers and the holes' plumbing

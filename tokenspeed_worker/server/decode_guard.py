@@ -13,6 +13,8 @@ docs/benchmarks.md ("The decode guard at registration").
 
 from __future__ import annotations
 
+import inspect
+
 import grpc
 
 
@@ -53,6 +55,15 @@ def _guard(method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler
 
         return grpc.unary_unary_rpc_method_handler(unary, **kwargs)
     inner_stream = handler.unary_stream
+    if not inspect.isasyncgenfunction(inner_stream):
+        # A streaming handler that writes with context.write() and returns (grpc_health's Watch):
+        # awaited, not iterated.
+        async def written(request, context):
+            if isinstance(request, Undecodable):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message(method))
+            return await inner_stream(request, context)
+
+        return grpc.unary_stream_rpc_method_handler(written, **kwargs)
 
     async def stream(request, context):
         if isinstance(request, Undecodable):
