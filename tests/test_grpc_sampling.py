@@ -160,6 +160,13 @@ def test_stop_string_spanning_tokens(worker, model_dir):
         assert start <= len(kept) < start + len(stop)
     kept_all, _ = complete(worker, gen(stop=[stop], no_stop_trim=True, **seeded))
     assert tok.decode(list(kept_all.output_ids)).endswith(stop) or stop in tok.decode(list(kept_all.output_ids))
+    # min_new_tokens past the stop's completing token: the stop string is not matched there (vLLM's
+    # rule); the output runs on to the length limit, as the stop never occurs again in this text.
+    completing = next(j for j in range(len(free)) if len(pieces[j + 1]) >= start + len(stop))
+    later, _ = complete(worker, gen(stop=[stop], min_new_tokens=completing + 2, **seeded))
+    assert list(later.output_ids)[:completing + 2] == free[:completing + 2]
+    if text.find(stop, start + 1) < 0:
+        assert later.finish_reason == "length" and list(later.output_ids) == free
 
 
 INVALID = [

@@ -443,6 +443,15 @@ def test_max_new_tokens_past_the_context_is_clamped(worker):
     assert c.prompt_tokens + c.completion_tokens == MAX_MODEL_LEN
 
 
+def test_a_tiny_positive_temperature_is_greedy(worker):
+    """temperature 1e-40 (the gateway takes any value in [0, 2]) divided the logits into inf: every
+    token was id 0. Below 1e-5 it samples greedily, as vLLM and SGLang do."""
+    greedy = run(worker, gen(PROMPT, max_new_tokens=6, temperature=0.0, ignore_eos=True))[0].complete
+    for t in (1e-40, 1e-7):
+        tiny = run(worker, gen(PROMPT, max_new_tokens=6, temperature=t, ignore_eos=True, sampling_seed=3))[0].complete
+        assert list(tiny.output_ids) == list(greedy.output_ids)
+
+
 def test_seeded_sampling_is_reproducible(worker):
     def sample(seed):
         r = gen(PROMPT, max_new_tokens=12, temperature=1.0, top_p=0.95, top_k=50, min_p=0.01,
@@ -481,6 +490,8 @@ BAD = [
     ("min_p above one", lambda: gen(PROMPT, min_p=1.5), "INVALID_ARGUMENT", "min_p"),
     ("stop token out of vocab", lambda: gen(PROMPT, stop_token_ids=[10**6]), "INVALID_ARGUMENT", "stop_token_ids"),
     ("n too large", lambda: gen(PROMPT, n=1000), "INVALID_ARGUMENT", "sampling_params.n"),
+    ("too many stop strings", lambda: gen(PROMPT, stop=["a"] * 257), "INVALID_ARGUMENT", "sampling_params.stop"),
+    ("stop strings too long", lambda: gen(PROMPT, stop=["a" * 16385]), "INVALID_ARGUMENT", "sampling_params.stop"),
     # Without xgrammar (a plain install) structured output is off: every constraint is UNIMPLEMENTED.
     ("json schema", lambda: gen(PROMPT, json_schema="{not json"),
      "INVALID_ARGUMENT" if importlib.util.find_spec("xgrammar") else "UNIMPLEMENTED", "json_schema"),

@@ -333,7 +333,75 @@ def test_long_output_linear(smol):
     out = enc(smol, "lorem ipsum dolor sit amet, 世界 😀 " * 80) + enc(smol, "THE END.")
     emitted, matched, m = run(smol, out, ["THE END", "x" * 40])
     assert matched == "THE END" and emitted == expected(smol, out, "THE END", True, False)[0]
-    assert len(m._tail) <= 39  # only the overlap is kept for rescanning
+    assert m._automaton.depth[m._state] <= 39  # at most a proper prefix of a stop is held back
+
+
+def _brute_force(stops: list[str], text: str) -> tuple[int, tuple[int, str] | None]:
+    """(longest suffix of text that begins a stop, the first stop to complete as (start, stop))."""
+    first = None
+    for end in range(1, len(text) + 1):
+        ending = [s for s in stops if text[:end].endswith(s)]
+        if ending:
+            stop = max(ending, key=len)
+            first = (end - len(stop), stop)
+            break
+    if first is not None:
+        return 0, first
+    hold = max((k for k in range(1, len(text) + 1) for s in stops if s.startswith(text[-k:])), default=0)
+    return hold, None
+
+
+@settings(max_examples=400, deadline=None)
+@given(stops=st.lists(st.text(alphabet="abc", min_size=1, max_size=5), min_size=1, max_size=4),
+       text=st.text(alphabet="abc", max_size=14))
+def test_the_automaton_finds_what_a_character_scan_finds(stops, text):
+    from tokenspeed_worker.server.stop_strings import _StopAutomaton
+
+    automaton = _StopAutomaton(tuple(dict.fromkeys(stops)))
+    state, found = 0, None
+    for i, ch in enumerate(text):
+        state = automaton.step(state, ch)
+        if automaton.longest[state] is not None:
+            stop = automaton.longest[state]
+            found = (i + 1 - len(stop), stop)
+            break
+    hold, want = _brute_force(stops, text)
+    assert found == want
+    if found is None:
+        assert automaton.depth[state] == hold
+
+
+def test_a_long_stop_string_costs_linear_memory_and_is_found(smol):
+    """A 100,000-character stop string (the old hold-back set held every prefix: quadratic, 22.9 GB
+    for a million characters, which killed the server): one automaton state per character."""
+    stop = "ab" * 50_000
+    m = StopStringMatcher(smol, [stop, stop[:-1] + "c"], [], True, True, False)
+    assert len(m._automaton.depth) == len(stop) + 2  # the root, the shared prefix, two last characters
+    out = enc(smol, "xy " + "ab" * 60)
+    emitted, matched, _ = run(smol, out, [stop])
+    assert matched is None and emitted == out
+    out = enc(smol, "xy " + "ab" * 160)
+    emitted, matched, m = run(smol, out, ["ab" * 150])
+    assert matched == "ab" * 150 and m.match_position == 3 and len(smol.decode(emitted)) <= 6  # "xy" (+ " ab" straddling)
+
+
+def test_stop_strings_before_min_tokens_are_ignored(smol):
+    """vLLM's rule: no stop string ends the output before min_tokens tokens; a later occurrence does."""
+    out = enc(smol, "1, 2, 3, 4, 5, 6, 7, 8")
+    for min_tokens in (0, 3, 6):
+        m = StopStringMatcher(smol, [","], [], True, True, False, min_tokens=min_tokens)
+        emitted, matched, pushed = [], None, 0
+        for t in out:
+            pushed += 1
+            r = m.push([t])
+            emitted += r.emit
+            if r.matched:
+                matched = r.matched
+                break
+        assert matched == ","
+        assert pushed >= min_tokens and (min_tokens == 0 or pushed <= min_tokens + 2)
+        text = smol.decode(emitted)
+        assert text.count(",") == len(smol.decode(out[:pushed]).rstrip(",").split(",")) - 1
 
 
 # --- trained tokenizers ---------------------------------------------------------------

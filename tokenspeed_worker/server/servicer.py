@@ -59,6 +59,7 @@ class TokenSpeedSchedulerServicer(pb_grpc.TokenSpeedSchedulerServicer):
         self.max_queued_requests = server_args.max_queued_requests
         self.active_calls = 0  # Generate handlers running (the drain waits for them)
         self.tokenizer = None
+        self._special_token_ids: frozenset[int] | None = None
         if facts.has_tokenizer:
             from tokenspeed_worker.server.stop_strings import load_tokenizer
 
@@ -184,7 +185,17 @@ class TokenSpeedSchedulerServicer(pb_grpc.TokenSpeedSchedulerServicer):
             skip_special_tokens=v.skip_special_tokens,
             spaces_between_special_tokens=v.spaces_between_special_tokens,
             no_stop_trim=v.no_stop_trim,
+            special_ids=self._special_ids(),
+            min_tokens=v.min_tokens,
         )
+
+    def _special_ids(self) -> frozenset[int]:
+        """The tokenizer's special ids, computed once (not per request and sample)."""
+        if self._special_token_ids is None:
+            from tokenspeed_worker.server.stop_strings import special_token_ids
+
+            self._special_token_ids = special_token_ids(self.tokenizer)
+        return self._special_token_ids
 
     # ---- Abort ------------------------------------------------------------------
 

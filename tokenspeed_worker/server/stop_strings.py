@@ -58,6 +58,11 @@ tokens at the very end of the text (e.g. a skipped special token) are held
 until text follows them, because a stop starting right there would drop them.
 ``flush()`` returns whatever is held.
 
+``min_tokens``: a stop string that completes while fewer than ``min_tokens``
+output tokens have been pushed (counting the completing token) is ignored, as
+vLLM ignores stop strings before ``min_tokens``; a later occurrence still
+matches.
+
 Incremental detokenization is the HF/vLLM prefix-offset/read-offset method:
 decode a small window (the previous group of tokens plus the new ones, seeded
 with the last 5 prompt tokens so that leading-space handling, e.g. Metaspace's
@@ -69,8 +74,14 @@ the last complete character even while the window ends in an unfinished one
 grown past ``_MAX_PENDING`` tokens without reaching a character boundary (only
 garbage byte sequences do this) is committed as decoded, U+FFFD included, to
 keep the cost per token bounded. Each push costs one or two decodes of the
-small window per token plus a scan of the new text and the last
-``max(len(stop)) - 1`` characters, never a rescan of the whole text.
+small window per token plus one step of an Aho-Corasick automaton over the
+stop strings per new character, whatever the stop strings' number and length:
+never a rescan of the text. The automaton (built once per set of stop strings,
+in time and memory linear in their total length, and shared by the samples of
+a request) gives the hold-back length too: its state's depth is the longest
+suffix of the text that begins a stop string. Hand-written because the
+matcher needs that depth after every character, which regex engines and
+pyahocorasick's finders do not expose.
 
 ``skip_special_tokens``: the tokenizer's added tokens marked special (see
 :func:`special_token_ids`) contribute no text, so their names cannot be part
@@ -84,6 +95,7 @@ always a fast tokenizer.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -98,6 +110,57 @@ _PROMPT_WINDOW = 5
 # complete character (or without growing) is committed as is (a UTF-8 character
 # is at most 4 bytes, so real text never gets near this).
 _MAX_PENDING = 32
+
+
+class _StopAutomaton:
+    """Aho-Corasick over a set of stop strings. State 0 is the empty prefix; a state is a prefix of
+    some stop string, `depth[state]` its length. After the text so far, the state is the longest
+    suffix of the text that is such a prefix; `longest[state]` is the longest stop string that ends
+    there (the state itself or a suffix of it), or None."""
+
+    __slots__ = ("goto", "fail", "depth", "longest")
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        goto: list[dict[str, int]] = [{}]
+        depth = [0]
+        own: list[str | None] = [None]
+        for stop in stops:
+            state = 0
+            for ch in stop:
+                nxt = goto[state].get(ch)
+                if nxt is None:
+                    nxt = goto[state][ch] = len(goto)
+                    goto.append({})
+                    depth.append(depth[state] + 1)
+                    own.append(None)
+                state = nxt
+            own[state] = stop
+        fail = [0] * len(goto)
+        longest = list(own)
+        queue = list(goto[0].values())
+        for state in queue:  # breadth first: a state's fail link is shallower, already done
+            for ch, nxt in goto[state].items():
+                f = fail[state]
+                while f and ch not in goto[f]:
+                    f = fail[f]
+                fail[nxt] = goto[f].get(ch, 0)
+                if longest[nxt] is None:
+                    longest[nxt] = longest[fail[nxt]]
+                queue.append(nxt)
+        self.goto, self.fail, self.depth, self.longest = goto, fail, depth, longest
+
+    def step(self, state: int, ch: str) -> int:
+        goto, fail = self.goto, self.fail
+        while state and ch not in goto[state]:
+            state = fail[state]
+        return goto[state].get(ch, 0)
+
+
+@functools.lru_cache(maxsize=64)
+def _automaton(stops: tuple[str, ...]) -> _StopAutomaton:
+    """One automaton per set of stop strings (the samples of a request, and requests repeating the
+    same stops, share it)."""
+    return _StopAutomaton(stops)
 
 
 def load_tokenizer(tokenizer_dir: str | Path) -> Tokenizer | None:
@@ -143,9 +206,11 @@ class StopStringMatcher:
         no_stop_trim: bool,
         *,
         special_ids: frozenset[int] | None = None,
+        min_tokens: int = 0,
     ) -> None:
         """``special_ids``: pass :func:`special_token_ids` (computed once per tokenizer) to
-        avoid recomputing it per request; only used with ``skip_special_tokens``."""
+        avoid recomputing it per request; only used with ``skip_special_tokens``.
+        ``min_tokens``: stop strings completing before this many output tokens are ignored."""
         self._tok = tokenizer
         self._skip = bool(skip_special_tokens)
         # Documented no-op for fast tokenizers (kept for the record / logging).
@@ -157,10 +222,10 @@ class StopStringMatcher:
             self._special = frozenset()
 
         self.stops: tuple[str, ...] = tuple(dict.fromkeys(s for s in stop if s))
-        self._max_len = max((len(s) for s in self.stops), default=0)
-        # Proper prefixes of the stop strings, for the hold-back computation.
-        self._prefixes = frozenset(s[:k] for s in self.stops for k in range(1, len(s)))
-        self._first_chars = frozenset(p[0] for p in self._prefixes)
+        self._automaton = _automaton(self.stops) if self.stops else None
+        self._state = 0  # the automaton's state after the text so far
+        self._min_tokens = int(min_tokens)
+        self._num_pushed = 0  # output tokens pushed (special ones included)
 
         # Decode window: _win[:_read] decodes to the prefix text (_prefix_len chars),
         # of which the output text has none; _win_emitted chars past it are committed.
@@ -177,7 +242,6 @@ class StopStringMatcher:
 
         self._chunks: list[str] = []
         self._len = 0  # len(text)
-        self._tail = ""  # the last max_len - 1 characters of the text
         # Pushed, not yet emitted: (token id, start position in the text).
         self._held: list[tuple[int, int]] = []
         self._matched: str | None = None
@@ -222,6 +286,7 @@ class StopStringMatcher:
             return StopResult()
         for i, t in enumerate(token_ids):
             t = int(t)
+            self._num_pushed += 1
             # Token j starts where the text stood after token j - 1.
             self._held.append((t, self._len))
             found = self._feed(t)
@@ -276,24 +341,23 @@ class StopStringMatcher:
         return found
 
     def _append(self, chunk: str) -> tuple[int, str] | None:
-        """Commit text; search the new text plus the overlap for the first stop to complete."""
-        old_len = self._len
-        region = self._tail + chunk
-        base = old_len - len(self._tail)
+        """Commit text; feed it to the automaton, character by character, and return (start, stop)
+        of the first stop string to complete (the longest of those ending at one character)."""
+        start_len = self._len
         self._chunks.append(chunk)
         self._len += len(chunk)
-        keep = self._max_len - 1
-        self._tail = region[-keep:] if keep > 0 else ""
-        best = None  # (end, -len, start, stop)
-        for s in self.stops:
-            idx = region.find(s)
-            if idx >= 0:
-                key = (base + idx + len(s), -len(s), base + idx, s)
-                if best is None or key < best:
-                    best = key
-        if best is None:
+        automaton = self._automaton
+        if automaton is None:
             return None
-        return best[2], best[3]
+        state, longest, step = self._state, automaton.longest, automaton.step
+        for i, ch in enumerate(chunk):
+            state = step(state, ch)
+            stop = longest[state]
+            if stop is not None and self._num_pushed >= self._min_tokens:
+                self._state = state
+                return start_len + i + 1 - len(stop), stop
+        self._state = state
+        return None
 
     def _finish_match(self, start: int, stop: str) -> StopResult:
         self._finished = True
@@ -322,9 +386,5 @@ class StopStringMatcher:
         return out
 
     def _holdback(self) -> int:
-        """Length of the longest suffix of the text that is a proper prefix of a stop string."""
-        tail = self._tail
-        for p in range(len(tail)):
-            if tail[p] in self._first_chars and tail[p:] in self._prefixes:
-                return len(tail) - p
-        return 0
+        """Length of the longest suffix of the text that begins a stop string."""
+        return self._automaton.depth[self._state] if self._automaton is not None else 0

@@ -40,6 +40,12 @@ MAX_SAMPLES = 128  # n beyond this is refused: one request should not occupy a w
 MAX_TOP_LOGPROBS = 20  # as OpenAI and vLLM's default max_logprobs
 MAX_TOKEN_IDS_LOGPROB = 256
 MAX_LOGIT_BIAS = 1024
+GREEDY_BELOW = 1e-5  # a temperature below this samples greedily (vLLM's _SAMPLING_EPS)
+# Stop strings: OpenAI takes 4; these bound the matcher's automaton (one state per character, shared
+# by a request's samples) and its build on the server's event loop to well under a millisecond's
+# worth per hundred characters.
+MAX_STOP_STRINGS = 256
+MAX_STOP_CHARS = 16384
 
 
 @dataclass
@@ -50,6 +56,7 @@ class ValidatedRequest:
     n: int
     no_stop_trim: bool
     stop_strings: list[str] = field(default_factory=list)
+    min_tokens: int = 0  # stop strings are not matched before this many output tokens (vLLM's rule)
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     logprobs: bool = False  # any logprob output asked for
@@ -86,6 +93,11 @@ def validate_generate(req, facts: ModelFacts) -> ValidatedRequest:
     stop_strings = list(sp.stop)
     if any(not s for s in stop_strings):
         raise _invalid("sampling_params.stop: stop strings must not be empty")
+    if len(stop_strings) > MAX_STOP_STRINGS:
+        raise _invalid(f"sampling_params.stop: at most {MAX_STOP_STRINGS} stop strings (got {len(stop_strings)})")
+    stop_chars = sum(len(s) for s in stop_strings)
+    if stop_chars > MAX_STOP_CHARS:
+        raise _invalid(f"sampling_params.stop: at most {MAX_STOP_CHARS} characters in all (got {stop_chars})")
     if stop_strings and not facts.has_tokenizer:
         raise _invalid("sampling_params.stop: this worker has no tokenizer.json to detect stop strings with")
     if sp.HasField("custom_params") and len(sp.custom_params.fields):
@@ -122,6 +134,7 @@ def validate_generate(req, facts: ModelFacts) -> ValidatedRequest:
         n=n,
         no_stop_trim=bool(sp.no_stop_trim),
         stop_strings=stop_strings,
+        min_tokens=int(params.min_new_tokens),
         skip_special_tokens=bool(sp.skip_special_tokens),
         spaces_between_special_tokens=bool(sp.spaces_between_special_tokens),
         logprobs=logprobs,
@@ -196,6 +209,8 @@ def _sampling_params(sp, facts: ModelFacts) -> SamplingParams:
     min_p = sp.min_p if sp.HasField("min_p") else 0.0
     if not math.isfinite(temperature) or temperature < 0:
         raise _invalid(f"sampling_params.temperature: must be >= 0, got {temperature}")
+    if temperature < GREEDY_BELOW:  # logits / 1e-40 overflow to inf: greedy, as vLLM and SGLang take it
+        temperature = 0.0
     if not math.isfinite(top_p) or not (0.0 < top_p <= 1.0):
         raise _invalid(f"sampling_params.top_p: must be in (0, 1], got {top_p}")
     if top_k < -1:
