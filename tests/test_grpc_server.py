@@ -706,3 +706,59 @@ def test_without_cache_report_cached_tokens_go_out_as_zero(model_dir):
         assert w.stub.GetLoads(pb.GetLoadsRequest()).loads[0].cache_hit_rate > 0
     finally:
         assert w.stop() == 0, w.log()
+
+
+def test_the_health_check_counts_a_long_step_as_work_and_a_silent_loop_as_down():
+    """The engine loop answers probes between steps: a long step (an 8k-token prompt chunk on a CPU
+    runs over a minute) left the probe unanswered, and the gateway took the only worker out of
+    service. Inside one step short of BUSY_STEP_HEALTHY_S the worker is healthy ("busy"); a loop
+    silent between steps, a step past the limit, or a dead engine is not. (The decision alone, over
+    a stand-in for the engine client's two calls; the shared "in a step since" is the engine loop's.)"""
+    import asyncio
+
+    from tokenspeed_worker.server import servicer as servicer_mod
+    from tokenspeed_worker.server.engine_client import EngineUnavailable
+
+    class Engine:
+        def __init__(self, replies, busy):
+            self.replies, self.busy = replies, busy
+
+        async def probe_each(self, timeout):
+            return self.replies
+
+        def busy_seconds(self, k):
+            return self.busy[k]
+
+    def check(replies, busy):
+        s = servicer_mod.TokenSpeedSchedulerServicer.__new__(servicer_mod.TokenSpeedSchedulerServicer)
+        s.serving, s.engine = True, Engine(replies, busy)
+        return asyncio.run(s.HealthCheck(pb.HealthCheckRequest(), None))
+
+    timeout = asyncio.TimeoutError()
+    ok = check([object()], [None])
+    assert ok.healthy and ok.message == "ok"
+    busy = check([timeout], [42.0])
+    assert busy.healthy and "busy: one step running for 42s" in busy.message
+    silent = check([timeout], [None])
+    assert not silent.healthy and "between steps" in silent.message
+    stuck = check([timeout], [servicer_mod.BUSY_STEP_HEALTHY_S + 1])
+    assert not stuck.healthy and "in one step for" in stuck.message
+    replica = check([object(), timeout], [None, None])
+    assert not replica.healthy and "data-parallel replica 1" in replica.message
+    dead = check([EngineUnavailable("engine process exited")], [None])
+    assert not dead.healthy and "engine unavailable" in dead.message
+
+
+def test_the_engine_loop_says_since_when_a_step_runs():
+    from multiprocessing import RawValue
+
+    from tokenspeed_worker.engine.process import _busy
+
+    busy = RawValue("d", 0.0)
+    seen = []
+    assert _busy(busy, lambda x: seen.append(busy.value) or x, 7) == 7
+    assert seen[0] > 0 and busy.value == 0.0
+    with pytest.raises(ValueError):
+        _busy(busy, lambda: (_ for _ in ()).throw(ValueError("step failed")))
+    assert busy.value == 0.0
+    assert _busy(None, lambda: 3) == 3

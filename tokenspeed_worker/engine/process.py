@@ -51,8 +51,12 @@ def _setup_logging(level: str) -> None:
     )
 
 
-def engine_main(cfg: EngineConfig, conn: Connection, log_level: str = "info", spawned_at: float | None = None) -> None:
-    """Entry point of the engine process (spawned by the server at time.time() `spawned_at`)."""
+def engine_main(cfg: EngineConfig, conn: Connection, log_level: str = "info", spawned_at: float | None = None,
+                busy=None) -> None:
+    """Entry point of the engine process (spawned by the server at time.time() `spawned_at`). `busy`:
+    a shared double (multiprocessing.RawValue) the loop sets to time.time() while a step or an idle
+    capture runs and to 0 between them, so the server's health check can tell a long step (a long
+    prompt on a CPU) from an engine that stopped answering."""
     lifetime.guard()  # first: ignore the service's stop signals, die with the server
     bytecode.inherit()  # before the engine's imports
     _setup_logging(log_level)
@@ -80,7 +84,7 @@ def engine_main(cfg: EngineConfig, conn: Connection, log_level: str = "info", sp
     lifetime.still_guarded()
     conn.send(core.ready_message())
     try:
-        _loop(core, conn)
+        _loop(core, conn, busy)
         core.stop_followers()
     except (EOFError, BrokenPipeError, ConnectionResetError):
         logger.info("server went away; engine exiting")
@@ -124,7 +128,7 @@ def _handle(core, conn: Connection, msg) -> bool:
     return True
 
 
-def _loop(core, conn: Connection) -> None:
+def _loop(core, conn: Connection, busy=None) -> None:
     """With overlap scheduling, step N+1 is launched before step N is completed (its output
     sent): the host schedules and prepares N+1 and routes N's output while the device runs
     (EngineCore.pipeline_step)."""
@@ -134,7 +138,7 @@ def _loop(core, conn: Connection) -> None:
         # Take everything pending; block only when there is nothing to compute or complete (and no
         # decode graph left to capture: one at a time, so a request waits for one capture at most).
         if pending is None and not core.has_work():
-            if conn.poll(0) or not (serving and core.capture_deferred_graph()):
+            if conn.poll(0) or not (serving and _busy(busy, core.capture_deferred_graph)):
                 conn.poll(None)
         while conn.poll(0):
             msg = conn.recv()
@@ -142,7 +146,7 @@ def _loop(core, conn: Connection) -> None:
                 serving = True
             elif not _handle(core, conn, msg):
                 return
-        outputs, pending, failed, launched = core.pipeline_step(pending)
+        outputs, pending, failed, launched = _busy(busy, core.pipeline_step, pending)
         # KV cache events of this turn (and of aborts and flushes applied before it): they ride on
         # its last output, or go alone when it has none.
         events = core.take_kv_events()
@@ -160,6 +164,17 @@ def _loop(core, conn: Connection) -> None:
             conn.send(RequestFailed(req_id, code, message))
         if not launched and pending is None and core.waiting_for_grammar and not core.scheduler.has_work():
             conn.poll(0.002)  # only grammars compiling: wait a little (or for a message) instead of spinning
+
+
+def _busy(busy, work, *args):
+    """work(*args), with `busy` (engine_main) saying since when it runs."""
+    if busy is None:
+        return work(*args)
+    busy.value = time.time()
+    try:
+        return work(*args)
+    finally:
+        busy.value = 0.0
 
 
 def _send_output(core, conn: Connection, out) -> None:

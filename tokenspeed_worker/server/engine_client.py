@@ -115,6 +115,7 @@ class _Replica:
         self.reader: PipeReader | None = None  # from `attach` on; before it, `conn.recv` (startup)
         self.ready: EngineReady | None = None
         self.in_flight = 0  # request states submitted to it and not finished
+        self.busy = None  # the engine loop's shared "in a step since" (engine_main's `busy`), from start
 
     def kill_followers(self) -> None:
         for proc in self.followers:
@@ -230,8 +231,9 @@ class EngineClient:
         self._check_cancelled()
         parent, child = ctx.Pipe(duplex=True)
         name = "tokenspeed-engine" if self.data_parallel_size == 1 else f"tokenspeed-engine-dp{replica.index}"
-        replica.proc = ctx.Process(target=engine_main, args=(cfg, child, self._log_level, time.time()), name=name,
-                                   daemon=True)
+        replica.busy = ctx.RawValue("d", 0.0)
+        replica.proc = ctx.Process(target=engine_main, args=(cfg, child, self._log_level, time.time(), replica.busy),
+                                   name=name, daemon=True)
         lifetime.start(replica.proc)
         child.close()
         replica.conn = parent
@@ -559,6 +561,20 @@ class EngineClient:
     async def probe_all(self, timeout: float) -> list[Loads]:
         """Round trip through every replica's engine loop (proves each is stepping); their loads in rank order."""
         return [reply.loads for reply in await self._ask_all(Probe, timeout)]
+
+    async def probe_each(self, timeout: float) -> list:
+        """Each replica's probe: its Loads, or the exception its round trip raised (a timeout)."""
+        return list(await asyncio.gather(*(self._ask(Probe, timeout, k) for k in range(self.data_parallel_size)),
+                                         return_exceptions=True))
+
+    def busy_seconds(self, replica: int) -> float | None:
+        """How long the replica's engine loop has been inside one step (or one idle capture), or None
+        when it is between steps or its process is gone."""
+        r = self._replicas[replica]
+        since = r.busy.value if r.busy is not None else 0.0
+        if not since or r.proc is None or not r.proc.is_alive():
+            return None
+        return max(0.0, time.time() - since)
 
     async def probe(self, timeout: float) -> Loads:
         """Round trip through every engine loop; the loads of all replicas together (sums; the hit

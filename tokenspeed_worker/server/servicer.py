@@ -33,6 +33,10 @@ logger = logging.getLogger(__name__)
 SERVICE_NAME = "tokenspeed.grpc.scheduler.TokenSpeedScheduler"
 # The gateway's HealthCheck timeout is 5 s; answer well inside it.
 HEALTH_PROBE_TIMEOUT_S = 3.0
+# A step (or an idle capture) running longer than this without the loop answering is taken for a
+# hang: the health check turns unhealthy. Shorter ones (a long prompt chunk on a CPU takes tens of
+# seconds) count as work, as vLLM's health counts a live engine.
+BUSY_STEP_HEALTHY_S = 300.0
 LOADS_TIMEOUT_S = 5.0
 # Writing a trace can take a while (minutes for a long GPU profile).
 PROFILE_TIMEOUT_S = 600.0
@@ -212,13 +216,23 @@ class TokenSpeedSchedulerServicer(pb_grpc.TokenSpeedSchedulerServicer):
         if not self.serving:
             return pb.HealthCheckResponse(healthy=False, message="not serving (starting up or shutting down)")
         try:
-            await self.engine.probe(HEALTH_PROBE_TIMEOUT_S)
-        except asyncio.TimeoutError:
-            return pb.HealthCheckResponse(
-                healthy=False, message=f"engine loop did not answer within {HEALTH_PROBE_TIMEOUT_S:.0f}s"
-            )
+            replies = await self.engine.probe_each(HEALTH_PROBE_TIMEOUT_S)
         except EngineUnavailable as e:
             return pb.HealthCheckResponse(healthy=False, message=f"engine unavailable: {e}")
+        busy = []
+        for k, reply in enumerate(replies):
+            if isinstance(reply, EngineUnavailable):
+                return pb.HealthCheckResponse(healthy=False, message=f"engine unavailable: {reply}")
+            if isinstance(reply, BaseException):  # no answer in time: healthy only inside a step short of the limit
+                seconds = self.engine.busy_seconds(k)
+                if seconds is None or seconds > BUSY_STEP_HEALTHY_S:
+                    where = "" if len(replies) == 1 else f" (data-parallel replica {k})"
+                    state = "between steps" if seconds is None else f"in one step for {seconds:.0f}s"
+                    return pb.HealthCheckResponse(healthy=False, message=(
+                        f"engine loop did not answer within {HEALTH_PROBE_TIMEOUT_S:.0f}s{where}, {state}"))
+                busy.append(seconds)
+        if busy:  # a long step (a long prompt chunk on a CPU) is work, not a hang
+            return pb.HealthCheckResponse(healthy=True, message=f"ok (busy: one step running for {max(busy):.0f}s)")
         return pb.HealthCheckResponse(healthy=True, message="ok")
 
     async def GetModelInfo(self, request, context):
