@@ -175,6 +175,9 @@ INVALID = [
     ("repetition_penalty", dict(repetition_penalty=0.0)),
     ("logit_bias", dict(logit_bias={"100000": 1.0})),
     ("logit_bias", dict(logit_bias={"abc": 1.0})),
+    ("logit_bias", dict(logit_bias={" 1": 1.0})),
+    ("logit_bias", dict(logit_bias={"1_0": 1.0})),
+    ("logit_bias", dict(logit_bias={"\u0661": 1.0})),  # ARABIC-INDIC DIGIT ONE
     ("sampling_params.n", dict(n=129)),
     ("stop", dict(stop=[""])),
 ]

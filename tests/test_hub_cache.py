@@ -164,3 +164,18 @@ def test_a_folder_with_custom_code_is_refused_by_its_architecture_at_once(tmp_pa
     for flags in ([], ["--trust-remote-code"]):
         (error,) = refused([str(tmp_path), *flags])  # the server's line: no engine was spawned to fail
         assert "model architecture ['MyModelForCausalLM'] is not supported; supported: " in error, error
+
+
+def test_a_folder_without_weights_is_refused_before_the_engine_starts(tmp_path: Path) -> None:
+    """A config without safetensors: exit 2 at once naming the folder (it was exit 1 from the engine
+    process seconds later, a code supervisors restart on); the pickles it holds are named."""
+    import shutil
+
+    model = tmp_path / "noweights"
+    shutil.copytree(tiny_models()["llama-gqa-tied"], model, ignore=shutil.ignore_patterns("*.safetensors*"))
+    (model / "pytorch_model.bin").write_bytes(b"")
+    (error,) = refused([str(model), "--device", "cpu"])
+    assert f"no safetensors weights in {model} (pytorch_model.bin are PyTorch pickles" in error, error
+    from tokenspeed_worker.server.launch import _check_weights_present
+
+    _check_weights_present(model, "dummy")  # random weights need none

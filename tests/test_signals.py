@@ -179,6 +179,30 @@ def test_group_sigint_drains_like_sigterm(model_dir):
         w.stop()
 
 
+def test_one_stop_sent_twice_at_once_still_drains(model_dir):
+    """GNU `timeout` sends SIGTERM to its child, then to the child's group, moments apart: the
+    same stop, not a second one (which would skip the drain). A later one stops at once."""
+    w = Worker(model_dir, *FLAGS, "--drain-timeout", "60", new_session=True)
+    try:
+        calls = [Collector(w.stub, gen()) for _ in range(2)]  # to the context limit: minutes on a CPU
+        for c in calls:
+            assert c.first.wait(60), w.log()
+        w.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.02)  # apart enough for the handler to run between them (closer ones arrive as one)
+        w.signal_group(signal.SIGTERM)
+        wait_not_serving(w, 1.0)
+        time.sleep(1.0)
+        assert w.proc.poll() is None and all(c.is_alive() for c in calls), w.log()  # still draining
+        assert "the same stop, still draining" in w.log()
+        w.signal_group(signal.SIGTERM)
+        assert w.proc.wait(20) == 0, w.log()
+        for c in calls:
+            c.join(10)
+            assert not c.is_alive()
+    finally:
+        w.stop()
+
+
 def test_second_group_signal_mid_drain_aborts_the_rest_and_exits_promptly(model_dir):
     w = Worker(model_dir, *FLAGS, "--drain-timeout", "60", new_session=True)
     try:

@@ -41,6 +41,9 @@ from tokenspeed_worker.server.servicer import SERVICE_NAME, TokenSpeedSchedulerS
 logger = logging.getLogger("tokenspeed_worker")
 
 WARMUP_TIMEOUT_S = 300.0
+# A second stop signal this soon after the first is the same stop sent twice (GNU timeout signals its
+# child, then the child's process group), not an operator's "stop now".
+SAME_STOP_WITHIN_S = 0.25
 # Streams can last minutes and the gateway keeps connections for days.
 GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
@@ -139,13 +142,19 @@ async def serve(server_cfg: ServerConfig, args: ServerArgs, facts, engine: Engin
         exit_code = 1
         stop.set()
 
+    first_signal = [0.0]
+
     def on_signal(sig: int) -> None:
         signals.append(sig)
         name = signal.Signals(sig).name
         if not stop.is_set():
             logger.info("%s: shutting down: draining in-flight requests for up to %.0fs "
                         "(a second SIGTERM/SIGINT stops at once)", name, server_cfg.drain_timeout)
+            first_signal[0] = time.monotonic()
             stop.set()
+        elif time.monotonic() - first_signal[0] < SAME_STOP_WITHIN_S:
+            # One stop sent twice: GNU timeout signals its child, then the child's group.
+            logger.info("%s again within %.2fs of the first: the same stop, still draining", name, SAME_STOP_WITHIN_S)
         elif not now.is_set():
             logger.warning("%s again: stopping now", name)
             now.set()
@@ -340,6 +349,18 @@ def _ports_refused(server_cfg: ServerConfig, args: ServerArgs) -> int:
     return 0
 
 
+def _check_weights_present(model: Path, load_format: str) -> None:
+    """A checkpoint to load has safetensors files (or their index): ValueError now, exit 2, rather
+    than from the engine process after its start (exit 1, which a supervisor restarts). The server
+    does not import torch, so this is the loader's test (model_executor/loader.py) by name only."""
+    if load_format == "dummy" or (model / "model.safetensors.index.json").exists() or any(model.glob("*.safetensors")):
+        return
+    pickled = sorted(p.name for p in model.iterdir() if p.suffix in (".bin", ".pt"))
+    found = f" ({', '.join(pickled[:3])} are PyTorch pickles: convert them to safetensors)" if pickled else ""
+    raise ValueError(f"no safetensors weights in {model}{found}; only safetensors checkpoints load "
+                     "(or use --load-format dummy for random weights)")
+
+
 def run_server(args: ServerArgs, launched: float | None = None) -> int:
     """Run the worker of parsed, resolved and supported `args` (cli.prepare) until SIGTERM/SIGINT
     (exit 0) or an engine failure (exit 1); 2 when the model or a setting cannot work. The stop
@@ -368,6 +389,7 @@ def run_server(args: ServerArgs, launched: float | None = None) -> int:
         return 2
     try:
         check_architectures(facts.architectures)  # before an engine is spawned to find out
+        _check_weights_present(Path(args.model), engine_cfg.model.load_format)
         parallel = engine_cfg.parallel
         check_parallel_fit(json.loads((Path(args.model) / "config.json").read_text()),
                            parallel.tensor_parallel_size, parallel.expert_parallel_size)

@@ -229,10 +229,11 @@ def _sampling_params(sp, facts: ModelFacts) -> SamplingParams:
     if len(sp.logit_bias) > MAX_LOGIT_BIAS:
         raise _invalid(f"sampling_params.logit_bias: at most {MAX_LOGIT_BIAS} entries")
     for key, bias in sp.logit_bias.items():
-        try:
-            token = int(key)
-        except ValueError:
-            raise _invalid(f"sampling_params.logit_bias: key {key!r} is not a token id") from None
+        # Plain ASCII digits only (OpenAI's keys are token ids as decimal strings): int() would also
+        # take " 1", "1_0" and other scripts' digits.
+        if not (key.isascii() and key.isdigit()):
+            raise _invalid(f"sampling_params.logit_bias: key {key!r} is not a token id")
+        token = int(key)
         if not (0 <= token < facts.vocab_size):
             raise _invalid(f"sampling_params.logit_bias: token id {token} is out of range (vocab_size {facts.vocab_size})")
         if not math.isfinite(bias) or not (-100.0 <= bias <= 100.0):
