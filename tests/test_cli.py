@@ -314,6 +314,7 @@ def test_config_false_for_a_plain_flag_keeps_it_off(tmp_path: Path) -> None:
         ("model: /m\nmax-num-seqs: [3]\n", "'max-num-seqs' takes a int, got the YAML list"),
         ("model: /m\ndtype: int8\n", "argument --dtype: invalid choice: 'int8'"),
         ("model: /m\nport: 1\ngrpc_port: 2\n", "sets --grpc-port a second time"),
+        ("model: /m\nmax-num-seqs: 3\nmax-num-seqs: 4\n", "key 'max-num-seqs' is given twice (line 3)"),
         ("model: /m\nconfig: other.yaml\n", "cannot name another config file"),
         ("- model\n", "expected a mapping"),
         ("model: [unclosed\n", "invalid YAML"),

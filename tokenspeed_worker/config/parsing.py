@@ -158,10 +158,24 @@ def load_config_file(path: str) -> dict[str, Any]:
     Raises `ValueError` naming the file and the offending key."""
     import yaml  # only needed when --config is used
 
+    class UniqueKeys(yaml.SafeLoader):
+        """safe_load, refusing a key written twice (YAML keeps the last in silence)."""
+
+    def mapping(loader, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = loader.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} is given twice (line {key_node.start_mark.line + 1})", None)
+            seen.add(key)
+        return loader.construct_mapping(node, deep)
+
+    UniqueKeys.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=UniqueKeys)
         # The same document with every scalar as the text written (YAML 1.1 would read `api-key: 0123`
         # as the octal 83 and `served-model-name: 1.10` as 1.1): values are taken as written and
         # parsed like the flag's own text; YAML's types decide only booleans, nulls and lists.

@@ -413,7 +413,8 @@ class EngineClient:
         self.dead_message = message
         logger.error("engine is dead: %s; failing %d request(s)", message, len(self.requests))
         for st in list(self.requests.values()):
-            st.error = ("INTERNAL", f"engine failed: {message}")
+            # The engine's own messages already begin "engine failed" (engine/process.py).
+            st.error = ("INTERNAL", message if message.startswith("engine") else f"engine failed: {message}")
             st.event.set()
             if self.observer is not None:
                 self.observer.on_end(st)
