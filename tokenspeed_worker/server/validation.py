@@ -42,8 +42,7 @@ MAX_TOKEN_IDS_LOGPROB = 256
 MAX_LOGIT_BIAS = 1024
 GREEDY_BELOW = 1e-5  # a temperature below this samples greedily (vLLM's _SAMPLING_EPS)
 # Stop strings: OpenAI takes 4; these bound the matcher's automaton (one state per character, shared
-# by a request's samples) and its build on the server's event loop to well under a millisecond's
-# worth per hundred characters.
+# by a request's samples) and the time its build holds the server's event loop.
 MAX_STOP_STRINGS = 256
 MAX_STOP_CHARS = 16384
 
