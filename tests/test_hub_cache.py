@@ -176,6 +176,6 @@ def test_a_folder_without_weights_is_refused_before_the_engine_starts(tmp_path: 
     (model / "pytorch_model.bin").write_bytes(b"")
     (error,) = refused([str(model), "--device", "cpu"])
     assert f"no safetensors weights in {model} (pytorch_model.bin are PyTorch pickles" in error, error
-    from tokenspeed_worker.server.launch import _check_weights_present
+    from tokenspeed_worker.model_executor.checkpoint_files import check_weights_present
 
-    _check_weights_present(model, "dummy")  # random weights need none
+    check_weights_present(model, "dummy")  # random weights need none

@@ -6,7 +6,6 @@ where values do not matter. It is deterministic for a given seed and device.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,35 +14,19 @@ import torch
 from torch import nn
 
 from tokenspeed_worker.config import ModelConfig
+from tokenspeed_worker.model_executor.checkpoint_files import check_weights_present, safetensors_files
 from tokenspeed_worker.layers.moe import FusedMoE
 from tokenspeed_worker.layers.quantization import methods as quant_methods
 
 logger = logging.getLogger(__name__)
 
-SAFETENSORS_INDEX = "model.safetensors.index.json"
 DUMMY_STD = 0.02
-
-
-def safetensors_files(model_path: str | Path) -> list[Path]:
-    """The checkpoint's safetensors files: those the index names, else every *.safetensors in the folder."""
-    model_path = Path(model_path)
-    index = model_path / SAFETENSORS_INDEX
-    if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return [model_path / name for name in sorted(set(weight_map.values()))]
-    return sorted(model_path.glob("*.safetensors"))
 
 
 def resolve_load_format(model_path: str | Path, load_format: str) -> str:
     """"safetensors" or "dummy": what `load_format` (a ModelConfig one) loads from `model_path`."""
     if load_format == "auto":
-        if not safetensors_files(model_path):
-            pickled = sorted(p.name for p in Path(model_path).iterdir() if p.suffix in (".bin", ".pt"))
-            found = f" ({', '.join(pickled[:3])} are PyTorch pickles: convert them to safetensors)" if pickled else ""
-            raise ValueError(
-                f"no safetensors weights in {model_path}{found}; only safetensors checkpoints load "
-                "(or use --load-format dummy for random weights)"
-            )
+        check_weights_present(model_path, load_format)
         return "safetensors"
     return load_format
 

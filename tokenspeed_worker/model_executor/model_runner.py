@@ -42,7 +42,8 @@ from tokenspeed_worker.model_executor.cuda_graph import (
 )
 from tokenspeed_worker.model_executor.piecewise_graph import PiecewiseGraphs, graph_memory_estimate, piecewise_sizes
 from tokenspeed_worker.layers.quantization import kv_scales, methods as quant_methods
-from tokenspeed_worker.model_executor.loader import load_model_weights, safetensors_files
+from tokenspeed_worker.model_executor.checkpoint_files import safetensors_files
+from tokenspeed_worker.model_executor.loader import load_model_weights
 from tokenspeed_worker import kernel_cache
 from tokenspeed_worker.models.llama import head_dim_of
 from tokenspeed_worker.models.registry import check_architectures, get_model_class, language_model_config

@@ -34,6 +34,7 @@ from tokenspeed_worker.engine.messages import AddRequest
 from tokenspeed_worker.proto import tokenspeed_scheduler_pb2_grpc as pb_grpc
 from tokenspeed_worker.sampling.params import SamplingParams
 from tokenspeed_worker.engine.lifetime import STOP_SIGNALS
+from tokenspeed_worker.model_executor.checkpoint_files import check_weights_present
 from tokenspeed_worker.server.engine_client import EngineClient, EngineUnavailable, StartCancelled
 from tokenspeed_worker.server.model_info import load_model_facts
 from tokenspeed_worker.server.servicer import SERVICE_NAME, TokenSpeedSchedulerServicer
@@ -142,17 +143,18 @@ async def serve(server_cfg: ServerConfig, args: ServerArgs, facts, engine: Engin
         exit_code = 1
         stop.set()
 
-    first_signal = [0.0]
+    first_signal = 0.0
 
     def on_signal(sig: int) -> None:
+        nonlocal first_signal
         signals.append(sig)
         name = signal.Signals(sig).name
         if not stop.is_set():
             logger.info("%s: shutting down: draining in-flight requests for up to %.0fs "
                         "(a second SIGTERM/SIGINT stops at once)", name, server_cfg.drain_timeout)
-            first_signal[0] = time.monotonic()
+            first_signal = time.monotonic()
             stop.set()
-        elif time.monotonic() - first_signal[0] < SAME_STOP_WITHIN_S:
+        elif time.monotonic() - first_signal < SAME_STOP_WITHIN_S:
             # One stop sent twice: GNU timeout signals its child, then the child's group.
             logger.info("%s again within %.2fs of the first: the same stop, still draining", name, SAME_STOP_WITHIN_S)
         elif not now.is_set():
@@ -349,18 +351,6 @@ def _ports_refused(server_cfg: ServerConfig, args: ServerArgs) -> int:
     return 0
 
 
-def _check_weights_present(model: Path, load_format: str) -> None:
-    """A checkpoint to load has safetensors files (or their index): ValueError now, exit 2, rather
-    than from the engine process after its start (exit 1, which a supervisor restarts). The server
-    does not import torch, so this is the loader's test (model_executor/loader.py) by name only."""
-    if load_format == "dummy" or (model / "model.safetensors.index.json").exists() or any(model.glob("*.safetensors")):
-        return
-    pickled = sorted(p.name for p in model.iterdir() if p.suffix in (".bin", ".pt"))
-    found = f" ({', '.join(pickled[:3])} are PyTorch pickles: convert them to safetensors)" if pickled else ""
-    raise ValueError(f"no safetensors weights in {model}{found}; only safetensors checkpoints load "
-                     "(or use --load-format dummy for random weights)")
-
-
 def run_server(args: ServerArgs, launched: float | None = None) -> int:
     """Run the worker of parsed, resolved and supported `args` (cli.prepare) until SIGTERM/SIGINT
     (exit 0) or an engine failure (exit 1); 2 when the model or a setting cannot work. The stop
@@ -389,7 +379,7 @@ def run_server(args: ServerArgs, launched: float | None = None) -> int:
         return 2
     try:
         check_architectures(facts.architectures)  # before an engine is spawned to find out
-        _check_weights_present(Path(args.model), engine_cfg.model.load_format)
+        check_weights_present(args.model, engine_cfg.model.load_format)  # exit 2 now, not 1 from the engine
         parallel = engine_cfg.parallel
         check_parallel_fit(json.loads((Path(args.model) / "config.json").read_text()),
                            parallel.tensor_parallel_size, parallel.expert_parallel_size)
