@@ -273,4 +273,5 @@ def test_bench_steps_times_each_kind_of_step_and_profiles_one(tmp_path):
     for kind in ("prefill", "decode", "mixed"):
         assert 0 < result[kind]["launch_ms"] <= result[kind]["step_ms"]
     assert (result["prefill"]["rows"], result["decode"]["rows"], result["mixed"]["rows"]) == (1, 4, 4)
-    assert "engine_core.py" in result["profile_mixed"] and "profile_prefill" not in result
+    # The table keeps the 30 costliest functions, which differ by machine: the step's forward is among them.
+    assert "model_runner.py" in result["profile_mixed"] and "profile_prefill" not in result

@@ -390,6 +390,36 @@ def test_a_cuda_engine_serves_through_real_piecewise_graphs_with_the_eager_token
         assert list(again.values()) == list(expected.values())
 
 
+def _graph_pool_bytes() -> int:
+    """Bytes of the segments of private (graph) pools in the caching allocator."""
+    return sum(s["total_size"] for s in torch.cuda.memory._snapshot()["segments"]
+               if tuple(s.get("segment_pool_id", (0, 0))) != (0, 0))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_the_counts_after_the_largest_reuse_its_pool_memory(tiny_model_paths):
+    """Each count is captured on the decode graphs' stream, so it takes the pool memory the larger
+    ones freed: the twelve counts below 1,024 tokens add little to the pool. (On a stream of its own,
+    each count kept its activations and a cuBLAS workspace, 32 MiB on Hopper, in the pool.)"""
+    r = make_runner(str(tiny_model_paths["llama-gqa-tied"]), dtype="bfloat16", device="cuda", block_size=BLOCK_SIZE,
+                    attention_backend="triton", max_model_len=1024, max_num_seqs=8, enforce_eager=False,
+                    enable_piecewise_cuda_graph=True, piecewise_cuda_graph_max_tokens=1024)
+    r.allocate_kv_cache(NUM_BLOCKS)
+    r.capture_cuda_graphs()
+    while r.cuda_graphs.deferred:
+        r.cuda_graphs.capture_next()
+    piecewise = r.piecewise
+    assert piecewise.sizes[-1] == 1024 and len(piecewise.sizes) == 13
+    assert piecewise.capture_next() == 1024
+    after_largest = _graph_pool_bytes()
+    while piecewise.capture_next() is not None:
+        pass
+    assert sorted(piecewise.captured) == piecewise.sizes and piecewise.off_reason is None
+    grown = _graph_pool_bytes() - after_largest
+    assert grown <= 8 << 20, f"the pool grew by {grown / 2**20:.1f} MiB for the twelve smaller counts"
+
+
 def test_emulated_piecewise_steps_with_the_flashinfer_backend_give_the_eager_logits(tiny_model_paths):
     """The flashinfer backend (its stand-in kernels on CPU) plans each step on the host: the piecewise
     replay's holes attend with the step's own plan, copying into the static buffer."""

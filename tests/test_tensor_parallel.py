@@ -263,5 +263,6 @@ def test_parallel_sizes_that_cannot_split_the_model_are_named_before_any_rank_st
 
     from test_hub_cache import refused
 
-    (error,) = refused([str(tiny_models()["llama-gqa-tied"]), "--tensor-parallel-size", "3"])
+    # On CPU: on a machine with fewer GPUs than ranks, the GPU count is refused first (parsing.py).
+    (error,) = refused([str(tiny_models()["llama-gqa-tied"]), "--tensor-parallel-size", "3", "--device", "cpu"])
     assert "--tensor-parallel-size 3: the model's 4 attention heads (num_attention_heads)" in error, error

@@ -22,8 +22,10 @@ How the pieces are cut: the model's `Attention` calls (layers/attention/layer.py
 attention over K/V the piece wrote at the static slots) to `PiecewiseStep.hole`, which ends the
 piece being captured, keeps the call (its tensors aliased without keeping them allocated, as the
 graphs' own intermediates are: `_alias`) and begins the next piece. Models need no change. The
-pieces of all sizes share one memory pool with the decode graphs: at most one graph runs at a time,
-and the eager work between pieces takes its memory elsewhere.
+pieces of all sizes share one memory pool with the decode graphs, captured on the decode graphs'
+stream (`capture_stream`), so each capture reuses what the larger ones freed and the pool holds
+about the largest count's activations: at most one graph runs at a time, and the eager work between
+pieces takes its memory elsewhere.
 
 Sizes are captured after startup, largest first, one at a time while the engine idles or as soon as
 a step wants one (the decode graphs' `deferred` scheme); until then such steps run eagerly. Each
@@ -51,7 +53,7 @@ import numpy as np
 import torch
 
 from tokenspeed_worker.layers.attention import AttentionBackend, AttentionInputs, GraphHoles
-from tokenspeed_worker.model_executor.cuda_graph import padded_batch_size, resolve_pending_ids
+from tokenspeed_worker.model_executor.cuda_graph import capture_stream, padded_batch_size, resolve_pending_ids
 from tokenspeed_worker.scheduler.plan import SchedulePlan
 
 logger = logging.getLogger(__name__)
@@ -347,7 +349,7 @@ class PiecewiseGraphs:
         collecting = gc.isenabled()
         gc.disable()  # a finalizer's CUDA call inside a capture would invalidate it
         step = self._step(size, metadata, capture=True)
-        stream = torch.cuda.Stream(self.device)
+        stream = capture_stream(self.device)  # the decode graphs' stream: their pool's free blocks are reused
         stream.wait_stream(torch.cuda.current_stream(self.device))
         try:
             with torch.cuda.stream(stream):
