@@ -49,7 +49,7 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
                     "enforce_eager=true")
 
 
-def build_engine(args, **overrides) -> EngineCore:
+def build_engine(args, capture_all_graphs: bool = True, **overrides) -> EngineCore:
     if os.environ.get("BENCH_LOG_LEVEL"):  # e.g. DEBUG: shows each small-batch GEMV site's timed choice
         logging.basicConfig(level=os.environ["BENCH_LOG_LEVEL"].upper(), format="%(name)s %(message)s")
     path = MODEL_SHAPES.get(args.model, args.model)
@@ -68,7 +68,8 @@ def build_engine(args, **overrides) -> EngineCore:
     if cfg.parallel.tensor_parallel_size > 1:
         cfg = start_tensor_parallel(cfg)
     core = EngineCore(cfg)
-    core.runner.capture_all_graphs()  # what a serving engine captures while idle: none left for the timed steps
+    if capture_all_graphs:  # what a serving engine captures while idle: none left for the timed steps
+        core.runner.capture_all_graphs()
     return core
 
 

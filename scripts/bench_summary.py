@@ -79,6 +79,10 @@ def figures(suite: str, r: dict) -> list[tuple[str, str, float, str]]:
         return [(f"{mode} {step}", "s", statistics.median(run[step] for run in runs), f"{len(runs)} fresh processes")
                 for mode, runs in r["runs"].items() if runs
                 for step in runs[0] if all(step in run for run in runs)]
+    if suite == "graphmem":  # scripts/bench_graph_memory.py: what each kind of capture took, by pool
+        return [(f"{kind} graphs' pool", "MiB", t["private"],
+                 f"ordinary cache {t['ordinary']:+.0f} MiB, device {t['used']:+.0f} MiB")
+                for kind, t in r["by_kind_mib"].items()]
     raise SystemExit(f"unknown suite {suite!r}")
 
 

@@ -21,6 +21,8 @@
 #              the worker with metrics on, the engine's steps per second and tokens per step per level
 #   prefix     bench_prefix.py, 1B shape (SERVING_MODEL), prefix cache on and off
 #   sampler    bench_sampler.py, batch 256 x vocab 128,256
+#   graphmem   bench_graph_memory.py: the device memory of each decode and piecewise capture, the graphs' pool
+#              apart from the ordinary cache, for GRAPHMEM_MODELS (llama-3.1-8b llama-3.2-1b)
 #   startup    startup_probe.py: an engine process's first steps (torch, the CUDA driver and context, triton,
 #              transformers and its config) one by one in fresh processes, SERVING_MODEL's config; then
 #              bench_startup.py: launch to healthy through the CLI, cold (an empty --cache-dir) then warm
@@ -77,7 +79,7 @@ mkdir -p "$OUT/logs" && OUT=$(cd "$OUT" && pwd)
 DRY_RUN=${DRY_RUN:-0}
 SERVING_MODEL=${SERVING_MODEL:-$REPO/scripts/model_configs/llama-3.2-1b}
 BENCH_SUITES=" latency offline serving prefix sampler startup "
-OTHER_SUITES=" tests kernels selfcheck fp8 moe speculative tp window "
+OTHER_SUITES=" tests kernels selfcheck fp8 moe speculative tp window graphmem "
 suites=()
 while [ $# -gt 0 ] && [[ $1 != -* ]]; do
   case "$OTHER_SUITES$BENCH_SUITES" in
@@ -456,6 +458,13 @@ suite_startup() {
       bench startup "$m$suffix" "${STARTUP_BENCH_TIMEOUT:-420}" scripts/bench_startup.py \
         --model "$REPO/scripts/model_configs/$m" --warm-repeats "${STARTUP_WARM_REPEATS:-1}" -- $wargs ${SERVING_ARGS:-}
     done
+  done
+}
+
+suite_graphmem() {
+  local m
+  for m in ${GRAPHMEM_MODELS:-llama-3.1-8b llama-3.2-1b}; do
+    bench graphmem "$m" "${GRAPHMEM_TIMEOUT:-150}" scripts/bench_graph_memory.py --model "$m" ${BENCH_ARGS:-}
   done
 }
 

@@ -154,6 +154,25 @@ def test_serving_figures_carry_the_server_processs_cpu_where_measured(tmp_path):
     assert "engine process CPU 55%, engine 540 steps/s of 61.1 tokens" in row[3]
 
 
+def test_graph_memory_figures_give_each_kind_of_capture_its_pool_and_cache(tmp_path):
+    """bench_graph_memory's totals by kind of capture come out as one summary row each: the graphs'
+    pool, with the ordinary cache and the device memory beside it."""
+    import json
+
+    import bench_summary
+
+    totals = {"used": 1124.0, "reserved": 1120.0, "ordinary": 592.0, "private": 528.0, "ordinary_alloc": 0.0,
+              "private_alloc": 0.0}
+    result = {"by_kind_mib": {"decode": dict.fromkeys(totals, 0.0), "piecewise": totals}}
+    rows = bench_summary.figures("graphmem", result)
+    assert [(what, unit, value) for what, unit, value, _ in rows] == [("decode graphs' pool", "MiB", 0.0),
+                                                                      ("piecewise graphs' pool", "MiB", 528.0)]
+    assert rows[1][3] == "ordinary cache +592 MiB, device +1124 MiB"
+    path = tmp_path / "graphmem.json"
+    path.write_text(json.dumps(result))
+    assert bench_summary.line("graphmem", path, "graphmem 8b").startswith("graphmem 8b: decode graphs' pool 0 MiB")
+
+
 def test_serving_reads_the_engines_steps_from_the_workers_metrics():
     """bench_serving counts the engine's steps and generated tokens over a level from the worker's
     Prometheus text (the step histogram's count and sum, the token counter), summed over labels."""
