@@ -200,6 +200,7 @@ def test_a_peer_engines_flag_without_a_namesake_says_what_to_type(capsys: pytest
         (["--max-num-seqs", "0"], "--max-num-seqs"),
         (["--block-size", "-4"], "--block-size"),
         (["--max-model-len", "x"], "--max-model-len"),
+        (["--max-model-len", "1"], "--max-model-len"),  # the engine needs a prompt token and an output token
         (["--max-total-tokens", "0"], "--max-total-tokens"),
         (["--chunked-prefill-size", "0"], "--chunked-prefill-size"),
         (["--max-prefill-tokens", "0"], "--max-prefill-tokens"),

@@ -180,6 +180,8 @@ INVALID = [
     ("logit_bias", dict(logit_bias={"\u0661": 1.0})),  # ARABIC-INDIC DIGIT ONE
     ("sampling_params.n", dict(n=129)),
     ("stop", dict(stop=[""])),
+    ("sampling_params.min_new_tokens: must be at most max_new_tokens (5), got 10",
+     dict(max_new_tokens=5, min_new_tokens=10)),  # as vLLM and SGLang refuse it
 ]
 
 

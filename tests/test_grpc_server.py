@@ -204,6 +204,22 @@ def test_a_port_a_running_grpc_server_holds_fails_before_the_engine_starts(model
     assert port_taken("127.0.0.1", 0) is None
 
 
+@pytest.mark.parametrize("flags", [["--host", "999.1.1.1"], ["--enable-metrics", "--metrics-host", "999.1.1.1"]],
+                         ids=["host", "metrics-host"])
+def test_an_address_that_does_not_resolve_fails_before_the_engine_starts(model_dir, flags):
+    """A mistyped --host (or --metrics-host) is one line naming the flag, exit 2, before the engine
+    starts: not after the model has loaded, as grpc's own bind would say it."""
+    from tokenspeed_worker.server.launch import unresolvable
+
+    assert unresolvable("999.1.1.1") and unresolvable("127.0.0.1") is None and unresolvable("::") is None
+    proc = subprocess.run([sys.executable, "-m", "tokenspeed_worker", str(model_dir), "--grpc-port", str(free_port()),
+                           *flags], capture_output=True, text=True, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2 and f"argument {flags[-2]}: cannot listen on '999.1.1.1'" in out, out
+    assert "engine start" not in out and "Traceback" not in out, out
+    assert "exiting with code 2" in out.strip().splitlines()[-1], out
+
+
 def test_a_taken_metrics_port_fails_before_the_engine_starts(model_dir):
     """--enable-metrics on a port another process holds (or on the gRPC port itself) is one line
     naming it, before the engine starts: not after minutes of loading."""

@@ -8,6 +8,7 @@ blocks handed out in shuffled order so every request's KV is scattered over the 
 from __future__ import annotations
 
 import math
+import re
 import shutil
 from pathlib import Path
 from dataclasses import dataclass, field
@@ -252,6 +253,25 @@ def test_sharded_checkpoint_loads_same_weights(tiny_model_paths, runners):
     budgeted_steps(PlanBuilder(), sharded, seq_a, budget=16)
     budgeted_steps(PlanBuilder(), runners["qwen3-qknorm"], seq_b, budget=16)
     torch.testing.assert_close(torch.stack(seq_a[0].logits), torch.stack(seq_b[0].logits), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("weight", ["model.layers.1.mlp.up_proj.weight", "model.layers.0.self_attn.o_proj.weight",
+                                    "model.norm.weight"])
+def test_a_checkpoint_tensor_of_the_wrong_shape_is_named(tiny_model_paths, tmp_path, weight):
+    """A checkpoint tensor a row short (a fused part, a plain linear, a norm) fails the load with its
+    checkpoint name in the message, as a missing one does."""
+    from safetensors.torch import load_file, save_file
+
+    source = tiny_model_paths["llama-gqa-tied"]
+    for f in source.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, tmp_path / f.name)
+    (checkpoint,) = source.glob("*.safetensors")
+    tensors = load_file(checkpoint)
+    tensors[weight] = tensors[weight][:-1].clone()
+    save_file(tensors, tmp_path / checkpoint.name)
+    with pytest.raises(ValueError, match=re.escape(f"checkpoint weight {weight!r}")):
+        make_runner(str(tmp_path), block_size=BLOCK_SIZE)
 
 
 def test_dummy_load_format_needs_only_config(tiny_model_paths, tmp_path):

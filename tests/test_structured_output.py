@@ -108,6 +108,31 @@ def test_every_constraint_kind_in_one_batch_with_an_unconstrained_request(core, 
     assert not core.grammars.active and core.scheduler.num_used_tokens == 0
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_grammar_that_completes_before_min_new_tokens_ends_the_request(core, tok, temperature):
+    """min_new_tokens holds back the stop ids, and a complete grammar allows nothing else: the
+    grammar wins, as over ignore_eos. The output is the grammar's, ended by its stop token ("stop"),
+    never tokens the grammar forbids (the draw took id 0 there). An unconstrained request with a
+    minimum in the same batch still runs to it."""
+    def with_min(req, minimum):
+        req.sampling_params.min_new_tokens = minimum
+        return req
+
+    reqs = [with_min(request(tok, 1, chat(tok, "Pick a number."), ("regex", "[0-9]{3}"), max_new=20,
+                             temperature=temperature), 6),
+            with_min(request(tok, 2, chat(tok, "Pick a number."), ("ebnf_grammar", 'root ::= "yes" | "no"'),
+                             max_new=20, temperature=temperature), 10),
+            with_min(request(tok, 3, chat(tok, "Say hi."), None, max_new=12, temperature=temperature), 12)]
+    outs, reasons, failures, _ = run(core, reqs)
+    assert failures == []
+    assert re.fullmatch(r"[0-9]{3}", text(tok, outs[1])), outs[1]
+    assert text(tok, outs[2]) in ("yes", "no"), outs[2]
+    for rid in (1, 2):
+        assert reasons[rid] == 1 and outs[rid][-1] == tok.eos_token_id and 0 not in outs[rid], outs[rid]
+    assert len(outs[3]) == 12
+    assert not core.grammars.active and core.scheduler.num_used_tokens == 0
+
+
 def test_constrained_batches_keep_overlap_scheduling_and_match_synchronous_steps(core, tok):
     # With overlap, step N+1 is launched before step N completes; its mask waits (inside the launch)
     # only for step N's tokens. Greedy outputs must equal those of synchronous steps, token for token.

@@ -87,7 +87,10 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     from tokenspeed_worker.server.launch import run_server  # heavy: torch, grpc, engine
 
-    sys.exit(run_server(args, launched))
+    code = run_server(args, launched)
+    # The last line of the log says how it ended (an operator reading a tail sees the code).
+    (logger.info if code == 0 else logger.error)("tokenspeed-worker exiting with code %d", code)
+    sys.exit(code)
 
 
 if __name__ == "__main__":

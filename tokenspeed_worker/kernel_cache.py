@@ -72,7 +72,8 @@ def usable_cache_dir(cache_dir: str | None) -> str | None:
         fallback = tempfile.mkdtemp(prefix="tokenspeed-worker-cache-")
         # No later start reads it: removed when this process (the server, whose engines end first) exits.
         atexit.register(shutil.rmtree, fallback, True)
-        logger.warning("--cache-dir %s cannot be written (%s): this start compiles and times into %s, which no "
+        logger.warning("the cache folder %s (--cache-dir, by default $XDG_CACHE_HOME or ~/.cache, then "
+                       "tokenspeed-worker) cannot be written (%s): this start compiles and times into %s, which no "
                        "later start reads; give the worker a writable --cache-dir to start faster next time",
                        cache_dir, error, fallback)
         return fallback

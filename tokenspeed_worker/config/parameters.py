@@ -252,7 +252,7 @@ class ServerArgs:
         SCHEDULER,
         "Maximum sequence length (prompt + output).",
         aliases=("--context-length",),
-        parse=values.positive_int,
+        parse=values.model_len,
         default_doc="from the model config",
     )
     gpu_memory_utilization: float = _option(

@@ -33,6 +33,14 @@ def positive_int(text: str) -> int:
     return value
 
 
+def model_len(text: str) -> int:
+    """A sequence length: at least one prompt token and one output token."""
+    value = integer(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"must be at least 2 (a prompt token and an output token), got {text!r}")
+    return value
+
+
 def non_negative_int(text: str) -> int:
     value = integer(text)
     if value < 0:

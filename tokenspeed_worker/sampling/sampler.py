@@ -7,7 +7,8 @@ sample, in this order (each on what the previous left):
 2. penalties: repetition (HF: over prompt and output tokens, a positive logit is divided by
    p, a negative one multiplied), then frequency and presence (OpenAI: over output tokens,
    logit -= frequency * count + presence * (count > 0));
-3. min_new_tokens: while a row has fewer outputs than that, its stop ids get -inf;
+3. min_new_tokens: while a row has fewer outputs than that, its stop ids get -inf (unless a
+   complete grammar allows nothing else: then the grammar wins, `_grammar_over_min_tokens`);
 4. temperature; a row with temperature 0 is greedy: argmax of the logits after steps 1-3;
 5. top-k, then top-p, then min-p (the most likely token always survives);
 6. the draw.
@@ -322,6 +323,8 @@ class Sampler:
                 if scores is logits:  # logprobs stay raw: mask a copy
                     scores = scores.clone()
                 apply_bitmask(scores, batch.grammar_bitmask, batch.grammar_positions)
+                if batch.stop_positions is not None:
+                    self._grammar_over_min_tokens(scores, logits, batch)
             greedy_tokens = self._argmax(scores)
             if batch.all_greedy:
                 tokens = greedy_tokens
@@ -336,6 +339,20 @@ class Sampler:
                             batch.token_ids_logprob_counts)
         return SampleOutput(tokens, lp.logprobs, lp.top_logprobs, lp.top_logprob_ids, lp.token_ids_logprobs,
                             lp.token_ids_logprob_ids, lp.token_ids_logprob_counts)
+
+    @staticmethod
+    def _grammar_over_min_tokens(scores: torch.Tensor, logits: torch.Tensor, batch: SamplingBatch) -> None:
+        """A complete grammar allows only its stop ids, which min_new_tokens holds back: no token would
+        be left, and the draw would take id 0 against the grammar. There the grammar wins (as it wins
+        over ignore_eos): a row under its minimum with nothing allowed gets its stop ids' raw logits
+        back, under the grammar's mask again. No host sync: rows with a token left keep theirs."""
+        from tokenspeed_worker.engine.grammar import apply_bitmask
+
+        positions, ids = batch.stop_positions, batch.stop_token_ids
+        rows = positions[:, None].expand_as(ids)
+        dead = scores.index_select(0, positions).amax(dim=-1) == float("-inf")
+        scores.index_put_((rows, ids), torch.where(dead[:, None], logits[rows, ids].float(), scores[rows, ids]))
+        apply_bitmask(scores, batch.grammar_bitmask, batch.grammar_positions)
 
     def _argmax(self, scores: torch.Tensor) -> torch.Tensor:
         """First index of each row's maximum; the triton backend splits each row over many programs."""

@@ -67,6 +67,16 @@ def listen_address(host: str, port: int) -> str:
     return f"{host}:{port}"
 
 
+def unresolvable(host: str) -> str | None:
+    """Why `host` cannot be listened on as given (it resolves to no address: a typo, an invalid
+    IP), or None. Checked before the engine starts, like port_taken."""
+    try:
+        socket.getaddrinfo(host.strip("[]") or None, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (OSError, UnicodeError) as e:
+        return getattr(e, "strerror", None) or str(e)
+    return None
+
+
 def port_taken(host: str, port: int) -> str | None:
     """Why host:port cannot be listened on (another process holds it, the address is not this
     machine's), or None. Checked before the engine starts, so a taken port fails in a second, not
@@ -78,7 +88,7 @@ def port_taken(host: str, port: int) -> str | None:
         family, kind, proto, _, addr = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM,
                                                           flags=socket.AI_PASSIVE)[0]
     except (OSError, UnicodeError):
-        return None  # the server's bind reports it
+        return None  # unresolvable() reports it
     with socket.socket(family, kind, proto) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -327,6 +337,10 @@ def _ports_refused(server_cfg: ServerConfig, args: ServerArgs) -> int:
     """The exit code (logged why) when the gRPC port, or with --enable-metrics the metrics port,
     cannot be listened on; 0 when both can. Checked before the engine starts: not after minutes of
     loading."""
+    bad = unresolvable(server_cfg.host)
+    if bad:
+        logger.error("argument --host: cannot listen on %r: %s", server_cfg.host, bad)
+        return 2
     taken = port_taken(server_cfg.host, server_cfg.grpc_port)
     if taken:
         logger.error("cannot listen on %s: %s", listen_address(server_cfg.host, server_cfg.grpc_port), taken)
@@ -339,6 +353,10 @@ def _ports_refused(server_cfg: ServerConfig, args: ServerArgs) -> int:
         metrics_host, metrics_port = metrics_address(args)
     except ValueError as e:
         logger.error("%s", e)
+        return 2
+    bad = unresolvable(metrics_host)
+    if bad:
+        logger.error("argument --metrics-host: cannot listen on %r: %s", metrics_host, bad)
         return 2
     hosts = {metrics_host, server_cfg.host.strip("[]")}
     if metrics_port == server_cfg.grpc_port and (len(hosts) == 1 or hosts & _WILDCARD_HOSTS):

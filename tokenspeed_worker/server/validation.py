@@ -111,7 +111,10 @@ def validate_generate(req, facts: ModelFacts) -> ValidatedRequest:
     # the prompt back and nothing else (scoring clients: /v1/completions echo with max_tokens 0).
     room = facts.max_context_length - len(prompt)
     max_new = min(int(sp.max_new_tokens), room) if sp.HasField("max_new_tokens") else room
-    params.min_new_tokens = min(int(sp.min_new_tokens), max_new)
+    if sp.HasField("max_new_tokens") and sp.min_new_tokens > sp.max_new_tokens:  # as vLLM and SGLang refuse it
+        raise _invalid(f"sampling_params.min_new_tokens: must be at most max_new_tokens ({sp.max_new_tokens}), "
+                       f"got {sp.min_new_tokens}")
+    params.min_new_tokens = min(int(sp.min_new_tokens), max_new)  # the context's clamp of max_new_tokens
     # Any logprob option needs the sampled token's logprob too (OutputLogProbs aligns on it).
     logprobs = bool(req.return_logprob or req.top_logprobs_num or logprob_ids)
     params.return_logprob = logprobs
@@ -207,7 +210,7 @@ def _sampling_params(sp, facts: ModelFacts) -> SamplingParams:
         top_k = -1
     min_p = sp.min_p if sp.HasField("min_p") else 0.0
     if not math.isfinite(temperature) or temperature < 0:
-        raise _invalid(f"sampling_params.temperature: must be >= 0, got {temperature}")
+        raise _invalid(f"sampling_params.temperature: must be finite and >= 0, got {temperature}")
     if temperature < GREEDY_BELOW:  # logits / 1e-40 overflow to inf: greedy, as vLLM and SGLang take it
         temperature = 0.0
     if not math.isfinite(top_p) or not (0.0 < top_p <= 1.0):
