@@ -198,8 +198,8 @@ def capture_stream(device: torch.device | None = None) -> torch.cuda.Stream:
     pieces). The caching allocator gives a freed block of the graphs' shared pool only to
     allocations on the stream it was allocated on, and cuBLAS takes a workspace (32 MiB on Hopper)
     per stream: a fresh stream per capture kept each capture's activations and a workspace in the
-    pool for good (2.8 GiB for the 17 piecewise counts of an 8B model, against the 0.6 GiB of the
-    largest when they share one; docs/benchmarks.md, twenty-fourth session)."""
+    pool for good (2.8 GiB for the 17 piecewise counts of an 8B model, against the activations of the
+    largest when they share one: 0.5 GiB; docs/benchmarks.md, twenty-fourth session)."""
     index = torch.cuda.current_device() if device is None or device.index is None else device.index
     stream = _CAPTURE_STREAMS.get(index)
     if stream is None:

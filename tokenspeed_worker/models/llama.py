@@ -231,41 +231,7 @@ class LlamaForCausalLM(nn.Module):
         shards_seen: dict[str, list] = {}  # a fused parameter -> the shard ids its checkpoint parts filled
         for name, tensor in weights:
             try:
-                if "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name == "lm_head.weight"):
-                    continue
-                kv_scale = kv_scales.checkpoint_scale(name)
-                if kv_scale is not None:
-                    if tensor.numel() != 1:
-                        raise ValueError(f"checkpoint weight {name!r}: per-head KV-cache scales are not supported "
-                                         f"(one scale per layer; shape {tuple(tensor.shape)})")
-                    self.checkpoint_kv_scales.setdefault(kv_scale[0], {})[kv_scale[1]] = float(tensor.float().item())
-                    continue
-                expert = moe.EXPERT_WEIGHT.match(name)
-                if expert is not None and expert["name"] in moe.PARTS:
-                    stem = moe.expert_param_name(expert["kind"], moe.PARTS[expert["name"]])
-                    if stem is None:  # a static input scale of FP8 experts: not used
-                        continue
-                    param_name = f"{expert['prefix']}.experts.{stem}"
-                    if param_name not in params:
-                        raise ValueError(f"checkpoint weight {name!r} has no parameter in {type(self).__name__}")
-                    param = params[param_name]
-                    loaded_numel[param_name] += param.expert_loader(param, tensor, int(expert["expert"]),
-                                                                    moe.PARTS[expert["name"]])
-                    continue
-                for fused, shard_name, shard_id in self.stacked_params_mapping:
-                    if f".{shard_name}." in name:
-                        param_name = name.replace(f".{shard_name}.", f".{fused}.")
-                        if param_name not in params:
-                            raise ValueError(f"checkpoint weight {name!r} has no parameter in {type(self).__name__}")
-                        filled = params[param_name].weight_loader(params[param_name], tensor, shard_id)
-                        shards_seen.setdefault(param_name, []).append(shard_id)
-                        break
-                else:
-                    param_name = name
-                    if param_name not in params:
-                        raise ValueError(f"checkpoint weight {name!r} has no parameter in {type(self).__name__}")
-                    filled = load_into(params[param_name], tensor)
-                loaded_numel[param_name] += filled  # this rank's part (all of it without tensor parallelism)
+                self._load_one(name, tensor, params, loaded_numel, shards_seen)
             except ValueError as e:  # a shape or scale that does not fit: say which checkpoint tensor
                 if name in str(e):
                     raise
@@ -274,6 +240,44 @@ class LlamaForCausalLM(nn.Module):
         if incomplete:
             raise ValueError("checkpoint is missing (or repeats) weights for: "
                              + ", ".join(self._checkpoint_names(name, shards_seen.get(name, [])) for name in incomplete))
+
+    def _load_one(self, name: str, tensor: torch.Tensor, params: dict, loaded_numel: dict, shards_seen: dict) -> None:
+        """One checkpoint tensor into its parameter (load_weights' loop body)."""
+        if "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name == "lm_head.weight"):
+            return
+        kv_scale = kv_scales.checkpoint_scale(name)
+        if kv_scale is not None:
+            if tensor.numel() != 1:
+                raise ValueError(f"checkpoint weight {name!r}: per-head KV-cache scales are not supported "
+                                 f"(one scale per layer; shape {tuple(tensor.shape)})")
+            self.checkpoint_kv_scales.setdefault(kv_scale[0], {})[kv_scale[1]] = float(tensor.float().item())
+            return
+        expert = moe.EXPERT_WEIGHT.match(name)
+        if expert is not None and expert["name"] in moe.PARTS:
+            stem = moe.expert_param_name(expert["kind"], moe.PARTS[expert["name"]])
+            if stem is None:  # a static input scale of FP8 experts: not used
+                return
+            param_name = f"{expert['prefix']}.experts.{stem}"
+            if param_name not in params:
+                raise ValueError(f"checkpoint weight {name!r} has no parameter in {type(self).__name__}")
+            param = params[param_name]
+            loaded_numel[param_name] += param.expert_loader(param, tensor, int(expert["expert"]),
+                                                            moe.PARTS[expert["name"]])
+            return
+        for fused, shard_name, shard_id in self.stacked_params_mapping:
+            if f".{shard_name}." in name:
+                param_name = name.replace(f".{shard_name}.", f".{fused}.")
+                if param_name not in params:
+                    raise ValueError(f"checkpoint weight {name!r} has no parameter in {type(self).__name__}")
+                filled = params[param_name].weight_loader(params[param_name], tensor, shard_id)
+                shards_seen.setdefault(param_name, []).append(shard_id)
+                break
+        else:
+            param_name = name
+            if param_name not in params:
+                raise ValueError(f"checkpoint weight {name!r} has no parameter in {type(self).__name__}")
+            filled = load_into(params[param_name], tensor)
+        loaded_numel[param_name] += filled  # this rank's part (all of it without tensor parallelism)
 
     def _checkpoint_names(self, param_name: str, shards_seen: list) -> str:
         """What the checkpoint lacks (or repeats) for `param_name`, by the checkpoint's own names: a fused
