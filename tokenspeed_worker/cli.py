@@ -88,8 +88,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     from tokenspeed_worker.server.launch import run_server  # heavy: torch, grpc, engine
 
     code = run_server(args, launched)
-    # The last line of the log says how it ended (an operator reading a tail sees the code).
-    (logger.info if code == 0 else logger.error)("tokenspeed-worker exiting with code %d", code)
+    # The last line of the log says how it ended (an operator reading a tail sees the code); at info
+    # level whatever the code: the error line before it says why, and stays the one error line.
+    logger.info("tokenspeed-worker exiting with code %d", code)
     sys.exit(code)
 
 
