@@ -190,7 +190,7 @@ class TokenSpeedSchedulerServicer(pb_grpc.TokenSpeedSchedulerServicer):
             spaces_between_special_tokens=v.spaces_between_special_tokens,
             no_stop_trim=v.no_stop_trim,
             special_ids=self._special_ids(),
-            min_tokens=v.min_tokens,
+            min_tokens=v.adds[0].sampling_params.min_new_tokens,  # stop strings wait for it too
         )
 
     def _special_ids(self) -> frozenset[int]:

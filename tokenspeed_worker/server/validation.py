@@ -55,7 +55,6 @@ class ValidatedRequest:
     n: int
     no_stop_trim: bool
     stop_strings: list[str] = field(default_factory=list)
-    min_tokens: int = 0  # stop strings are not matched before this many output tokens (vLLM's rule)
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     logprobs: bool = False  # any logprob output asked for
@@ -136,7 +135,6 @@ def validate_generate(req, facts: ModelFacts) -> ValidatedRequest:
         n=n,
         no_stop_trim=bool(sp.no_stop_trim),
         stop_strings=stop_strings,
-        min_tokens=int(params.min_new_tokens),
         skip_special_tokens=bool(sp.skip_special_tokens),
         spaces_between_special_tokens=bool(sp.spaces_between_special_tokens),
         logprobs=logprobs,
